@@ -1,0 +1,72 @@
+"""unpack_trainer: sample packing for Hugging Face TRL without cross-sample contamination.
+
+Swap one import::
+
+    from unpack_trainer import SFTConfig, SFTTrainer
+
+The public API is exactly the names in ``__all__``. They are resolved lazily, so ``import unpack_trainer`` imports
+neither torch nor transformers and patches nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # packing core
+    "best_fit_decreasing": "unpack_trainer.packing",
+    "first_fit": "unpack_trainer.packing",
+    "shuffle_rows": "unpack_trainer.packing",
+    "packing_efficiency": "unpack_trainer.packing",
+    "pack_sequences": "unpack_trainer.packing",
+    "concatenate_and_pack": "unpack_trainer.packing",
+    "position_ids_from_sample_index": "unpack_trainer.packing",
+    "DataCollatorForPacking": "unpack_trainer.collator",
+    # attention / model patches
+    "patch_model": "unpack_trainer.models",
+    "unpatch_model": "unpack_trainer.models",
+    "supported_model_types": "unpack_trainer.models",
+    # trainer
+    "SFTConfig": "unpack_trainer.config",
+    "SFTTrainer": "unpack_trainer.trainer",
+    "check_uncontaminated": "unpack_trainer.selfcheck",
+    # streaming
+    "StreamingPacker": "unpack_trainer.streaming",
+    "streaming_dataset_reader": "unpack_trainer.streaming",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unpack_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unpack_trainer.collator import DataCollatorForPacking
+    from unpack_trainer.config import SFTConfig
+    from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
+    from unpack_trainer.packing import (
+        best_fit_decreasing,
+        concatenate_and_pack,
+        first_fit,
+        pack_sequences,
+        packing_efficiency,
+        position_ids_from_sample_index,
+        shuffle_rows,
+    )
+    from unpack_trainer.selfcheck import check_uncontaminated
+    from unpack_trainer.streaming import StreamingPacker, streaming_dataset_reader
+    from unpack_trainer.trainer import SFTTrainer
