@@ -1,0 +1,174 @@
+"""Packed (padding-free) collator: a list of examples -> one flat row plus the packing metadata attention needs.
+
+Follows the contract of TRL's ``DataCollatorForLanguageModeling(padding_free=True)`` and adds
+``packed_seq_lengths``, the one piece of metadata every attention backend can be driven from.
+
+Worked example, two examples of lengths 3 and 2 (no ``seq_lengths``: each example is one sample)::
+
+    input_ids           [[1, 2, 3, 4, 5]]
+    position_ids        [[0, 1, 2, 0, 1]]
+    labels              [[-100, 2, 3, -100, 5]]
+    packed_seq_lengths  [3, 2]            int32
+    cu_seq_lens_q/k     [0, 3, 5]         int32
+    max_length_q/k      3                 Python int
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.data.data_collator import DataCollatorMixin
+
+IGNORE_INDEX = -100
+
+
+def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]:
+    """Everything derived from the per-sample lengths of a flat row, computed once on the CPU.
+
+    Args:
+        seq_lengths: ``(num_samples,)`` lengths of the samples in the row, in order; all positive.
+
+    Returns:
+        ``position_ids`` ``(1, total_tokens)`` int64 restarting at 0 per sample; ``packed_seq_lengths``
+        ``(num_samples,)`` int32; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(num_samples + 1,)`` int32 zero-prefixed
+        cumsum; ``max_length_q`` / ``max_length_k`` the longest sample as a Python int.
+    """
+    lengths = torch.as_tensor(seq_lengths, dtype=torch.int32).reshape(-1)
+    if lengths.numel() == 0 or bool((lengths <= 0).any()):
+        raise ValueError(f"Every packed sample needs at least one token, got lengths {lengths.tolist()}.")
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    torch.cumsum(lengths, dim=0, out=cu_seqlens[1:])
+    total = int(cu_seqlens[-1])
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
+    position_ids = (torch.arange(total, dtype=torch.long) - starts).unsqueeze(0)
+    max_length = int(lengths.max())
+    return {
+        "position_ids": position_ids,
+        "packed_seq_lengths": lengths,
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
+
+
+def _as_list(value: Any) -> list[int]:
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+@dataclass
+class DataCollatorForPacking(DataCollatorMixin):
+    """Flatten a batch of examples into one row of shape ``(1, T)`` with per-sample positions and no attention mask.
+
+    Each example is a dict with ``input_ids`` and optionally ``labels``, ``completion_mask``, ``assistant_masks`` (all
+    the same length as ``input_ids``), and ``seq_lengths`` when the example is a row packed ahead of time (several
+    samples; their lengths must sum to ``len(input_ids)``). Without ``seq_lengths`` each example is one sample
+    (padding-free batching).
+
+    Output keys: ``input_ids`` ``(1, T)`` int64; ``labels`` ``(1, T)`` int64 with ``-100`` at every sample's first
+    token, wherever the example's labels are ``-100``, where ``assistant_masks == 0``, and where
+    ``completion_mask == 0`` when ``completion_only_loss``; ``position_ids`` ``(1, T)`` int64; ``packed_seq_lengths``
+    ``(num_samples,)`` int32 summing to ``T``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32; ``max_length_q`` /
+    ``max_length_k`` int. No ``attention_mask``: a mask would make transformers ignore the packing.
+
+    Args:
+        pad_token_id (`int`):
+            Token id used for padding when ``pad_to_multiple_of`` is set.
+        pad_to_multiple_of (`int` or `None`, *optional*, defaults to `None`):
+            Pad ``T`` up to a multiple of this value. The padding is one more pseudo-sample (its own positions from 0,
+            all labels ``-100``, included in ``packed_seq_lengths``) so it never attends to or is seen by real tokens.
+        completion_only_loss (`bool` or `None`, *optional*, defaults to `None`):
+            Whether ``completion_mask`` masks the labels. ``None`` applies it whenever the examples have it.
+        return_tensors (`str`, *optional*, defaults to `"pt"`):
+            Only ``"pt"`` is supported.
+    """
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+    completion_only_loss: bool | None = None
+    return_tensors: str = "pt"
+
+    def __post_init__(self) -> None:
+        if self.pad_token_id is None:
+            raise ValueError("`pad_token_id` is None; set the tokenizer's pad token (or use its eos token).")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
+            raise ValueError(f"`pad_to_multiple_of` must be positive, got {self.pad_to_multiple_of}.")
+        if self.return_tensors != "pt":
+            raise ValueError(f"Only return_tensors='pt' is supported, got {self.return_tensors!r}.")
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        if not examples:
+            raise ValueError("Cannot collate an empty batch.")
+        packed_ahead = "seq_lengths" in examples[0]
+        input_ids, labels, seq_lengths = [], [], []
+        for index, example in enumerate(examples):
+            ids, example_labels = self._example_tokens(example, index)
+            if packed_ahead != ("seq_lengths" in example):
+                raise ValueError(
+                    f"Example {index} {'lacks' if packed_ahead else 'has'} `seq_lengths` while example 0 "
+                    f"{'has' if packed_ahead else 'does not'}; mix packed and unpacked rows in different batches."
+                )
+            lengths = _as_list(example["seq_lengths"]) if packed_ahead else [len(ids)]
+            if sum(lengths) != len(ids) or any(length <= 0 for length in lengths):
+                raise ValueError(
+                    f"Example {index} has {len(ids)} tokens but `seq_lengths` {lengths} (sum {sum(lengths)}); the "
+                    "lengths must be positive and sum to the number of tokens."
+                )
+            input_ids.extend(ids)
+            labels.extend(example_labels)
+            seq_lengths.extend(lengths)
+
+        padding = self._padding_length(len(input_ids))
+        if padding:
+            input_ids.extend([self.pad_token_id] * padding)
+            labels.extend([IGNORE_INDEX] * padding)
+            seq_lengths.append(padding)
+
+        output = packed_metadata(seq_lengths)
+        output["input_ids"] = torch.tensor([input_ids], dtype=torch.long)
+        label_tensor = torch.tensor([labels], dtype=torch.long)
+        label_tensor[0, output["cu_seq_lens_q"][:-1].long()] = IGNORE_INDEX
+        output["labels"] = label_tensor
+        return {key: output[key] for key in _OUTPUT_ORDER}
+
+    def _example_tokens(self, example: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
+        """An example's ids and labels with its masks applied; ``ValueError`` naming ``index`` on bad input."""
+        if "input_ids" not in example:
+            raise ValueError(f"Example {index} has no `input_ids` (keys: {sorted(example)}).")
+        ids = _as_list(example["input_ids"])
+        if not ids:
+            raise ValueError(f"Example {index} is empty; every example needs at least one token.")
+        labels = _as_list(example["labels"]) if example.get("labels") is not None else list(ids)
+        masks = [("labels", labels)]
+        use_completion = self.completion_only_loss is not False and example.get("completion_mask") is not None
+        if use_completion:
+            masks.append(("completion_mask", _as_list(example["completion_mask"])))
+        if example.get("assistant_masks") is not None:
+            masks.append(("assistant_masks", _as_list(example["assistant_masks"])))
+        for name, values in masks:
+            if len(values) != len(ids):
+                raise ValueError(
+                    f"Example {index} has {len(ids)} input_ids but {len(values)} `{name}`; they must have equal length."
+                )
+        for _name, values in masks[1:]:
+            labels = [label if keep else IGNORE_INDEX for label, keep in zip(labels, values)]
+        return ids, labels
+
+    def _padding_length(self, total: int) -> int:
+        multiple = self.pad_to_multiple_of
+        return 0 if multiple is None else (-total) % multiple
+
+
+_OUTPUT_ORDER = (
+    "input_ids",
+    "labels",
+    "position_ids",
+    "packed_seq_lengths",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)

@@ -1,0 +1,501 @@
+"""Bin packing of samples into fixed-capacity rows, and packing of token sequences into tensors.
+
+Everything here is a pure function of lengths or token lists: no model code, no global state.
+
+Worked example (``pack_sequences`` with the default order-preserving strategy)::
+
+    lengths [3, 2, 4, 3], capacity 8
+    rows            [[0, 1], [2, 3]]                      # sample indices per row
+    input_ids       [[1, 2, 3, 4, 5, 0, 0, 0],            # samples [1,2,3] [4,5] | pad
+                     [6, 7, 8, 9, 10, 11, 12, 0]]          # samples [6,7,8,9] [10,11,12] | pad
+    sample index    [[1, 1, 1, 2, 2, 0, 0, 0],             # 1-based within the row, 0 = padding
+                     [1, 1, 1, 1, 2, 2, 2, 0]]
+    position_ids    [[0, 1, 2, 0, 1, 0, 1, 2],             # restart per sample; padding is its own pseudo-sample
+                     [0, 1, 2, 3, 0, 1, 2, 0]]
+    labels          [[-100, 2, 3, -100, 5, -100, -100, -100], ...]   # -100 at every sample's first token
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+Strategy = Literal["first_fit", "bfd"]
+Overflow = Literal["error", "truncate", "split"]
+
+_STRATEGIES = ("first_fit", "bfd")
+_OVERFLOWS = ("error", "truncate", "split")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bin packing over lengths
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_capacity(capacity: int, name: str = "capacity") -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
+        raise ValueError(f"`{name}` must be a positive integer, got {capacity!r}.")
+    if capacity <= 0:
+        raise ValueError(f"`{name}` must be a positive integer, got {capacity}.")
+    return int(capacity)
+
+
+def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
+    """Validate ``lengths`` against ``capacity`` and return them as a 1-D int64 array."""
+    capacity = _check_capacity(capacity)
+    array = np.asarray(lengths)
+    if array.ndim != 1:
+        raise ValueError(f"`lengths` must be 1-D, got shape {array.shape}.")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"`lengths` must be integers, got dtype {array.dtype}.")
+    array = array.astype(np.int64, copy=False)
+    if array.size:
+        too_short = np.flatnonzero(array <= 0)
+        if too_short.size:
+            i = int(too_short[0])
+            raise ValueError(
+                f"Sample {i} has length {int(array[i])}; every sample needs at least one token "
+                f"({too_short.size} sample(s) are empty)."
+            )
+        too_long = np.flatnonzero(array > capacity)
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(
+                f"Sample {i} has {int(array[i])} tokens, more than the row capacity of {capacity} "
+                f"({too_long.size} sample(s) are too long). Truncate or split them first."
+            )
+    return array
+
+
+def _rows_from_assignment(row_of: np.ndarray, num_rows: int) -> list[list[int]]:
+    """Group sample indices by row id; each row's indices ascending, rows ordered by id."""
+    order = np.argsort(row_of, kind="stable")
+    ends = np.cumsum(np.bincount(row_of, minlength=num_rows)).tolist()
+    flat = order.tolist()
+    rows, start = [], 0
+    for end in ends:
+        rows.append(flat[start:end])
+        start = end
+    return rows
+
+
+def _best_fit_decreasing_assign(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """Best-fit decreasing, exact, over the whole input. Returns ``(row_of (n,) int64, num_rows)``.
+
+    Samples are taken longest first (ties by index); each goes to the open row with the least free space that still
+    fits it, else a new row. Lengths are small integers, so open rows are kept in buckets by free space and all
+    samples of one length are placed together: a row with free space ``r`` takes ``r // L`` samples of length ``L``
+    in a row (after each one it is still the best fit), so the work is a few numpy calls per distinct length instead
+    of a loop per sample.
+    """
+    n = lengths.size
+    order = np.argsort(-lengths, kind="stable")
+    sorted_lengths = lengths[order]
+    row_of_sorted = np.empty(n, dtype=np.int64)
+    group_starts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_lengths)) + 1, [n])).tolist()
+
+    buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # free space -> ids of open rows
+    bucket_sizes = np.zeros(capacity + 1, dtype=np.int64)
+    num_rows = 0
+
+    def move(rows: list[int], free: int) -> None:
+        buckets[free].extend(rows)
+        bucket_sizes[free] += len(rows)
+
+    for start, end in zip(group_starts[:-1], group_starts[1:]):
+        length = int(sorted_lengths[start])
+        pos, remaining = start, end - start
+        for free in (np.flatnonzero(bucket_sizes[length:]) + length).tolist():
+            per_row = free // length
+            rows = buckets[free]
+            if len(rows) * per_row <= remaining:
+                taken, buckets[free] = rows, []
+                bucket_sizes[free] = 0
+                count = len(taken) * per_row
+                row_of_sorted[pos : pos + count] = np.repeat(np.asarray(taken, dtype=np.int64), per_row)
+                pos, remaining = pos + count, remaining - count
+                move(taken, free - per_row * length)
+                if remaining == 0:
+                    break
+                continue
+            full, rest = divmod(remaining, per_row)
+            used = full + (rest > 0)
+            taken = rows[len(rows) - used :][::-1]
+            del rows[len(rows) - used :]
+            bucket_sizes[free] -= used
+            row_of_sorted[pos : pos + full * per_row] = np.repeat(np.asarray(taken[:full], dtype=np.int64), per_row)
+            move(taken[:full], free - per_row * length)
+            if rest:
+                row_of_sorted[pos + full * per_row : end] = taken[full]
+                move([taken[full]], free - rest * length)
+            remaining = 0
+            break
+        if remaining:
+            per_row = capacity // length
+            full, rest = divmod(remaining, per_row)
+            new_rows = np.arange(num_rows, num_rows + full + (rest > 0), dtype=np.int64)
+            row_of_sorted[pos : pos + full * per_row] = np.repeat(new_rows[:full], per_row)
+            move(new_rows[:full].tolist(), capacity - per_row * length)
+            if rest:
+                row_of_sorted[pos + full * per_row : end] = new_rows[-1]
+                move([int(new_rows[-1])], capacity - rest * length)
+            num_rows += new_rows.size
+
+    row_of = np.empty(n, dtype=np.int64)
+    row_of[order] = row_of_sorted
+    return row_of, num_rows
+
+
+def best_fit_decreasing(
+    lengths: Sequence[int] | np.ndarray, capacity: int, *, seed: int | None = None
+) -> list[list[int]]:
+    """Pack samples into rows of ``capacity`` tokens with best-fit decreasing over the *whole* input.
+
+    Unlike TRL's ``pack_dataset(strategy="bfd")``, which packs windows of 1,000 rows independently, this sees every
+    sample at once, so short samples from anywhere fill the gaps left by long ones. Deterministic: ties are broken by
+    sample index. Runs in a few numpy calls per distinct length (millions of samples per second).
+
+    Args:
+        lengths: ``(num_samples,)`` integer lengths, each in ``[1, capacity]``.
+        capacity: tokens per row (``max_length``).
+        seed: if given, the rows are returned in an order shuffled with ``numpy.random.default_rng(seed)`` (see
+            [`shuffle_rows`]), so that batches are not sorted by length. ``None`` keeps creation order (fullest rows,
+            holding the longest samples, first).
+
+    Returns:
+        Rows as lists of sample indices into ``lengths``, each list ascending. Every index appears exactly once.
+
+    Raises:
+        ValueError: a length is not a positive integer or exceeds ``capacity`` (the message names the sample).
+
+    Example:
+        >>> best_fit_decreasing([5, 3, 2, 4, 4, 2], capacity=10)
+        [[0, 3], [1, 2, 4], [5]]
+    """
+    array = _as_lengths(lengths, capacity)
+    if array.size == 0:
+        return []
+    row_of, num_rows = _best_fit_decreasing_assign(array, int(capacity))
+    rows = _rows_from_assignment(row_of, num_rows)
+    return rows if seed is None else shuffle_rows(rows, seed)
+
+
+def first_fit(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
+    """Order-preserving packing: fill rows in input order and start a new row when the next sample does not fit.
+
+    Concatenating the rows gives the samples in their original order (this is "next fit" in bin-packing terms; it is
+    what a user expects when sample order matters, e.g. for ``pack_sequences``' default).
+
+    Args:
+        lengths: ``(num_samples,)`` integer lengths, each in ``[1, capacity]``.
+        capacity: tokens per row.
+
+    Returns:
+        Rows as lists of consecutive sample indices.
+
+    Example:
+        >>> first_fit([3, 2, 4, 3], capacity=8)
+        [[0, 1], [2, 3]]
+    """
+    array = _as_lengths(lengths, capacity)
+    ends = np.cumsum(array)
+    rows, start, consumed = [], 0, 0
+    while start < array.size:
+        stop = int(np.searchsorted(ends, consumed + capacity, side="right"))
+        rows.append(list(range(start, stop)))
+        consumed, start = int(ends[stop - 1]), stop
+    return rows
+
+
+def shuffle_rows(rows: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+    """Return ``rows`` in an order permuted by ``numpy.random.default_rng(seed)``; each row's content is unchanged."""
+    permutation = np.random.default_rng(seed).permutation(len(rows))
+    return [list(rows[i]) for i in permutation.tolist()]
+
+
+def packing_efficiency(lengths: Sequence[int] | np.ndarray, rows: Sequence[Sequence[int]], capacity: int) -> float:
+    """Real tokens / (number of rows × capacity): 1.0 means no padding at all."""
+    if not rows:
+        return 1.0
+    total = int(np.asarray(lengths, dtype=np.int64).sum())
+    return total / (len(rows) * _check_capacity(capacity))
+
+
+def pack_lengths(
+    lengths: Sequence[int] | np.ndarray, capacity: int, *, strategy: Strategy = "bfd", seed: int | None = None
+) -> list[list[int]]:
+    """Dispatch to [`best_fit_decreasing`] (``"bfd"``) or [`first_fit`] (``"first_fit"``)."""
+    if strategy == "bfd":
+        return best_fit_decreasing(lengths, capacity, seed=seed)
+    if strategy == "first_fit":
+        rows = first_fit(lengths, capacity)
+        return rows if seed is None else shuffle_rows(rows, seed)
+    raise ValueError(f"Unknown packing strategy {strategy!r}; use one of {_STRATEGIES}.")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Token sequences -> packed tensors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _as_token_list(sequence: object, index: int, what: str = "sample") -> list[int]:
+    """A 1-D sequence of integer ids as a Python list; ``ValueError`` naming ``index`` otherwise."""
+    if isinstance(sequence, torch.Tensor):
+        if sequence.dim() != 1:
+            raise ValueError(f"{what.capitalize()} {index} must be 1-D, got shape {tuple(sequence.shape)}.")
+        if sequence.is_floating_point() or sequence.is_complex() or sequence.dtype == torch.bool:
+            raise ValueError(f"{what.capitalize()} {index} must hold integer ids, got dtype {sequence.dtype}.")
+        return sequence.tolist()
+    if isinstance(sequence, np.ndarray):
+        if sequence.ndim != 1 or (sequence.size and not np.issubdtype(sequence.dtype, np.integer)):
+            raise ValueError(
+                f"{what.capitalize()} {index} must be a 1-D array of integer ids, got {sequence.dtype} {sequence.shape}."
+            )
+        return sequence.tolist()
+    if isinstance(sequence, (str, bytes)) or not isinstance(sequence, Sequence):
+        raise ValueError(
+            f"{what.capitalize()} {index} must be a list or 1-D tensor of ids, got {type(sequence).__name__}."
+        )
+    for position, token in enumerate(sequence):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise ValueError(f"{what.capitalize()} {index} holds a non-integer id {token!r} at position {position}.")
+    return [int(token) for token in sequence]
+
+
+def _apply_overflow(
+    samples: list[list[list[int]]], max_length: int, overflow: Overflow
+) -> tuple[list[list[list[int]]], list[int]]:
+    """Enforce ``max_length`` on parallel token lists. Returns the new samples and, per new sample, its source index.
+
+    ``samples[i]`` holds the parallel lists of sample ``i`` (ids, labels, masks...), all the same length.
+    """
+    if overflow not in _OVERFLOWS:
+        raise ValueError(f"Unknown overflow policy {overflow!r}; use one of {_OVERFLOWS}.")
+    result, source, affected, cut = [], [], 0, 0
+    for index, parts in enumerate(samples):
+        length = len(parts[0])
+        if length == 0:
+            raise ValueError(f"Sample {index} is empty; every sample needs at least one token.")
+        if length <= max_length:
+            result.append(parts)
+            source.append(index)
+            continue
+        if overflow == "error":
+            raise ValueError(
+                f"Sample {index} has {length} tokens, more than max_length={max_length}. "
+                "Pass overflow='truncate' or overflow='split' to handle long samples, or raise max_length."
+            )
+        affected += 1
+        if overflow == "truncate":
+            cut += length - max_length
+            result.append([part[:max_length] for part in parts])
+            source.append(index)
+        else:
+            cut += length
+            for start in range(0, length, max_length):
+                result.append([part[start : start + max_length] for part in parts])
+                source.append(index)
+    if affected:
+        action = "truncated, dropping" if overflow == "truncate" else "split into chunks, re-packing"
+        logger.warning(
+            "overflow=%r: %d sample(s) longer than max_length=%d were %s %d token(s).",
+            overflow,
+            affected,
+            max_length,
+            action,
+            cut,
+        )
+    return result, source
+
+
+def _check_pack_args(max_length: int, pad_token_id: int | None) -> None:
+    _check_capacity(max_length, "max_length")
+    if pad_token_id is None:
+        raise ValueError("`pad_token_id` is None; pass the tokenizer's pad token id (or eos id if it has none).")
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral):
+        raise ValueError(f"`pad_token_id` must be an integer, got {pad_token_id!r}.")
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int] | torch.Tensor],
+    max_length: int,
+    pad_token_id: int,
+    return_boundaries: bool = False,
+    strategy: Strategy = "first_fit",
+    *,
+    overflow: Overflow = "error",
+    seed: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+    """Pack token sequences into rows of ``max_length`` tokens, right-padded with ``pad_token_id``.
+
+    Args:
+        sequences: samples as 1-D integer tensors or lists of ids; none empty.
+        max_length: tokens per row.
+        pad_token_id: id written after the last sample of each row.
+        return_boundaries: also return, per row, the ``(start, end)`` token span (end exclusive) of every sample in
+            it, in row order.
+        strategy: ``"first_fit"`` (default) keeps input order, starting a new row when the next sample does not fit;
+            ``"bfd"`` uses the global [`best_fit_decreasing`] packer (fewest rows; samples inside a row stay in input
+            order).
+        overflow: what to do with a sample longer than ``max_length``: ``"error"`` (default) raises; ``"truncate"``
+            keeps its first ``max_length`` tokens; ``"split"`` cuts it into ``max_length`` chunks packed as separate
+            samples. The number of affected samples and tokens is logged as a warning.
+        seed: shuffle the rows with this seed (``None``: no shuffle).
+
+    Returns:
+        ``input_ids`` ``(num_rows, max_length)`` int64, and with ``return_boundaries`` the list of spans per row.
+
+    Example:
+        >>> pack_sequences([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11, 12]], max_length=8, pad_token_id=0)
+        tensor([[ 1,  2,  3,  4,  5,  0,  0,  0],
+                [ 6,  7,  8,  9, 10, 11, 12,  0]])
+    """
+    _check_pack_args(max_length, pad_token_id)
+    samples = [[_as_token_list(sequence, i)] for i, sequence in enumerate(sequences)]
+    samples, _ = _apply_overflow(samples, max_length, overflow)
+    rows = pack_lengths([len(parts[0]) for parts in samples], max_length, strategy=strategy, seed=seed)
+    input_ids, boundaries = _fill_rows([parts[0] for parts in samples], rows, max_length, pad_token_id)
+    return (input_ids, boundaries) if return_boundaries else input_ids
+
+
+def _fill_rows(
+    tokens: list[list[int]], rows: list[list[int]], max_length: int, fill_value: int
+) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+    """Write the samples of each row side by side into a ``(len(rows), max_length)`` int64 tensor."""
+    flat, boundaries, row_ids, columns = [], [], [], []
+    for row_index, row in enumerate(rows):
+        offset, spans = 0, []
+        for sample in row:
+            length = len(tokens[sample])
+            flat.extend(tokens[sample])
+            spans.append((offset, offset + length))
+            offset += length
+        row_ids.extend([row_index] * offset)
+        columns.extend(range(offset))
+        boundaries.append(spans)
+    output = torch.full((len(rows), max_length), fill_value, dtype=torch.long)
+    if flat:
+        output[torch.tensor(row_ids), torch.tensor(columns)] = torch.tensor(flat, dtype=torch.long)
+    return output, boundaries
+
+
+def _mask_span(mask: list[int], index: int) -> tuple[int, int]:
+    """The ``[start, end)`` span of ones in a 0/1 attention mask that may be padded on either side."""
+    ones = [i for i, value in enumerate(mask) if value]
+    if not ones:
+        raise ValueError(f"Sample {index} has an attention mask with no 1s; every sample needs at least one token.")
+    start, end = ones[0], ones[-1] + 1
+    if end - start != len(ones) or any(value not in (0, 1) for value in mask):
+        raise ValueError(
+            f"Sample {index} has an attention mask with 0s between its tokens (or values other than 0/1); only "
+            "left or right padding can be removed before packing."
+        )
+    return start, end
+
+
+def concatenate_and_pack(
+    input_sequences: Sequence[Sequence[int] | torch.Tensor],
+    label_sequences: Sequence[Sequence[int] | torch.Tensor] | None,
+    attention_masks: Sequence[Sequence[int] | torch.Tensor] | None,
+    max_length: int,
+    pad_token_id: int,
+    label_pad_id: int = -100,
+    *,
+    strategy: Strategy = "first_fit",
+    overflow: Overflow = "error",
+    return_position_ids: bool = False,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Pack samples with their labels into rows, with everything needed to train without contamination.
+
+    Args:
+        input_sequences: samples' token ids (1-D tensors or lists), none empty.
+        label_sequences: per-sample labels, same lengths as the inputs (``-100`` = not trained); ``None`` uses the
+            inputs as labels.
+        attention_masks: per-sample 0/1 masks, same lengths as the inputs, or ``None`` (all ones). Padding marked
+            with 0 at the start or end of a sample is removed before packing (and counted in a log line); a 0
+            between two 1s is an error.
+        max_length: tokens per row.
+        pad_token_id: id filling the end of each row.
+        label_pad_id: label for padding and for the first token of every sample.
+        strategy, overflow, seed: as in [`pack_sequences`].
+        return_position_ids: also return position ids restarting at 0 for every sample (see
+            [`position_ids_from_sample_index`]).
+
+    Returns:
+        ``(packed_inputs, packed_labels, packed_masks)`` and, with ``return_position_ids``, ``position_ids``; all
+        ``(num_rows, max_length)`` int64. ``packed_masks`` holds the 1-based index of the sample inside its row
+        (``0`` = padding): two tokens may attend to each other only if they carry the same non-zero index. The first
+        label of every sample is ``label_pad_id``, so no sample is trained to predict the next sample's first token.
+    """
+    _check_pack_args(max_length, pad_token_id)
+    num = len(input_sequences)
+    for name, other in (("label_sequences", label_sequences), ("attention_masks", attention_masks)):
+        if other is not None and len(other) != num:
+            raise ValueError(f"`{name}` has {len(other)} entries but there are {num} input sequences.")
+
+    samples, stripped, stripped_samples = [], 0, 0
+    for i in range(num):
+        ids = _as_token_list(input_sequences[i], i)
+        labels = ids if label_sequences is None else _as_token_list(label_sequences[i], i, "labels of sample")
+        if len(labels) != len(ids):
+            raise ValueError(f"Sample {i} has {len(ids)} input ids but {len(labels)} labels; they must match.")
+        if attention_masks is not None:
+            mask = _as_token_list(attention_masks[i], i, "attention mask of sample")
+            if len(mask) != len(ids):
+                raise ValueError(
+                    f"Sample {i} has {len(ids)} input ids but an attention mask of length {len(mask)}; they must match."
+                )
+            if ids:
+                start, end = _mask_span(mask, i)
+                if end - start != len(ids):
+                    stripped, stripped_samples = stripped + len(ids) - (end - start), stripped_samples + 1
+                    ids, labels = ids[start:end], labels[start:end]
+        samples.append([ids, list(labels)])
+    if stripped:
+        logger.info("Removed %d padding token(s) (attention_mask == 0) from %d sample(s).", stripped, stripped_samples)
+
+    samples, _ = _apply_overflow(samples, max_length, overflow)
+    for parts in samples:
+        parts[1][0] = label_pad_id
+    rows = pack_lengths([len(parts[0]) for parts in samples], max_length, strategy=strategy, seed=seed)
+    packed_inputs, _ = _fill_rows([parts[0] for parts in samples], rows, max_length, pad_token_id)
+    packed_labels, _ = _fill_rows([parts[1] for parts in samples], rows, max_length, label_pad_id)
+    sample_index: list[list[int]] = [[] for _ in samples]
+    for row in rows:
+        for k, s in enumerate(row):
+            sample_index[s] = [k + 1] * len(samples[s][0])
+    packed_masks, _ = _fill_rows(sample_index, rows, max_length, 0)
+    outputs: tuple[torch.Tensor, ...] = (packed_inputs, packed_labels, packed_masks)
+    if return_position_ids:
+        outputs += (position_ids_from_sample_index(packed_masks),)
+    return outputs
+
+
+def position_ids_from_sample_index(sample_index: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 wherever the sample index changes along the last dimension.
+
+    Args:
+        sample_index: ``(..., T)`` integer tensor, e.g. ``packed_masks`` from [`concatenate_and_pack`]. Trailing
+            padding (index 0) counts as one more pseudo-sample, so its positions also start at 0.
+
+    Returns:
+        ``(..., T)`` int64 position ids.
+
+    Example:
+        >>> position_ids_from_sample_index(torch.tensor([[1, 1, 1, 2, 2, 0, 0]]))
+        tensor([[0, 1, 2, 0, 1, 0, 1]])
+    """
+    t = sample_index.shape[-1]
+    arange = torch.arange(t, dtype=torch.long, device=sample_index.device).expand_as(sample_index)
+    starts = torch.ones_like(sample_index, dtype=torch.bool)
+    starts[..., 1:] = sample_index[..., 1:] != sample_index[..., :-1]
+    start_positions = torch.where(starts, arange, torch.zeros_like(arange)).cummax(dim=-1).values
+    return arange - start_positions
