@@ -38,7 +38,25 @@ _EXPORTS: dict[str, str] = {
     "streaming_dataset_reader": "unpack_trainer.streaming",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "DataCollatorForPacking",
+    "SFTConfig",
+    "SFTTrainer",
+    "StreamingPacker",
+    "best_fit_decreasing",
+    "check_uncontaminated",
+    "concatenate_and_pack",
+    "first_fit",
+    "pack_sequences",
+    "packing_efficiency",
+    "patch_model",
+    "position_ids_from_sample_index",
+    "shuffle_rows",
+    "streaming_dataset_reader",
+    "supported_model_types",
+    "unpatch_model",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
