@@ -17,6 +17,7 @@ Worked example (``pack_sequences`` with the default order-preserving strategy)::
 
 from __future__ import annotations
 
+import gc
 import logging
 import numbers
 from collections.abc import Sequence
@@ -77,13 +78,17 @@ def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarra
 def _rows_from_assignment(row_of: np.ndarray, num_rows: int) -> list[list[int]]:
     """Group sample indices by row id; each row's indices ascending, rows ordered by id."""
     order = np.argsort(row_of, kind="stable")
-    ends = np.cumsum(np.bincount(row_of, minlength=num_rows)).tolist()
+    ends = np.cumsum(np.bincount(row_of, minlength=num_rows))
+    starts = (ends - np.bincount(row_of, minlength=num_rows)).tolist()
     flat = order.tolist()
-    rows, start = [], 0
-    for end in ends:
-        rows.append(flat[start:end])
-        start = end
-    return rows
+    # Hundreds of thousands of small lists would trigger the cyclic garbage collector over and over.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return [flat[start:end] for start, end in zip(starts, ends.tolist())]
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _best_fit_decreasing_assign(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
