@@ -9,8 +9,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}</s>{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 

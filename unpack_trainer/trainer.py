@@ -92,6 +92,7 @@ class SFTTrainer(trl.SFTTrainer):
         env = os.environ
         self.unpack_stats: dict[str, Any] = {}
         self.unpack_selfcheck: ContaminationReport | None = None
+        self._unpack_mode = "stock"
         if env_flag(env, "UNPACK_DISABLE"):
             self.unpack_decision = decide(args, model_config=None, env=env)
             super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
