@@ -1,0 +1,385 @@
+"""Triton kernel that applies rotary position embedding to Q and K in one launch, forward and backward.
+
+Use it through :mod:`unpack_trainer.patches.rope`, which gives it transformers' ``apply_rotary_pos_emb`` signature and
+falls back to the torch reference where it cannot run. This module imports torch and, if installed, Triton; it never
+compiles or launches anything at import: the kernel is wrapped with ``triton.jit`` on its first launch (once per
+``TRITON_INTERPRET`` setting, so one process can run the interpreter on CPU tensors and compiled code on CUDA).
+
+Where the speed comes from. transformers computes ``q * cos + rotate_half(q) * sin`` and the same for ``k``: five
+elementwise kernels per tensor (multiply, negate half, concatenate, multiply, add), together about ten passes over Q
+and K through GPU memory in the forward and more in the backward, each a separate launch. This kernel reads Q, K and
+the per-token cos/sin once and writes both results once, in a single launch for Q and K (backward: the same for the
+two incoming gradients). One program owns ``BLOCK_T`` tokens of one batch row: it loads their cos/sin rows once and
+rotates all query heads, then all key heads, of those tokens in head blocks, so the cos/sin read is shared by the
+``H + H_kv`` heads and the transposed ``(B, T, H, D)`` projection output is read in order. The arithmetic is in fp32
+with a single rounding, so fp16/bf16 results are at least as close to the exact value as transformers' (which rounds
+after each of its three operations).
+
+Conventions: ``q`` is ``(B, H, T, D)`` and ``k`` is ``(B, H_kv, T, D)``, arbitrary strided views (zero strides
+included), never copied; ``D`` is even and at most :data:`MAX_HEAD_DIM` (non-powers of two such as 80 or 96 are
+masked); rotation pairs element ``i`` with ``i + D/2`` (the "rotate_half" convention of Llama, Mistral, Qwen2/3, not
+the interleaved GPT-J one). Offsets are computed in int64, so tensors above 2**31 elements are safe.
+``UNPACK_ROPE_TILE`` (power of two, default 1024) sets the elements per half-tile of a program, for tuning on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+try:  # Triton is optional: without it this module still imports, and launching raises a clear error.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised in a subprocess test
+    triton = None
+    tl = None
+
+__all__ = ["MAX_HEAD_DIM", "TILE_ENV", "RotaryQKFunction", "rotary_qk"]
+
+MAX_HEAD_DIM = 256
+"""Largest head dimension the kernel accepts (one program holds a ``BLOCK_T x BLOCK_H x D/2`` tile per half)."""
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TILE_ENV = "UNPACK_ROPE_TILE"
+"""Tuning knob read at each launch: elements per half-tile of one program (power of two, default 1024)."""
+
+
+def _rope_qk_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    seq_len,
+    num_heads,
+    num_kv_heads,
+    half_dim,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_qob,
+    stride_qoh,
+    stride_qot,
+    stride_qod,
+    stride_kob,
+    stride_koh,
+    stride_kot,
+    stride_kod,
+    stride_cb,
+    stride_ct,
+    stride_cd,
+    stride_sb,
+    stride_st,
+    stride_sd,
+    stride_pb,
+    stride_pt,
+    GATHER: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One program: tokens ``[pid_t * BLOCK_T, +BLOCK_T)`` of batch row ``pid_b``, all Q heads, then all K heads.
+
+    ``GATHER``: cos/sin are ``(max_position, D)`` caches indexed by ``position_ids[b, t]`` (``stride_cb`` unused);
+    otherwise they are per-token ``(B, T, D)`` tensors (``stride_cb`` 0 broadcasts one row over the batch).
+    ``BACKWARD``: apply the transposed rotation (``x`` is the incoming gradient, the result the input gradient).
+    """
+    pid_t = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    mask_t = offs_t < seq_len
+    mask_d = offs_d < half_dim
+    mask_td = mask_t[:, None] & mask_d[None, :]
+
+    if GATHER:
+        pos = tl.load(pos_ptr + pid_b * stride_pb + offs_t * stride_pt, mask=mask_t, other=0).to(tl.int64)
+        cos_row = pos * stride_ct
+        sin_row = pos * stride_st
+    else:
+        cos_row = pid_b * stride_cb + offs_t * stride_ct
+        sin_row = pid_b * stride_sb + offs_t * stride_st
+    cos_first = cos_ptr + cos_row[:, None] + offs_d[None, :] * stride_cd
+    sin_first = sin_ptr + sin_row[:, None] + offs_d[None, :] * stride_sd
+    cos1 = tl.load(cos_first, mask=mask_td, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_first + half_dim * stride_cd, mask=mask_td, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_first, mask=mask_td, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_first + half_dim * stride_sd, mask=mask_td, other=0.0).to(tl.float32)
+    # Forward:  out1 = x1 * cos1 - x2 * sin1,  out2 = x2 * cos2 + x1 * sin2   (transformers' formula, cos/sin in full).
+    # Backward: the transpose of that linear map: dx1 = g1 * cos1 + g2 * sin2,  dx2 = g2 * cos2 - g1 * sin1.
+    if BACKWARD:
+        mix1 = sin2
+        mix2 = -sin1
+    else:
+        mix1 = -sin1
+        mix2 = sin2
+    cos1 = cos1[:, None, :]
+    cos2 = cos2[:, None, :]
+    mix1 = mix1[:, None, :]
+    mix2 = mix2[:, None, :]
+
+    t3 = offs_t[:, None, None]
+    d3 = offs_d[None, None, :]
+    mask_td3 = mask_t[:, None, None] & mask_d[None, None, :]
+
+    # Query heads.
+    offs_hq = tl.arange(0, BLOCK_HQ).to(tl.int64)
+    for h_start in range(0, num_heads, BLOCK_HQ):
+        h3 = (h_start + offs_hq)[None, :, None]
+        mask = mask_td3 & (h3 < num_heads)
+        src = q_ptr + pid_b * stride_qb + h3 * stride_qh + t3 * stride_qt + d3 * stride_qd
+        dst = q_out_ptr + pid_b * stride_qob + h3 * stride_qoh + t3 * stride_qot + d3 * stride_qod
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half_dim * stride_qd, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst, (x1 * cos1 + x2 * mix1).to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half_dim * stride_qod, (x2 * cos2 + x1 * mix2).to(q_out_ptr.dtype.element_ty), mask=mask)
+
+    # Key heads (fewer of them under grouped-query attention), same tokens, same cos/sin.
+    offs_hk = tl.arange(0, BLOCK_HK).to(tl.int64)
+    for h_start in range(0, num_kv_heads, BLOCK_HK):
+        h3 = (h_start + offs_hk)[None, :, None]
+        mask = mask_td3 & (h3 < num_kv_heads)
+        src = k_ptr + pid_b * stride_kb + h3 * stride_kh + t3 * stride_kt + d3 * stride_kd
+        dst = k_out_ptr + pid_b * stride_kob + h3 * stride_koh + t3 * stride_kot + d3 * stride_kod
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half_dim * stride_kd, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst, (x1 * cos1 + x2 * mix1).to(k_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half_dim * stride_kod, (x2 * cos2 + x1 * mix2).to(k_out_ptr.dtype.element_ty), mask=mask)
+
+
+# ``triton.jit`` reads TRITON_INTERPRET when it wraps a function (not when it launches it), so the wrapped kernel is
+# built on first use and kept per interpreter setting: the same process can run the interpreter on CPU tensors and the
+# compiled kernel on CUDA tensors.
+_JITTED: dict[bool, Any] = {}
+
+
+def _interpreter_enabled() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime"):
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _kernel(interpret: bool) -> Any:
+    kernel = _JITTED.get(interpret)
+    if kernel is None:
+        kernel = _JITTED[interpret] = triton.jit(_rope_qk_kernel)
+    return kernel
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _tile() -> int:
+    value = os.environ.get(TILE_ENV, "1024")
+    tile = int(value) if value.isdigit() else 0
+    if tile < 64 or tile & (tile - 1):
+        raise ValueError(f"{TILE_ENV}={value!r} must be a power of two of at least 64")
+    return tile
+
+
+def _block_sizes(
+    seq_len: int, num_heads: int, num_kv_heads: int, half_dim: int, tile: int = 1024
+) -> tuple[int, int, int, int]:
+    """Tile sizes ``(BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF)``: ``BLOCK_HALF`` covers ``D/2``; a head block holds at
+    most ``tile`` elements per half; ``BLOCK_T`` grows (up to 16 tokens) while a query tile stays within ``tile``, so
+    few, small heads still give each program enough work. At 1024 (4 warps) the Llama-8B shape (32/8 heads, D 128)
+    compiles to 63 registers per thread for sm_90 and no spills; 2048 needs about 110."""
+    block_half = _next_power_of_2(half_dim)
+    max_heads = max(1, tile // block_half)
+    block_hq = min(_next_power_of_2(num_heads), max_heads)
+    block_hk = min(_next_power_of_2(num_kv_heads), max_heads)
+    block_t = max(1, tile // (block_hq * block_half))
+    block_t = min(_next_power_of_2(block_t), 16, _next_power_of_2(seq_len))
+    return block_t, block_hq, block_hk, block_half
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D (B, H, T, D); got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    batch, num_heads, seq_len, head_dim = q.shape
+    kb, num_kv_heads, kt, kd = k.shape
+    if (kb, kt, kd) != (batch, seq_len, head_dim):
+        raise ValueError(
+            f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, sequence length and head_dim (B, H_kv, T, D)"
+        )
+    if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be even and at most {MAX_HEAD_DIM}; got {head_dim}")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share one dtype among float32/float16/bfloat16; got {q.dtype} and {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"q and k must be on one device; got {q.device} and {k.device}")
+    return batch, num_heads, num_kv_heads, seq_len, head_dim
+
+
+def _check_cos_sin(
+    q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None, dims: tuple[int, ...]
+) -> None:
+    batch, _, _, seq_len, head_dim = dims
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    if cos.dtype not in _SUPPORTED_DTYPES or sin.dtype != cos.dtype:
+        raise ValueError(f"cos and sin must share one float dtype; got {cos.dtype} and {sin.dtype}")
+    if cos.device != q.device or sin.device != q.device:
+        raise ValueError(f"cos/sin must be on q's device {q.device}; got {cos.device} and {sin.device}")
+    if position_ids is None:
+        if cos.dim() != 3 or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (seq_len, head_dim):
+            raise ValueError(
+                f"per-token cos/sin must be (B, T, D) = ({batch}, {seq_len}, {head_dim}) or (1, T, D); "
+                f"got {tuple(cos.shape)}"
+            )
+    else:
+        if cos.dim() != 2 or cos.shape[1] != head_dim:
+            raise ValueError(f"cos/sin caches must be (max_position, D) with D = {head_dim}; got {tuple(cos.shape)}")
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq_len:
+            raise ValueError(
+                f"position_ids must be (B, T) = ({batch}, {seq_len}) or (1, T); got {tuple(position_ids.shape)}"
+            )
+        if position_ids.dtype not in (torch.int32, torch.int64) or position_ids.device != q.device:
+            raise ValueError(
+                f"position_ids must be int32/int64 on {q.device}; got {position_ids.dtype} on {position_ids.device}"
+            )
+
+
+def rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel once for ``q`` and ``k`` (no autograd; see :class:`RotaryQKFunction`).
+
+    Args:
+        q: ``(B, H, T, D)`` float32/float16/bfloat16, any strides (zero strides included).
+        k: ``(B, H_kv, T, D)``, same dtype and device as ``q``.
+        cos, sin: per-token ``(B, T, D)`` or ``(1, T, D)`` when ``position_ids`` is None; otherwise caches
+            ``(max_position, D)`` read at row ``position_ids[b, t]``. Any float dtype; the math is in fp32.
+        position_ids: ``(B, T)`` or ``(1, T)`` int32/int64, each in ``[0, max_position)`` (not checked here).
+        backward: apply the transposed rotation (maps output gradients to input gradients).
+
+    Returns:
+        New tensors shaped like ``q`` and ``k`` (same dtype; same strides when the input is dense, else contiguous).
+    """
+    if triton is None:
+        raise RuntimeError("the fused RoPE kernel needs Triton (`pip install triton`); use apply_rotary_pos_emb_torch")
+    dims = _check_qk(q, k)
+    _check_cos_sin(q, cos, sin, position_ids, dims)
+    batch, num_heads, num_kv_heads, seq_len, head_dim = dims
+    q_out = torch.empty_like(q)
+    k_out = torch.empty_like(k)
+    if q.numel() == 0 and k.numel() == 0:
+        return q_out, k_out
+
+    interpret = _interpreter_enabled()
+    if q.device.type == "cpu" and not interpret:
+        raise RuntimeError(
+            "the fused RoPE kernel got CPU tensors; Triton runs kernels on the CPU only in its interpreter: set "
+            "TRITON_INTERPRET=1 (slow, for tests) or use apply_rotary_pos_emb_torch"
+        )
+    half_dim = head_dim // 2
+    block_t, block_hq, block_hk, block_half = _block_sizes(seq_len, num_heads, num_kv_heads, half_dim, _tile())
+    gather = position_ids is not None
+    if gather:
+        pos_strides = (position_ids.stride(0) if position_ids.shape[0] > 1 else 0, position_ids.stride(1))
+        cos_strides = (0, cos.stride(0), cos.stride(1))
+        sin_strides = (0, sin.stride(0), sin.stride(1))
+        pos = position_ids
+    else:
+        pos_strides = (0, 0)
+        cos_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2))
+        sin_strides = (sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2))
+        pos = cos  # unused by the kernel when GATHER is false; any pointer will do
+    grid = (-(-seq_len // block_t), batch)
+    if batch > 65535:
+        raise ValueError(f"batch size {batch} exceeds the kernel's grid limit of 65535 rows")
+    device_ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
+    with device_ctx:
+        _kernel(interpret)[grid](
+            q,
+            k,
+            q_out,
+            k_out,
+            cos,
+            sin,
+            pos,
+            seq_len,
+            num_heads,
+            num_kv_heads,
+            half_dim,
+            *q.stride(),
+            *k.stride(),
+            *q_out.stride(),
+            *k_out.stride(),
+            *cos_strides,
+            *sin_strides,
+            *pos_strides,
+            GATHER=gather,
+            BACKWARD=backward,
+            BLOCK_T=block_t,
+            BLOCK_HQ=block_hq,
+            BLOCK_HK=block_hk,
+            BLOCK_HALF=block_half,
+            num_warps=4,
+            enable_fp_fusion=True,  # out = fma(x1, cos, x2 * sin): one rounding fewer; also Triton's default
+        )
+    return q_out, k_out
+
+
+class RotaryQKFunction(torch.autograd.Function):
+    """Autograd wrapper: ``(q_embed, k_embed) = RotaryQKFunction.apply(q, k, cos, sin, position_ids)``.
+
+    Arguments as in :func:`rotary_qk`. Gradients flow to ``q`` and ``k`` only: ``cos``, ``sin`` (built from
+    ``position_ids`` under ``no_grad`` by every transformers rotary embedding) and ``position_ids`` get none, and
+    the caller must not pass cos/sin that require grad. Incoming gradients may have any strides, including the zero
+    strides of an expanded tensor; a missing one (an output that does not reach the loss) is read as zeros.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = rotary_qk(q, k, cos, sin, position_ids)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.set_materialize_grads(False)
+        ctx.qk_meta = (q.shape, q.dtype, k.shape, k.dtype)
+        return q_out, k_out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None) -> tuple[Any, ...]:
+        cos, sin, position_ids = ctx.saved_tensors
+        q_shape, q_dtype, k_shape, k_dtype = ctx.qk_meta
+        if grad_q is None and grad_k is None:
+            return None, None, None, None, None
+        # An output that did not reach the loss has no gradient, and its input gets none (as with the reference).
+        # The kernel still needs a tensor there: an expanded zero scalar costs no memory (read through stride 0).
+        want_q = ctx.needs_input_grad[0] and grad_q is not None
+        want_k = ctx.needs_input_grad[1] and grad_k is not None
+        if grad_q is None:
+            grad_q = torch.zeros((), dtype=q_dtype, device=grad_k.device).expand(q_shape)
+        if grad_k is None:
+            grad_k = torch.zeros((), dtype=k_dtype, device=grad_q.device).expand(k_shape)
+        dq, dk = rotary_qk(grad_q, grad_k, cos, sin, position_ids, backward=True)
+        return dq if want_q else None, dk if want_k else None, None, None, None
