@@ -309,6 +309,28 @@ def test_kernel_zero_stride_and_missing_gradients(interpret):
     torch.testing.assert_close((dq, dk), (rq, rk), rtol=1e-5, atol=1e-6)
 
 
+def test_kernel_promotes_like_torch(interpret):
+    """Under autocast the model's cos/sin are fp32 while q/k are bf16: torch's q * cos is fp32, so is the kernel's;
+    gradients come back in q's dtype."""
+    g = torch.Generator().manual_seed(11)
+    q, k = make_qk(2, 4, 2, 16, 32, torch.bfloat16, "projection", g)
+    cos, sin = cos_sin(packed_position_ids(2, 16, g), 32, torch.float32)
+    grads = (torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g))
+
+    def run(fn, q, k):
+        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+        out = fn(q, k, cos, sin)
+        return out, torch.autograd.grad(out, (q, k), grads)
+
+    kernel_out, kernel_grads = run(fused_apply_rotary_pos_emb, q, k)
+    torch_out, torch_grads = run(apply_rotary_pos_emb_torch, q, k)
+    fp32_out, fp32_grads = run(apply_rotary_pos_emb_torch, q.float(), k.float())
+    assert [t.dtype for t in kernel_out + kernel_grads] == [t.dtype for t in torch_out + torch_grads]
+    assert kernel_out[0].dtype == torch.float32 and kernel_grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-6)
+    assert_close_to_fp32(kernel_grads, torch_grads, fp32_grads, torch.bfloat16, "backward")
+
+
 def test_kernel_does_not_mutate_inputs(interpret):
     g = torch.Generator().manual_seed(4)
     q, k = make_qk(1, 2, 2, 8, 16, torch.float32, "projection", g)
@@ -318,7 +340,7 @@ def test_kernel_does_not_mutate_inputs(interpret):
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, cos, sin)))
 
 
-# ------------------------------------------------------------------------------------------ gather from a cos/sin cache
+# ----------------------------------------------------------------------------------------- gather from a cos/sin cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -438,8 +460,8 @@ def test_forced_triton_runs_the_kernel_and_rejects_what_it_cannot_do(force_kerne
     assert len(force_kernel) == 1
     torch.testing.assert_close(out, apply_rotary_pos_emb_torch(q, k, cos, sin), rtol=1e-5, atol=1e-6)
 
-    with pytest.raises(ValueError, match="UNPACK_ROPE=triton.*one dtype"):
-        apply_rotary_pos_emb(q.bfloat16(), k.bfloat16(), cos, sin)  # torch would promote to fp32
+    with pytest.raises(ValueError, match="UNPACK_ROPE=triton.*q and k in one dtype"):
+        apply_rotary_pos_emb(q.bfloat16(), k, cos, sin)
     with pytest.raises(ValueError, match="require grad"):
         apply_rotary_pos_emb(q, k, cos.requires_grad_(), sin)
     with pytest.raises(ValueError, match="odd"):
@@ -461,7 +483,7 @@ def test_cpu_kernel_without_interpreter_is_a_clear_error(monkeypatch):
 
 
 def test_import_needs_no_triton():
-    """The module imports without Triton (and never imports it by itself); the CPU path works; the kernel says why not."""
+    """Importing needs no Triton and never imports it; the CPU path works; the kernel says why it cannot run."""
     code = (
         "import sys\n"
         "import torch\n"
@@ -523,7 +545,7 @@ def test_llama_logits_and_grads_with_kernel_equal_reference(monkeypatch, force_k
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------------------------ benchmark
+# ----------------------------------------------------------------------------------------------------------- benchmark
 
 
 def test_benchmark_dry_run(interpret):

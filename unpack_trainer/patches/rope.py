@@ -121,10 +121,17 @@ def _kernel_unsupported(
     head_axis = _head_dim_of(unsqueeze_dim)
     if head_axis is None:
         return f"unsqueeze_dim={unsqueeze_dim} does not put the head axis at 1 or 2"
-    dtypes = {q.dtype, k.dtype, cos.dtype, sin.dtype}
-    if len(dtypes) != 1 or q.dtype not in _KERNEL_DTYPES:
-        # Mixed dtypes promote in torch (e.g. bf16 q with fp32 cos gives fp32); the kernel keeps q's dtype.
-        return f"needs one dtype among float32/float16/bfloat16 for q, k, cos, sin; got {sorted(map(str, dtypes))}"
+    if (
+        q.dtype != k.dtype
+        or cos.dtype != sin.dtype
+        or q.dtype not in _KERNEL_DTYPES
+        or cos.dtype not in _KERNEL_DTYPES
+    ):
+        # The kernel returns promote_types(q, cos) like torch's q * cos; other mixes promote differently per tensor.
+        return (
+            "needs q and k in one dtype and cos and sin in one dtype, each float32/float16/bfloat16; got "
+            f"q {q.dtype}, k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}"
+        )
     if len({q.device, k.device, cos.device, sin.device}) != 1:
         return "needs q, k, cos, sin on one device"
     seq_axis = 3 - head_axis
@@ -165,11 +172,13 @@ def fused_apply_rotary_pos_emb(
         q: ``(B, H, T, D)`` (``(B, T, H, D)`` with ``unsqueeze_dim=2``), float32/float16/bfloat16, any strides:
             the transposed projection output is read in place. ``D`` even, at most 256 (80, 96, ... are fine).
         k: ``(B, H_kv, T, D)`` in the same layout; ``H_kv`` may be smaller than ``H`` (grouped-query attention).
-        cos, sin: ``(B, T, D)`` or ``(1, T, D)``, the model's per-token cos/sin, in q's dtype and not requiring grad.
+        cos, sin: ``(B, T, D)`` or ``(1, T, D)``, the model's per-token cos/sin (float32/float16/bfloat16, may
+            differ from q's dtype, e.g. fp32 under autocast), not requiring grad.
         unsqueeze_dim: 1 or 2 (or -3 / -2), as in transformers.
 
     Returns:
-        ``(q_embed, k_embed)``: new tensors shaped like ``q``/``k``, in their dtype, laid out like them when dense.
+        ``(q_embed, k_embed)``: new tensors shaped like ``q``/``k`` and laid out like them when dense, in
+        ``torch.promote_types(q.dtype, cos.dtype)`` as torch's ``q * cos`` would be; gradients in q's dtype.
         Values equal the reference's up to rounding: the kernel computes in fp32 and rounds once, so in fp16/bf16
         it is at least as close to the exact result as the reference is.
 
@@ -202,7 +211,7 @@ def fused_rotary_pos_emb_from_cache(
     Args:
         q: ``(B, H, T, D)`` (``(B, T, H, D)`` with ``unsqueeze_dim=2``), float32/float16/bfloat16, any strides.
         k: ``(B, H_kv, T, D)`` in the same layout and dtype.
-        cos_cache, sin_cache: ``(max_position, D)``, any float dtype (read and computed in fp32), no grad.
+        cos_cache, sin_cache: ``(max_position, D)`` float32/float16/bfloat16 (the math is in fp32), no grad.
         position_ids: ``(B, T)`` or ``(1, T)`` int32/int64; for a packed row they restart at 0 for each sample.
         unsqueeze_dim: 1 or 2 (or -3 / -2): where the head axis of ``q``/``k`` is.
         check_positions: verify ``0 <= position_ids < max_position`` first. This reads two scalars back to the host
@@ -210,7 +219,7 @@ def fused_rotary_pos_emb_from_cache(
             ids then read outside the cache).
 
     Returns:
-        ``(q_embed, k_embed)`` shaped like ``q`` and ``k``, in their dtype.
+        ``(q_embed, k_embed)`` shaped like ``q`` and ``k``, in ``torch.promote_types(q.dtype, cos_cache.dtype)``.
     """
     head_axis = _head_dim_of(unsqueeze_dim)
     if head_axis is None or q.dim() != 4:
@@ -291,11 +300,12 @@ def apply_rotary_pos_emb(
         unsqueeze_dim: the head axis of ``q``/``k``.
 
     Returns:
-        ``(q_embed, k_embed)`` like transformers'. On the kernel path (see the module docstring for when) the values
-        are computed in fp32 and rounded once, so they can differ from the reference by the rounding of its
-        intermediate steps (≤ 1 ulp of the dtype), and gradients flow to ``q`` and ``k`` as before. Inputs the
-        kernel does not cover (mixed dtypes, cos/sin requiring grad, other shapes) take the reference unless
-        ``UNPACK_ROPE=triton``, which makes them an error.
+        ``(q_embed, k_embed)`` like transformers' (dtype ``torch.promote_types(q.dtype, cos.dtype)``). On the kernel
+        path (see the module docstring for when) the values are computed in fp32 and rounded once, so in fp16/bf16
+        they differ from the reference by the rounding of its three intermediate steps (the kernel has the smaller
+        error against exact arithmetic); gradients flow to ``q`` and ``k`` as before. Inputs the kernel does not
+        cover (q and k, or cos and sin, in different dtypes; cos/sin requiring grad; other shapes) take the reference
+        unless ``UNPACK_ROPE=triton``, which makes them an error.
     """
     mode = rope_backend()
     if mode == "torch":

@@ -263,6 +263,7 @@ def rotary_qk(
     position_ids: torch.Tensor | None = None,
     *,
     backward: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel once for ``q`` and ``k`` (no autograd; see :class:`RotaryQKFunction`).
 
@@ -273,17 +274,24 @@ def rotary_qk(
             ``(max_position, D)`` read at row ``position_ids[b, t]``. Any float dtype; the math is in fp32.
         position_ids: ``(B, T)`` or ``(1, T)`` int32/int64, each in ``[0, max_position)`` (not checked here).
         backward: apply the transposed rotation (maps output gradients to input gradients).
+        out_dtype: dtype of the results; default ``torch.promote_types(q.dtype, cos.dtype)``, torch's promotion for
+            ``q * cos`` (bf16 q/k with fp32 cos/sin, as under autocast, give fp32 like transformers' code).
 
     Returns:
-        New tensors shaped like ``q`` and ``k`` (same dtype; same strides when the input is dense, else contiguous).
+        New tensors shaped like ``q`` and ``k`` in ``out_dtype`` (same strides as the input when it is dense, else
+        contiguous).
     """
     if triton is None:
         raise RuntimeError("the fused RoPE kernel needs Triton (`pip install triton`); use apply_rotary_pos_emb_torch")
     dims = _check_qk(q, k)
     _check_cos_sin(q, cos, sin, position_ids, dims)
     batch, num_heads, num_kv_heads, seq_len, head_dim = dims
-    q_out = torch.empty_like(q)
-    k_out = torch.empty_like(k)
+    if out_dtype is None:
+        out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    if out_dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be float32/float16/bfloat16; got {out_dtype}")
+    q_out = torch.empty_like(q, dtype=out_dtype)
+    k_out = torch.empty_like(k, dtype=out_dtype)
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
 
@@ -345,7 +353,8 @@ def rotary_qk(
 class RotaryQKFunction(torch.autograd.Function):
     """Autograd wrapper: ``(q_embed, k_embed) = RotaryQKFunction.apply(q, k, cos, sin, position_ids)``.
 
-    Arguments as in :func:`rotary_qk`. Gradients flow to ``q`` and ``k`` only: ``cos``, ``sin`` (built from
+    Arguments as in :func:`rotary_qk`; the outputs have the promoted dtype of ``q`` and ``cos``, the gradients the
+    dtype of ``q``/``k``. Gradients flow to ``q`` and ``k`` only: ``cos``, ``sin`` (built from
     ``position_ids`` under ``no_grad`` by every transformers rotary embedding) and ``position_ids`` get none, and
     the caller must not pass cos/sin that require grad. Incoming gradients may have any strides, including the zero
     strides of an expanded tensor; a missing one (an output that does not reach the loss) is read as zeros.
@@ -363,14 +372,14 @@ class RotaryQKFunction(torch.autograd.Function):
         q_out, k_out = rotary_qk(q, k, cos, sin, position_ids)
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.set_materialize_grads(False)
-        ctx.qk_meta = (q.shape, q.dtype, k.shape, k.dtype)
+        ctx.qk_meta = (q.shape, k.shape, q.dtype)
         return q_out, k_out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None) -> tuple[Any, ...]:
         cos, sin, position_ids = ctx.saved_tensors
-        q_shape, q_dtype, k_shape, k_dtype = ctx.qk_meta
+        q_shape, k_shape, input_dtype = ctx.qk_meta
         if grad_q is None and grad_k is None:
             return None, None, None, None, None
         # An output that did not reach the loss has no gradient, and its input gets none (as with the reference).
@@ -378,8 +387,9 @@ class RotaryQKFunction(torch.autograd.Function):
         want_q = ctx.needs_input_grad[0] and grad_q is not None
         want_k = ctx.needs_input_grad[1] and grad_k is not None
         if grad_q is None:
-            grad_q = torch.zeros((), dtype=q_dtype, device=grad_k.device).expand(q_shape)
+            grad_q = torch.zeros((), dtype=grad_k.dtype, device=grad_k.device).expand(q_shape)
         if grad_k is None:
-            grad_k = torch.zeros((), dtype=k_dtype, device=grad_q.device).expand(k_shape)
-        dq, dk = rotary_qk(grad_q, grad_k, cos, sin, position_ids, backward=True)
+            grad_k = torch.zeros((), dtype=grad_q.dtype, device=grad_q.device).expand(k_shape)
+        # Gradients arrive in the outputs' (possibly promoted) dtype and leave in the inputs' dtype, rounded once.
+        dq, dk = rotary_qk(grad_q, grad_k, cos, sin, position_ids, backward=True, out_dtype=input_dtype)
         return dq if want_q else None, dk if want_k else None, None, None, None
