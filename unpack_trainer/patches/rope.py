@@ -206,7 +206,11 @@ def fused_rotary_pos_emb_from_cache(
 
     Equivalent to ``apply_rotary_pos_emb_torch(q, k, cos_cache[position_ids], sin_cache[position_ids])`` without
     materialising the ``(B, T, D)`` gathered tensors. Use :func:`rope_cache` to build caches that give the model's own
-    numbers.
+    numbers. Where the gain is: the fusion of the rotation (see :mod:`unpack_trainer.patches.rope_kernel`) is the same
+    as :func:`fused_apply_rotary_pos_emb`'s; the gather additionally saves computing and storing per-token cos/sin.
+    A transformers model computes those once per forward and shares them across layers, so for patched models the
+    drop-in :func:`apply_rotary_pos_emb` is the path that matters; this one serves attention code that holds a cache
+    (and lets ``bench_rope.py`` show the cost of the gather).
 
     Args:
         q: ``(B, H, T, D)`` (``(B, T, H, D)`` with ``unsqueeze_dim=2``), float32/float16/bfloat16, any strides.

@@ -317,8 +317,9 @@ def rotary_qk(
     grid = (-(-seq_len // block_t), batch)
     if batch > 65535:
         raise ValueError(f"batch size {batch} exceeds the kernel's grid limit of 65535 rows")
-    device_ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
-    with device_ctx:
+    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere (cheap common case).
+    on_other_gpu = q.device.type == "cuda" and q.device.index != torch.cuda.current_device()
+    with torch.cuda.device(q.device) if on_other_gpu else contextlib.nullcontext():
         _kernel(interpret)[grid](
             q,
             k,
