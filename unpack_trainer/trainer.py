@@ -143,7 +143,7 @@ class SFTTrainer(trl.SFTTrainer):
             from unpack_trainer.models import patch_model
 
             patch_model(self.model)
-        report = check_uncontaminated(self.model)
+        report = check_uncontaminated(self.model, measure_contamination=False)
         self.unpack_selfcheck = report
         if not report.ok:
             message = f"Contamination self-check failed, training padded instead: {report.summary()}"
@@ -187,7 +187,7 @@ class SFTTrainer(trl.SFTTrainer):
     def _log_start_line(self) -> None:
         stats = self.unpack_stats
         parts = [f"mode={self.unpack_decision.mode}", f"reason: {self.unpack_decision.reason}"]
-        parts.append(f"attention={_attention_backend(self.model)}")
+        parts.append(f"attention={_attention_backend(self.model, self.unpack_decision.patch)}")
         if stats:
             parts.append(f"samples={stats['samples']:,}")
             if "rows" in stats:
@@ -247,14 +247,13 @@ class SFTTrainer(trl.SFTTrainer):
         return dataset
 
 
-def _attention_backend(model: Any) -> str:
-    try:
-        from unpack_trainer.patches.attention import describe_backend
-    except ImportError:
-        describe_backend = None
-    if describe_backend is not None:
-        return describe_backend(model)
-    return str(getattr(model.config, "_attn_implementation", "unknown"))
+def _attention_backend(model: Any, patched: bool) -> str:
+    if patched:
+        from unpack_trainer.models import resolve_backend
+
+        return str(resolve_backend(model))
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return f"{implementation} (transformers' own packed-position path, unpatched)"
 
 
 def _lengths(dataset: Dataset) -> np.ndarray:
