@@ -1,0 +1,167 @@
+"""The model_type registry, the blocklist, and patch_model / unpatch_model bookkeeping."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+from test_equivalence import ARCHITECTURES  # tests/models is on sys.path (pytest's prepend import mode)
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers.models.llama import modeling_llama
+
+import unpack_trainer
+import unpack_trainer.models as models
+from unpack_trainer.models import (
+    BLOCKLIST,
+    get_spec,
+    is_patched,
+    patch_model,
+    resolve_backend,
+    supported_model_types,
+    unpatch_model,
+)
+from unpack_trainer.patches import attention, rope
+
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    vocab_size=64,
+)
+
+
+def tiny_llama(**kwargs):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**TINY), **kwargs)
+
+
+def test_every_module_is_registered_and_every_entry_is_tested():
+    modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
+    assert modules == set(supported_model_types())
+    assert set(ARCHITECTURES) == set(supported_model_types())
+    for model_type in supported_model_types():
+        spec = get_spec(model_type)
+        assert spec.model_type == model_type
+        modeling = importlib.import_module(spec.modeling_module)
+        assert isinstance(getattr(modeling, spec.decoder_class), type)
+        assert callable(getattr(modeling, spec.rope_function))
+        # The attention class must go through transformers' AttentionInterface, or the patch would not reach it.
+        assert "ALL_ATTENTION_FUNCTIONS.get_interface(" in inspect.getsource(modeling)
+        assert isinstance(getattr(modeling, spec.attention_class), type)
+
+
+def test_public_exports():
+    assert unpack_trainer.patch_model is patch_model
+    assert unpack_trainer.unpatch_model is unpatch_model
+    assert unpack_trainer.supported_model_types() == ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize(("model_type", "reason"), [("gemma2", "logit softcapping"), ("gpt_oss", "attention sinks")])
+def test_blocklisted_types_name_the_reason(model_type, reason):
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot patch model_type '{model_type}': .*{reason}.*Supported model types: llama, mistral, qwen2, qwen3",
+    ):
+        get_spec(model_type)
+    assert set(BLOCKLIST) == {"gemma2", "gpt_oss"}
+
+
+def test_unregistered_type_names_the_supported_ones():
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"model_type 'gpt2'. Supported model types: llama, mistral, qwen2, qwen3\."):
+        patch_model(gpt2)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        patch_model(torch.nn.Linear(2, 2))
+
+
+def test_patch_is_idempotent_and_undone():
+    model = tiny_llama(attn_implementation="sdpa")
+    original_rope = modeling_llama.apply_rotary_pos_emb
+    decoder = model.model
+    assert patch_model(model) is model and patch_model(model) is model
+    assert is_patched(model)
+    assert model.config._attn_implementation == "unpack_sdpa"
+    assert len(decoder._forward_pre_hooks) == 1 and len(decoder._forward_hooks) == 1
+    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    assert unpatch_model(model) is model and unpatch_model(model) is model
+    assert not is_patched(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert not decoder._forward_pre_hooks and not decoder._forward_hooks
+    assert modeling_llama.apply_rotary_pos_emb is original_rope
+
+
+def test_flags_and_repatching():
+    model = tiny_llama(attn_implementation="eager")
+    original_rope = modeling_llama.apply_rotary_pos_emb
+    patch_model(model, rope=False)
+    assert modeling_llama.apply_rotary_pos_emb is original_rope
+    assert model.config._attn_implementation == "unpack_eager"
+    patch_model(model, attention=False)  # other flags: re-patch
+    assert model.config._attn_implementation == "eager" and not model.model._forward_pre_hooks
+    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    unpatch_model(model)
+    assert modeling_llama.apply_rotary_pos_emb is original_rope
+
+
+def test_rope_restored_only_after_the_last_patched_model():
+    first, second = tiny_llama(), tiny_llama()
+    original_rope = modeling_llama.apply_rotary_pos_emb
+    patch_model(first)
+    patch_model(second)
+    unpatch_model(first)
+    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    unpatch_model(second)
+    assert modeling_llama.apply_rotary_pos_emb is original_rope
+
+
+def test_peft_wrapped_model_is_patched_in_place():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama()
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    patch_model(peft_model)
+    assert is_patched(model) and model.config._attn_implementation == "unpack_sdpa"
+    patch_model(model)  # the same decoder: still one hook
+    assert len(model.model._forward_pre_hooks) == 1
+    unpatch_model(peft_model)
+    assert not is_patched(model)
+
+
+def test_resolve_backend(monkeypatch):
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    model = tiny_llama(attn_implementation="sdpa")
+    choice = resolve_backend(model)
+    assert choice.name == "sdpa" and "flash" in choice.reason
+    name, reason = resolve_backend(patch_model(model))
+    assert name == "sdpa"
+    assert resolve_backend(tiny_llama(attn_implementation="eager")).name == "eager"
+    monkeypatch.setenv(attention.ENV_BACKEND, "eager")
+    assert tuple(resolve_backend(model)) == ("eager", "forced by UNPACK_ATTENTION_BACKEND")
+    # The trainer's test seam: pretend flash-attn runs on this device.
+    monkeypatch.delenv(attention.ENV_BACKEND)
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: object())
+    monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cpu",))
+    assert resolve_backend(model.to(torch.bfloat16)).name == "flash"
+
+
+def test_explicit_metadata_checks():
+    model = patch_model(tiny_llama())
+    ids = torch.randint(0, 64, (1, 5))
+    lengths = torch.tensor([3, 2], dtype=torch.int32)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="max_length_q`=2 but the longest packed sample has 3"):
+            model(input_ids=ids, packed_seq_lengths=lengths, max_length_q=2)
+        with pytest.raises(ValueError, match="`cu_seq_lens_k` does not match"):
+            model(input_ids=ids, packed_seq_lengths=lengths, cu_seq_lens_k=torch.tensor([0, 2, 5], dtype=torch.int32))
+        with pytest.raises(ValueError, match="cannot also hide tokens with an `attention_mask`"):
+            model(input_ids=ids, packed_seq_lengths=lengths, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))
+        # Without position_ids they are filled in per sample; an all-ones mask is dropped.
+        filled = model(input_ids=ids, packed_seq_lengths=lengths, attention_mask=torch.ones(1, 5)).logits
+        explicit = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1]])).logits
+    assert torch.equal(filled, explicit)

@@ -1,0 +1,551 @@
+"""The packed attention helper against a per-sample reference, its metadata, and its backend dispatch.
+
+flash-attn and xformers are checked on CPU with stand-in kernels that verify what the dispatcher hands them
+(``cu_seqlens``, ``max_seqlen``, window, layout, scale) and compute the reference; the real kernels are checked by the
+``gpu`` tests, skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unpack_trainer.patches import attention
+from unpack_trainer.patches.attention import (
+    BackendChoice,
+    PackedSeqInfo,
+    choose_backend,
+    make_attention_function,
+    packed_attention_forward,
+)
+
+
+class FakeModule(torch.nn.Module):
+    """Stands in for a transformers attention module: only ``training`` and ``is_causal`` are read."""
+
+    is_causal = True
+
+
+def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None):
+    """Dense per-sample causal attention in float64. q: (total, H, D); k, v: (total, H_kv, D) -> (total, H, D)."""
+    groups = q.shape[1] // k.shape[1]
+    outputs, start = [], 0
+    for length in lengths:
+        qs = q[start : start + length].double().transpose(0, 1)
+        ks = k[start : start + length].double().transpose(0, 1).repeat_interleave(groups, 0)
+        vs = v[start : start + length].double().transpose(0, 1).repeat_interleave(groups, 0)
+        scores = qs @ ks.transpose(1, 2) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        i = torch.arange(length).unsqueeze(1)
+        j = torch.arange(length).unsqueeze(0)
+        allowed = j <= i
+        if window is not None:
+            allowed &= j > i - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outputs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        start += length
+    return torch.cat(outputs).to(q.dtype)
+
+
+def reference(query, key, value, lengths, **options):
+    """(B, H, T, D) inputs -> (B, T, H, D), like the helper."""
+    batch, heads, seq_len, dim = query.shape
+    out = reference_tokens(
+        attention._tokens_major(query),
+        attention._tokens_major(key),
+        attention._tokens_major(value),
+        lengths,
+        **options,
+    )
+    return out.view(batch, seq_len, heads, -1)
+
+
+def random_qkv(lengths, *, rows=1, heads=4, kv_heads=2, dim=8, dtype=torch.float32, device="cpu", seed=0):
+    total = sum(lengths)
+    assert total % rows == 0
+    generator = torch.Generator().manual_seed(seed)
+    shape = (rows, total // rows, dim)
+
+    def make(h):
+        x = torch.randn(shape[0], h, shape[1], shape[2], generator=generator)
+        return x.to(device=device, dtype=dtype).requires_grad_()
+
+    return make(heads), make(kv_heads), make(kv_heads)
+
+
+def info_kwargs(lengths, rows=1):
+    lengths_t = torch.tensor(lengths, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths_t.cumsum(0, dtype=torch.int32), (1, 0))
+    return {"packed_seq_lengths": lengths_t, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+
+
+def assert_close_to_reference(out, expected, rel=1e-5):
+    scale = expected.abs().max()
+    assert (out - expected).abs().max() <= rel * scale
+
+
+def grads(tensors):
+    return [t.grad.detach().clone() for t in tensors]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_hand_example():
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2]), batch_size=1, seq_len=5)
+    assert info.seq_lengths.dtype == torch.int32 and info.seq_lengths.tolist() == [3, 2]
+    assert info.cu_seqlens.dtype == torch.int32 and info.cu_seqlens.tolist() == [0, 3, 5]
+    assert info.max_seqlen == 3 and isinstance(info.max_seqlen, int)
+    assert info.num_seqs == 2 and info.total_tokens == 5
+    same = PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 2, 0, 1]]))
+    assert same.seq_lengths.tolist() == [3, 2]
+    from_cu = PackedSeqInfo.from_cu_seqlens(torch.tensor([0, 3, 5], dtype=torch.int32), batch_size=1, seq_len=5)
+    assert from_cu.seq_lengths.tolist() == [3, 2]
+
+
+def test_from_position_ids():
+    assert PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 2, 3]])) is None  # one sample: not packed
+    assert PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 2], [0, 1, 2]])) is None
+    info = PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]))
+    assert info.seq_lengths.tolist() == [2, 2, 4] and (info.batch_size, info.seq_len) == (2, 4)
+    # A row that does not start at 0 still starts a sample; a jump that is not +1 starts one too.
+    info = PackedSeqInfo.from_position_ids(torch.tensor([[5, 6, 0, 0, 1, 7]]))
+    assert info.seq_lengths.tolist() == [2, 1, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "batch_size", "seq_len", "message"),
+    [
+        ([3, 0, 2], 1, 5, "Packed sample 1 has length 0"),
+        ([3, 2], 1, 6, "sum to 5 tokens but the batch has 1 row"),
+        ([3, 2, 3], 2, 4, "Packed sample 1 crosses the boundary between rows 0 and 1"),
+        ([], 1, 0, "no samples"),
+    ],
+)
+def test_bad_metadata_is_a_clear_error(lengths, batch_size, seq_len, message):
+    with pytest.raises(ValueError, match=message):
+        PackedSeqInfo.from_seq_lengths(
+            torch.tensor(lengths, dtype=torch.int32), batch_size=batch_size, seq_len=seq_len
+        )
+
+
+def test_bad_cu_seqlens():
+    with pytest.raises(ValueError, match="zero-prefixed"):
+        PackedSeqInfo.from_cu_seqlens(torch.tensor([1, 3, 5]), batch_size=1, seq_len=5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=80))
+def test_sdpa_plan_places_every_token_once(lengths):
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=sum(lengths))
+    plan = info.sdpa_plan(torch.device("cpu"))
+    gather = torch.cat([bucket.gather for bucket in plan.buckets])
+    assert gather.numel() == sum(b.count * b.length for b in plan.buckets)
+    # Every token has exactly one slot, and that slot reads the token itself.
+    assert torch.equal(gather[plan.scatter], torch.arange(sum(lengths)))
+    assert torch.unique(plan.scatter).numel() == sum(lengths)
+    # Padding slots read a token of their own sample, and sit after the sample's real tokens.
+    sample_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    offset = 0
+    for bucket in plan.buckets:
+        slots = bucket.gather.view(bucket.count, bucket.length)
+        owner = sample_of[slots]
+        assert torch.equal(owner, owner[:, :1].expand_as(owner))
+        real = torch.zeros(bucket.count * bucket.length, dtype=torch.bool)
+        in_bucket = (plan.scatter >= offset) & (plan.scatter < offset + bucket.count * bucket.length)
+        real[plan.scatter[in_bucket] - offset] = True
+        real = real.view(bucket.count, bucket.length)
+        counts = real.sum(1)
+        assert torch.equal(real, torch.arange(bucket.length).unsqueeze(0) < counts.unsqueeze(1))
+        assert int(counts.max()) == bucket.length
+        offset += bucket.count * bucket.length
+
+
+def test_many_tiny_samples_need_few_calls():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 12, (1000,), generator=generator)
+    info = PackedSeqInfo.from_seq_lengths(lengths, batch_size=1, seq_len=int(lengths.sum()))
+    assert len(info.sdpa_plan(torch.device("cpu")).buckets) <= 2
+    lognormal = torch.distributions.LogNormal(torch.log(torch.tensor(180.0)), 0.8).sample((300,))
+    lengths = lognormal.round().clamp(1, 2048).long()
+    info = PackedSeqInfo.from_seq_lengths(lengths, batch_size=1, seq_len=int(lengths.sum()))
+    plan = info.sdpa_plan(torch.device("cpu"))
+    assert len(plan.buckets) <= 40
+    # A sample shares a bucket only if padding it costs at most 1.25**2 x its own pairs, or 2048 pairs.
+    padded_pairs = sum(b.count * b.length**2 for b in plan.buckets)
+    assert padded_pairs <= 1.25**2 * float((lengths.double() ** 2).sum()) + 2048 * len(lengths)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SDPA and eager against the reference
+# ---------------------------------------------------------------------------------------------------------------------
+
+CASES = [
+    # lengths, rows, heads, kv_heads, window
+    ([5, 1, 9, 3, 1, 12, 1], 1, 4, 2, None),
+    ([5, 1, 9, 3, 1, 12, 1], 1, 4, 4, 4),
+    ([4, 6, 2, 3, 1, 8], 2, 4, 1, None),
+    ([30, 7, 17, 1, 25], 1, 6, 2, 8),
+]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize(("lengths", "rows", "heads", "kv_heads", "window"), CASES)
+def test_backend_matches_reference_forward_and_backward(backend, lengths, rows, heads, kv_heads, window):
+    q, k, v = random_qkv(lengths, rows=rows, heads=heads, kv_heads=kv_heads)
+    out, weights = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.3, sliding_window=window, backend=backend, **info_kwargs(lengths)
+    )
+    assert weights is None and out.shape == (rows, sum(lengths) // rows, heads, 8)
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    got = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    expected = reference(q, k, v, lengths, scaling=0.3, window=window)
+    (expected * upstream).sum().backward()
+    assert_close_to_reference(out.detach(), expected.detach())
+    for name, g, e in zip("qkv", got, grads([q, k, v])):
+        assert torch.isfinite(g).all(), f"non-finite gradient of {name}"
+        assert_close_to_reference(g, e)
+
+
+def test_softcap_goes_to_a_backend_that_applies_it(caplog):
+    lengths = [6, 3, 9]
+    q, k, v = random_qkv(lengths)
+    expected = reference(q, k, v, lengths, scaling=1.0, softcap=2.0)
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        out, _ = packed_attention_forward(
+            FakeModule(), q, k, v, None, scaling=1.0, softcap=2.0, **info_kwargs(lengths)
+        )
+    assert "sdpa cannot apply logit softcapping; using eager" in caplog.text
+    assert_close_to_reference(out.detach(), expected.detach())
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=1.0, softcap=2.0, backend="eager", **info_kwargs(lengths)
+    )
+    assert_close_to_reference(out.detach(), expected.detach())
+
+
+def test_softcap_on_forced_sdpa_is_an_error(monkeypatch):
+    monkeypatch.setenv(attention.ENV_BACKEND, "sdpa")
+    lengths = [6, 3]
+    q, k, v = random_qkv(lengths)
+    with pytest.raises(ValueError, match="cannot apply attention logit softcapping"):
+        packed_attention_forward(FakeModule(), q, k, v, None, softcap=2.0, **info_kwargs(lengths))
+
+
+def test_dropout_is_passed_to_sdpa_and_applied_by_eager(monkeypatch):
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["dropout_p"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    lengths = [6, 3, 9]
+    q, k, v = random_qkv(lengths)
+    packed_attention_forward(FakeModule(), q, k, v, None, dropout=0.25, backend="sdpa", **info_kwargs(lengths))
+    assert seen and set(seen) == {0.25}
+    module = FakeModule().train()
+    torch.manual_seed(0)
+    dropped, _ = packed_attention_forward(module, q, k, v, None, dropout=0.5, backend="eager", **info_kwargs(lengths))
+    clean, _ = packed_attention_forward(module, q, k, v, None, dropout=0.0, backend="eager", **info_kwargs(lengths))
+    assert not torch.allclose(dropped, clean)
+
+
+def test_no_dense_mask_and_few_sdpa_calls(monkeypatch):
+    shapes = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        shapes.append((tuple(query.shape), None if attn_mask is None else tuple(attn_mask.shape)))
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 9, (400,), generator=generator).tolist() + [40, 37]
+    q, k, v = random_qkv(lengths, heads=2, kv_heads=1, dim=4)
+    out, _ = packed_attention_forward(FakeModule(), q, k, v, None, sliding_window=16, **info_kwargs(lengths))
+    assert len(shapes) <= 4
+    assert all(mask is None or mask == (40, 40) for _, mask in shapes)
+    expected = reference(q, k, v, lengths, scaling=0.5, window=16)
+    assert_close_to_reference(out.detach(), expected.detach())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors, choice, and the registered function
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_packed_attention_errors():
+    lengths = [3, 2]
+    q, k, v = random_qkv(lengths)
+    with pytest.raises(ValueError, match="needs packing metadata"):
+        packed_attention_forward(FakeModule(), q, k, v, None)
+    with pytest.raises(ValueError, match="cannot be combined with a KV cache"):
+        longer = torch.cat([k, k], dim=2)
+        packed_attention_forward(FakeModule(), q, longer, longer, None, **info_kwargs(lengths))
+    with pytest.raises(ValueError, match="sum to 5 tokens but the batch has 1 row"):
+        packed_attention_forward(FakeModule(), q[:, :, :4], k[:, :, :4], v[:, :, :4], None, **info_kwargs(lengths))
+    bidirectional = FakeModule()
+    bidirectional.is_causal = False
+    with pytest.raises(ValueError, match="causal only"):
+        packed_attention_forward(bidirectional, q, k, v, None, **info_kwargs(lengths))
+    with pytest.raises(ValueError, match="Unknown packed attention backend"):
+        packed_attention_forward(FakeModule(), q, k, v, None, backend="magic", **info_kwargs(lengths))
+
+
+def test_choose_backend(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    assert choose_backend(cpu, torch.float32, "sdpa").name == "sdpa"
+    assert choose_backend(cpu, torch.float32, "eager") == BackendChoice(
+        "eager", "the model was loaded with attn_implementation='eager'"
+    )
+    monkeypatch.setenv(attention.ENV_BACKEND, "eager")
+    assert choose_backend(cpu, torch.float32, "sdpa") == BackendChoice("eager", "forced by UNPACK_ATTENTION_BACKEND")
+    monkeypatch.setenv(attention.ENV_BACKEND, "magic")
+    with pytest.raises(ValueError, match="is not a backend"):
+        choose_backend(cpu, torch.float32, "sdpa")
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setenv(attention.ENV_BACKEND, "flash")
+    with pytest.raises(ValueError, match="flash-attn is not installed"):
+        choose_backend(cpu, torch.bfloat16, "sdpa")
+
+
+def test_choose_backend_prefers_available_kernels(monkeypatch):
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: object())
+    monkeypatch.setattr(attention, "_xformers_fmha", lambda: object())
+    cuda = torch.device("cuda")
+    assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "flash"
+    assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # flash-attn needs half precision
+    assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    assert choose_backend(cuda, torch.bfloat16, "flash_attention_2").name == "xformers"
+
+
+def test_unpacked_calls_run_the_original_implementation():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = FakeModule()
+    module.num_key_value_groups = 2
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[0, :, :, :2] = False
+    function = make_attention_function("sdpa")
+    for attention_mask in (None, mask):
+        got, _ = function(module, q, k, v, attention_mask, scaling=0.2, dropout=0.0, packed_seq_info=None)
+        expected, _ = sdpa_attention_forward(module, q, k, v, attention_mask, scaling=0.2, dropout=0.0)
+        assert torch.equal(got, expected)
+    # Plain arange positions are not packed either.
+    positions = torch.arange(6).expand(2, 6)
+    got, _ = function(module, q, k, v, None, scaling=0.2, position_ids=positions)
+    assert torch.equal(got, sdpa_attention_forward(module, q, k, v, None, scaling=0.2)[0])
+
+
+def test_registered_function_derives_metadata_once_per_tensor(monkeypatch):
+    calls = []
+    original = PackedSeqInfo.from_cu_seqlens.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(1)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PackedSeqInfo, "from_cu_seqlens", classmethod(counting))
+    lengths = [3, 5, 2]
+    q, k, v = random_qkv(lengths)
+    cu = info_kwargs(lengths)["cu_seq_lens_q"]
+    function = make_attention_function("sdpa")
+    with torch.no_grad():
+        first, _ = function(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        second, _ = function(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert len(calls) == 1 and torch.equal(first, second)
+    assert_close_to_reference(first, reference(q, k, v, lengths, scaling=0.5).detach())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# flash-attn and xformers dispatch, with stand-in kernels on the CPU
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class StandInFlash:
+    """Checks the arguments of ``flash_attn_varlen_func`` and computes the reference."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+        assert q.dim() == k.dim() == v.dim() == 3, "flash-attn varlen takes (total_tokens, num_heads, head_dim)"
+        assert q.shape[0] == k.shape[0] == int(cu_seqlens_q[-1])
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and int(cu_seqlens_q[0]) == 0
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
+        lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        assert isinstance(max_seqlen_q, int) and max_seqlen_q == max(lengths)
+        assert options["causal"] is True
+        window = options.get("window_size", (-1, -1))
+        assert window[1] in (0, -1)
+        self.calls.append({"lengths": lengths, **options})
+        return reference_tokens(
+            q,
+            k,
+            v,
+            lengths,
+            scaling=options["softmax_scale"],
+            window=None if window[0] < 0 else window[0] + 1,
+            softcap=options.get("softcap"),
+        )
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """Make the kernel backends 'available' on the CPU in fp32."""
+    monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+
+
+@pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 1), (50, 4)])
+def test_flash_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
+    kernel = StandInFlash()
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    lengths = [5, 1, 9, 1, 12, 4]
+    q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.4, sliding_window=window, dropout=0.1, **info_kwargs(lengths)
+    )
+    (call,) = kernel.calls
+    assert call["lengths"] == lengths
+    assert call["softmax_scale"] == 0.4 and call["dropout_p"] == 0.1
+    # transformers' window w (i - w < j <= i) is flash-attn's inclusive (w - 1, 0); no window when it cannot bind.
+    assert call.get("window_size") == (None if window in (None, 50) else (window - 1, 0))
+    expected = reference(q, k, v, lengths, scaling=0.4, window=window)
+    assert_close_to_reference(out.detach(), expected.detach())
+
+
+def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog):
+    kernel = StandInFlash()
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    heads, dim = 4, 8  # one token costs 4 * 32 elements of the (head_dim rounded up to 32) accumulator
+    lengths = [30, 10, 50, 2, 20, 7]
+    monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (60 + 128 * 2) * heads * 32)
+    q, k, v = random_qkv(lengths, heads=heads, kv_heads=2, dim=dim)
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        out, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.3, **info_kwargs(lengths))
+    assert "chunks split at sample boundaries" in caplog.text
+    # Chunks follow sample boundaries, each under the limit (tokens + 128 per sample, x heads x 32).
+    assert [call["lengths"] for call in kernel.calls] == [[30, 10], [50, 2], [20, 7]]
+    expected = reference(q, k, v, lengths, scaling=0.3)
+    assert_close_to_reference(out.detach(), expected.detach())
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_flash_sample_too_large_alone_falls_back_to_sdpa(cpu_kernels, monkeypatch, caplog):
+    kernel = StandInFlash()
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    lengths = [10, 400, 12]
+    monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (40 + 128 * 2) * 4 * 32)
+    q, k, v = random_qkv(lengths)
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        out, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.3, **info_kwargs(lengths))
+    assert "Packed sample 1 (400 tokens) alone exceeds" in caplog.text
+    assert [call["lengths"] for call in kernel.calls] == [[10], [12]]
+    assert_close_to_reference(out.detach(), reference(q, k, v, lengths, scaling=0.3).detach())
+
+
+def make_fake_xformers(record):
+    class BlockDiagonalCausalMask:
+        def __init__(self, seqlens, window=None):
+            self.seqlens, self.window = list(seqlens), window
+
+        @classmethod
+        def from_seqlens(cls, q_seqlen, kv_seqlen=None, *, device=None):
+            record["from_seqlens"] = (list(q_seqlen), kv_seqlen, device)
+            return cls(q_seqlen)
+
+        def make_local_attention(self, window_size):
+            record["window"] = window_size
+            return BlockDiagonalCausalMask(self.seqlens, window_size)
+
+    def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None):
+        record["shapes"] = (tuple(query.shape), tuple(key.shape))
+        record["p"], record["scale"] = p, scale
+        assert query.shape[0] == 1, "the block-diagonal bias takes all samples in one batch row"
+        if query.dim() == 5:  # (1, M, G, H, K): kv heads broadcast across each group
+            assert key.stride(3) == 0
+            total, kv_heads, groups, dim = query.shape[1:]
+            q = query.reshape(total, kv_heads * groups, dim)
+            k, v = key[0, :, :, 0], value[0, :, :, 0]
+        else:
+            q, k, v = query[0], key[0], value[0]
+        out = reference_tokens(q, k, v, attn_bias.seqlens, scaling=scale, window=attn_bias.window)
+        return out.view(*query.shape[:-1], out.shape[-1])
+
+    fmha = types.SimpleNamespace(
+        attn_bias=types.SimpleNamespace(BlockDiagonalCausalMask=BlockDiagonalCausalMask),
+        memory_efficient_attention=memory_efficient_attention,
+    )
+    return fmha
+
+
+@pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 4), (3, 1)])
+def test_xformers_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
+    record = {}
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(attention, "_xformers_fmha", lambda: make_fake_xformers(record))
+    lengths = [5, 1, 9, 1, 12, 4]
+    q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.4, sliding_window=window, dropout=0.1, **info_kwargs(lengths)
+    )
+    assert record["from_seqlens"][0] == lengths
+    assert record.get("window") == window
+    assert record["p"] == 0.1 and record["scale"] == 0.4
+    groups = 4 // kv_heads
+    expected_q = (1, 32, kv_heads, groups, 8) if groups > 1 else (1, 32, 4, 8)
+    assert record["shapes"][0] == expected_q
+    expected = reference(q, k, v, lengths, scaling=0.4, window=window)
+    assert_close_to_reference(out.detach(), expected.detach())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The real kernels (CUDA only)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "xformers", "sdpa", "eager"])
+@pytest.mark.parametrize("window", [None, 16])
+def test_real_kernels_on_cuda(backend, window, monkeypatch):
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    if backend == "xformers":
+        pytest.importorskip("xformers")
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    lengths = [40, 1, 97, 3, 64, 11]
+    q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16, device="cuda")
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.125, sliding_window=window, **info_kwargs(lengths)
+    )
+    upstream = torch.randn_like(out)
+    (out.float() * upstream.float()).sum().backward()
+    got = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    expected = reference(q, k, v, lengths, scaling=0.125, window=window)
+    (expected.float() * upstream.float()).sum().backward()
+    # bf16: within a few bf16 ulps of the float64 reference rounded to bf16.
+    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
+    for g, e in zip(got, grads([q, k, v])):
+        assert_close_to_reference(g.float(), e.float(), rel=5e-2)

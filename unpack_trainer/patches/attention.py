@@ -1,0 +1,779 @@
+"""The one attention helper for packed rows: every sample attends only to itself, at the cost of the samples alone.
+
+A packed batch holds several samples per row. Stock transformers (5.x) turns packed ``position_ids`` into a dense
+``(T, T)`` block-causal mask for SDPA and eager, so attention costs ``O(T**2)`` time and memory whatever the samples.
+This module computes the same result from the per-sample lengths:
+
+- ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), split at sample boundaries where a row is so
+  large that the kernel's 32-bit offsets would overflow;
+- ``xformers``: ``memory_efficient_attention`` with a ``BlockDiagonalCausalMask`` (CUDA);
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` per sample, without any ``(T, T)`` mask: samples of
+  similar length are gathered into one padded ``(n, H, L, D)`` batch (padding at the end of each sample, where causal
+  attention of real tokens never sees it) and run in one causal call, so memory is linear in ``T`` and thousands of
+  tiny samples cost a handful of calls;
+- ``eager``: the same buckets with an explicit ``softmax(QK^T * scaling + mask) V``, the readable reference.
+
+Worked example, one row of two samples of lengths 3 and 2::
+
+    position_ids        [[0, 1, 2, 0, 1]]
+    packed_seq_lengths  [3, 2]          int32
+    cu_seqlens          [0, 3, 5]       int32
+    max_seqlen          3
+
+Sliding-window attention (a query at position ``i`` sees keys ``j`` with ``i - sliding_window < j <= i``, as in
+transformers' masks) and grouped-query attention (``num_kv_heads`` dividing ``num_heads``) work on every backend.
+``UNPACK_ATTENTION_BACKEND=flash|xformers|sdpa|eager`` forces a backend; asking for one that cannot run is an error.
+
+The packing metadata is computed once per forward on the CPU (:class:`PackedSeqInfo`); every per-layer index tensor is
+cached on that object, so no layer synchronises with the device.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BACKENDS",
+    "ENV_BACKEND",
+    "BackendChoice",
+    "PackedSeqInfo",
+    "backend_unavailable_reason",
+    "choose_backend",
+    "make_attention_function",
+    "packed_attention_forward",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS: tuple[str, ...] = ("flash", "xformers", "sdpa", "eager")
+ENV_BACKEND = "UNPACK_ATTENTION_BACKEND"
+
+# Availability seams. Tests swap these to run the flash/xformers dispatch on CPU with stand-in kernels.
+_KERNEL_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+_FLASH_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+_XFORMERS_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+
+# flash-attn's varlen backward indexes its fp32 dq accumulator, of about
+# (total_tokens + 128 * num_seqs) * num_heads * round_up(head_dim, 32) elements, with 32-bit offsets in the releases
+# that predate the fix (flash-attention PR 1500). Rows above this bound are split at sample boundaries.
+_FLASH_MAX_ELEMENTS = 2**31 - 1
+
+# SDPA/eager bucketing: samples whose length is within this ratio of the bucket's longest share a call, and so does a
+# sample whose padding costs fewer extra (query, key) pairs than the fixed cost of one more call (about that many).
+_BUCKET_RATIO = 1.25
+_BUCKET_PAIR_BUDGET = 2048
+# Eager materialises (n, H, L, L) scores; buckets are run in chunks of at most this many score elements.
+_EAGER_MAX_SCORE_ELEMENTS = 1 << 25
+
+_kernel_cache: dict[str, Any] = {}
+_logged_once: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged_once:
+        _logged_once.add(message)
+        logger.log(level, message)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packing metadata
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _Bucket(NamedTuple):
+    length: int  # L: the longest sample of the bucket; every sample is padded to it
+    count: int  # n: samples in the bucket
+    gather: torch.Tensor  # (n * L,) int64 row-major token index of each padded slot (padding repeats a real token)
+
+
+class _SdpaPlan(NamedTuple):
+    buckets: list[_Bucket]
+    scatter: torch.Tensor  # (total_tokens,) int64: slot of each token in the concatenated padded bucket outputs
+
+
+class PackedSeqInfo:
+    """Packing metadata of one batch, computed once per forward on the CPU and shared by every layer.
+
+    A packed batch is ``B`` rows of ``T`` tokens; the samples of all rows, in row-major order, have the lengths
+    ``seq_lengths`` (every sample inside one row; trailing row padding is a sample of its own).
+
+    Attributes:
+        seq_lengths: ``(num_seqs,)`` int32 CPU, every length >= 1, summing to ``B * T``.
+        cu_seqlens: ``(num_seqs + 1,)`` int32 CPU, zero-prefixed cumsum of ``seq_lengths``.
+        max_seqlen: the longest sample, a Python int.
+        batch_size, seq_len: ``B`` and ``T``.
+
+    Device tensors (``cu_seqlens`` on the device, SDPA bucket indices, sliding-window band masks, flash-attn chunks,
+    xformers biases) are built on first use and cached on the object.
+
+    Example::
+
+        >>> info = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2]), batch_size=1, seq_len=5)
+        >>> info.cu_seqlens.tolist(), info.max_seqlen
+        ([0, 3, 5], 3)
+    """
+
+    def __init__(self, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int) -> None:
+        lengths = torch.as_tensor(seq_lengths).detach().to(device="cpu", dtype=torch.int64).reshape(-1)
+        if lengths.numel() == 0:
+            raise ValueError("Packed attention got no samples: `packed_seq_lengths` is empty.")
+        bad = torch.nonzero(lengths <= 0)
+        if bad.numel():
+            index = int(bad[0, 0])
+            raise ValueError(
+                f"Packed sample {index} has length {int(lengths[index])}; every sample needs at least one token."
+            )
+        total = int(lengths.sum())
+        if total != batch_size * seq_len:
+            raise ValueError(
+                f"The packed sample lengths sum to {total} tokens but the batch has {batch_size} row(s) of {seq_len} "
+                f"tokens ({batch_size * seq_len}); trailing row padding must be a sample of its own."
+            )
+        cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, dim=0, out=cu[1:])
+        if batch_size > 1:
+            boundaries = torch.arange(1, batch_size, dtype=torch.int64) * seq_len
+            crossing = ~torch.isin(boundaries, cu)
+            if bool(crossing.any()):
+                row = int(torch.nonzero(crossing)[0, 0])
+                sample = int(torch.searchsorted(cu, boundaries[row], right=True)) - 1
+                raise ValueError(
+                    f"Packed sample {sample} crosses the boundary between rows {row} and {row + 1} (row length "
+                    f"{seq_len}); samples must not span rows."
+                )
+        self.seq_lengths = lengths.to(torch.int32)
+        self.cu_seqlens = cu.to(torch.int32)
+        self.max_seqlen = int(lengths.max())
+        self.batch_size = int(batch_size)
+        self.seq_len = int(seq_len)
+        self._cache: dict[Any, Any] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedSeqInfo(num_seqs={self.num_seqs}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
+            f"max_seqlen={self.max_seqlen})"
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lengths.numel())
+
+    @property
+    def total_tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    # -- constructors ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_seq_lengths(cls, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int) -> PackedSeqInfo:
+        """From ``packed_seq_lengths``: ``(num_seqs,)`` integer lengths, row-major over the batch (any device)."""
+        return cls(seq_lengths, batch_size=batch_size, seq_len=seq_len)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, *, batch_size: int, seq_len: int) -> PackedSeqInfo:
+        """From ``cu_seq_lens_q``: ``(num_seqs + 1,)`` zero-prefixed cumulative lengths (any device)."""
+        cu = torch.as_tensor(cu_seqlens).detach().to(device="cpu", dtype=torch.int64).reshape(-1)
+        if cu.numel() < 2 or int(cu[0]) != 0:
+            raise ValueError(f"`cu_seq_lens_q` must be zero-prefixed cumulative lengths, got {cu.tolist()[:8]}...")
+        return cls(cu[1:] - cu[:-1], batch_size=batch_size, seq_len=seq_len)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> PackedSeqInfo | None:
+        """From ``position_ids`` ``(B, T)``: a sample starts at each row start and wherever a position is not the
+        previous one plus 1. Returns ``None`` when every row holds a single sample (nothing is packed)."""
+        pos = position_ids.detach().to(device="cpu", dtype=torch.int64)
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        batch_size, seq_len = pos.shape
+        if seq_len == 0:
+            return None
+        starts = torch.ones_like(pos, dtype=torch.bool)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        if int(starts.sum()) == batch_size:
+            return None
+        start_index = torch.nonzero(starts.reshape(-1)).reshape(-1)
+        ends = torch.cat([start_index[1:], torch.tensor([batch_size * seq_len])])
+        return cls(ends - start_index, batch_size=batch_size, seq_len=seq_len)
+
+    # -- per-device caches -------------------------------------------------------------------------------------------
+
+    def cu_seqlens_on(self, device: torch.device) -> torch.Tensor:
+        """``cu_seqlens`` as ``(num_seqs + 1,)`` int32 on ``device`` (copied once)."""
+        key = ("cu_seqlens", str(device))
+        if key not in self._cache:
+            self._cache[key] = self.cu_seqlens.to(device, non_blocking=True)
+        return self._cache[key]
+
+    def sdpa_plan(self, device: torch.device) -> _SdpaPlan:
+        """Bucket the samples by length for batched per-sample attention; index tensors live on ``device``."""
+        key = ("sdpa_plan", str(device))
+        if key not in self._cache:
+            self._cache[key] = self._build_sdpa_plan(device)
+        return self._cache[key]
+
+    def _build_sdpa_plan(self, device: torch.device) -> _SdpaPlan:
+        lengths = self.seq_lengths.to(torch.int64)
+        starts = self.cu_seqlens[:-1].to(torch.int64)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        sorted_lengths = lengths[order].tolist()
+        groups: list[tuple[int, int]] = []  # [begin, end) ranges into `order`
+        begin = 0
+        while begin < len(sorted_lengths):
+            longest = sorted_lengths[begin]
+            end = begin + 1
+            while end < len(sorted_lengths):
+                length = sorted_lengths[end]
+                if length * _BUCKET_RATIO < longest and longest * longest - length * length > _BUCKET_PAIR_BUDGET:
+                    break
+                end += 1
+            groups.append((begin, end))
+            begin = end
+
+        buckets: list[_Bucket] = []
+        scatter = torch.empty(self.total_tokens, dtype=torch.int64)
+        offset = 0
+        for begin, end in groups:
+            members = order[begin:end]
+            bucket_lengths = lengths[members]
+            bucket_starts = starts[members]
+            length = int(bucket_lengths[0])
+            count = end - begin
+            steps = torch.arange(length, dtype=torch.int64)
+            valid = steps.unsqueeze(0) < bucket_lengths.unsqueeze(1)  # (n, L)
+            tokens = bucket_starts.unsqueeze(1) + steps.unsqueeze(0)  # (n, L)
+            # Padding slots repeat the sample's first token: finite values that only padded queries ever see.
+            gather = torch.where(valid, tokens, bucket_starts.unsqueeze(1))
+            slots = offset + torch.arange(count * length, dtype=torch.int64).view(count, length)
+            scatter[tokens[valid]] = slots[valid]
+            buckets.append(_Bucket(length, count, gather.reshape(-1).to(device, non_blocking=True)))
+            offset += count * length
+        return _SdpaPlan(buckets, scatter.to(device, non_blocking=True))
+
+    def band_mask(self, length: int, sliding_window: int, device: torch.device) -> torch.Tensor:
+        """``(L, L)`` bool, True where query ``i`` may see key ``j``: ``i - sliding_window < j <= i``."""
+        key = ("band", length, sliding_window, str(device))
+        if key not in self._cache:
+            i = torch.arange(length, device=device).unsqueeze(1)
+            j = torch.arange(length, device=device).unsqueeze(0)
+            self._cache[key] = (j <= i) & (j > i - sliding_window)
+        return self._cache[key]
+
+    def additive_mask(
+        self, length: int, sliding_window: int | None, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """``(L, L)`` float: 0 where attention is allowed (causal, within the window), ``finfo(dtype).min`` elsewhere."""
+        key = ("additive", length, sliding_window, dtype, str(device))
+        if key not in self._cache:
+            window = sliding_window if sliding_window is not None else length + 1
+            allowed = self.band_mask(length, window, device)
+            zero = torch.zeros((), dtype=dtype, device=device)
+            self._cache[key] = torch.where(allowed, zero, torch.finfo(dtype).min)
+        return self._cache[key]
+
+    def flash_chunks(self, num_heads: int, head_dim: int) -> list[tuple[int, int, int]]:
+        """Split the samples into ``[first_seq, last_seq)`` chunks, each small enough for flash-attn's 32-bit offsets.
+
+        Returns ``(first_seq, last_seq, max_seqlen)`` triples; a single triple covering everything in the usual case.
+        A sample too large on its own is a chunk of its own (the caller sends it to SDPA).
+        """
+        key = ("flash_chunks", num_heads, head_dim)
+        if key in self._cache:
+            return self._cache[key]
+        per_token = num_heads * (-(-head_dim // 32) * 32)
+        lengths = self.seq_lengths.tolist()
+        chunks: list[tuple[int, int, int]] = []
+        first, tokens, longest = 0, 0, 0
+        for index, length in enumerate(lengths):
+            if index > first and (tokens + length + 128 * (index - first + 1)) * per_token > _FLASH_MAX_ELEMENTS:
+                chunks.append((first, index, longest))
+                first, tokens, longest = index, 0, 0
+            tokens += length
+            longest = max(longest, length)
+        chunks.append((first, len(lengths), longest))
+        self._cache[key] = chunks
+        return chunks
+
+    def flash_chunk_fits(self, first: int, last: int, num_heads: int, head_dim: int) -> bool:
+        tokens = int(self.cu_seqlens[last]) - int(self.cu_seqlens[first])
+        return (tokens + 128 * (last - first)) * num_heads * (-(-head_dim // 32) * 32) <= _FLASH_MAX_ELEMENTS
+
+    def xformers_bias(self, sliding_window: int | None, device: torch.device) -> Any:
+        """The xformers ``BlockDiagonalCausalMask`` (made local for a sliding window) for these samples."""
+        key = ("xformers", sliding_window, str(device))
+        if key not in self._cache:
+            fmha = _xformers_fmha()
+            mask_cls = fmha.attn_bias.BlockDiagonalCausalMask
+            seqlens = self.seq_lengths.tolist()
+            if "device" in inspect.signature(mask_cls.from_seqlens).parameters:
+                bias = mask_cls.from_seqlens(seqlens, device=device)
+            else:
+                bias = mask_cls.from_seqlens(seqlens)
+            if sliding_window is not None and sliding_window < self.max_seqlen:
+                bias = bias.make_local_attention(sliding_window)
+            self._cache[key] = bias
+        return self._cache[key]
+
+
+# Single-entry cache for metadata derived inside the helper (callers that bypass the model hook): every layer of one
+# forward receives the same tensor object, so the CPU work and any device sync happen once per forward.
+_derived: list[Any] = [None]
+
+
+def _derive_info(source_name: str, source: torch.Tensor, batch_size: int, seq_len: int) -> PackedSeqInfo | None:
+    cached = _derived[0]
+    if cached is not None:
+        ref, version, name, shape, info = cached
+        if ref() is source and version == source._version and name == source_name and shape == (batch_size, seq_len):
+            return info
+    if source_name == "packed_seq_lengths":
+        info = PackedSeqInfo.from_seq_lengths(source, batch_size=batch_size, seq_len=seq_len)
+    elif source_name == "cu_seq_lens_q":
+        info = PackedSeqInfo.from_cu_seqlens(source, batch_size=batch_size, seq_len=seq_len)
+    else:
+        info = PackedSeqInfo.from_position_ids(source.expand(batch_size, -1) if source.shape[0] == 1 else source)
+    _derived[0] = (weakref.ref(source), source._version, source_name, (batch_size, seq_len), info)
+    return info
+
+
+def packed_info_from_kwargs(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: Any, kwargs: dict[str, Any]
+) -> PackedSeqInfo | None:
+    """The packing metadata of this call, or ``None`` for an unpacked call.
+
+    Precedence: ``packed_seq_info`` (set by the model hook, ``None`` meaning "not packed"), then
+    ``packed_seq_lengths``, then ``cu_seq_lens_q``, then ``position_ids`` (only without an attention mask and with
+    as many keys as queries, i.e. no KV cache).
+    """
+    if "packed_seq_info" in kwargs:
+        return kwargs["packed_seq_info"]
+    batch_size, _, seq_len, _ = query.shape
+    for name in ("packed_seq_lengths", "cu_seq_lens_q"):
+        source = kwargs.get(name)
+        if source is not None:
+            return _derive_info(name, source, batch_size, seq_len)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and attention_mask is None and key.shape[2] == seq_len and seq_len > 1:
+        return _derive_info("position_ids", position_ids, batch_size, seq_len)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Backend availability and choice
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _flash_varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """``flash_attn.flash_attn_varlen_func`` when flash-attn imports, else ``None`` (imported on first use)."""
+    if "flash" not in _kernel_cache:
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except Exception as error:  # noqa: BLE001 - a broken install (missing CUDA libs) is "not available"
+            _log_once(logging.DEBUG, f"flash-attn is not usable: {error!r}")
+            flash_attn_varlen_func = None
+        _kernel_cache["flash"] = flash_attn_varlen_func
+    return _kernel_cache["flash"]
+
+
+def _xformers_fmha() -> Any:
+    """``xformers.ops.fmha`` when xformers imports, else ``None`` (imported on first use)."""
+    if "xformers" not in _kernel_cache:
+        try:
+            from xformers.ops import fmha
+        except Exception as error:  # noqa: BLE001
+            _log_once(logging.DEBUG, f"xformers is not usable: {error!r}")
+            fmha = None
+        _kernel_cache["xformers"] = fmha
+    return _kernel_cache["xformers"]
+
+
+def backend_unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot run packed attention on ``device`` / ``dtype``; ``None`` when it can."""
+    device = torch.device(device)
+    if backend in ("sdpa", "eager"):
+        return None
+    if backend == "flash":
+        if _flash_varlen_kernel() is None:
+            return "flash-attn is not installed (pip install flash-attn)"
+        if device.type not in _KERNEL_DEVICE_TYPES:
+            return f"flash-attn needs a CUDA device, the model is on {device.type}"
+        if dtype not in _FLASH_DTYPES:
+            return f"flash-attn needs float16 or bfloat16, the model computes in {dtype}"
+        return None
+    if backend == "xformers":
+        if _xformers_fmha() is None:
+            return "xformers is not installed (pip install xformers)"
+        if device.type not in _KERNEL_DEVICE_TYPES:
+            return f"xformers needs a CUDA device, the model is on {device.type}"
+        if dtype not in _XFORMERS_DTYPES:
+            return f"xformers does not support {dtype}"
+        return None
+    raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+
+
+class BackendChoice(NamedTuple):
+    """The packed attention backend and why it was chosen."""
+
+    name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+def choose_backend(device: torch.device, dtype: torch.dtype, original_implementation: str | None) -> BackendChoice:
+    """Which backend packed attention uses for inputs on ``device`` in ``dtype``.
+
+    ``UNPACK_ATTENTION_BACKEND`` wins (and is an error if that backend cannot run here). A model loaded with
+    ``attn_implementation="eager"`` keeps eager. Otherwise the first that can run of flash-attn, xformers, SDPA.
+    """
+    forced = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={forced!r} is not a backend; choose one of {', '.join(BACKENDS)}.")
+        reason = backend_unavailable_reason(forced, device, dtype)
+        if reason is not None:
+            raise ValueError(f"{ENV_BACKEND}={forced} but {reason}. Unset {ENV_BACKEND} to choose automatically.")
+        return BackendChoice(forced, f"forced by {ENV_BACKEND}")
+    if original_implementation == "eager":
+        return BackendChoice("eager", "the model was loaded with attn_implementation='eager'")
+    skipped = []
+    for backend in ("flash", "xformers"):
+        reason = backend_unavailable_reason(backend, device, dtype)
+        if reason is None:
+            return BackendChoice(backend, f"{backend} available on {torch.device(device).type} for {dtype}")
+        skipped.append(reason)
+    return BackendChoice("sdpa", "; ".join(skipped))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Backends. Each takes q (B, H, T, D), k/v (B, H_kv, T, D) and returns (B, T, H, D).
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _tokens_major(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) -> (B * T, H, D); a view when B == 1."""
+    batch, heads, seq_len, dim = x.shape
+    return x.transpose(1, 2).reshape(batch * seq_len, heads, dim)
+
+
+_sdpa_gqa_supported: list[bool] = []
+
+
+def _sdpa_supports_gqa() -> bool:
+    """Whether this torch's SDPA takes ``enable_gqa`` (probed once on a tiny CPU input)."""
+    if not _sdpa_gqa_supported:
+        try:
+            probe = torch.zeros(1, 2, 1, 4)
+            F.scaled_dot_product_attention(probe, probe[:, :1], probe[:, :1], enable_gqa=True)
+            _sdpa_gqa_supported.append(True)
+        except (TypeError, RuntimeError):
+            _sdpa_gqa_supported.append(False)
+    return _sdpa_gqa_supported[0]
+
+
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(n, H_kv, L, D) -> (n, H_kv * groups, L, D), each kv head repeated ``groups`` times (transformers' repeat_kv)."""
+    if groups == 1:
+        return x
+    n, heads, length, dim = x.shape
+    return x[:, :, None].expand(n, heads, groups, length, dim).reshape(n, heads * groups, length, dim)
+
+
+def _gather_bucket(x_tokens: torch.Tensor, gather: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    """(B*T, H, D) tokens -> (n, H, L, D) padded bucket."""
+    heads, dim = x_tokens.shape[1:]
+    return x_tokens.index_select(0, gather).view(count, length, heads, dim).transpose(1, 2)
+
+
+def _sdpa_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
+    del softcap, module
+    batch, heads, seq_len, dim = query.shape
+    groups = heads // key.shape[1]
+    plan = info.sdpa_plan(query.device)
+    q_tokens, k_tokens, v_tokens = _tokens_major(query), _tokens_major(key), _tokens_major(value)
+    outputs = []
+    for bucket in plan.buckets:
+        q = _gather_bucket(q_tokens, bucket.gather, bucket.count, bucket.length)
+        k = _gather_bucket(k_tokens, bucket.gather, bucket.count, bucket.length)
+        v = _gather_bucket(v_tokens, bucket.gather, bucket.count, bucket.length)
+        mask = None
+        if sliding_window is not None and bucket.length > sliding_window:
+            mask = info.band_mask(bucket.length, sliding_window, query.device)
+        extra = {}
+        if groups > 1:
+            if mask is None and _sdpa_supports_gqa():
+                extra["enable_gqa"] = True
+            else:
+                k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, **extra
+        )
+        outputs.append(out.transpose(1, 2).reshape(bucket.count * bucket.length, heads, out.shape[-1]))
+    padded = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return padded.index_select(0, plan.scatter).view(batch, seq_len, heads, -1)
+
+
+def _eager_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
+    batch, heads, seq_len, dim = query.shape
+    groups = heads // key.shape[1]
+    plan = info.sdpa_plan(query.device)
+    q_tokens, k_tokens, v_tokens = _tokens_major(query), _tokens_major(key), _tokens_major(value)
+    training = bool(getattr(module, "training", False))
+    outputs = []
+    for bucket in plan.buckets:
+        length = bucket.length
+        mask = info.additive_mask(length, sliding_window, query.dtype, query.device)
+        per_chunk = max(1, _EAGER_MAX_SCORE_ELEMENTS // (heads * length * length))
+        for first in range(0, bucket.count, per_chunk):
+            count = min(per_chunk, bucket.count - first)
+            gather = bucket.gather[first * length : (first + count) * length]
+            q = _gather_bucket(q_tokens, gather, count, length)
+            k = _repeat_heads(_gather_bucket(k_tokens, gather, count, length), groups)
+            v = _repeat_heads(_gather_bucket(v_tokens, gather, count, length), groups)
+            scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores + mask
+            weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            weights = F.dropout(weights, p=dropout, training=training)
+            out = torch.matmul(weights, v)
+            outputs.append(out.transpose(1, 2).reshape(count * length, heads, out.shape[-1]))
+    padded = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return padded.index_select(0, plan.scatter).view(batch, seq_len, heads, -1)
+
+
+def _flash_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
+    batch, heads, seq_len, dim = query.shape
+    kernel = _flash_varlen_kernel()
+    q_tokens, k_tokens, v_tokens = _tokens_major(query), _tokens_major(key), _tokens_major(value)
+    options: dict[str, Any] = {"dropout_p": dropout, "softmax_scale": scaling, "causal": True}
+    if sliding_window is not None and info.max_seqlen > sliding_window:
+        # flash-attn's window is inclusive on both sides: (left, right) = (sliding_window - 1, 0) keeps
+        # i - sliding_window < j <= i, transformers' convention.
+        options["window_size"] = (sliding_window - 1, 0)
+    if softcap is not None:
+        options["softcap"] = softcap
+    cu = info.cu_seqlens_on(query.device)
+    chunks = info.flash_chunks(heads, dim)
+    if len(chunks) == 1:
+        out = kernel(q_tokens, k_tokens, v_tokens, cu, cu, info.max_seqlen, info.max_seqlen, **options)
+        return out.view(batch, seq_len, heads, -1)
+    _log_once(
+        logging.WARNING,
+        f"A packed batch of {info.total_tokens} tokens x {heads} heads x head_dim {dim} exceeds flash-attn's 32-bit "
+        f"offsets; it is run in {len(chunks)} chunks split at sample boundaries.",
+    )
+    outputs = []
+    for first, last, longest in chunks:
+        begin, end = int(info.cu_seqlens[first]), int(info.cu_seqlens[last])
+        q, k, v = q_tokens[begin:end], k_tokens[begin:end], v_tokens[begin:end]
+        if not info.flash_chunk_fits(first, last, heads, dim):
+            _log_once(
+                logging.WARNING,
+                f"Packed sample {first} ({end - begin} tokens) alone exceeds flash-attn's 32-bit offsets; it runs "
+                "on SDPA instead.",
+            )
+            sub = PackedSeqInfo(info.seq_lengths[first:last], batch_size=1, seq_len=end - begin)
+            part = _sdpa_packed(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                sub,
+                scaling=scaling,
+                dropout=dropout,
+                sliding_window=sliding_window,
+                softcap=None,
+                module=module,
+            )
+            outputs.append(part.reshape(end - begin, heads, -1))
+            continue
+        cu_chunk = (info.cu_seqlens[first : last + 1] - info.cu_seqlens[first]).to(query.device, non_blocking=True)
+        outputs.append(kernel(q, k, v, cu_chunk, cu_chunk, longest, longest, **options))
+    return torch.cat(outputs).view(batch, seq_len, heads, -1)
+
+
+def _xformers_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
+    del softcap, module
+    batch, heads, seq_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    fmha = _xformers_fmha()
+    total = batch * seq_len
+    q = _tokens_major(query).unsqueeze(0)  # (1, total, H, D)
+    k = _tokens_major(key).unsqueeze(0)
+    v = _tokens_major(value).unsqueeze(0)
+    if groups > 1:
+        # xformers' grouped layout (B, M, G, H, K): kv heads broadcast over the query heads of their group.
+        q = q.reshape(1, total, kv_heads, groups, dim)
+        k = k.unsqueeze(3).expand(1, total, kv_heads, groups, dim)
+        v = v.unsqueeze(3).expand(1, total, kv_heads, groups, v.shape[-1])
+    bias = info.xformers_bias(sliding_window, query.device)
+    out = fmha.memory_efficient_attention(q, k, v, attn_bias=bias, p=dropout, scale=scaling)
+    return out.reshape(batch, seq_len, heads, -1)
+
+
+# Dispatch table: tests wrap entries to check which backend ran.
+_BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "flash": _flash_packed,
+    "xformers": _xformers_packed,
+    "sdpa": _sdpa_packed,
+    "eager": _eager_packed,
+}
+
+
+def _choice_for(
+    info: PackedSeqInfo, query: torch.Tensor, original: str | None, softcap: float | None
+) -> BackendChoice:
+    key = ("choice", str(query.device), query.dtype, original, softcap is not None, os.environ.get(ENV_BACKEND))
+    cached = info._cache.get(key)
+    if cached is not None:
+        return cached
+    choice = choose_backend(query.device, query.dtype, original)
+    if softcap is not None and choice.name in ("sdpa", "xformers"):
+        if choice.reason.startswith("forced"):
+            raise ValueError(
+                f"{ENV_BACKEND}={choice.name} cannot apply attention logit softcapping; use eager or flash."
+            )
+        _log_once(logging.WARNING, f"Packed attention: {choice.name} cannot apply logit softcapping; using eager.")
+        choice = BackendChoice("eager", f"{choice.name} cannot apply logit softcapping")
+    _log_once(logging.INFO, f"Packed attention backend: {choice}.")
+    info._cache[key] = choice
+    return choice
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    backend: str | None = None,
+    original_implementation: str | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a packed batch in which no sample sees another; transformers' attention-function signature.
+
+    Args:
+        module: the attention module (read for ``training``, ``is_causal``).
+        query: ``(B, H, T, D)``; key, value: ``(B, H_kv, T, D)`` with ``H_kv`` dividing ``H``. Keys must be exactly the
+            query tokens (no KV cache of earlier tokens).
+        attention_mask: ignored on the packed path (the samples define the mask); ``None`` in a patched model.
+        scaling: softmax scale, ``1 / sqrt(D)`` when ``None``.
+        dropout: attention dropout probability (transformers passes 0.0 outside training).
+        sliding_window: each query sees at most this many keys, itself included; ``None`` for full causal attention.
+        softcap: ``tanh`` logit softcapping; flash and eager apply it, SDPA and xformers hand it to eager.
+        backend: one of :data:`BACKENDS`; ``None`` chooses with :func:`choose_backend`.
+        original_implementation: the model's attention implementation before patching (for the choice).
+        **kwargs: packing metadata, read by :func:`packed_info_from_kwargs`: ``packed_seq_info``,
+            ``packed_seq_lengths`` ``(num_seqs,)`` int, ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, or
+            ``position_ids`` ``(B, T)``.
+
+    Returns:
+        ``(attn_output, None)`` with ``attn_output`` ``(B, T, H, D)`` in ``query``'s dtype.
+    """
+    del attention_mask
+    info = packed_info_from_kwargs(query, key, None, kwargs)
+    if info is None:
+        raise ValueError(
+            "packed_attention_forward needs packing metadata: `packed_seq_lengths`, `cu_seq_lens_q` or packed "
+            "`position_ids` (positions restarting at 0 per sample)."
+        )
+    batch, heads, seq_len, dim = query.shape
+    if info.batch_size != batch or info.seq_len != seq_len:
+        raise ValueError(
+            f"The packing metadata describes {info.batch_size} row(s) of {info.seq_len} tokens but the queries are "
+            f"{batch} row(s) of {seq_len} tokens."
+        )
+    if key.shape[2] != seq_len or value.shape[2] != seq_len:
+        raise ValueError(
+            f"Packed attention needs keys for exactly the {seq_len} query tokens, got {key.shape[2]} keys: a packed "
+            "batch cannot be combined with a KV cache of earlier tokens."
+        )
+    if heads % key.shape[1] != 0:
+        raise ValueError(f"{heads} query heads cannot be grouped over {key.shape[1]} key/value heads.")
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise ValueError("Packed attention is causal only; this module asks for bidirectional attention.")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("Packed attention does not support attention sinks (`s_aux`).")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}.")
+    if scaling is None:
+        scaling = dim**-0.5
+    if backend is None:
+        backend = _choice_for(info, query, original_implementation, softcap).name
+    elif backend not in _BACKEND_FUNCTIONS:
+        raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    out = _BACKEND_FUNCTIONS[backend](
+        query,
+        key,
+        value,
+        info,
+        scaling=scaling,
+        dropout=dropout,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        module=module,
+    )
+    return out, None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Registered attention functions: packed path, or the model's own implementation unchanged
+# --------------------------------------------------------------------------------------------------------------------
+
+_METADATA_KWARGS = ("packed_seq_info", "packed_seq_lengths")
+
+
+def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
+    """The ``eager_attention_forward`` of the module's own modeling file (what transformers falls back to)."""
+    modeling = sys.modules.get(type(module).__module__)
+    function = getattr(modeling, "eager_attention_forward", None)
+    if function is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as function
+    return function
+
+
+def make_attention_function(original_implementation: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """An ``AttentionInterface`` function: packed batches go to :func:`packed_attention_forward`, anything else to
+    ``original_implementation`` ("sdpa", "eager", "flash_attention_2", ...) exactly as without the patch."""
+
+    def unpack_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        info = packed_info_from_kwargs(query, key, attention_mask, kwargs)
+        if info is not None:
+            kwargs["packed_seq_info"] = info
+            return packed_attention_forward(
+                module, query, key, value, None, original_implementation=original_implementation, **kwargs
+            )
+        for name in _METADATA_KWARGS:
+            kwargs.pop(name, None)
+        if original_implementation == "eager":
+            function = _eager_function_of(module)
+        else:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            function = ALL_ATTENTION_FUNCTIONS[original_implementation]
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    unpack_attention_forward.original_implementation = original_implementation  # type: ignore[attr-defined]
+    return unpack_attention_forward

@@ -1,0 +1,139 @@
+"""Model-level side of packed attention: detect a packed forward once, and build no ``(T, T)`` mask for it.
+
+transformers builds the attention mask once per forward through ``AttentionMaskInterface``. For a packed batch the
+mask function registered here returns ``None`` (the attention helper derives the per-sample mask from the packing
+metadata); for anything else it returns exactly what the model's own implementation ("sdpa", "eager", ...) returns.
+
+Whether the current forward is packed is decided by :func:`packed_info_for_forward`, called by the model hook before
+the decoder runs, and published for the mask function through :func:`packed_forward_active`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unpack_trainer.patches.attention import PackedSeqInfo
+
+__all__ = ["make_mask_function", "packed_forward_active", "packed_info_for_forward"]
+
+_ACTIVE: contextvars.ContextVar[PackedSeqInfo | None] = contextvars.ContextVar("unpack_packed_forward", default=None)
+
+
+def packed_forward_active(info: PackedSeqInfo | None) -> contextvars.Token:
+    """Mark the forward now running as packed (``info``) or not (``None``); undo with ``_ACTIVE.reset(token)``."""
+    return _ACTIVE.set(info)
+
+
+def reset_packed_forward(token: contextvars.Token) -> None:
+    _ACTIVE.reset(token)
+
+
+def current_packed_info() -> PackedSeqInfo | None:
+    return _ACTIVE.get()
+
+
+def make_mask_function(original_implementation: str) -> Callable[..., Any]:
+    """An ``AttentionMaskInterface`` function: ``None`` inside a packed forward, else the original implementation's
+    mask (``sdpa_mask``, ``eager_mask``, ...) called with the same arguments."""
+
+    def unpack_mask(*args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE.get() is not None:
+            return None
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+        if original_implementation not in mapping:
+            # transformers builds no mask for implementations without a mask function; neither do we.
+            return None
+        return mapping[original_implementation](*args, **kwargs)
+
+    unpack_mask.original_implementation = original_implementation  # type: ignore[attr-defined]
+    return unpack_mask
+
+
+def _cache_length(past_key_values: Any) -> int:
+    if past_key_values is None:
+        return 0
+    get_seq_length = getattr(past_key_values, "get_seq_length", None)
+    return int(get_seq_length()) if callable(get_seq_length) else 0
+
+
+def _restart_positions(info: PackedSeqInfo, device: torch.device) -> torch.Tensor:
+    """``(B, T)`` int64 positions restarting at 0 for every sample of ``info``."""
+    lengths = info.seq_lengths.to(torch.int64)
+    starts = torch.repeat_interleave(info.cu_seqlens[:-1].to(torch.int64), lengths)
+    positions = torch.arange(info.total_tokens, dtype=torch.int64) - starts
+    return positions.view(info.batch_size, info.seq_len).to(device)
+
+
+def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+    """Decide, once per forward of the decoder model, whether the batch in ``kwargs`` is packed; edit ``kwargs``.
+
+    ``kwargs`` are the keyword arguments of the decoder model's ``forward`` (``input_ids`` or ``inputs_embeds``,
+    ``attention_mask``, ``position_ids``, ``past_key_values``, and the packing metadata ``packed_seq_lengths`` /
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
+
+    The batch is packed when it carries packing metadata, or when it has no ``attention_mask``, no cached tokens, and
+    ``position_ids`` that restart inside a row. On return ``kwargs["packed_seq_info"]`` holds the metadata (``None``
+    for an unpacked batch, which then runs exactly as without the patch). For a packed batch, an all-ones
+    ``attention_mask`` is dropped and missing ``position_ids`` are filled in (restarting per sample).
+
+    Raises:
+        ValueError: inconsistent metadata, a packed batch with cached tokens, or with a mask that hides tokens.
+    """
+    embeds = kwargs.get("inputs_embeds")
+    input_ids = kwargs.get("input_ids")
+    reference = input_ids if input_ids is not None else embeds
+    if reference is None:
+        kwargs["packed_seq_info"] = None
+        return None
+    batch_size, seq_len = reference.shape[0], reference.shape[1]
+    attention_mask = kwargs.get("attention_mask")
+    position_ids = kwargs.get("position_ids")
+    cached = _cache_length(kwargs.get("past_key_values"))
+
+    info = None
+    lengths, cu_q, cu_k = kwargs.get("packed_seq_lengths"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if lengths is not None or cu_q is not None:
+        if lengths is not None:
+            info = PackedSeqInfo.from_seq_lengths(lengths, batch_size=batch_size, seq_len=seq_len)
+        else:
+            info = PackedSeqInfo.from_cu_seqlens(cu_q, batch_size=batch_size, seq_len=seq_len)
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            given = kwargs.get(name)
+            if given is not None and not torch.equal(given.detach().cpu().to(torch.int32), info.cu_seqlens):
+                raise ValueError(
+                    f"`{name}` does not match the packed sample lengths: expected the zero-prefixed cumsum "
+                    f"{info.cu_seqlens.tolist()[:8]}..., got {given.tolist()[:8]}..."
+                )
+        if cu_k is not None and cu_q is not None and lengths is None and not torch.equal(cu_q.cpu(), cu_k.cpu()):
+            raise ValueError("Packed self-attention needs `cu_seq_lens_q` == `cu_seq_lens_k`.")
+        for name in ("max_length_q", "max_length_k"):
+            given = kwargs.get(name)
+            if given is not None and int(given) != info.max_seqlen:
+                raise ValueError(f"`{name}`={int(given)} but the longest packed sample has {info.max_seqlen} tokens.")
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
+                raise ValueError(
+                    "A packed batch (with `packed_seq_lengths` / `cu_seq_lens_q`) cannot also hide tokens with an "
+                    "`attention_mask`; make trailing padding a sample of its own and drop the mask."
+                )
+            kwargs["attention_mask"] = None
+        if position_ids is None:
+            kwargs["position_ids"] = _restart_positions(info, reference.device)
+    elif attention_mask is None and position_ids is not None and seq_len > 1 and cached == 0:
+        if position_ids.shape[0] != batch_size:
+            position_ids = position_ids.expand(batch_size, -1)
+        info = PackedSeqInfo.from_position_ids(position_ids)
+
+    if info is not None and cached:
+        raise ValueError(
+            f"A packed batch cannot be run on top of a KV cache that already holds {cached} tokens; pass no "
+            "`past_key_values` (and `use_cache=False`) for packed training batches."
+        )
+    kwargs["packed_seq_info"] = info
+    return info
