@@ -148,7 +148,7 @@ def test_jsonl_with_plot(tmp_path, capsys, records, tokenizer):
     assert _reported(out, "total tokens") == f"{sum(lengths):,}"
     assert _reported(out, "max") == f"{max(lengths):,}"
     assert _reported(out, "packed rows") == f"{len(expected.rows):,}"
-    assert f"{expected.num_truncated:,} sample(s)" in out  # some of these samples are longer than 256 tokens
+    assert expected.num_truncated > 0 and f"{expected.num_truncated:,} sample(s)" in out
     assert f"{expected.speedup:.2f}x over padded batches in dataset order" in out
     assert "token-count estimate" in out
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == PNG_MAGIC
@@ -377,8 +377,17 @@ def test_console_script(tmp_path, records):
     ]
 
 
-def test_module_entry_point(tmp_path):
+def test_module_entry_point():
     result = subprocess.run(
         [sys.executable, "-m", "unpack_trainer.cli", "analyze", "--help"], capture_output=True, text=True
     )
     assert result.returncode == 0 and "--max-length" in result.stdout
+
+
+def test_import_is_light():
+    code = (
+        "import json, sys, unpack_trainer.cli;"
+        "print(json.dumps([m for m in ('torch', 'transformers', 'datasets', 'matplotlib') if m in sys.modules]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout) == []
