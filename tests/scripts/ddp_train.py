@@ -1,0 +1,73 @@
+"""Run by tests/test_trainer_ddp.py under `accelerate launch --num_processes 2 --cpu`: one epoch of packed
+training; each rank writes the packed rows it trained on to OUTPUT_DIR/rank{N}.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from datasets import Dataset  # noqa: E402
+from tiny import char_tokenizer, tiny_llama  # noqa: E402
+
+from unpack_trainer import SFTConfig, SFTTrainer  # noqa: E402
+
+
+def main(output_dir: str) -> None:
+    rng = random.Random(0)
+    rows = [
+        {
+            "prompt": "a" * rng.randint(1, 15),
+            "completion": "".join(rng.choice("bcdefg") for _ in range(rng.randint(1, 30))),
+        }
+        for _ in range(45)
+    ]
+    tokenizer = char_tokenizer()
+    args = SFTConfig(
+        output_dir=os.path.join(output_dir, "out"),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_length=40,
+        packing=True,
+        per_device_train_batch_size=2,
+        num_train_epochs=1,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    seen = []
+    collate = trainer.data_collator
+
+    def recording_collator(examples):
+        seen.extend(example["input_ids"] for example in examples)
+        return collate(examples)
+
+    trainer.data_collator = recording_collator
+    result = trainer.train()
+    rank = trainer.accelerator.process_index
+    with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump(
+            {
+                "rows": seen,
+                "num_rows": len(trainer.train_dataset),
+                "global_step": result.global_step,
+                "world_size": trainer.accelerator.num_processes,
+            },
+            handle,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

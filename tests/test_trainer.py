@@ -1,0 +1,372 @@
+"""End-to-end trainer tests on CPU: the decision wired for real, equivalence with padded training, training set-ups."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+from tiny import char_tokenizer, tiny_llama
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+import unpack_trainer.trainer as trainer_module
+from unpack_trainer import DataCollatorForPacking, SFTConfig, SFTTrainer
+from unpack_trainer.decision import _logged
+from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_once():
+    _logged.clear()
+    yield
+    _logged.clear()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+def _prompt_completion(n=24, seed=0):
+    rng = random.Random(seed)
+    letters = "abcdefghij"
+    return Dataset.from_list(
+        [
+            {
+                "prompt": "".join(rng.choice(letters) for _ in range(rng.randint(1, 20))),
+                "completion": "".join(rng.choice(letters) for _ in range(rng.randint(1, 40))),
+            }
+            for _ in range(n)
+        ]
+    )
+
+
+def _args(tmp_path, cls=SFTConfig, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_length=48,
+        per_device_train_batch_size=64,
+        max_steps=1,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        seed=0,
+        data_seed=0,
+    )
+    return cls(**(defaults | kwargs))
+
+
+def _train(tokenizer, args, dataset=None, **kwargs):
+    model = tiny_llama(vocab_size=len(tokenizer))
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset or _prompt_completion(), processing_class=tokenizer, **kwargs
+    )
+    result = trainer.train()
+    return trainer, result
+
+
+def _params(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _assert_same_params(a, b, rtol=1e-5, atol=1e-6):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------ decision wiring
+
+
+def test_packing_wires_collator_patch_and_selfcheck(tokenizer, tmp_path):
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_decision.mode == "pack"
+    assert isinstance(trainer.data_collator, DataCollatorForPacking)
+    assert trainer.unpack_selfcheck is not None and trainer.unpack_selfcheck.ok
+    from unpack_trainer.models import is_patched
+
+    assert is_patched(trainer.model)
+    stats = trainer.unpack_stats
+    assert stats["samples"] == 24 and stats["rows"] < 24 and 0 < stats["efficiency"] <= 1
+    rows = trainer.train_dataset
+    assert set(rows.column_names) >= {"input_ids", "labels", "seq_lengths"}
+    assert sum(len(r["input_ids"]) for r in rows) == stats["tokens"]
+    assert all(sum(r["seq_lengths"]) == len(r["input_ids"]) <= 48 for r in rows)
+    # the user's config is not mutated
+    assert trainer.unpack_decision.reason.startswith("packing=True")
+
+
+def test_unpack_disable_is_stock_trl(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNPACK_DISABLE", "1")
+    args = _args(tmp_path, cls=trl.SFTConfig, packing=True)
+    ours = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=args,
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    stock = trl.SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=args,
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    assert ours.unpack_decision.mode == "stock"
+    assert type(ours.data_collator) is type(stock.data_collator) is DataCollatorForLanguageModeling
+    assert ours.train_dataset[:] == stock.train_dataset[:]
+
+
+def test_custom_collator_falls_back_with_a_warning(tokenizer, tmp_path, caplog):
+    collator = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True),
+            data_collator=collator,
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+    assert trainer.unpack_decision.mode == "padded"
+    assert trainer.data_collator is collator
+    assert "packing=True ignored (a custom data_collator" in caplog.text
+    trainer.train()
+
+
+def test_explicit_padding_free_enforces_max_length_instead_of_raising(tokenizer, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, padding_free=True, max_length=16),
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+    assert trainer.unpack_decision.mode == "padding_free"
+    assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) <= 16
+    assert "longer than max_length=16 and were truncated (keep_start)" in caplog.text
+
+
+def test_explicit_padding_free_false_is_kept(tokenizer, tmp_path):
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, padding_free=False),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_decision.mode == "padded"
+    assert type(trainer.data_collator) is DataCollatorForLanguageModeling
+    assert trainer.unpack_selfcheck is None
+
+
+def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(tokenizer, tmp_path, monkeypatch, caplog):
+    failing = ContaminationReport(False, 0.5, 1e-4, 0.5, torch.float32, 0.01)
+    monkeypatch.setattr(trainer_module, "check_uncontaminated", lambda model, **kwargs: failing)
+    with caplog.at_level(logging.ERROR, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True),
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+    assert "Contamination self-check failed, training padded instead" in caplog.text
+    assert trainer.unpack_decision.mode == "padded"
+    assert type(trainer.data_collator) is DataCollatorForLanguageModeling
+    assert "seq_lengths" not in trainer.train_dataset.column_names and len(trainer.train_dataset) == 24
+    from unpack_trainer.models import is_patched
+
+    assert not is_patched(trainer.model)
+    trainer.train()
+    monkeypatch.setenv("UNPACK_STRICT", "1")
+    with pytest.raises(RuntimeError, match="UNPACK_STRICT=1"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True),
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+
+
+class _DropsPackingMetadata(torch.nn.Module):
+    """A model wrapper that forgets the packing metadata: the packed row then runs as one causal sequence."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids, use_cache=False, **kwargs):
+        return self.inner(input_ids=input_ids, use_cache=use_cache)
+
+
+def test_selfcheck_detects_real_contamination():
+    model = tiny_llama()
+    assert check_uncontaminated(model).ok
+    report = check_uncontaminated(_DropsPackingMetadata(model))
+    assert not report.ok and report.max_abs_diff > 100 * report.tolerance
+    assert "a contaminated row would differ by" in report.summary()
+
+
+# ------------------------------------------------------------------------------------------------ equivalence
+
+
+@pytest.mark.parametrize("mode", ["pack", "padding_free"])
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_one_step_equals_padded_training(tokenizer, tmp_path, mode, gradient_checkpointing):
+    extra = {"packing": True} if mode == "pack" else {}
+    common = dict(gradient_checkpointing=gradient_checkpointing)
+    ours, ours_result = _train(tokenizer, _args(tmp_path, **extra, **common))
+    padded, padded_result = _train(tokenizer, _args(tmp_path, padding_free=False, **common))
+    assert ours.unpack_decision.mode == mode and padded.unpack_decision.mode == "padded"
+    assert ours_result.training_loss == pytest.approx(padded_result.training_loss, rel=1e-5)
+    _assert_same_params(_params(ours.model), _params(padded.model))
+
+
+def test_gradient_accumulation_counts_boundary_tokens_once(tokenizer, tmp_path):
+    common = dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, max_steps=2)
+    ours, ours_result = _train(tokenizer, _args(tmp_path, **common))
+    padded, padded_result = _train(tokenizer, _args(tmp_path, padding_free=False, **common))
+    assert ours.unpack_decision.mode == "padding_free"
+    assert ours_result.training_loss == pytest.approx(padded_result.training_loss, rel=1e-5)
+    _assert_same_params(_params(ours.model), _params(padded.model))
+    batch = ours.data_collator([ours.train_dataset[i] for i in range(6)])
+    trained = int((batch["labels"] != -100).sum())
+    expected = sum(sum(1 for label in ours.train_dataset[i]["labels"][1:] if label != -100) for i in range(6))
+    assert trained == expected
+
+
+def test_steps_per_epoch_follow_packed_rows(tokenizer, tmp_path):
+    trainer, result = _train(
+        tokenizer, _args(tmp_path, packing=True, per_device_train_batch_size=2, max_steps=-1, num_train_epochs=1)
+    )
+    rows = trainer.unpack_stats["rows"]
+    assert result.global_step == -(-rows // 2)
+
+
+# ------------------------------------------------------------------------------------------------ set-ups
+
+
+def test_lora(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    trainer, result = _train(
+        tokenizer,
+        _args(tmp_path, packing=True, max_steps=2, learning_rate=1e-2),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    assert trainer.unpack_decision.mode == "pack" and trainer.unpack_selfcheck.ok
+    assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+def test_qlora_4bit(tokenizer, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=_args(tmp_path, packing=True, max_steps=2, learning_rate=1e-2),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    assert trainer.unpack_decision.mode == "pack" and trainer.unpack_selfcheck.ok
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+def test_eval_packing(tokenizer, tmp_path):
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True, eval_packing=True, per_device_eval_batch_size=4),
+        train_dataset=_prompt_completion(),
+        eval_dataset=_prompt_completion(10, seed=1),
+        processing_class=tokenizer,
+    )
+    assert "seq_lengths" in trainer.eval_dataset.column_names and len(trainer.eval_dataset) < 10
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_conversational_and_pretokenized_data(tokenizer, tmp_path):
+    messages = Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "ab" * (i + 1)},
+                    {"role": "assistant", "content": "c" * (i + 2)},
+                ]
+            }
+            for i in range(8)
+        ]
+    )
+    trainer, _ = _train(tokenizer, _args(tmp_path, packing=True, assistant_only_loss=True), dataset=messages)
+    labels = trainer.train_dataset[0]["labels"]
+    assert any(label == -100 for label in labels) and any(label != -100 for label in labels)
+    tokenized = Dataset.from_list([{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 3, 12)])
+    trainer, _ = _train(tokenizer, _args(tmp_path), dataset=tokenized)
+    assert trainer.unpack_decision.mode == "padding_free"
+
+
+def test_resume_from_checkpoint_continues_with_identical_batches(tokenizer, tmp_path):
+    common = dict(packing=True, per_device_train_batch_size=2, max_steps=4, save_strategy="steps", save_steps=2)
+    full, _ = _train(tokenizer, _args(tmp_path / "full", **common))
+    first = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path / "resumed", **(common | {"max_steps": 2})),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    first.train()
+    resumed = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path / "resumed", **common),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "out" / "checkpoint-2"))
+    assert resumed.train_dataset[:] == full.train_dataset[:]
+    _assert_same_params(_params(resumed.model), _params(full.model))
+
+
+def test_streaming_dataset_packs_through_the_buffer(tokenizer, tmp_path):
+    from unpack_trainer.streaming import StreamingPacker
+
+    stream = _prompt_completion(40).to_iterable_dataset(num_shards=2)
+    trainer, result = _train(
+        tokenizer,
+        _args(tmp_path, packing=True, max_steps=3, per_device_train_batch_size=2, packing_buffer_size=16),
+        dataset=stream,
+    )
+    assert trainer.unpack_decision.mode == "pack"
+    assert isinstance(trainer.train_dataset, StreamingPacker)
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    rows = list(trainer.train_dataset)
+    assert all(sum(row["seq_lengths"]) == len(row["input_ids"]) <= 48 for row in rows)
