@@ -14,14 +14,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from unpack_trainer.trainer_benchmark import lognormal_lengths, tiny_llama_config
 
-def lognormal_lengths(
-    n: int, *, median: float = 180.0, sigma: float = 0.8, low: int = 8, high: int = 2048, seed: int = 0
-) -> np.ndarray:
-    """``n`` sample lengths (int64) drawn lognormal around ``median``, clipped to ``[low, high]``."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.lognormal(mean=np.log(median), sigma=sigma, size=n)
-    return np.clip(np.rint(lengths), low, high).astype(np.int64)
+__all__ = [
+    "environment",
+    "format_table",
+    "lognormal_lengths",
+    "lognormal_lengths_with_mean",
+    "print_header",
+    "run_in_subprocess",
+    "tiny_llama_config",
+]
 
 
 def lognormal_lengths_with_mean(
@@ -29,23 +32,6 @@ def lognormal_lengths_with_mean(
 ) -> np.ndarray:
     """Lognormal lengths whose (unclipped) mean is ``mean``: median = mean * exp(-sigma**2 / 2)."""
     return lognormal_lengths(n, median=mean * np.exp(-(sigma**2) / 2), sigma=sigma, low=low, high=high, seed=seed)
-
-
-def tiny_llama_config(**overrides):
-    """The benchmark model: hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096 (about 3.6M parameters)."""
-    from transformers import LlamaConfig
-
-    kwargs = dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=688,
-        vocab_size=4096,
-        max_position_embeddings=32768,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
 
 
 def environment() -> dict[str, str]:
@@ -91,9 +77,7 @@ def run_in_subprocess(module_args: Sequence[str], *, timeout: float = 1800) -> d
 
     Each measured case runs in its own process so that peak memory (ru_maxrss) belongs to that case alone.
     """
-    proc = subprocess.run(
-        [sys.executable, *module_args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    proc = subprocess.run([sys.executable, *module_args], capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark case {module_args} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

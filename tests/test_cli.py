@@ -391,3 +391,16 @@ def test_import_is_light():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(result.stdout) == []
+
+
+def test_bench_runs_the_trainer_comparison(capsys):
+    code = main(["bench", "--max-lengths", "256", "--steps", "1", "--providers", "trl_packing", "unpack_packing"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| 256 | (c) unpack_trainer, packing=True |" in out
+    assert "vs (b) trl packing" in out and "self-check" in out
+
+
+def test_bench_rejects_zero_steps(capsys):
+    assert main(["bench", "--steps", "0"]) == 2
+    assert "--steps must be at least 1" in capsys.readouterr().err

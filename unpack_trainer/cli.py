@@ -787,7 +787,57 @@ def _run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_analyze_command]
+_BENCH_DESCRIPTION = """\
+Time training on the embedded default dataset (or lognormal random data with --data lognormal) four ways, each in its
+own process, and print real (non-pad) tokens per second with ratios:
+  (a) trl.SFTTrainer, padded                  (c) unpack_trainer.SFTTrainer, packing=True
+  (b) trl.SFTTrainer, packing=True            (d) unpack_trainer.SFTTrainer, automatic padding-free
+Same tiny model, same data, same SFTConfig otherwise. The first step of each case is a warm-up and is not timed.
+Absolute times on shared machines are noisy: compare the ratios. This is what benchmarks/bench_trainer.py runs.
+"""
+
+_BENCH_EPILOG = """\
+examples:
+  unpack-trainer bench                                  # max_length 2048 and 8192 on the embedded data
+  unpack-trainer bench --max-lengths 1024 --steps 2     # quicker
+  unpack-trainer bench --providers trl_packing unpack_packing
+"""
+
+
+def _add_bench_command(subparsers: argparse._SubParsersAction) -> None:
+    from unpack_trainer.trainer_benchmark import add_arguments
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="compare training throughput: stock TRL padded / packed vs unpack_trainer",
+        description=_BENCH_DESCRIPTION,
+        epilog=_BENCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser, default_data="default")
+    parser.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from unpack_trainer.trainer_benchmark import compare
+
+    if args.steps < 1:
+        raise CLIError(f"--steps must be at least 1, got {args.steps}.")
+    try:
+        report = compare(
+            max_lengths=args.max_lengths,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            providers=args.providers,
+            data=args.data,
+        )
+    except RuntimeError as error:
+        raise CLIError(str(error)) from None
+    print(report)
+    return 0
+
+
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_analyze_command, _add_bench_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

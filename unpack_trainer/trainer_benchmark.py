@@ -1,0 +1,271 @@
+"""Trainer throughput: stock TRL (padded, packing=True) vs unpack_trainer (packing=True, automatic padding-free).
+
+Used by ``benchmarks/bench_trainer.py`` (lognormal data) and ``unpack-trainer bench`` (the embedded default data).
+Same model, same ``SFTConfig`` otherwise, same data for every provider; every case runs in its own process.
+Throughput is real (non-pad) tokens per second over the timed steps (the first step is a warm-up and not timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+PROVIDERS = {
+    "trl_padded": "(a) trl.SFTTrainer, padded",
+    "trl_packing": "(b) trl.SFTTrainer, packing=True",
+    "unpack_packing": "(c) unpack_trainer, packing=True",
+    "unpack_auto": "(d) unpack_trainer, automatic padding-free",
+}
+
+
+DATASETS = ("lognormal", "default")
+
+
+def lognormal_lengths(
+    n: int, *, median: float = 180.0, sigma: float = 0.8, low: int = 8, high: int = 2048, seed: int = 0
+) -> np.ndarray:
+    """``n`` sample lengths (int64) drawn lognormal around ``median``, clipped to ``[low, high]``."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=np.log(median), sigma=sigma, size=n)
+    return np.clip(np.rint(lengths), low, high).astype(np.int64)
+
+
+def tiny_llama_config(**overrides: Any):
+    """The benchmark model: hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096 (about 3.6M parameters)."""
+    from transformers import LlamaConfig
+
+    kwargs: dict[str, Any] = dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=4096,
+        max_position_embeddings=32768,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+
+
+def _setup(data: str, max_length: int, num_samples: int):
+    """``(model, tokenizer, dataset)`` for one case; the same seed everywhere, so every provider gets the same."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if data == "default":
+        from unpack_trainer.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
+
+        tokenizer = load_default_tokenizer()
+        model = LlamaForCausalLM(tiny_model_config(tokenizer))
+        return model, tokenizer, load_default_dataset("train")
+    model = LlamaForCausalLM(tiny_llama_config(pad_token_id=0, eos_token_id=2, bos_token_id=1))
+    lengths = lognormal_lengths(num_samples, high=max_length)
+    rng = np.random.default_rng(0)
+    dataset = Dataset.from_dict({"input_ids": [rng.integers(3, 4096, size=n).tolist() for n in lengths]})
+    return model, _word_tokenizer(), dataset
+
+
+def run_case(provider: str, max_length: int, steps: int, batch_size: int, data: str = "lognormal") -> dict:
+    """Train ``steps`` + 1 optimizer steps in this process and return throughput figures as a dict."""
+    import trl
+    from datasets.utils.logging import disable_progress_bar
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
+
+    packed = provider in ("trl_packing", "unpack_packing")
+    config = dict(
+        output_dir=f"/tmp/bench_trainer/{provider}",
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_length=max_length,
+        max_steps=steps + 1,
+        per_device_train_batch_size=1 if packed else batch_size,
+        packing=packed,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    num_samples = (steps + 1) * max(batch_size, max_length // 90) * 4
+    model, tokenizer, dataset = _setup(data, max_length, num_samples)
+    if provider.startswith("trl"):
+        trainer_cls, config_cls = trl.SFTTrainer, trl.SFTConfig
+    else:
+        from unpack_trainer import SFTConfig, SFTTrainer
+
+        trainer_cls, config_cls = SFTTrainer, SFTConfig
+    trainer = trainer_cls(model=model, args=config_cls(**config), train_dataset=dataset, processing_class=tokenizer)
+
+    tokens: list[int] = []
+    collate = trainer.data_collator
+
+    def counting_collator(examples):
+        batch = collate(examples)
+        mask = batch.get("attention_mask")
+        tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
+        return batch
+
+    trainer.data_collator = counting_collator
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+    trainer.add_callback(Stamp())
+    start = time.perf_counter()
+    trainer.train()
+    first_step = stamps[0] - start
+    timed = stamps[-1] - stamps[0]
+    real_tokens = sum(tokens[1 : len(stamps)])
+    import resource
+
+    result: dict[str, Any] = {
+        "tokens_per_s": real_tokens / timed,
+        "seconds_per_step": timed / (len(stamps) - 1),
+        "first_step_s": first_step,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    selfcheck = getattr(trainer, "unpack_selfcheck", None)
+    if selfcheck is not None:
+        result["selfcheck_s"] = selfcheck.seconds
+    return result
+
+
+def _environment() -> str:
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return (
+        f"python {platform.python_version()}, {os.cpu_count()} cpus, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, trl {__import__('trl').__version__}, device {device}"
+    )
+
+
+def _run_in_subprocess(provider: str, max_length: int, steps: int, batch_size: int, data: str) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "unpack_trainer.trainer_benchmark",
+        "--case",
+        f"{provider}:{max_length}",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+        "--data",
+        data,
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark case {provider} @ {max_length} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
+
+
+def compare(
+    *,
+    max_lengths: Sequence[int] = (2048, 8192),
+    steps: int = 3,
+    batch_size: int = 8,
+    providers: Sequence[str] = tuple(PROVIDERS),
+    data: str = "lognormal",
+    progress: bool = True,
+) -> str:
+    """Run every provider at every ``max_length`` (each in its own process) and return a markdown report."""
+    headers = ["max_length", "provider", "tokens/s", "s/step", "peak RSS MB", "vs (a) padded", "vs (b) trl packing"]
+    table, notes = [], []
+    for max_length in max_lengths:
+        results = {}
+        for provider in providers:
+            results[provider] = _run_in_subprocess(provider, max_length, steps, batch_size, data)
+            if progress:
+                print(f"{PROVIDERS[provider]} @ {max_length}: {results[provider]}", file=sys.stderr, flush=True)
+        for provider, result in results.items():
+            ratios = [
+                f"{result['tokens_per_s'] / results[base]['tokens_per_s']:.2f}x" if base in results else "-"
+                for base in ("trl_padded", "trl_packing")
+            ]
+            table.append(
+                [
+                    max_length,
+                    PROVIDERS[provider],
+                    f"{result['tokens_per_s']:,.0f}",
+                    f"{result['seconds_per_step']:.2f}",
+                    f"{result['peak_rss_mb']:,.0f}",
+                    *ratios,
+                ]
+            )
+            if "selfcheck_s" in result:
+                notes.append(
+                    f"- {PROVIDERS[provider]} @ {max_length}: self-check {result['selfcheck_s'] * 1000:.0f} ms = "
+                    f"{100 * result['selfcheck_s'] / result['first_step_s']:.2f}% of the first step "
+                    f"({result['first_step_s']:.2f} s)"
+                )
+    title = f"Trainer throughput, real (non-pad) tokens/s, data={data}, {steps} timed steps, batch {batch_size}"
+    return "\n".join([f"## {title}", "", _environment(), "", _format_table(headers, table), "", *notes])
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, default_data: str) -> None:
+    """The benchmark's options, shared by ``benchmarks/bench_trainer.py`` and ``unpack-trainer bench``."""
+    parser.add_argument("--max-lengths", type=int, nargs="+", default=[2048, 8192], help="row / truncation lengths")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per case (after one warm-up)")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per padded or padding-free batch")
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    parser.add_argument(
+        "--data", choices=DATASETS, default=default_data, help="lognormal token ids or the embedded data"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser, default_data="lognormal")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        provider, max_length = args.case.split(":")
+        print(json.dumps(run_case(provider, int(max_length), args.steps, args.batch_size, args.data)))
+        return
+    print(
+        compare(
+            max_lengths=args.max_lengths,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            providers=args.providers,
+            data=args.data,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
