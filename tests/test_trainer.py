@@ -370,3 +370,31 @@ def test_streaming_dataset_packs_through_the_buffer(tokenizer, tmp_path):
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
     rows = list(trainer.train_dataset)
     assert all(sum(row["seq_lengths"]) == len(row["input_ids"]) <= 48 for row in rows)
+
+
+def test_text_data_and_model_given_as_a_path(tokenizer, tmp_path):
+    text = Dataset.from_list([{"text": "abc" * n} for n in (1, 4, 9, 2, 7, 3)])
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(tmp_path / "model")
+    trainer = SFTTrainer(
+        model=str(tmp_path / "model"),
+        args=_args(tmp_path, packing=True),
+        train_dataset=text,
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_decision.mode == "pack" and trainer.unpack_decision.patch
+    assert trainer.unpack_stats["samples"] == 6
+    trainer.train()
+
+
+def test_completion_only_loss_masks_prompts_inside_packed_rows(tokenizer, tmp_path):
+    data = Dataset.from_list([{"prompt": "aaaa", "completion": "bb"}, {"prompt": "ccc", "completion": "ddd"}])
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True, completion_only_loss=True),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    trained = {tokenizer.decode([i]) for i, label in zip(ids, labels) if label != -100}
+    assert trained <= {"b", "d", tokenizer.eos_token} and {"b", "d"} <= trained
