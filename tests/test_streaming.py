@@ -1,3 +1,4 @@
+import gzip
 import json
 import logging
 import pickle
@@ -424,6 +425,17 @@ def test_ranks_and_workers_together_cover_the_stream_once():
     _assert_every_sample_once(rows, lengths, 256)
 
 
+def test_set_epoch_reaches_persistent_workers():
+    lengths = _lognormal(300, seed=9)
+    packer = StreamingPacker(_samples(lengths), 256, buffer_size=50, seed=0)
+    loader = DataLoader(packer, batch_size=None, num_workers=1, persistent_workers=True, collate_fn=lambda row: row)
+    for epoch in (0, 1, 0):
+        packer.set_epoch(epoch)
+        in_process = StreamingPacker(_samples(lengths), 256, buffer_size=50, seed=0)
+        assert list(loader) == _rows(in_process, epoch)
+    assert _rows(in_process, 0) != _rows(in_process, 1)
+
+
 # ------------------------------------------------------------------------------------------------- `datasets` source
 
 
@@ -484,15 +496,19 @@ def data_files(tmp_path):
         handle.writelines(json.dumps(row) + "\n" + ("\n" if i == 3 else "") for i, row in enumerate(rows[:10]))
     table = pa.Table.from_pylist(rows[10:17])
     pq.write_table(table, tmp_path / "a" / "part-1.parquet", row_group_size=3)
+    # Arrow IPC stream format (what `datasets` caches) and IPC file format (Feather v2)
     with pa.OSFile(str(tmp_path / "part-2.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(pa.Table.from_pylist(rows[17:]), max_chunksize=4)
+        writer.write_table(pa.Table.from_pylist(rows[17:20]), max_chunksize=2)
+    with pa.OSFile(str(tmp_path / "part-3.feather"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(pa.Table.from_pylist(rows[20:]), max_chunksize=2)
     return tmp_path, rows
 
 
 def test_reader_reads_jsonl_parquet_and_arrow_in_batches(data_files):
     root, rows = data_files
     reader = streaming_dataset_reader(root, batch_size=4)
-    assert [p.rsplit("/", 1)[-1] for p in reader.files] == ["part-0.jsonl", "part-1.parquet", "part-2.arrow"]
+    names = [p.rsplit("/", 1)[-1] for p in reader.files]
+    assert names == ["part-0.jsonl", "part-1.parquet", "part-2.arrow", "part-3.feather"]
     batches = list(reader)
     assert all(1 <= len(batch) <= 4 for batch in batches)
     assert [row for batch in batches for row in batch] == rows
@@ -501,6 +517,9 @@ def test_reader_reads_jsonl_parquet_and_arrow_in_batches(data_files):
         10:17
     ]
     assert list(streaming_dataset_reader(root, 5, columns=["n"]).rows()) == [{"n": r["n"]} for r in rows]
+    with gzip.open(root / "more.jsonl.gz", "wt") as handle:
+        handle.write(json.dumps(rows[0]) + "\n")
+    assert list(streaming_dataset_reader(root / "more.jsonl.gz").rows()) == rows[:1]
 
 
 def test_reader_is_lazy_and_names_bad_lines(tmp_path):

@@ -17,7 +17,7 @@ ahead of time. [`StreamingPacker`] packs it on the fly:
 Why hold rows back: best-fit decreasing over one buffer leaves a handful of partly filled rows, the rows created
 last when the short samples ran out. Emitting them (what packing each buffer independently does, like TRL's
 ``pack_dataset`` on a streamed data set) costs about 0.5% of the tokens at a buffer of 1,000 lognormal samples;
-giving them another round with fresh samples recovers most of it (see ``benchmarks/bench_streaming.py``). Two bounds
+giving them another round with fresh samples recovers two thirds of it (see ``benchmarks/bench_streaming.py``). Two bounds
 keep this fair and fast: a sample is held back at most ``max_hold_rounds`` times (default 2), after which its row is
 emitted as it is, and held-back samples never fill more than half the buffer, so every round reads at least half a
 buffer of new samples.
@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unpack_trainer.packing import best_fit_decreasing
@@ -96,8 +97,9 @@ def _cut_seq_lengths(seq_lengths: list[int], start: int, stop: int) -> list[int]
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while the buffer is filled and packed (no yield happens meanwhile).
 
-    Everything allocated there is kept (buffered samples, queued rows), so collections would only walk the same
-    objects again and again: with the buffer full of samples they cost up to half of the packer's time.
+    Almost everything allocated there is kept (buffered samples, queued rows), so collections would only walk the
+    same token lists again and again; with a buffer of 10,000 samples that was a third of the packer's time. Cyclic
+    garbage the source makes meanwhile is collected once the collector runs again.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -108,7 +110,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _shard() -> tuple[int, int]:
+def _worker() -> tuple[int, int]:
     """``(worker_id, num_workers)`` of the current DataLoader worker, ``(0, 1)`` outside of one."""
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
@@ -278,7 +280,8 @@ class StreamingPacker(IterableDataset):
         self._stateful_source = callable(getattr(dataset, "state_dict", None)) and callable(
             getattr(dataset, "load_state_dict", None)
         )
-        self._epoch = 0
+        # In shared memory so that persistent DataLoader workers see `set_epoch` calls made after they started.
+        self._shared_epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._live: _PassState | None = None
         self._resume: dict[str, Any] | None = None
         self._logged_dropped_keys = False
@@ -351,9 +354,13 @@ class StreamingPacker(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch the next pass belongs to (it seeds the row shuffle); forwarded to the source if it has
         ``set_epoch``. A state loaded with [`load_state_dict`] carries its own epoch and takes precedence."""
-        self._epoch = int(epoch)
+        self._shared_epoch.fill_(int(epoch))
         if callable(getattr(self.dataset, "set_epoch", None)):
-            self.dataset.set_epoch(self._epoch)
+            self.dataset.set_epoch(int(epoch))
+
+    @property
+    def _epoch(self) -> int:
+        return int(self._shared_epoch)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -429,13 +436,13 @@ class StreamingPacker(IterableDataset):
                 "the same rows (" + "; ".join(differences) + "). Use the same configuration to resume."
             )
         self._resume = dict(state_dict)
-        self._epoch = int(state_dict["epoch"])
+        self._shared_epoch.fill_(int(state_dict["epoch"]))
 
     # ---------------------------------------------------------------------------------------------------- iteration
 
     def _shard(self) -> tuple[int, int]:
         """``(shard_id, num_shards)`` of this packer: ``rank * num_workers + worker_id`` of ``world_size * num_workers``."""
-        worker_id, num_workers = _shard()
+        worker_id, num_workers = _worker()
         return self.rank * num_workers + worker_id, self.world_size * num_workers
 
     def _start_pass(self) -> tuple[_PassState, Iterator]:
