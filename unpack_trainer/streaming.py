@@ -17,10 +17,10 @@ ahead of time. [`StreamingPacker`] packs it on the fly:
 Why hold rows back: best-fit decreasing over one buffer leaves a handful of partly filled rows, the rows created
 last when the short samples ran out. Emitting them (what packing each buffer independently does, like TRL's
 ``pack_dataset`` on a streamed data set) costs about 0.5% of the tokens at a buffer of 1,000 lognormal samples;
-giving them another round with fresh samples recovers two thirds of it (see ``benchmarks/bench_streaming.py``). Two bounds
-keep this fair and fast: a sample is held back at most ``max_hold_rounds`` times (default 2), after which its row is
-emitted as it is, and held-back samples never fill more than half the buffer, so every round reads at least half a
-buffer of new samples.
+giving them another round with fresh samples recovers two thirds of it (see ``benchmarks/bench_streaming.py``).
+Two bounds keep this fair and fast: a sample is held back at most ``max_hold_rounds`` times (default 2), after which
+its row is emitted as it is, and held-back samples never fill more than half the buffer, so every round reads at least
+half a buffer of new samples.
 
 Worked example (capacity 8, ``buffer_size`` 4, ``full_row_fill`` 1.0)::
 
