@@ -24,6 +24,16 @@ from unpack_trainer.models import patch_model, supported_model_types, unpatch_mo
 from unpack_trainer.patches import attention as attention_module
 from unpack_trainer.patches.attention import PackedSeqInfo
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one CPU thread is faster than two, and far faster on a machine shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 VOCAB = 128
 _COMMON = dict(
     hidden_size=64,

@@ -25,6 +25,16 @@ from unpack_trainer.models import (
 )
 from unpack_trainer.patches import attention, rope
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one CPU thread is faster than two, and far faster on a machine shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 TINY = dict(
     hidden_size=32,
     num_hidden_layers=1,
