@@ -15,7 +15,12 @@ from unpack_trainer import (
     position_ids_from_sample_index,
     shuffle_rows,
 )
-from unpack_trainer.packing import pack_lengths
+from unpack_trainer.packing import (
+    _best_fit_decreasing_assign,
+    _best_fit_decreasing_assign_small,
+    _rows_from_assignment,
+    pack_lengths,
+)
 
 t = torch.tensor
 
@@ -64,11 +69,12 @@ def _naive_bfd(lengths, capacity):
     return rows
 
 
-@settings(max_examples=300, deadline=None)
-@given(_lengths_and_capacity())
-def test_bfd_properties(data):
+@pytest.mark.parametrize("assign", [_best_fit_decreasing_assign, _best_fit_decreasing_assign_small])
+@settings(max_examples=200, deadline=None)
+@given(data=_lengths_and_capacity())
+def test_bfd_properties(assign, data):
     lengths, capacity = data
-    rows = best_fit_decreasing(lengths, capacity)
+    rows = _rows_from_assignment(*assign(np.asarray(lengths, dtype=np.int64), capacity)) if lengths else []
     flat = sorted(i for row in rows for i in row)
     assert flat == list(range(len(lengths)))  # every sample exactly once
     assert all(sum(lengths[i] for i in row) <= capacity for row in rows)  # no row over capacity
@@ -102,6 +108,20 @@ def test_first_fit_properties(data):
     # a row is only closed when the next sample does not fit
     for row, nxt in zip(rows, rows[1:]):
         assert sum(lengths[i] for i in row) + lengths[nxt[0]] > capacity
+
+
+def test_small_and_bucketed_bfd_agree_around_the_switch():
+    rng = np.random.default_rng(1)
+    for n in (8000, 8192, 8193, 9000):
+        lengths = np.clip(rng.lognormal(np.log(180), 0.8, size=n).round(), 1, 2048).astype(np.int64)
+        small, small_rows = _best_fit_decreasing_assign_small(lengths, 2048)
+        bucketed, bucketed_rows = _best_fit_decreasing_assign(lengths, 2048)
+        assert small_rows == bucketed_rows
+        small_fill = np.bincount(small, weights=lengths, minlength=small_rows)
+        bucketed_fill = np.bincount(bucketed, weights=lengths, minlength=bucketed_rows)
+        assert sorted(small_fill.tolist()) == sorted(bucketed_fill.tolist())
+        rows = best_fit_decreasing(lengths, 2048)
+        assert len(rows) == small_rows and sorted(i for r in rows for i in r) == list(range(n))
 
 
 def test_bfd_is_deterministic_and_shuffle_is_seeded():
