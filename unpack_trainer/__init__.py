@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "check_uncontaminated": "unpack_trainer.selfcheck",
     # streaming
     "StreamingPacker": "unpack_trainer.streaming",
+    "pack_iterable_dataset": "unpack_trainer.streaming",
     "streaming_dataset_reader": "unpack_trainer.streaming",
 }
 
@@ -48,6 +49,7 @@ __all__ = [
     "concatenate_and_pack",
     "first_fit",
     "pack_sequences",
+    "pack_iterable_dataset",
     "packing_efficiency",
     "patch_model",
     "position_ids_from_sample_index",
@@ -86,5 +88,5 @@ if TYPE_CHECKING:  # pragma: no cover
         shuffle_rows,
     )
     from unpack_trainer.selfcheck import check_uncontaminated
-    from unpack_trainer.streaming import StreamingPacker, streaming_dataset_reader
+    from unpack_trainer.streaming import StreamingPacker, pack_iterable_dataset, streaming_dataset_reader
     from unpack_trainer.trainer import SFTTrainer
