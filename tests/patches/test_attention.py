@@ -232,7 +232,8 @@ def test_backend_matches_reference_forward_and_backward(backend, lengths, rows, 
         assert_close_to_reference(g, e)
 
 
-def test_softcap_goes_to_a_backend_that_applies_it(caplog):
+def test_softcap_goes_to_a_backend_that_applies_it(caplog, monkeypatch):
+    monkeypatch.setattr(attention, "_logged_once", set())
     lengths = [6, 3, 9]
     q, k, v = random_qkv(lengths)
     expected = reference(q, k, v, lengths, scaling=1.0, softcap=2.0)
@@ -450,6 +451,7 @@ def test_flash_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
 def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog):
     kernel = StandInFlash()
     monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(attention, "_logged_once", set())
     heads, dim = 4, 8  # one token costs 4 * 32 elements of the (head_dim rounded up to 32) accumulator
     lengths = [30, 10, 50, 2, 20, 7]
     monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (60 + 128 * 2) * heads * 32)
@@ -465,17 +467,24 @@ def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog
     assert torch.isfinite(q.grad).all()
 
 
-def test_flash_sample_too_large_alone_falls_back_to_sdpa(cpu_kernels, monkeypatch, caplog):
+@pytest.mark.parametrize(("softcap", "fallback"), [(None, "sdpa"), (1.5, "eager")])
+def test_flash_sample_too_large_alone_falls_back(cpu_kernels, monkeypatch, caplog, softcap, fallback):
     kernel = StandInFlash()
     monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(attention, "_logged_once", set())
     lengths = [10, 400, 12]
     monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (40 + 128 * 2) * 4 * 32)
     q, k, v = random_qkv(lengths)
     with caplog.at_level(logging.WARNING, logger=attention.__name__):
-        out, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.3, **info_kwargs(lengths))
-    assert "Packed sample 1 (400 tokens) alone exceeds" in caplog.text
+        out, _ = packed_attention_forward(
+            FakeModule(), q, k, v, None, scaling=0.3, softcap=softcap, **info_kwargs(lengths)
+        )
+    assert (
+        f"Packed sample 1 (400 tokens) alone exceeds flash-attn's 32-bit offsets; it runs on {fallback}" in caplog.text
+    )
     assert [call["lengths"] for call in kernel.calls] == [[10], [12]]
-    assert_close_to_reference(out.detach(), reference(q, k, v, lengths, scaling=0.3).detach())
+    expected = reference(q, k, v, lengths, scaling=0.3, softcap=softcap)
+    assert_close_to_reference(out.detach(), expected.detach())
 
 
 def make_fake_xformers(record):
@@ -563,3 +572,7 @@ def test_real_kernels_on_cuda(backend, window, monkeypatch):
     assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
     for g, e in zip(got, grads([q, k, v])):
         assert_close_to_reference(g.float(), e.float(), rel=5e-2)
+
+
+def test_flash_accumulator_head_dim_rounding():
+    assert [attention._flash_rounded_head_dim(d) for d in (8, 32, 100, 128, 160, 256)] == [32, 32, 128, 128, 192, 256]

@@ -107,6 +107,21 @@ class _SdpaPlan(NamedTuple):
     pad_slots: torch.Tensor  # (num_slots,) bool: True at padding slots
 
 
+class _FlashChunk(NamedTuple):
+    first_seq: int  # index of the chunk's first sample
+    begin: int  # token range [begin, end) of the chunk
+    end: int
+    max_seqlen: int
+    cu_seqlens: torch.Tensor | None  # (n + 1,) int32 on the device, zero-based; None when flash-attn cannot take it
+    fallback: PackedSeqInfo | None  # the chunk's own metadata, for another backend
+
+
+def _flash_rounded_head_dim(head_dim: int) -> int:
+    """The head dimension flash-attn allocates its backward accumulator with (rounded to 32, or 64 above 128)."""
+    multiple = 32 if head_dim <= 128 else 64
+    return -(-head_dim // multiple) * multiple
+
+
 def _group_sorted_lengths(sorted_lengths: torch.Tensor) -> list[tuple[int, int]]:
     """Split ascending lengths into contiguous ``[begin, end)`` groups minimising
     ``sum(_CALL_COST_PAIRS + (end - begin) * max_length**2)`` (dynamic programming over distinct lengths)."""
@@ -308,32 +323,37 @@ class PackedSeqInfo:
             self._cache[key] = torch.where(allowed, zero, torch.finfo(dtype).min)
         return self._cache[key]
 
-    def flash_chunks(self, num_heads: int, head_dim: int) -> list[tuple[int, int, int]]:
-        """Split the samples into ``[first_seq, last_seq)`` chunks, each small enough for flash-attn's 32-bit offsets.
+    def flash_chunks(self, num_heads: int, head_dim: int, device: torch.device) -> list[_FlashChunk]:
+        """Split the samples into chunks small enough for flash-attn's 32-bit offsets (one chunk in the usual case).
 
-        Returns ``(first_seq, last_seq, max_seqlen)`` triples; a single triple covering everything in the usual case.
-        A sample too large on its own is a chunk of its own (the caller sends it to SDPA).
+        Chunks end at sample boundaries. A sample too large on its own is a chunk of its own with ``cu_seqlens``
+        ``None``, for the caller to send elsewhere.
         """
-        key = ("flash_chunks", num_heads, head_dim)
+        key = ("flash_chunks", num_heads, head_dim, str(device))
         if key in self._cache:
             return self._cache[key]
-        per_token = num_heads * (-(-head_dim // 32) * 32)
+        per_token = num_heads * _flash_rounded_head_dim(head_dim)
         lengths = self.seq_lengths.tolist()
-        chunks: list[tuple[int, int, int]] = []
-        first, tokens, longest = 0, 0, 0
+        bounds: list[tuple[int, int]] = []
+        first, tokens = 0, 0
         for index, length in enumerate(lengths):
             if index > first and (tokens + length + 128 * (index - first + 1)) * per_token > _FLASH_MAX_ELEMENTS:
-                chunks.append((first, index, longest))
-                first, tokens, longest = index, 0, 0
+                bounds.append((first, index))
+                first, tokens = index, 0
             tokens += length
-            longest = max(longest, length)
-        chunks.append((first, len(lengths), longest))
+        bounds.append((first, len(lengths)))
+        chunks = []
+        for first, last in bounds:
+            begin, end = int(self.cu_seqlens[first]), int(self.cu_seqlens[last])
+            longest = max(lengths[first:last])
+            if (end - begin + 128 * (last - first)) * per_token > _FLASH_MAX_ELEMENTS:
+                sub = PackedSeqInfo(self.seq_lengths[first:last], batch_size=1, seq_len=end - begin)
+                chunks.append(_FlashChunk(first, begin, end, longest, None, sub))
+            else:
+                cu = (self.cu_seqlens[first : last + 1] - self.cu_seqlens[first]).to(device, non_blocking=True)
+                chunks.append(_FlashChunk(first, begin, end, longest, cu, None))
         self._cache[key] = chunks
         return chunks
-
-    def flash_chunk_fits(self, first: int, last: int, num_heads: int, head_dim: int) -> bool:
-        tokens = int(self.cu_seqlens[last]) - int(self.cu_seqlens[first])
-        return (tokens + 128 * (last - first)) * num_heads * (-(-head_dim // 32) * 32) <= _FLASH_MAX_ELEMENTS
 
     def xformers_bias(self, sliding_window: int | None, device: torch.device) -> Any:
         """The xformers ``BlockDiagonalCausalMask`` (made local for a sliding window) for these samples."""
@@ -623,7 +643,8 @@ def _eager_packed(query, key, value, info, *, scaling, dropout, sliding_window, 
 def _flash_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
     batch, heads, seq_len, dim = query.shape
     kernel = _flash_varlen_kernel()
-    q_tokens, k_tokens, v_tokens = _tokens_major(query), _tokens_major(key), _tokens_major(value)
+    # (total_tokens, num_heads, head_dim), contiguous as transformers hands them to flash-attn.
+    q_tokens, k_tokens, v_tokens = (_tokens_major(x).contiguous() for x in (query, key, value))
     options: dict[str, Any] = {"dropout_p": dropout, "softmax_scale": scaling, "causal": True}
     if sliding_window is not None and info.max_seqlen > sliding_window:
         # flash-attn's window is inclusive on both sides: (left, right) = (sliding_window - 1, 0) keeps
@@ -631,9 +652,9 @@ def _flash_packed(query, key, value, info, *, scaling, dropout, sliding_window, 
         options["window_size"] = (sliding_window - 1, 0)
     if softcap is not None:
         options["softcap"] = softcap
-    cu = info.cu_seqlens_on(query.device)
-    chunks = info.flash_chunks(heads, dim)
-    if len(chunks) == 1:
+    chunks = info.flash_chunks(heads, dim, query.device)
+    if len(chunks) == 1 and chunks[0].cu_seqlens is not None:
+        cu = chunks[0].cu_seqlens
         out = kernel(q_tokens, k_tokens, v_tokens, cu, cu, info.max_seqlen, info.max_seqlen, **options)
         return out.view(batch, seq_len, heads, -1)
     _log_once(
@@ -642,31 +663,28 @@ def _flash_packed(query, key, value, info, *, scaling, dropout, sliding_window, 
         f"offsets; it is run in {len(chunks)} chunks split at sample boundaries.",
     )
     outputs = []
-    for first, last, longest in chunks:
-        begin, end = int(info.cu_seqlens[first]), int(info.cu_seqlens[last])
-        q, k, v = q_tokens[begin:end], k_tokens[begin:end], v_tokens[begin:end]
-        if not info.flash_chunk_fits(first, last, heads, dim):
-            _log_once(
-                logging.WARNING,
-                f"Packed sample {first} ({end - begin} tokens) alone exceeds flash-attn's 32-bit offsets; it runs "
-                "on SDPA instead.",
-            )
-            sub = PackedSeqInfo(info.seq_lengths[first:last], batch_size=1, seq_len=end - begin)
-            part = _sdpa_packed(
-                q.transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                sub,
-                scaling=scaling,
-                dropout=dropout,
-                sliding_window=sliding_window,
-                softcap=None,
-                module=module,
-            )
-            outputs.append(part.reshape(end - begin, heads, -1))
+    for chunk in chunks:
+        q, k, v = (x[chunk.begin : chunk.end] for x in (q_tokens, k_tokens, v_tokens))
+        if chunk.cu_seqlens is not None:
+            cu = chunk.cu_seqlens
+            outputs.append(kernel(q, k, v, cu, cu, chunk.max_seqlen, chunk.max_seqlen, **options))
             continue
-        cu_chunk = (info.cu_seqlens[first : last + 1] - info.cu_seqlens[first]).to(query.device, non_blocking=True)
-        outputs.append(kernel(q, k, v, cu_chunk, cu_chunk, longest, longest, **options))
+        fallback = "eager" if softcap is not None else "sdpa"
+        _log_once(
+            logging.WARNING,
+            f"Packed sample {chunk.first_seq} ({chunk.end - chunk.begin} tokens) alone exceeds flash-attn's 32-bit "
+            f"offsets; it runs on {fallback} instead.",
+        )
+        part = _BACKEND_FUNCTIONS[fallback](
+            *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
+            chunk.fallback,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            module=module,
+        )
+        outputs.append(part.reshape(chunk.end - chunk.begin, heads, -1))
     return torch.cat(outputs).view(batch, seq_len, heads, -1)
 
 
@@ -677,9 +695,7 @@ def _xformers_packed(query, key, value, info, *, scaling, dropout, sliding_windo
     groups = heads // kv_heads
     fmha = _xformers_fmha()
     total = batch * seq_len
-    q = _tokens_major(query).unsqueeze(0)  # (1, total, H, D)
-    k = _tokens_major(key).unsqueeze(0)
-    v = _tokens_major(value).unsqueeze(0)
+    q, k, v = (_tokens_major(x).contiguous().unsqueeze(0) for x in (query, key, value))  # (1, total, H, D)
     if groups > 1:
         # xformers' grouped layout (B, M, G, H, K): kv heads broadcast over the query heads of their group.
         q = q.reshape(1, total, kv_heads, groups, dim)

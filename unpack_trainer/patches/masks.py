@@ -62,6 +62,13 @@ def _cache_length(past_key_values: Any) -> int:
     return int(get_seq_length()) if callable(get_seq_length) else 0
 
 
+def _hides_nothing(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is absent or a 2D mask of ones (a padding-free batch that carries one anyway)."""
+    if attention_mask is None:
+        return True
+    return attention_mask.dim() == 2 and bool(attention_mask.bool().all())
+
+
 def _restart_positions(info: PackedSeqInfo, device: torch.device) -> torch.Tensor:
     """``(B, T)`` int64 positions restarting at 0 for every sample of ``info``."""
     lengths = info.seq_lengths.to(torch.int64)
@@ -77,10 +84,10 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     ``attention_mask``, ``position_ids``, ``past_key_values``, and the packing metadata ``packed_seq_lengths`` /
     ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
 
-    The batch is packed when it carries packing metadata, or when it has no ``attention_mask``, no cached tokens, and
-    ``position_ids`` that restart inside a row. On return ``kwargs["packed_seq_info"]`` holds the metadata (``None``
-    for an unpacked batch, which then runs exactly as without the patch). For a packed batch, an all-ones
-    ``attention_mask`` is dropped and missing ``position_ids`` are filled in (restarting per sample).
+    The batch is packed when it carries packing metadata, or when it has no cached tokens, no ``attention_mask`` (or
+    one of all ones) and ``position_ids`` that restart inside a row. On return ``kwargs["packed_seq_info"]`` holds the
+    metadata (``None`` for an unpacked batch, which then runs exactly as without the patch). For a packed batch, an
+    all-ones ``attention_mask`` is dropped and missing ``position_ids`` are filled in (restarting per sample).
 
     Raises:
         ValueError: inconsistent metadata, a packed batch with cached tokens, or with a mask that hides tokens.
@@ -125,10 +132,12 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             kwargs["attention_mask"] = None
         if position_ids is None:
             kwargs["position_ids"] = _restart_positions(info, reference.device)
-    elif attention_mask is None and position_ids is not None and seq_len > 1 and cached == 0:
+    elif position_ids is not None and seq_len > 1 and cached == 0 and _hides_nothing(attention_mask):
         if position_ids.shape[0] != batch_size:
             position_ids = position_ids.expand(batch_size, -1)
         info = PackedSeqInfo.from_position_ids(position_ids)
+        if info is not None:
+            kwargs["attention_mask"] = None
 
     if info is not None and cached:
         raise ValueError(
