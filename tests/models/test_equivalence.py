@@ -393,6 +393,15 @@ def test_packed_forward_with_use_cache_is_not_contaminated():
         assert_rel_close(got, want)
 
 
+def test_packed_forward_builds_no_cache_unless_asked():
+    model = patch_model(build_model("llama", "sdpa"))
+    batch = packed_batch(make_samples([4, 3]))
+    with torch.no_grad():
+        assert model(**batch).past_key_values is None
+        assert model(**batch, use_cache=True).past_key_values is not None
+        assert model(input_ids=batch["input_ids"]).past_key_values is not None  # unpacked: as without the patch
+
+
 def test_packed_batch_with_cached_tokens_is_an_error():
     model = patch_model(build_model("llama", "sdpa"))
     prompt = make_samples([5])[0][None]

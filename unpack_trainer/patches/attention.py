@@ -62,9 +62,9 @@ _KERNEL_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 _FLASH_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 _XFORMERS_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 
-# flash-attn's varlen backward indexes its fp32 dq accumulator, of about
-# (total_tokens + 128 * num_seqs) * num_heads * round_up(head_dim, 32) elements, with 32-bit offsets in the releases
-# that predate the fix (flash-attention PR 1500). Rows above this bound are split at sample boundaries.
+# flash-attn's varlen backward indexes its fp32 dq accumulator, of (total_tokens + 128 * num_seqs) * num_heads *
+# head_dim rounded up (see _flash_rounded_head_dim) elements, with 32-bit offsets in the releases that predate the fix
+# (flash-attention PR 1500). Rows above this bound are split at sample boundaries.
 _FLASH_MAX_ELEMENTS = 2**31 - 1
 
 # SDPA/eager bucketing minimises sum over buckets of (_CALL_COST_PAIRS + samples * longest**2): the fixed cost of one
@@ -500,7 +500,7 @@ def choose_backend(device: torch.device, dtype: torch.dtype, original_implementa
         if reason is None:
             return BackendChoice(backend, f"{backend} available on {torch.device(device).type} for {dtype}")
         skipped.append(reason)
-    return BackendChoice("sdpa", "; ".join(skipped))
+    return BackendChoice("sdpa", "no kernel backend: " + "; ".join(skipped))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -540,7 +540,9 @@ def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 class _GatherSlots(torch.autograd.Function):
     """``tokens (N, ...) -> slots (S, ...)``, ``slots = tokens[gather]``; padding slots are constants for autograd.
 
-    Every token has exactly one real slot (``scatter``), so the backward is a gather too (no scatter-add).
+    Every token has exactly one real slot (``scatter``), so the backward is a gather too (no scatter-add). Dropping
+    the padding slots' gradient is exact here: padding sits after each sample's real tokens, so under causal
+    attention no real query sees it, and padded queries get a zero output gradient (:class:`_ScatterTokens`).
     """
 
     @staticmethod

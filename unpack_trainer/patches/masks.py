@@ -87,7 +87,8 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     The batch is packed when it carries packing metadata, or when it has no cached tokens, no ``attention_mask`` (or
     one of all ones) and ``position_ids`` that restart inside a row. On return ``kwargs["packed_seq_info"]`` holds the
     metadata (``None`` for an unpacked batch, which then runs exactly as without the patch). For a packed batch, an
-    all-ones ``attention_mask`` is dropped and missing ``position_ids`` are filled in (restarting per sample).
+    all-ones ``attention_mask`` is dropped, missing ``position_ids`` are filled in (restarting per sample), and
+    ``use_cache`` defaults to ``False`` (an explicit ``use_cache=True`` is kept).
 
     Raises:
         ValueError: inconsistent metadata, a packed batch with cached tokens, or with a mask that hides tokens.
@@ -144,5 +145,8 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             f"A packed batch cannot be run on top of a KV cache that already holds {cached} tokens; pass no "
             "`past_key_values` (and `use_cache=False`) for packed training batches."
         )
+    if info is not None and kwargs.get("use_cache") is None:
+        # A cache of a packed row is of no use for generation (its keys span several samples): do not build one.
+        kwargs["use_cache"] = False
     kwargs["packed_seq_info"] = info
     return info
