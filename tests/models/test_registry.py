@@ -175,3 +175,22 @@ def test_explicit_metadata_checks():
         filled = model(input_ids=ids, packed_seq_lengths=lengths, attention_mask=torch.ones(1, 5)).logits
         explicit = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1]])).logits
     assert torch.equal(filled, explicit)
+
+
+def test_deep_copy_of_a_patched_model():
+    import copy
+
+    model = patch_model(tiny_llama())
+    clone = copy.deepcopy(model)
+    assert is_patched(clone) and len(clone.model._forward_pre_hooks) == 1
+    ids = torch.randint(0, 64, (1, 6))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=positions).logits
+        assert torch.equal(clone(input_ids=ids, position_ids=positions).logits, expected)
+    unpatch_model(clone)
+    assert not clone.model._forward_pre_hooks and not clone.model._forward_hooks
+    assert clone.config._attn_implementation == "sdpa"
+    assert is_patched(model) and len(model.model._forward_pre_hooks) == 1
+    unpatch_model(model)
+    assert not model.model._forward_pre_hooks

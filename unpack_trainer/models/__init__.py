@@ -88,7 +88,7 @@ class _PatchState:
     original_implementation: str | None
     attention: bool
     rope: bool
-    handles: list[Any] = field(default_factory=list)
+    hook_ids: list[int] = field(default_factory=list)  # ids, not handles: a deep copy of the model keeps the ids
 
 
 # modeling module -> original RoPE function, and the decoders currently using the replacement.
@@ -217,6 +217,22 @@ def _unpatch_rope(spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Modul
         setattr(modeling, spec.rope_function, _rope_originals.pop(spec.modeling_module))
 
 
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _remove_hook(module: torch.nn.Module, hook_id: int) -> None:
+    """What ``RemovableHandle.remove`` does, on ``module``'s own hook dicts (a handle of the original model would
+    point at the original's dicts after ``copy.deepcopy``)."""
+    for name in _HOOK_DICTS:
+        getattr(module, name, {}).pop(hook_id, None)
+
+
 def _patch_decoder(
     spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Module, *, attention: bool, rope: bool
 ) -> None:
@@ -227,8 +243,9 @@ def _patch_decoder(
     state = _PatchState(spec.model_type, original, attention, rope)
     if attention:
         config._attn_implementation = _register_implementation(original)
-        state.handles.append(decoder.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True))
-        state.handles.append(decoder.register_forward_hook(_decoder_post_hook, with_kwargs=True, always_call=True))
+        state.hook_ids.append(decoder.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True).id)
+        post_hook = decoder.register_forward_hook(_decoder_post_hook, with_kwargs=True, always_call=True)
+        state.hook_ids.append(post_hook.id)
     if rope:
         _patch_rope(spec, modeling, decoder)
     setattr(decoder, _STATE_ATTRIBUTE, state)
@@ -238,8 +255,8 @@ def _unpatch_decoder(spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Mo
     state: _PatchState | None = getattr(decoder, _STATE_ATTRIBUTE, None)
     if state is None:
         return
-    for handle in state.handles:
-        handle.remove()
+    for hook_id in state.hook_ids:
+        _remove_hook(decoder, hook_id)
     if state.attention:
         decoder.config._attn_implementation = state.original_implementation
     if state.rope:
