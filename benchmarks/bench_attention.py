@@ -3,9 +3,10 @@
     python benchmarks/bench_attention.py                   # all cases, model fwd+bwd and attention alone
     python benchmarks/bench_attention.py --threads 1       # pin torch's CPU threads (steadier on a shared machine)
     python benchmarks/bench_attention.py --cases lognormal-4096 --parts model --repeats 3
+    python benchmarks/bench_attention.py --device cuda     # GPU: bf16, packed attention on flash-attn/xformers/SDPA
 
-Model: the tiny Llama of ``common.tiny_llama_config`` (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096), fp32,
-training mode, SDPA. Cases, one row each: ``lognormal-4096`` / ``lognormal-16384`` (lognormal lengths around 180
+Model: the tiny Llama of ``common.tiny_llama_config`` (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096),
+training mode, loaded with SDPA; fp32 on CPU, bf16 on CUDA (``--dtype``). The patched model's backend is printed. Cases, one row each: ``lognormal-4096`` / ``lognormal-16384`` (lognormal lengths around 180
 tokens, the last sample cut to fill the row) and ``tiny-8192`` (about 1,000 samples of about 8 tokens).
 
 Providers, measured in the same run, each case in its own subprocess (peak RSS belongs to that case alone):
@@ -20,8 +21,9 @@ Providers, measured in the same run, each case in its own subprocess (peak RSS b
 layer): ``stock`` = mask creation by ``create_causal_mask`` + transformers' SDPA function, ``unpack`` = metadata +
 :func:`unpack_trainer.patches.attention.packed_attention_forward`, ``one_by_one`` = one SDPA call per sample.
 
-Seconds are the minimum over ``--repeats`` timed steps after one warm-up step on the first 512 tokens; peak memory is
-the subprocess's peak RSS (Python, torch and the model included).
+Seconds are the minimum over ``--repeats`` timed steps after one warm-up step on the first 512 tokens. Peak memory is
+the subprocess's peak RSS on CPU (Python, torch and the model included), ``torch.cuda.max_memory_allocated`` over the
+timed steps on CUDA.
 """
 
 from __future__ import annotations
@@ -63,39 +65,54 @@ def case_lengths(case: str) -> list[int]:
     raise RuntimeError(f"not enough samples drawn for {case}")
 
 
-def _rss_mb() -> float:
+def _peak_mb(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _timed(step, repeats: int) -> list[float]:
+def _timed(step, repeats: int, device: str) -> list[float]:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return seconds
 
 
-def model_worker(case: str, provider: str, repeats: int) -> dict:
+def model_worker(case: str, provider: str, repeats: int, device: str, dtype_name: str) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
     from unpack_trainer.collator import packed_metadata
-    from unpack_trainer.models import patch_model
+    from unpack_trainer.models import patch_model, resolve_backend
 
     lengths = case_lengths(case)
     total = sum(lengths)
     torch.manual_seed(0)
     config = tiny_llama_config()
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device=device, dtype=getattr(torch, dtype_name))
     model.set_attn_implementation("sdpa")
     model.train()
     input_ids = torch.randint(0, config.vocab_size, (1, total), generator=torch.Generator().manual_seed(1))
     metadata = packed_metadata(lengths)
     labels = input_ids.clone()
     labels[0, metadata["cu_seq_lens_q"][:-1].long()] = -100
+    input_ids, labels = input_ids.to(device), labels.to(device)
+    metadata["position_ids"] = metadata["position_ids"].to(device)
+    backend = None
     if provider == "unpack":
         patch_model(model)
+        backend = str(resolve_backend(model))
         batch = {"input_ids": input_ids, "labels": labels, **metadata}
     else:
         batch = {
@@ -121,30 +138,28 @@ def model_worker(case: str, provider: str, repeats: int) -> dict:
             (out.loss * ((length - 1) / targets)).backward()
         model.zero_grad(set_to_none=True)
 
-    base = _rss_mb()
-    warm_lengths = packed_metadata([512])["packed_seq_lengths"].tolist()
     if provider == "one_by_one":
-        one_by_one_step(warm_lengths)
-        seconds = _timed(lambda: one_by_one_step(lengths), repeats)
+        one_by_one_step([512])
+        seconds = _timed(lambda: one_by_one_step(lengths), repeats, device)
     else:
-        warm = {"input_ids": input_ids[:, :512], "labels": labels[:, :512]}
-        if provider == "unpack":
-            warm.update(packed_metadata([256, 256]))
-        else:
-            warm.update(position_ids=packed_metadata([256, 256])["position_ids"], use_cache=False)
+        warm = {"input_ids": input_ids[:, :512], "labels": labels[:, :512], **packed_metadata([256, 256])}
+        warm["position_ids"] = warm["position_ids"].to(device)
+        if provider == "stock":
+            warm = {"input_ids": warm["input_ids"], "labels": warm["labels"], "position_ids": warm["position_ids"]}
+            warm["use_cache"] = False
         packed_step(warm)
-        seconds = _timed(lambda: packed_step(batch), repeats)
-    return {"seconds": min(seconds), "all_seconds": seconds, "peak_mb": _rss_mb(), "base_mb": base}
+        seconds = _timed(lambda: packed_step(batch), repeats, device)
+    return {"seconds": min(seconds), "all_seconds": seconds, "peak_mb": _peak_mb(device), "backend": backend}
 
 
-def attention_worker(case: str, provider: str, repeats: int) -> dict:
+def attention_worker(case: str, provider: str, repeats: int, device: str, dtype_name: str) -> dict:
     import torch
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_causal_mask
 
     from unpack_trainer.collator import packed_metadata
-    from unpack_trainer.patches.attention import PackedSeqInfo, packed_attention_forward
+    from unpack_trainer.patches.attention import PackedSeqInfo, choose_backend, packed_attention_forward
 
     lengths = case_lengths(case)
     total = sum(lengths)
@@ -152,12 +167,18 @@ def attention_worker(case: str, provider: str, repeats: int) -> dict:
     config._attn_implementation = "sdpa"
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = config.hidden_size // heads
+    dtype = getattr(torch, dtype_name)
     generator = torch.Generator().manual_seed(0)
+
+    def make(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
     # (B, H, T, D) views of (B, T, H, D) projections, as the model hands them over.
-    q = torch.randn(1, total, heads, dim, generator=generator).transpose(1, 2).requires_grad_()
-    k = torch.randn(1, total, kv_heads, dim, generator=generator).transpose(1, 2).requires_grad_()
-    v = torch.randn(1, total, kv_heads, dim, generator=generator).transpose(1, 2).requires_grad_()
-    upstream = torch.randn(1, total, heads, dim, generator=generator)
+    q = make(1, total, heads, dim).transpose(1, 2).requires_grad_()
+    k = make(1, total, kv_heads, dim).transpose(1, 2).requires_grad_()
+    v = make(1, total, kv_heads, dim).transpose(1, 2).requires_grad_()
+    upstream = make(1, total, heads, dim)
+    backend = choose_backend(torch.device(device), dtype, "sdpa")
 
     class Module(torch.nn.Module):
         is_causal = True
@@ -167,15 +188,17 @@ def attention_worker(case: str, provider: str, repeats: int) -> dict:
     scaling = dim**-0.5
 
     def stock():
-        position_ids = packed_metadata(lengths)["position_ids"]
-        embeds = torch.empty(1, total, 1)
+        position_ids = packed_metadata(lengths)["position_ids"].to(device)
+        embeds = torch.empty(1, total, 1, device=device, dtype=dtype)
         mask = create_causal_mask(config, embeds, None, None, position_ids=position_ids)
         out, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=scaling)
         out.backward(upstream)
 
     def unpack():
         info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=total)
-        out, _ = packed_attention_forward(module, q, k, v, None, scaling=scaling, packed_seq_info=info, backend="sdpa")
+        out, _ = packed_attention_forward(
+            module, q, k, v, None, scaling=scaling, packed_seq_info=info, backend=backend.name
+        )
         out.backward(upstream)
 
     def one_by_one():
@@ -189,10 +212,10 @@ def attention_worker(case: str, provider: str, repeats: int) -> dict:
             start += length
 
     step = {"stock": stock, "unpack": unpack, "one_by_one": one_by_one}[provider]
-    base = _rss_mb()
     step()
-    seconds = _timed(step, repeats)
-    return {"seconds": min(seconds), "all_seconds": seconds, "peak_mb": _rss_mb(), "base_mb": base}
+    seconds = _timed(step, repeats, device)
+    backend = str(backend) if provider == "unpack" else None
+    return {"seconds": min(seconds), "all_seconds": seconds, "peak_mb": _peak_mb(device), "backend": backend}
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -201,7 +224,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(args.threads)
     worker = model_worker if args.worker == "model" else attention_worker
-    result = worker(args.case, args.provider, args.repeats)
+    result = worker(args.case, args.provider, args.repeats, args.device, args.dtype)
     print(json.dumps(result))
 
 
@@ -215,6 +238,8 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help="model, attention, or both")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per provider (the minimum is reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--worker", choices=PARTS, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--provider", choices=PROVIDERS, help=argparse.SUPPRESS)
@@ -225,9 +250,16 @@ def main() -> None:
 
     import torch
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     threads = args.threads or torch.get_num_threads()
     print_header("Packed attention: stock transformers vs unpack_trainer vs one by one")
-    print(f"torch threads {threads}; seconds = min of {args.repeats} timed steps; peak = subprocess peak RSS\n")
+    memory = "torch.cuda.max_memory_allocated" if device == "cuda" else "subprocess peak RSS"
+    print(
+        f"device {device}, {dtype}, torch threads {threads}; seconds = min of {args.repeats} timed steps; "
+        f"peak = {memory}\n"
+    )
+    backends = set()
     script = os.path.abspath(__file__)
     for part in args.parts.split(","):
         rows = []
@@ -237,7 +269,10 @@ def main() -> None:
             for provider in PROVIDERS:
                 command = [script, "--worker", part, "--case", case, "--provider", provider]
                 command += ["--repeats", str(args.repeats), "--threads", str(threads)]
+                command += ["--device", device, "--dtype", dtype]
                 results[provider] = run_in_subprocess(command, timeout=3600)
+                if results[provider].get("backend"):
+                    backends.add(results[provider]["backend"])
                 print(f"  {part} {case} {provider}: {results[provider]}", file=sys.stderr, flush=True)
             unpack, stock, alone = results["unpack"], results["stock"], results["one_by_one"]
             rows.append(
@@ -271,6 +306,7 @@ def main() -> None:
             "memory vs one-by-one",
         ]
         print(format_table(headers, rows) + "\n")
+    print("unpack backend: " + "; ".join(sorted(backends)) + "\n")
 
 
 if __name__ == "__main__":
