@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import (
@@ -23,6 +25,13 @@ from transformers import (
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
 from unpack_trainer.patches import attention as attention_module
 from unpack_trainer.patches.attention import PackedSeqInfo
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_patched_models():
+    """Collect this module's patched models, so that the RoPE replacement does not outlive them (see patch_model)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

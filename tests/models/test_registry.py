@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
 import pkgutil
@@ -24,6 +25,13 @@ from unpack_trainer.models import (
     unpatch_model,
 )
 from unpack_trainer.patches import attention, rope
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_patched_models():
+    """Collect this module's patched models, so that the RoPE replacement does not outlive them (see patch_model)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
@@ -194,3 +202,16 @@ def test_deep_copy_of_a_patched_model():
     assert is_patched(model) and len(model.model._forward_pre_hooks) == 1
     unpatch_model(model)
     assert not model.model._forward_pre_hooks
+
+
+def test_rope_released_when_the_last_patched_model_is_collected():
+    import gc
+
+    gc.collect()
+    original_rope = modeling_llama.apply_rotary_pos_emb
+    assert original_rope is not rope.apply_rotary_pos_emb  # no earlier test left a patched model alive
+    model = patch_model(tiny_llama())
+    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    del model
+    gc.collect()
+    assert modeling_llama.apply_rotary_pos_emb is original_rope

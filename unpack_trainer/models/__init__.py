@@ -207,14 +207,24 @@ def _patch_rope(spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Module)
         _rope_originals[spec.modeling_module] = getattr(modeling, spec.rope_function)
         setattr(modeling, spec.rope_function, apply_rotary_pos_emb)
     _rope_users.setdefault(spec.modeling_module, weakref.WeakSet()).add(decoder)
+    # A patched model that is garbage collected without unpatch_model releases the RoPE function too.
+    weakref.finalize(decoder, _release_rope, spec.modeling_module, spec.rope_function)
+
+
+def _release_rope(modeling_module: str, rope_function: str) -> None:
+    """Restore the modeling module's RoPE function once no live patched decoder uses the replacement."""
+    users = _rope_users.get(modeling_module)
+    if users is not None and next(iter(users), None) is not None:  # iterating skips decoders being collected
+        return
+    if modeling_module in _rope_originals:
+        setattr(importlib.import_module(modeling_module), rope_function, _rope_originals.pop(modeling_module))
 
 
 def _unpatch_rope(spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Module) -> None:
     users = _rope_users.get(spec.modeling_module)
     if users is not None:
         users.discard(decoder)
-    if not users and spec.modeling_module in _rope_originals:
-        setattr(modeling, spec.rope_function, _rope_originals.pop(spec.modeling_module))
+    _release_rope(spec.modeling_module, spec.rope_function)
 
 
 _HOOK_DICTS = (
