@@ -1,0 +1,648 @@
+"""Fine-tune a causal LM with sample packing, then train the same model on the same data padded, and compare.
+
+    pip install -e . && python examples/sft_packing.py
+
+With no arguments it fine-tunes a tiny Llama (about 0.3M parameters, built from a config, no download) on the
+instruction dataset shipped with ``unpack_trainer`` (4,000 prompt/completion pairs of 10 to 1,629 tokens), on the
+CPU, in a few minutes. It trains twice, from the same initial weights, on the same samples, for the same number of
+epochs:
+
+1. **packed**: ``unpack_trainer.SFTTrainer`` with ``packing=True``: samples share rows of ``--max-length`` tokens,
+   each attending only to itself, so no compute is spent on padding;
+2. **padded**: the same trainer with ``padding_free=False`` (what ``trl.SFTTrainer`` does by default): each batch is
+   padded to its longest sample. Its batch size is the average number of samples in a packed row, so both runs take
+   about the same number of optimizer steps of about the same number of samples, with the same learning-rate schedule.
+
+It ends with a table (training wall-clock, real tokens per second, final training loss and the loss on held-out
+samples, evaluated the same way for both) and a PNG plot of the training loss against wall-clock time.
+
+Your own model and data (a local directory from ``save_pretrained`` and a local file or ``save_to_disk``
+directory with ``prompt``/``completion``, ``messages``, ``text`` or ``input_ids`` columns)::
+
+    python examples/sft_packing.py --model ./my-model --dataset ./train.jsonl --max-length 2048 --skip-padded
+
+On several GPUs: see ``examples/multi_gpu/README.md``. ``--quick`` runs a few steps of each (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet"}
+COLUMN_LAYOUTS = ("'prompt' + 'completion'", "'messages'", "'text'", "'input_ids' (pre-tokenized)")
+MAX_EVAL_SAMPLES = 200
+QUICK_STEPS = 4
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python examples/sft_packing.py",
+        description="Fine-tune with unpack_trainer.SFTTrainer(packing=True), then the same model and data padded; "
+        "print wall-clock, real tokens/s and loss for both and plot loss against wall-clock time.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="local model directory (save_pretrained format, with its tokenizer); "
+        "default: a tiny Llama built from a config, with the embedded tokenizer",
+    )
+    parser.add_argument(
+        "--dataset",
+        type=Path,
+        help="local .jsonl/.json(.gz)/.parquet file or save_to_disk directory with 'prompt'+'completion', "
+        "'messages', 'text' or 'input_ids' columns; default: the embedded instruction dataset",
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=1024, help="tokens per packed row; longer samples are truncated"
+    )
+    parser.add_argument("--epochs", type=float, default=1.0, help="training epochs of each run")
+    parser.add_argument("--max-steps", type=int, help="optimizer steps of each run (overrides --epochs)")
+    parser.add_argument("--batch-size", type=int, default=1, help="packed rows per device and optimizer step")
+    parser.add_argument(
+        "--padded-batch-size",
+        type=int,
+        help="samples per padded batch; default: the average number of samples in --batch-size packed rows",
+    )
+    parser.add_argument(
+        "--learning-rate", type=float, help="default: 2e-3 for the tiny model trained from scratch, 2e-5 for --model"
+    )
+    parser.add_argument("--logging-steps", type=int, default=5, help="optimizer steps per logged (and plotted) loss")
+    parser.add_argument("--output-dir", type=Path, default=Path("sft_packing_output"))
+    parser.add_argument("--plot", type=Path, help="PNG file of the loss curves; default: OUTPUT_DIR/loss_vs_time.png")
+    parser.add_argument("--skip-padded", action="store_true", help="train packed only (no comparison)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke test: {QUICK_STEPS} optimizer steps per run on a few hundred samples",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: torch's choice); on a busy machine fewer threads can be faster",
+    )
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject missing paths and out-of-range numbers with one clear line (``parser.error`` exits with code 2)."""
+    if args.model is not None:
+        if not args.model.exists():
+            parser.error(f"--model {args.model}: no such directory")
+        if not (args.model / "config.json").is_file():
+            parser.error(f"--model {args.model}: no config.json there; give a directory written by save_pretrained")
+    if args.dataset is not None:
+        if not args.dataset.exists():
+            parser.error(f"--dataset {args.dataset}: no such file or directory")
+        if args.dataset.is_file() and _dataset_format(args.dataset) is None:
+            parser.error(
+                f"--dataset {args.dataset}: unknown file type; expected one of {', '.join(DATASET_SUFFIXES)} "
+                "or a directory written by Dataset.save_to_disk"
+            )
+    for name in ("max_length", "batch_size", "logging_steps", "max_steps", "padded_batch_size", "threads"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.epochs <= 0:
+        parser.error(f"--epochs must be positive, got {args.epochs}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Data and model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _dataset_format(path: Path) -> str | None:
+    name = path.name.lower()
+    for suffix, builder in DATASET_SUFFIXES.items():
+        if name.endswith(suffix):
+            return builder
+    return None
+
+
+def _check_layout(columns: Sequence[str], path: Path) -> None:
+    names = set(columns)
+    if not ({"prompt", "completion"} <= names or names & {"messages", "text", "input_ids"}):
+        raise SystemExit(
+            f"error: --dataset {path}: no known column layout in columns {sorted(names)}; "
+            f"expected one of {', '.join(COLUMN_LAYOUTS)}"
+        )
+
+
+def load_data(path: Path | None, *, seed: int) -> tuple[Any, Any, str]:
+    """The training and held-out datasets and a one-line description.
+
+    The embedded dataset has its own held-out split. A local dataset directory with a ``validation`` or ``test``
+    split uses it; otherwise ``min(200, 5%)`` samples are held out with ``seed``.
+    """
+    import datasets
+
+    if path is None:
+        from unpack_trainer.default_data import load_default_dataset
+
+        return load_default_dataset("train"), load_default_dataset("eval"), "embedded instruction dataset"
+    held_out = None
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except FileNotFoundError as error:
+            raise SystemExit(
+                f"error: --dataset {path}: not a directory written by Dataset.save_to_disk ({error})"
+            ) from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise SystemExit(f"error: --dataset {path}: no 'train' split (splits: {sorted(loaded)})")
+            held_out = next((loaded[name] for name in ("validation", "test") if name in loaded), None)
+            loaded = loaded["train"]
+    else:
+        loaded = datasets.load_dataset(_dataset_format(path), data_files=str(path), split="train")
+    _check_layout(loaded.column_names, path)
+    if held_out is None:
+        if len(loaded) < 2:
+            raise SystemExit(f"error: --dataset {path}: {len(loaded)} sample(s); at least 2 are needed")
+        size = min(MAX_EVAL_SAMPLES, max(1, len(loaded) // 20))
+        split = loaded.train_test_split(test_size=size, seed=seed)
+        loaded, held_out = split["train"], split["test"]
+    return loaded, held_out, str(path)
+
+
+def model_factory(path: Path | None, tokenizer: Any, *, seed: int, dtype: Any) -> Callable[[], Any]:
+    """A function returning a fresh model with the same initial weights at every call.
+
+    The tiny model is built in fp32 (trained with bf16 autocast on a GPU that supports it); a ``--model`` checkpoint
+    is loaded in ``dtype``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    if path is None:
+        from unpack_trainer.default_data import tiny_model_config
+
+        config = tiny_model_config(tokenizer)
+
+        def build() -> Any:
+            torch.manual_seed(seed)
+            return LlamaForCausalLM(config)
+
+        return build
+    return lambda: AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+
+
+def load_tokenizer(path: Path | None) -> Any:
+    if path is None:
+        from unpack_trainer.default_data import load_default_tokenizer
+
+        return load_default_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --model {path}: could not load its tokenizer ({error})") from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Measuring a run
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One training run, measured in this process (summed over processes where noted).
+
+    Attributes:
+        name: ``"packed"`` or ``"padded"``.
+        setup_s: seconds in the trainer's constructor (tokenization, truncation, packing, self-check).
+        train_s: seconds in ``trainer.train()`` (wall-clock; the plot's time axis starts there).
+        steps: optimizer steps taken.
+        samples_per_step: samples per optimizer step (per process), on average.
+        real_tokens: tokens of the samples trained on, padding excluded (all processes).
+        computed_tokens: tokens the model ran on, padding included (all processes).
+        curve: ``(seconds since the start of training, optimizer step, training loss)`` at each logging step.
+        eval_loss: loss per trained token on the held-out samples ([`held_out_loss`], the same for every run).
+    """
+
+    name: str
+    setup_s: float
+    train_s: float
+    steps: int
+    samples_per_step: float
+    real_tokens: int
+    computed_tokens: int
+    curve: list[tuple[float, int, float]]
+    eval_loss: float
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.real_tokens / self.train_s
+
+    @property
+    def final_loss(self) -> float:
+        """Training loss averaged over the logged points of the last 10% of steps (at least the last point)."""
+        if not self.curve:
+            return math.nan
+        last_step = self.curve[-1][1]
+        tail = [loss for _, step, loss in self.curve if step >= 0.9 * last_step] or [self.curve[-1][2]]
+        return sum(tail) / len(tail)
+
+
+class _TokenCounter:
+    """Wraps a data collator and records the real (non-pad) tokens, computed tokens and samples of every batch.
+
+    The dataloader collates one batch ahead of the training loop, so a run stopped by ``max_steps`` collates a batch
+    it never trains on; [`totals`] counts only the first ``num_batches``.
+    """
+
+    def __init__(self, collate: Callable[[list[dict]], dict]) -> None:
+        self.collate = collate
+        self.batches: list[tuple[int, int, int]] = []
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = self.collate(examples)
+        input_ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        real = int(mask.sum()) if mask is not None else int(input_ids.numel())
+        lengths = batch.get("packed_seq_lengths")
+        samples = int(lengths.numel()) if lengths is not None else int(input_ids.shape[0])
+        self.batches.append((real, int(input_ids.numel()), samples))
+        return batch
+
+    def totals(self, num_batches: int) -> tuple[int, int, int]:
+        """``(real tokens, computed tokens, samples)`` of the first ``num_batches`` batches."""
+        used = self.batches[:num_batches]
+        return sum(b[0] for b in used), sum(b[1] for b in used), sum(b[2] for b in used)
+
+
+def _callbacks(name: str) -> tuple[Any, Any]:
+    """A callback recording the loss curve against wall-clock time, and a progress bar showing the loss."""
+    from transformers import ProgressCallback, TrainerCallback
+
+    class LossClock(TrainerCallback):
+        """Records ``(seconds since train begin, step, loss)`` whenever the Trainer logs a training loss."""
+
+        def __init__(self) -> None:
+            self.start = 0.0
+            self.points: list[tuple[float, int, float]] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.points.append((time.perf_counter() - self.start, state.global_step, float(logs["loss"])))
+
+    class LossProgress(ProgressCallback):
+        """The Trainer's progress bar with the latest loss on it, and one line per tenth of the run."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.next_line = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or self.training_bar is None or not logs or "loss" not in logs:
+                return
+            loss = float(logs["loss"])
+            self.training_bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            if state.global_step >= self.next_line or state.global_step == state.max_steps:
+                self.training_bar.write(f"[{name}] step {state.global_step:>5}/{state.max_steps}: loss {loss:.3f}")
+                self.next_line = state.global_step + max(1, state.max_steps // 10)
+
+    return LossClock(), LossProgress()
+
+
+def _checkpointing_off(config_cls: type) -> dict[str, bool]:
+    """Turn activation checkpointing off under the name this transformers version uses (TRL defaults it to on)."""
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    return (
+        {"activation_checkpointing": False}
+        if "activation_checkpointing" in names
+        else {"gradient_checkpointing": False}
+    )
+
+
+def held_out_loss(trainer: Any) -> float:
+    """Mean next-token loss over every trained token of the held-out set: summed over all tokens, then divided by
+    their count (all processes), so it does not depend on how the samples are batched, padded or flattened.
+
+    Tokens with label -100 (prompt, padding, the first token of each sample in a packed row) are not counted.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=trainer.accelerator.device)
+    with torch.no_grad():
+        for batch in trainer.get_eval_dataloader():
+            labels = batch.pop("labels")
+            batch.pop("completion_mask", None)
+            batch.pop("assistant_masks", None)
+            logits = model(**batch).logits[:, :-1].float()
+            targets = labels[:, 1:].to(logits.device)
+            trained = targets != -100
+            total[0] += F.cross_entropy(logits[trained], targets[trained], reduction="sum").double()
+            total[1] += trained.sum()
+    model.train(was_training)
+    total = trainer.accelerator.reduce(total, reduction="sum")
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def train_once(
+    name: str,
+    *,
+    make_model: Callable[[], Any],
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    config: dict[str, Any],
+    on_trainer: Callable[[Any], None] | None = None,
+) -> tuple[RunResult, Any]:
+    """Build an ``unpack_trainer.SFTTrainer`` with ``config``, train, evaluate; return the measurements and trainer."""
+    import torch
+
+    from unpack_trainer import SFTConfig, SFTTrainer
+
+    args = SFTConfig(**config, **_checkpointing_off(SFTConfig))
+    start = time.perf_counter()
+    trainer = SFTTrainer(
+        model=make_model(),
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
+    setup_s = time.perf_counter() - start
+    if on_trainer is not None:
+        on_trainer(trainer)
+    collate = trainer.data_collator
+    counter = _TokenCounter(collate)
+    clock, progress = _callbacks(name)
+    trainer.data_collator = counter
+    trainer.add_callback(clock)
+    from transformers import ProgressCallback
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(progress)
+    start = time.perf_counter()
+    output = trainer.train()
+    train_s = time.perf_counter() - start
+    trainer.data_collator = collate
+    eval_loss = held_out_loss(trainer)
+
+    real, computed, samples = counter.totals(output.global_step * args.gradient_accumulation_steps)
+    totals = torch.tensor([real, computed], dtype=torch.int64, device=trainer.accelerator.device)
+    totals = trainer.accelerator.reduce(totals, reduction="sum").tolist()
+    result = RunResult(
+        name=name,
+        setup_s=setup_s,
+        train_s=train_s,
+        steps=output.global_step,
+        samples_per_step=samples / max(output.global_step, 1),
+        real_tokens=int(totals[0]),
+        computed_tokens=int(totals[1]),
+        curve=clock.points,
+        eval_loss=eval_loss,
+    )
+    return result, trainer
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    headers = [
+        "run",
+        "steps",
+        "samples/step",
+        "train wall-clock (s)",
+        "real tokens",
+        "padding",
+        "real tokens/s",
+        "final train loss",
+        "held-out loss/token",
+    ]
+    rows = [
+        [
+            r.name,
+            f"{r.steps:,}",
+            f"{r.samples_per_step:.1f}",
+            f"{r.train_s:.1f}",
+            f"{r.real_tokens:,}",
+            f"{1 - r.real_tokens / max(r.computed_tokens, 1):.1%}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.final_loss:.3f}",
+            f"{r.eval_loss:.3f}",
+        ]
+        for r in results
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [
+        " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def _moving_average(values: Sequence[float], half_window: int) -> list[float]:
+    """Centred moving average over ``2 * half_window + 1`` points (fewer at the ends)."""
+    out = []
+    for index in range(len(values)):
+        window = values[max(0, index - half_window) : index + half_window + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def write_plot(results: Sequence[RunResult], path: Path, *, title: str) -> None:
+    """Training loss (y) against seconds since the start of training (x), one line per run, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for result, color in zip(results, ("tab:blue", "tab:orange")):
+        seconds = [point[0] for point in result.curve]
+        losses = [point[2] for point in result.curve]
+        label = f"{result.name}: {result.train_s:.0f} s, {result.tokens_per_s:,.0f} real tokens/s"
+        if len(losses) >= 20:  # raw points faint, a centred moving average on top
+            axes.plot(seconds, losses, color=color, linewidth=0.8, alpha=0.3)
+            axes.plot(seconds, _moving_average(losses, len(losses) // 20), color=color, label=label, linewidth=1.8)
+        else:
+            axes.plot(seconds, losses, color=color, label=label, linewidth=1.5, marker=".")
+        axes.axvline(result.train_s, color=color, linestyle=":", linewidth=1)
+    axes.set_xlabel("wall-clock time since the start of training (s)")
+    axes.set_ylabel("training loss")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> list[RunResult]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+
+    import datasets
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_warning()
+    datasets.disable_progress_bars()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    on_gpu = torch.cuda.is_available()
+    bf16 = on_gpu and torch.cuda.is_bf16_supported()
+
+    tokenizer = load_tokenizer(args.model)
+    train_dataset, eval_dataset, data_name = load_data(args.dataset, seed=args.seed)
+    if args.quick:
+        train_dataset = train_dataset.select(range(min(len(train_dataset), 256)))
+        eval_dataset = eval_dataset.select(range(min(len(eval_dataset), 32)))
+    make_model = model_factory(args.model, tokenizer, seed=args.seed, dtype=torch.bfloat16 if bf16 else torch.float32)
+    learning_rate = args.learning_rate or (2e-3 if args.model is None else 2e-5)
+    max_steps = QUICK_STEPS if args.quick else args.max_steps
+    output_dir = args.output_dir
+    plot_path = args.plot or output_dir / "loss_vs_time.png"
+
+    common: dict[str, Any] = dict(
+        max_length=args.max_length,
+        num_train_epochs=args.epochs,
+        max_steps=max_steps if max_steps is not None else -1,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        weight_decay=0.0,
+        logging_steps=1 if args.quick else args.logging_steps,
+        eval_packing=False,
+        ddp_find_unused_parameters=False,
+        per_device_eval_batch_size=8,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not on_gpu,
+        bf16=bf16,
+        dataloader_num_workers=0,
+        seed=args.seed,
+        data_seed=args.seed,
+    )
+    model_name = str(args.model) if args.model is not None else "tiny Llama (embedded config, random init)"
+    results: list[RunResult] = []
+
+    def describe_packing(trainer: Any) -> None:
+        if not trainer.is_world_process_zero():
+            return
+        parameters = sum(p.numel() for p in trainer.model.parameters())
+        stats = trainer.unpack_stats
+        print(f"\nmodel: {model_name}, {parameters / 1e6:.2f}M parameters; data: {data_name}", flush=True)
+        accelerator = trainer.accelerator
+        if accelerator.num_processes > 1:
+            kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+            print(
+                f"{accelerator.num_processes} processes ({kind}), each on {args.batch_size} row(s) a step", flush=True
+            )
+        if "rows" in stats:
+            print(
+                f"packed {stats['samples']:,} samples ({stats['tokens']:,} tokens) into {stats['rows']:,} rows of "
+                f"{args.max_length} tokens, {stats['efficiency']:.1%} full",
+                flush=True,
+            )
+        else:
+            print(f"packing is off: {trainer.unpack_decision.reason}", flush=True)
+
+    packed, trainer = train_once(
+        "packed",
+        make_model=make_model,
+        tokenizer=tokenizer,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        config=dict(
+            common,
+            output_dir=str(output_dir / "packed"),
+            packing=True,
+            per_device_train_batch_size=args.batch_size,
+        ),
+        on_trainer=describe_packing,
+    )
+    results.append(packed)
+    is_main = trainer.is_world_process_zero()
+    stats = trainer.unpack_stats
+    trainer.save_model(str(output_dir / "packed" / "final"))
+    del trainer
+
+    if not args.skip_padded:
+        padded_batch_size = args.padded_batch_size
+        if padded_batch_size is None:
+            per_row = stats["samples"] / stats["rows"] if stats.get("rows") else 8.0
+            padded_batch_size = max(1, round(per_row * args.batch_size))
+        if is_main:
+            print(f"\npadded run: batch size {padded_batch_size} samples, padded to the longest", flush=True)
+        padded, trainer = train_once(
+            "padded",
+            make_model=make_model,
+            tokenizer=tokenizer,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            config=dict(
+                common,
+                output_dir=str(output_dir / "padded"),
+                packing=False,
+                padding_free=False,
+                per_device_train_batch_size=padded_batch_size,
+            ),
+        )
+        results.append(padded)
+        del trainer
+
+    if not is_main:
+        return results
+    print("\n" + format_table(results))
+    if len(results) == 2:
+        packed, padded = results
+        print(
+            f"\npacked vs padded: {padded.train_s / packed.train_s:.2f}x less wall-clock, "
+            f"{packed.tokens_per_s / padded.tokens_per_s:.2f}x the real tokens/s "
+            f"(setup: tokenize + truncate + pack + self-check {packed.setup_s:.1f} s, "
+            f"padded {padded.setup_s:.1f} s, not included)"
+        )
+    try:
+        write_plot(results, plot_path, title=f"{model_name} on {data_name}, max_length {args.max_length}")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    else:
+        print(f"loss against wall-clock time: {plot_path.resolve()}")
+    print(f"fine-tuned model (packed run): {(output_dir / 'packed' / 'final').resolve()}")
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
