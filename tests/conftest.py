@@ -1,6 +1,10 @@
 import pytest
 import torch
 
+# The tests use tiny tensors: more than one intra-op thread only adds synchronisation, and on a shared 2-core machine
+# it turns milliseconds into seconds.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
