@@ -217,8 +217,16 @@ class _DropsPackingMetadata(torch.nn.Module):
     def get_output_embeddings(self):
         return self.inner.get_output_embeddings()
 
-    def forward(self, input_ids, use_cache=False, **kwargs):
-        return self.inner(input_ids=input_ids, use_cache=use_cache)
+    def forward(self, input_ids, **kwargs):
+        packing = {
+            "position_ids",
+            "packed_seq_lengths",
+            "cu_seq_lens_q",
+            "cu_seq_lens_k",
+            "max_length_q",
+            "max_length_k",
+        }
+        return self.inner(input_ids=input_ids, **{k: v for k, v in kwargs.items() if k not in packing})
 
 
 def test_selfcheck_detects_real_contamination():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from unpack_trainer.collator import packed_metadata
 
 # Relative tolerance on logits, by the dtype the model computes in: packed and one-by-one runs sum in different orders.
 _RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 1e-2, torch.bfloat16: 4e-2}
-_PROBE_LENGTHS = (6, 1, 11, 4, 8)
+_PROBE_LENGTHS = (3, 1, 4)
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,9 @@ class ContaminationReport:
 
     Attributes:
         ok: packed logits matched the one-by-one logits within ``tolerance``.
-        max_abs_diff: largest ``|packed - alone|`` over every logit of every probe sample.
-        tolerance: the bound used: ``rtol(dtype) * max|alone logits| + 1e-5``.
+        max_abs_diff: largest ``|packed - alone|`` over every final hidden state of every probe sample (or every
+            logit, for a model that returns no hidden states).
+        tolerance: the bound used: ``rtol(dtype) * max|alone| + 1e-5``.
         contaminated_diff: the same difference when the row is run as one plain causal sequence (what contamination
             would look like; NaN when not measured); if it is not above ``tolerance`` the probe cannot see
             contamination on this model.
@@ -76,19 +78,20 @@ def check_uncontaminated(
     rtol: float | None = None,
     measure_contamination: bool = True,
 ) -> ContaminationReport:
-    """Run a few short random samples packed into one row and as a padded batch through ``model``; compare logits.
+    """Run a few short random samples packed into one row and each alone; compare every token's outputs.
 
-    The packed row carries exactly what the packed collator emits (``position_ids``, ``packed_seq_lengths``,
-    ``cu_seq_lens_*``, ``max_length_*``, no attention mask), so this checks the attention path training will use,
-    patched or not. The reference is the ordinary padded batch (right padding, ``attention_mask``), which equals each
-    sample run alone for every real token. The model is put in eval mode (no dropout) and restored; no gradients are
-    kept; on CPU the probe runs single-threaded (its tensors are tiny, threads only add synchronisation).
+    One forward of one packed batch of two rows does it (see [`_probe_batch`]): the samples in one order and in the
+    reverse order, so each end sample is alone in one row and after all the others in the other. The batch carries exactly what the packed collator emits (``position_ids``,
+    ``packed_seq_lengths``, ``cu_seq_lens_*``, ``max_length_*``, no attention mask), so this checks the attention path
+    training will use, patched or not. What is compared is every token's final hidden state (what the LM head reads),
+    so a model that accepts ``logits_to_keep`` skips most of the LM head's cost. The model is put in eval mode (no
+    dropout) and restored; no gradients are kept; on CPU the probe runs single-threaded.
 
     Args:
         model: a causal LM (plain, ``PeftModel`` or quantized) whose forward returns ``logits``.
         lengths: probe sample lengths (a length-1 sample included by default).
         seed: seed of the random token ids.
-        rtol: relative tolerance on logits; ``None`` picks it by dtype (fp32 1e-4, fp16 1e-2, bf16 4e-2).
+        rtol: relative tolerance; ``None`` picks it by dtype (fp32 1e-4, fp16 1e-2, bf16 4e-2).
         measure_contamination: also run the row as one plain causal sequence, to report how large contamination
             would be on this model (one more forward).
 
@@ -103,38 +106,69 @@ def check_uncontaminated(
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        generator = torch.Generator().manual_seed(seed)
-        samples = [torch.randint(0, _vocab_size(model), (n,), generator=generator) for n in lengths]
-        padded = torch.zeros(len(samples), max(lengths), dtype=torch.long)
-        mask = torch.zeros_like(padded)
-        for i, sample in enumerate(samples):
-            padded[i, : sample.numel()] = sample
-            mask[i, : sample.numel()] = 1
-        logits = model(input_ids=padded.to(device), attention_mask=mask.to(device), use_cache=False).logits
-        reference = logits.float()[mask.to(device).bool()]
-        row = torch.cat(samples).unsqueeze(0).to(device)
-        metadata = {
-            key: value.to(device) if isinstance(value, torch.Tensor) else value
-            for key, value in packed_metadata(lengths).items()
-        }
+        input_ids, metadata = _probe_batch(lengths, _vocab_size(model), seed)
+        input_ids = input_ids.to(device)
+        metadata = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in metadata.items()}
+        options = _output_options(model)
         try:
-            packed = model(input_ids=row, use_cache=False, **metadata).logits[0].float()
+            outputs = model(input_ids=input_ids, **options, **metadata)
         except Exception as error:  # noqa: BLE001 - any failure of the packed path means "not safe"
             return ContaminationReport(
                 False, float("inf"), 0.0, 0.0, None, time.perf_counter() - start, f"{type(error).__name__}: {error}"
             )
+        states = _last_states(outputs).float()
+        packed = states[0]
+        alone = torch.cat(states[1].split(list(lengths[::-1]))[::-1])
         contaminated_diff = float("nan")
         if measure_contamination:
-            contaminated = model(input_ids=row, use_cache=False).logits[0].float()
-            contaminated_diff = float((contaminated - reference).abs().max())
-        dtype = logits.dtype if rtol is not None else _logits_dtype(model)
-        tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * float(reference.abs().max()) + 1e-5
-        max_diff = float((packed - reference).abs().max())
+            contaminated = _last_states(model(input_ids=input_ids[:1], **options))[0].float()
+            contaminated_diff = float((contaminated - alone).abs().max())
+        dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model)
+        tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * float(alone.abs().max()) + 1e-5
+        max_diff = float((packed - alone).abs().max())
         ok = bool(max_diff <= tolerance)
         return ContaminationReport(ok, max_diff, tolerance, contaminated_diff, dtype, time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
         model.train(was_training)
+
+
+def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> tuple[torch.Tensor, dict[str, object]]:
+    """One packed batch of two rows holding the same samples in opposite orders.
+
+    The first sample of each row has nothing before it, so in any causal model its outputs there are what it gives
+    alone; in the other row it comes last, after every other sample. Without contamination every sample's outputs
+    are the same in both rows; with it, at least the two end samples differ.
+
+    Returns ``input_ids`` ``(2, total)`` int64 and the collator's metadata for it (``position_ids`` ``(2, total)``,
+    ``packed_seq_lengths`` row-major, ``cu_seq_lens_*``, ``max_length_*``).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    samples = [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
+    rows = torch.stack([torch.cat(samples), torch.cat(samples[::-1])])
+    metadata = packed_metadata(list(lengths) + list(lengths[::-1]))
+    metadata["position_ids"] = metadata["position_ids"].view(2, -1)
+    return rows, metadata
+
+
+def _output_options(model: torch.nn.Module) -> dict[str, object]:
+    """Forward options for the probe: no cache, the final hidden states, and (where the model accepts
+    ``logits_to_keep``) logits for one position only, since the (tokens, vocab) LM head dominates the probe's cost."""
+    options: dict[str, object] = {"use_cache": False, "output_hidden_states": True}
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        accepts = "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if accepts:
+        options["logits_to_keep"] = 1
+    return options
+
+
+def _last_states(outputs: object) -> torch.Tensor:
+    """``(batch, tokens, hidden)`` final hidden states, or the full logits for a model that returns none."""
+    hidden_states = getattr(outputs, "hidden_states", None)
+    return hidden_states[-1] if hidden_states else outputs.logits
 
 
 def _logits_dtype(model: torch.nn.Module) -> torch.dtype:
