@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'messages', 'text' or 'input_ids' columns; default: the embedded instruction dataset",
     )
     parser.add_argument("--max-length", type=int, default=1024, help="tokens per packed row")
-    parser.add_argument("--max-steps", type=int, default=40, help="optimizer steps")
+    parser.add_argument("--max-steps", type=int, default=120, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=1, help="packed rows per device and optimizer step")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank")

@@ -2,7 +2,7 @@
 
     pip install -e . && python examples/sft_packing.py
 
-With no arguments it fine-tunes a tiny Llama (about 0.3M parameters, built from a config, no download) on the
+With no arguments it fine-tunes a tiny Llama (about 0.4M parameters, built from a config, no download) on the
 instruction dataset shipped with ``unpack_trainer`` (4,000 prompt/completion pairs of 10 to 1,629 tokens), on the
 CPU, in a few minutes. It trains twice, from the same initial weights, on the same samples, for the same number of
 epochs:
@@ -13,8 +13,21 @@ epochs:
    padded to its longest sample. Its batch size is the average number of samples in a packed row, so both runs take
    about the same number of optimizer steps of about the same number of samples, with the same learning-rate schedule.
 
-It ends with a table (training wall-clock, real tokens per second, final training loss and the loss on held-out
-samples, evaluated the same way for both) and a PNG plot of the training loss against wall-clock time.
+It ends with a table (training wall-clock, real tokens per second, final training loss and the loss per token on
+held-out samples, computed the same way for both runs) and a PNG plot of the training loss against wall-clock time.
+Measured with the defaults on a 2-core CPU (torch 2.13, transformers 5.23, TRL 1.16; 3 min 44 s for the whole
+script)::
+
+    run    | steps | samples/step | train wall-clock (s) | real tokens | padding | real tokens/s | final train loss | held-out loss/token
+    packed |   434 |          9.2 |                 41.3 |     443,447 |    0.0% |        10,738 |            2.786 |               2.567
+    padded |   444 |          9.0 |                166.2 |     443,447 |   71.2% |         2,668 |            2.533 |               2.425
+
+Packing computed no padding where padded batches were 71% padding, and trained on the same tokens 4.0x faster;
+when it finished (41 s) the padded run was at step 105 of 444 with a training loss of 3.33. At equal epochs the padded
+run ends a little lower (held-out 2.43 vs 2.57), most likely because best-fit decreasing groups samples by length
+(each long sample with the short ones that fill its gap), so packed steps mix the tasks less evenly than random
+batches do: rows filled in random order instead (503 rows, 86% full) reached 2.49. The computation of a packed row is
+exact: its loss and gradients equal those of its samples in a padded batch.
 
 Your own model and data (a local directory from ``save_pretrained`` and a local file or ``save_to_disk``
 directory with ``prompt``/``completion``, ``messages``, ``text`` or ``input_ids`` columns)::
@@ -79,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="samples per padded batch; default: the average number of samples in --batch-size packed rows",
     )
     parser.add_argument(
-        "--learning-rate", type=float, help="default: 2e-3 for the tiny model trained from scratch, 2e-5 for --model"
+        "--learning-rate", type=float, help="default: 1e-3 for the tiny model trained from scratch, 2e-5 for --model"
     )
     parser.add_argument("--logging-steps", type=int, default=5, help="optimizer steps per logged (and plotted) loss")
     parser.add_argument("--output-dir", type=Path, default=Path("sft_packing_output"))
@@ -94,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads",
         type=int,
-        help="CPU threads for torch (default: torch's choice); on a busy machine fewer threads can be faster",
+        help="CPU threads for torch; default: 1 for the built-in tiny model (its matrices are too small to gain "
+        "much from more threads, and extra threads slow it down several times on a busy machine), torch's default "
+        "with --model",
     )
     return parser
 
@@ -254,12 +269,19 @@ class RunResult:
 
     @property
     def final_loss(self) -> float:
-        """Training loss averaged over the logged points of the last 10% of steps (at least the last point)."""
-        if not self.curve:
-            return math.nan
-        last_step = self.curve[-1][1]
-        tail = [loss for _, step, loss in self.curve if step >= 0.9 * last_step] or [self.curve[-1][2]]
-        return sum(tail) / len(tail)
+        """Training loss averaged over the logged points of the last 10% of the steps (at least the last point)."""
+        reached = self.loss_at(math.inf)
+        return math.nan if reached is None else reached[1]
+
+    def loss_at(self, seconds: float) -> tuple[int, float] | None:
+        """``(step, training loss)`` reached ``seconds`` into training: the loss averaged over the logged points of
+        the last 10% of the steps up to then (at least the last point). ``None`` before the first logged point."""
+        points = [point for point in self.curve if point[0] <= seconds]
+        if not points:
+            return None
+        step = points[-1][1]
+        tail = [loss for _, at, loss in points if at >= 0.9 * step]
+        return step, sum(tail) / len(tail)
 
 
 class _TokenCounter:
@@ -517,8 +539,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
 
     hf_logging.set_verbosity_warning()
     datasets.disable_progress_bars()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = args.threads if args.threads is not None else (1 if args.model is None else None)
+    if threads is not None and not torch.cuda.is_available():
+        torch.set_num_threads(threads)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     on_gpu = torch.cuda.is_available()
     bf16 = on_gpu and torch.cuda.is_bf16_supported()
@@ -529,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         train_dataset = train_dataset.select(range(min(len(train_dataset), 256)))
         eval_dataset = eval_dataset.select(range(min(len(eval_dataset), 32)))
     make_model = model_factory(args.model, tokenizer, seed=args.seed, dtype=torch.bfloat16 if bf16 else torch.float32)
-    learning_rate = args.learning_rate or (2e-3 if args.model is None else 2e-5)
+    learning_rate = args.learning_rate or (1e-3 if args.model is None else 2e-5)
     max_steps = QUICK_STEPS if args.quick else args.max_steps
     output_dir = args.output_dir
     plot_path = args.plot or output_dir / "loss_vs_time.png"
@@ -633,6 +656,13 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
             f"(setup: tokenize + truncate + pack + self-check {packed.setup_s:.1f} s, "
             f"padded {padded.setup_s:.1f} s, not included)"
         )
+        caught_up = padded.loss_at(packed.train_s)
+        if caught_up is not None:
+            step, loss = caught_up
+            print(
+                f"after {packed.train_s:.0f} s, when the packed run had finished, the padded run was at step "
+                f"{step} of {padded.steps} with a training loss of {loss:.3f} (packed: {packed.final_loss:.3f})"
+            )
     try:
         write_plot(results, plot_path, title=f"{model_name} on {data_name}, max_length {args.max_length}")
     except ImportError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gzip
 import importlib.util
 import json
 import os
@@ -117,6 +118,51 @@ def test_sft_packing_quick_trains_both_and_writes_table_plot_and_model(tmp_path)
     assert (final / "config.json").is_file() and (final / "model.safetensors").stat().st_size > 0
 
 
+@pytest.mark.timeout(300)
+def test_sft_packing_quick_with_a_local_model_and_conversational_dataset(tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from unpack_trainer.default_data import tiny_model_config
+
+    tokenizer = load_default_tokenizer()
+    torch.manual_seed(0)
+    model_dir = tmp_path / "my-model"
+    LlamaForCausalLM(tiny_model_config(tokenizer, num_hidden_layers=1)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    records = load_default_records("eval")[:80]
+    data = tmp_path / "chats.jsonl.gz"
+    with gzip.open(data, "wt", encoding="utf-8") as stream:
+        for r in records:
+            messages = [
+                {"role": "user", "content": r["prompt"].rstrip("\n")},
+                {"role": "assistant", "content": r["completion"]},
+            ]
+            stream.write(json.dumps({"messages": messages}) + "\n")
+    plot = tmp_path / "loss.png"
+    out = _run(
+        "sft_packing.py",
+        "--quick",
+        "--skip-padded",
+        "--dataset",
+        data,
+        "--model",
+        model_dir,
+        "--max-length",
+        256,
+        "--output-dir",
+        tmp_path / "out",
+        "--plot",
+        plot,
+        tmp_path=tmp_path,
+    )
+    assert f"model: {model_dir}, 0." in out and f"data: {data}" in out
+    rows = _table_rows(out)
+    assert set(rows) == {"packed"} and _number(rows["packed"]["steps"]) == 4
+    assert "packed vs padded" not in out
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_sft_packing_rejects_missing_paths_and_bad_numbers(sft_example, tmp_path, capsys):
     cases = [
         (["--model", tmp_path / "nope"], f"--model {tmp_path / 'nope'}: no such directory"),
@@ -225,11 +271,14 @@ def test_held_out_loss_is_the_same_for_packed_padded_and_one_by_one_batches(sft_
     assert evaluated["padded"] != pytest.approx(evaluated["one_by_one"], rel=1e-4)
 
 
-def test_final_loss_averages_the_last_tenth_of_steps(sft_example):
+def test_final_loss_and_loss_at_a_time_average_the_last_tenth_of_steps(sft_example):
     curve = [(float(step), step, float(step)) for step in range(1, 101)]
     result = sft_example.RunResult("packed", 0.0, 1.0, 100, 1.0, 10, 10, curve, 0.0)
     assert result.final_loss == pytest.approx(sum(range(90, 101)) / 11)
     assert result.tokens_per_s == 10
+    # 50.5 s in: step 50, the mean of the points of steps 45..50
+    assert result.loss_at(50.5) == (50, pytest.approx(sum(range(45, 51)) / 6))
+    assert result.loss_at(0.5) is None
 
 
 # --------------------------------------------------------------------------------------------------------------------
