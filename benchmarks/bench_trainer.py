@@ -10,25 +10,7 @@ Tiny Llama (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096), pre-tokenize
 ``unpack_trainer/trainer_benchmark.py`` so that the ``unpack-trainer bench`` command can run it too.
 """
 
-import argparse
-
-from unpack_trainer.trainer_benchmark import add_arguments, compare
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser, default_data="lognormal")
-    args = parser.parse_args()
-    print(
-        compare(
-            max_lengths=args.max_lengths,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            providers=args.providers,
-            data=args.data,
-        )
-    )
-
+from unpack_trainer.trainer_benchmark import main
 
 if __name__ == "__main__":
     main()
