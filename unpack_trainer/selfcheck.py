@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,11 +82,17 @@ def check_uncontaminated(
     """Run a few short random samples packed into one row and each alone; compare every token's outputs.
 
     One forward of one packed batch of two rows does it (see [`_probe_batch`]): the samples in one order and in the
-    reverse order, so each end sample is alone in one row and after all the others in the other. The batch carries exactly what the packed collator emits (``position_ids``,
-    ``packed_seq_lengths``, ``cu_seq_lens_*``, ``max_length_*``, no attention mask), so this checks the attention path
-    training will use, patched or not. What is compared is every token's final hidden state (what the LM head reads),
-    so a model that accepts ``logits_to_keep`` skips most of the LM head's cost. The model is put in eval mode (no
-    dropout) and restored; no gradients are kept; on CPU the probe runs single-threaded.
+    reverse order, so each end sample is alone in one row and after all the others in the other. The batch carries
+    exactly what the packed collator emits (``position_ids``, ``packed_seq_lengths``, ``cu_seq_lens_*``,
+    ``max_length_*``, no attention mask), so this checks the attention path training will use, patched or not. What is
+    compared is every token's final hidden state (what the LM head reads), so a model that accepts ``logits_to_keep``
+    skips most of the LM head's cost. No gradients are kept; on CPU the probe runs single-threaded.
+
+    The probe is read-only: dropout is off (eval mode) except in layers holding quantized weights (a ``quant_state``,
+    e.g. bitsandbytes ``Linear4bit``), which stay in training mode so that they run the kernels training runs (in eval
+    mode under ``no_grad`` bitsandbytes converts 4-bit weights on AVX512-BF16 CPUs to an inference-only layout, and
+    back-propagating through it gives wrong gradients). Every module's training flag, every parameter and buffer
+    (the tensor objects and their storage) and every quantization state are put back exactly as found.
 
     Args:
         model: a causal LM (plain, ``PeftModel`` or quantized) whose forward returns ``logits``.
@@ -99,10 +106,12 @@ def check_uncontaminated(
         A [`ContaminationReport`]; ``report.ok`` says whether packing is safe on this model.
     """
     start = time.perf_counter()
-    was_training = model.training
     device = _device(model)
     threads = torch.get_num_threads()
+    snapshot = _Snapshot(model)
     model.eval()
+    for module in snapshot.quantized:
+        module.training = True
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
@@ -130,7 +139,60 @@ def check_uncontaminated(
         return ContaminationReport(ok, max_diff, tolerance, contaminated_diff, dtype, time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-        model.train(was_training)
+        snapshot.restore()
+
+
+def _quant_states(owner: Any) -> list[Any]:
+    """The quantization state objects reachable from ``owner`` (a module or a parameter), nested ones included."""
+    states, state = [], getattr(owner, "quant_state", None)
+    while state is not None and hasattr(state, "__dict__") and not isinstance(state, torch.Tensor):
+        states.append(state)
+        state = getattr(state, "state2", None)
+    return states
+
+
+class _Snapshot:
+    """Everything a forward could change on a model, recorded so that [`check_uncontaminated`] leaves it as found.
+
+    Kept: each module's ``training`` flag; each parameter and buffer object and the storage its ``.data`` points at
+    (a forward that reassigns ``weight.data``, as bitsandbytes' CPU weight conversion does, is undone); the attribute
+    dictionaries of every quantization state (bitsandbytes reassigns ``absmax``, ``dtype``, ``nested``, ``state2``),
+    references only, so nothing is copied.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modes = [(module, module.training) for module in model.modules()]
+        self.parameters = [
+            (module, name, parameter, parameter.data)
+            for module in model.modules()
+            for name, parameter in module._parameters.items()
+            if parameter is not None
+        ]
+        self.buffers = [
+            (module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
+        ]
+        owners = [module for module, _ in self.modes] + [parameter for _, _, parameter, _ in self.parameters]
+        states = {id(state): state for owner in owners for state in _quant_states(owner)}
+        self.states = [(state, dict(vars(state))) for state in states.values()]
+        self.quantized = [
+            module
+            for module, _ in self.modes
+            if _quant_states(getattr(module, "weight", None)) or _quant_states(module)
+        ]
+
+    def restore(self) -> None:
+        for state, attributes in self.states:
+            vars(state).clear()
+            vars(state).update(attributes)
+        for module, name, parameter, data in self.parameters:
+            module._parameters[name] = parameter
+            current = parameter.data
+            if (current.data_ptr(), current.shape, current.dtype) != (data.data_ptr(), data.shape, data.dtype):
+                parameter.data = data
+        for module, name, buffer in self.buffers:
+            module._buffers[name] = buffer
+        for module, training in self.modes:
+            module.training = training
 
 
 def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> tuple[torch.Tensor, dict[str, object]]:

@@ -1,0 +1,117 @@
+"""The contamination self-check is read-only: parameters, buffers, quantization states and training flags as found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_llama
+from transformers import LlamaForCausalLM
+
+from unpack_trainer.selfcheck import check_uncontaminated
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def _lora_4bit(path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    )
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    model = get_peft_model(model, config)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # non-zero B so that every LoRA matrix gets a gradient
+            torch.nn.init.normal_(parameter, std=0.02)
+    return model
+
+
+def _lora_gradients(model):
+    model.train()
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _quant_snapshot(model):
+    out = {}
+    for name, module in model.named_modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            out[name] = (
+                module.weight.data.clone(),
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(state).items() if k != "state2"},
+            )
+    return out
+
+
+def test_selfcheck_leaves_a_4bit_model_and_its_gradients_unchanged(tmp_path):
+    """On AVX512-BF16 CPUs bitsandbytes converts 4-bit weights to an inference-only layout in an eval-mode no-grad
+    forward; the probe must not leave that behind (training then got wrong gradients)."""
+    pytest.importorskip("bitsandbytes")
+    # hidden 64 / intermediate 128: shapes bitsandbytes' CPU conversion accepts (N % 32 == 0, K % blocksize == 0)
+    torch.manual_seed(0)
+    config = tiny_llama().config
+    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 16
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    reference = _lora_4bit(tmp_path / "base")
+    probed = _lora_4bit(tmp_path / "base")
+    before = _quant_snapshot(probed)
+    assert before, "the model has no 4-bit layer"
+    report = check_uncontaminated(probed)
+    assert report.ok, report.summary()
+    after = _quant_snapshot(probed)
+    assert before.keys() == after.keys()
+    for name, (weight, state) in before.items():
+        assert torch.equal(weight, after[name][0]), name
+        assert state.keys() == after[name][1].keys(), name
+        for key, value in state.items():
+            other = after[name][1][key]
+            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+            assert same, (name, key)
+    loss, gradients = _lora_gradients(reference)
+    probed_loss, probed_gradients = _lora_gradients(probed)
+    torch.testing.assert_close(probed_loss, loss, rtol=0, atol=0)
+    assert gradients.keys() == probed_gradients.keys() and len(gradients) == 12
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(probed_gradients[name], gradient, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class _Rewrites(torch.nn.Module):
+    """A causal LM stand-in whose eval forward reassigns a weight's data, swaps a buffer and flips a submodule's
+    mode: everything the probe must undo."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_llama()
+        self.config = self.inner.config
+        self.register_buffer("counter", torch.zeros(1))
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        if not self.training:
+            head = self.inner.lm_head
+            head.weight.data = head.weight.data.clone()
+            self.counter = self.counter + 1
+            self.inner.model.norm.train()
+        return self.inner(**kwargs)
+
+
+def test_selfcheck_restores_reassigned_tensors_and_training_flags():
+    model = _Rewrites()
+    model.train()
+    model.inner.model.layers[0].eval()  # a mixed state, kept as is
+    weight, pointer, counter = model.inner.lm_head.weight, model.inner.lm_head.weight.data_ptr(), model.counter
+    modes = {name: m.training for name, m in model.named_modules()}
+    assert check_uncontaminated(model).ok
+    assert model.inner.lm_head.weight is weight and weight.data_ptr() == pointer
+    assert model.counter is counter and float(counter) == 0.0
+    assert {name: m.training for name, m in model.named_modules()} == modes
