@@ -7,7 +7,7 @@ import trl
 from transformers import LlamaConfig, ProcessorMixin, T5Config
 
 from unpack_trainer import SFTConfig
-from unpack_trainer.decision import decide, env_flag
+from unpack_trainer.decision import decide, env_flag, eval_batches, log_once, neftune_note, reset_log_once
 
 BLOCKLIST = {"gemma2": "attention logit softcapping", "gpt_oss": "attention sinks"}
 SUPPORTED = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -33,6 +33,19 @@ def _collator(examples):
 
 
 TEXT = {"text": "hello"}
+
+
+def _prompt_tuning():
+    from peft import PromptTuningConfig
+
+    return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+
+
+def _prefix_model_configs():
+    from peft import LoraConfig, PrefixTuningConfig
+
+    return {"default": LoraConfig(), "prefix": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}
+
 
 CASES = [
     # id, config kwargs, config class, decide kwargs, env, expected (mode, patch, probe, automatic, overridden, reason fragment)
@@ -191,6 +204,70 @@ CASES = [
         ("padded", False, False, True, False, "gemma2"),
     ),
     (
+        "pack prompt tuning",
+        {"packing": True},
+        SFTConfig,
+        {"peft_config": _prompt_tuning()},
+        {},
+        ("padded", False, False, True, True, "PEFT prompt learning (PROMPT_TUNING)"),
+    ),
+    (
+        "auto prefix tuning model",
+        {},
+        SFTConfig,
+        {"peft_config": _prefix_model_configs()},
+        {},
+        ("padded", False, False, True, False, "PEFT prompt learning (PREFIX_TUNING)"),
+    ),
+    (
+        "auto lora is fine",
+        {},
+        SFTConfig,
+        {"peft_config": {"default": __import__("peft").LoraConfig()}},
+        {},
+        ("padding_free", True, True, True, False, "automatic padding-free"),
+    ),
+    (
+        "auto neftune",
+        {"neftune_noise_alpha": 5.0},
+        SFTConfig,
+        {},
+        {},
+        ("padded", False, False, True, False, "neftune_noise_alpha is set"),
+    ),
+    (
+        "explicit padding-free neftune",
+        {"padding_free": True, "neftune_noise_alpha": 5.0},
+        SFTConfig,
+        {},
+        {},
+        ("padding_free", True, True, False, False, "padding_free=True"),
+    ),
+    (
+        "pack neftune",
+        {"packing": True, "neftune_noise_alpha": 5.0},
+        SFTConfig,
+        {},
+        {},
+        ("pack", True, True, False, False, "global best-fit"),
+    ),
+    (
+        "pack skip prepare",
+        {"packing": True, "dataset_kwargs": {"skip_prepare_dataset": True}},
+        SFTConfig,
+        {},
+        {},
+        ("padding_free", True, True, True, True, "packing=True ignored (dataset_kwargs={'skip_prepare_dataset'"),
+    ),
+    (
+        "auto skip prepare",
+        {"dataset_kwargs": {"skip_prepare_dataset": True}},
+        SFTConfig,
+        {},
+        {},
+        ("padding_free", True, True, True, False, "automatic padding-free"),
+    ),
+    (
         "explicit off",
         {"padding_free": False},
         SFTConfig,
@@ -245,3 +322,45 @@ def test_decision_is_pure():
 def test_env_flag(value, expected):
     assert env_flag({"X": value}, "X") is expected
     assert env_flag({}, "X") is False
+
+
+def test_neftune_note_only_for_packed_rows():
+    pack = decide(_config(packing=True, neftune_noise_alpha=5.0), model_config=LlamaConfig(), env={})
+    assert "alpha/sqrt(tokens per row" in neftune_note(_config(neftune_noise_alpha=5.0), pack)
+    assert neftune_note(_config(), pack) is None
+    padded = decide(_config(neftune_noise_alpha=5.0), model_config=LlamaConfig(), env={})
+    assert neftune_note(_config(neftune_noise_alpha=5.0), padded) is None
+
+
+@pytest.mark.parametrize(
+    "config_kwargs, has_metrics, flattened, note",
+    [
+        ({}, False, True, None),
+        ({}, True, False, "evaluation stays padded"),
+        ({"packing": True}, True, False, "evaluation stays padded"),
+        ({"packing": True, "eval_packing": True}, True, True, "eval_packing=True: evaluation batches are flattened"),
+        ({"padding_free": True}, True, True, "padding_free=True: evaluation batches are flattened"),
+        ({"padding_free": False}, True, False, None),
+    ],
+)
+def test_eval_batches_stay_padded_with_metrics(config_kwargs, has_metrics, flattened, note):
+    config = _config(**config_kwargs)
+    decision = decide(config, model_config=LlamaConfig(), supported_model_types=SUPPORTED, env={})
+    got_flattened, got_note = eval_batches(config, decision, has_metrics=has_metrics)
+    assert got_flattened is flattened
+    assert (got_note is None) if note is None else (note in got_note)
+
+
+def test_log_once_logs_once_and_only_on_the_main_process(monkeypatch, caplog):
+    import logging
+
+    logger = logging.getLogger("unpack_trainer.test")
+    reset_log_once()
+    with caplog.at_level(logging.INFO, logger="unpack_trainer.test"):
+        log_once(logger, logging.INFO, "hello")
+        log_once(logger, logging.INFO, "hello")
+        monkeypatch.setenv("RANK", "1")
+        log_once(logger, logging.INFO, "from rank 1")
+        log_once(logger, logging.INFO, "everywhere", main_process_only=False)
+    assert [r.message for r in caplog.records] == ["hello", "everywhere"]
+    reset_log_once()

@@ -11,8 +11,18 @@
 | ``padding_free=False``                   | padded (never overridden)       | padded                                   |
 
 Blocked means: a custom ``data_collator``; a ``ProcessorMixin`` processing class; a vision-language model or a vision
-dataset; an encoder-decoder model; a blocklisted model type. A model type that is neither registered nor blocklisted
-is not blocked here: it runs without our patch if the contamination self-check passes on the user's model.
+dataset; an encoder-decoder model; a blocklisted model type; PEFT prompt learning (prompt tuning, p-tuning, prefix
+tuning: virtual tokens or prefix keys are prepended to every row). A model type that is neither registered nor
+blocklisted is not blocked here: it runs without our patch if the contamination self-check passes on the user's model.
+
+Also decided here, without overriding an explicit request:
+
+- ``neftune_noise_alpha`` set: automatic padding-free stays off (NEFTune scales its noise by 1/sqrt(tokens per row),
+  so flattening a batch would change the noise); with explicit packing the trainer logs what the scale means.
+- ``dataset_kwargs={"skip_prepare_dataset": True}`` with ``packing=True``: the data is used as prepared (nothing to
+  pack, no truncation), so packing is declined with that reason and batches are flattened as TRL does.
+- evaluation with ``compute_metrics`` / ``preprocess_logits_for_metrics`` stays padded (one row per example, as stock)
+  unless ``eval_packing=True`` or ``padding_free=True`` asked for flattened evaluation ([`eval_batches`]).
 """
 
 from __future__ import annotations
@@ -36,11 +46,41 @@ def env_flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "").strip().lower() in _TRUE
 
 
-def log_once(logger: logging.Logger, level: int, message: str) -> None:
-    """Log ``message`` at ``level`` the first time it is seen in this process."""
-    if (level, message) not in _logged:
-        _logged.add((level, message))
-        logger.log(level, message)
+def is_main_process() -> bool:
+    """Whether this is the main process: rank 0 of an initialized ``torch.distributed`` group, else ``RANK`` unset or
+    ``0`` (set by ``torchrun`` / ``accelerate launch`` before the group exists)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+def log_once(logger: logging.Logger, level: int, message: str, *, main_process_only: bool = True) -> None:
+    """Log ``message`` at ``level`` the first time it is seen in this process, on the main process only (unless
+    ``main_process_only=False``). The package's one log-once helper; ``reset_log_once()`` forgets what was logged."""
+    if (level, message) in _logged:
+        return
+    _logged.add((level, message))
+    if main_process_only and not is_main_process():
+        return
+    logger.log(level, message)
+
+
+def reset_log_once() -> None:
+    """Forget every message [`log_once`] has logged (for tests, or a second trainer that should log again)."""
+    _logged.clear()
+
+
+def _prompt_learning(peft_config: Any) -> str | None:
+    """The PEFT type when ``peft_config`` (a ``PeftConfig``, or a ``PeftModel``'s ``{name: PeftConfig}``) is prompt
+    learning (prompt tuning, p-tuning, prefix tuning), else ``None``."""
+    configs = peft_config.values() if isinstance(peft_config, Mapping) else [peft_config]
+    for config in configs:
+        if getattr(config, "is_prompt_learning", False):
+            peft_type = getattr(config, "peft_type", None)
+            return str(getattr(peft_type, "value", peft_type) or type(config).__name__)
+    return None
 
 
 @dataclass(frozen=True)
@@ -81,10 +121,17 @@ def blocked_reason(
     processing_class: Any,
     dataset_sample: Mapping[str, Any] | None,
     blocklist: Mapping[str, str],
+    peft_config: Any = None,
 ) -> str | None:
     """Why packed rows cannot be used with this set-up, or ``None``."""
     from transformers import ProcessorMixin
 
+    prompt_learning = _prompt_learning(peft_config)
+    if prompt_learning is not None:
+        return (
+            f"PEFT prompt learning ({prompt_learning}) prepends virtual tokens or prefix keys/values to every row, "
+            "which cannot be split between packed samples"
+        )
     if data_collator is not None:
         return f"a custom data_collator ({type(data_collator).__name__}) was passed; remove it to pack"
     if isinstance(processing_class, ProcessorMixin):
@@ -113,6 +160,7 @@ def decide(
     supported_model_types: frozenset[str] | set[str] = frozenset(),
     blocklist: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
+    peft_config: Any = None,
 ) -> PackingDecision:
     """Decide how to batch, from the config, the model's config, the collator, the tokenizer, one dataset example and
     the environment. Pure: no logging, no model calls.
@@ -128,6 +176,8 @@ def decide(
         supported_model_types: model types with a registered patch.
         blocklist: ``model_type -> reason`` for types that must never be packed.
         env: environment variables (defaults to ``os.environ``).
+        peft_config: the ``peft_config`` passed to the trainer, or the model's (``PeftModel.peft_config``), or
+            ``None``; prompt learning blocks packing.
     """
     env = os.environ if env is None else env
     blocklist = {} if blocklist is None else blocklist
@@ -151,15 +201,29 @@ def decide(
         processing_class=processing_class,
         dataset_sample=dataset_sample,
         blocklist=blocklist,
+        peft_config=peft_config,
     )
     model_type = getattr(model_config, "model_type", None)
     registered = model_type in supported_model_types
     probe_note = "" if registered else f" (model type {model_type!r} has no patch: the self-check decides)"
 
+    dataset_kwargs = getattr(config, "dataset_kwargs", None) or {}
+    skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset", False))
     if packing:
         if reason is not None:
             return PackingDecision(
                 "padded", f"packing=True ignored ({reason})", automatic=True, overridden_request=True
+            )
+        if skip_prepare:
+            return PackingDecision(
+                "padding_free",
+                "packing=True ignored (dataset_kwargs={'skip_prepare_dataset': True}: the dataset is used as "
+                "prepared, so it is neither packed nor truncated to max_length); each batch is flattened into one "
+                "row, as TRL does" + probe_note,
+                patch=registered,
+                probe=True,
+                automatic=True,
+                overridden_request=True,
             )
         return PackingDecision(
             "pack", "packing=True: global best-fit-decreasing packing" + probe_note, patch=registered, probe=True
@@ -176,10 +240,52 @@ def decide(
         return PackingDecision("padded", "UNPACK_DISABLE_AUTO_PADDING_FREE is set")
     if reason is not None:
         return PackingDecision("padded", f"automatic padding-free off ({reason})", automatic=True)
+    if getattr(config, "neftune_noise_alpha", None) is not None:
+        return PackingDecision(
+            "padded",
+            "automatic padding-free off (neftune_noise_alpha is set: NEFTune scales its noise by 1/sqrt(tokens per "
+            "row), so flattening a batch into one row would change the noise; set padding_free=True to flatten anyway)",
+            automatic=True,
+        )
     return PackingDecision(
         "padding_free",
         "automatic padding-free: each batch is flattened into one row, no cross-example packing" + probe_note,
         patch=registered,
         probe=True,
         automatic=True,
+    )
+
+
+def neftune_note(config: Any, decision: PackingDecision) -> str | None:
+    """What NEFTune's noise scale means for packed rows, when NEFTune is on and rows are packed or flattened."""
+    alpha = getattr(config, "neftune_noise_alpha", None)
+    if alpha is None or not decision.packed:
+        return None
+    return (
+        f"NEFTune (neftune_noise_alpha={alpha}) scales its noise by alpha/sqrt(tokens per row x hidden size); a "
+        f"{'packed' if decision.mode == 'pack' else 'flattened'} row holds several samples, so each token gets less "
+        "noise than in a padded batch (by sqrt(row tokens / padded batch length)). Raise neftune_noise_alpha to match."
+    )
+
+
+def eval_batches(config: Any, decision: PackingDecision, *, has_metrics: bool) -> tuple[bool, str | None]:
+    """Whether evaluation batches are flattened / packed like training's, and a note to log (or ``None``).
+
+    With ``compute_metrics`` or ``preprocess_logits_for_metrics`` set (``has_metrics``), flattened rows would hand
+    the metric ``(1, tokens)`` arrays instead of one row per example, so evaluation stays padded, unless the user
+    asked for flattened evaluation (``eval_packing=True`` or ``padding_free=True``): then the metric sees the rows.
+    """
+    if not decision.packed:
+        return False, None
+    if not has_metrics:
+        return True, None
+    if getattr(config, "eval_packing", None) is True or getattr(config, "padding_free", None) is True:
+        asked = "eval_packing=True" if getattr(config, "eval_packing", None) is True else "padding_free=True"
+        return True, (
+            f"{asked}: evaluation batches are flattened, so compute_metrics / preprocess_logits_for_metrics receive "
+            "rows holding several examples, not one row per example"
+        )
+    return False, (
+        "evaluation stays padded because compute_metrics / preprocess_logits_for_metrics is set: metrics get one row "
+        "per example, as with stock TRL (set eval_packing=True to flatten evaluation batches too)"
     )
