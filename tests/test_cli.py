@@ -13,6 +13,7 @@ import pytest
 
 from unpack_trainer.cli import analyze_lengths, detect_layout, main, open_table, read_lengths
 from unpack_trainer.default_data import load_default_records, load_default_tokenizer
+from unpack_trainer.estimate import estimated_speedup, padded_batches
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -66,22 +67,23 @@ def test_analyze_lengths_by_hand():
     a = analyze_lengths([100, 10, 90, 10, 0], max_length=128, batch_size=2)
     assert a.num_empty == 1 and a.num_samples == 4 and a.num_truncated == 0
     assert a.real_tokens == 210
-    assert a.padded_tokens == 2 * 100 + 2 * 90  # batches [100, 10] and [90, 10]
+    assert a.padded_tokens == int(padded_batches(np.array([100, 10, 90, 10]), 2, seed=0)[1].sum())  # random batches
     assert a.sorted_padded_tokens == 2 * 10 + 2 * 100  # batches [10, 10] and [90, 100]
     assert a.num_batches == 2
     assert sorted(sorted(row) for row in a.rows) == [[0, 1, 3], [2]]  # 100 + 10 + 10 = 120 <= 128, then 90
     assert a.packed_tokens == 2 * 128
     assert a.packing_efficiency == pytest.approx(210 / 256)
-    assert a.speedup == pytest.approx(380 / 256)
-    assert a.sorted_speedup == pytest.approx(220 / 256)
-    np.testing.assert_allclose(a.batch_fill, [110 / 200, 100 / 180])
+    assert a.speedup == pytest.approx(a.padded_tokens / 210) == estimated_speedup(np.array([100, 10, 90, 10]), 2)
+    assert a.sorted_speedup == pytest.approx(220 / 210)
+    real, padded = padded_batches(np.array([100, 10, 90, 10]), 2, seed=0)
+    np.testing.assert_allclose(a.batch_fill, real / padded)
     np.testing.assert_allclose(sorted(a.row_fill), [90 / 128, 120 / 128])
 
 
 def test_analyze_lengths_truncates_long_samples_and_pads_the_last_batch():
     a = analyze_lengths([300, 5, 7], max_length=128, batch_size=2)
     assert (a.num_truncated, a.truncated_tokens, a.real_tokens) == (1, 172, 140)
-    assert a.padded_tokens == 2 * 128 + 1 * 7  # the last batch holds one sample
+    assert a.sorted_padded_tokens == 2 * 7 + 1 * 128  # sorted [5, 7] [128]: the last batch holds one sample
     assert len(a.rows) == 2 and a.packed_tokens == 256
     assert a.lengths.tolist() == [300, 5, 7]  # statistics are on the untruncated lengths
 
@@ -149,7 +151,7 @@ def test_jsonl_with_plot(tmp_path, capsys, records, tokenizer):
     assert _reported(out, "max") == f"{max(lengths):,}"
     assert _reported(out, "packed rows") == f"{len(expected.rows):,}"
     assert expected.num_truncated > 0 and f"{expected.num_truncated:,} sample(s)" in out
-    assert f"{expected.speedup:.2f}x over padded batches in dataset order" in out
+    assert f"{expected.speedup:.2f}x over random padded batches" in out
     assert "token-count estimate" in out
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == PNG_MAGIC
 
@@ -399,6 +401,33 @@ def test_bench_runs_the_trainer_comparison(capsys):
     out = capsys.readouterr().out
     assert "| 256 | (c) unpack_trainer, packing=True |" in out
     assert "vs (b) trl packing" in out and "self-check" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-lengths", "-5"], "--max-lengths must be positive token counts, got -5"),
+        (["--max-lengths", "256", "0"], "--max-lengths must be positive token counts, got 0"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+    ],
+)
+def test_bench_rejects_bad_sizes_without_a_traceback(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_estimated_speedup_by_hand():
+    """One definition: padded tokens of random batches of B samples / real tokens."""
+    assert estimated_speedup(np.array([10, 1]), 2) == pytest.approx(20 / 11)  # one batch, any order
+    assert estimated_speedup(np.array([7, 3, 5]), 1) == 1.0  # batches of one sample are never padded
+    assert estimated_speedup(np.array([4, 4, 4, 4]), 2) == 1.0
+    real, padded = padded_batches(np.array([100, 10, 90, 10]), 2, seed=None)
+    assert real.tolist() == [110, 100] and padded.tolist() == [200, 180]
+    real, padded = padded_batches(np.array([5, 9, 2]), 2, seed=None)
+    assert real.tolist() == [14, 2] and padded.tolist() == [18, 2]  # the last batch holds one sample
+    with pytest.raises(ValueError, match="batch_size"):
+        padded_batches(np.array([1]), 0)
 
 
 def test_bench_rejects_zero_steps(capsys):

@@ -52,18 +52,6 @@ class CLIError(Exception):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _padded_batches(lengths: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Consecutive batches of ``batch_size`` (the last may be smaller): per batch, (real tokens, padded tokens)."""
-    num_batches = -(-lengths.size // batch_size)
-    padded = np.zeros(num_batches * batch_size, dtype=np.int64)
-    padded[: lengths.size] = lengths
-    grid = padded.reshape(num_batches, batch_size)
-    sizes = np.full(num_batches, batch_size, dtype=np.int64)
-    if lengths.size % batch_size:
-        sizes[-1] = lengths.size % batch_size
-    return grid.sum(axis=1), grid.max(axis=1) * sizes
-
-
 @dataclass(frozen=True)
 class PackingAnalysis:
     """What padded batching and packing cost for one set of sample lengths. All token counts are per epoch.
@@ -76,13 +64,14 @@ class PackingAnalysis:
         num_truncated: samples longer than ``max_length`` (TRL truncates them to ``max_length``).
         truncated_tokens: tokens cut off by that truncation.
         real_tokens: tokens left after truncation.
-        padded_tokens: tokens processed by padded batching in dataset order, each batch padded to its longest sample.
+        padded_tokens: tokens processed by padded batching of random batches (the trainer shuffles; seed 0), each
+            batch padded to its longest sample.
         sorted_padded_tokens: the same with the samples sorted by length first (the best ``group_by_length`` can do).
         num_batches: padded batches per epoch.
         rows: packed rows (sample indices into ``lengths``) from the global best-fit-decreasing packer.
         packed_tokens: ``len(rows) * max_length``: every packed row counted as full (an upper bound; padding-free
             batching processes only ``real_tokens``).
-        batch_fill: ``(num_batches,)`` float64 real / padded tokens of each padded batch in dataset order.
+        batch_fill: ``(num_batches,)`` float64 real / padded tokens of each random padded batch.
         row_fill: ``(len(rows),)`` float64 real tokens / ``max_length`` of each packed row.
     """
 
@@ -121,13 +110,14 @@ class PackingAnalysis:
 
     @property
     def speedup(self) -> float:
-        """Token-count speedup estimate: padded tokens (dataset order) / packed tokens."""
-        return self.padded_tokens / self.packed_tokens
+        """Token-count speedup estimate, [`unpack_trainer.estimate.estimated_speedup`]: padded tokens of random
+        batches / real tokens (what the trainer's start line reports)."""
+        return self.padded_tokens / self.real_tokens
 
     @property
     def sorted_speedup(self) -> float:
-        """Token-count speedup estimate against length-sorted padded batches."""
-        return self.sorted_padded_tokens / self.packed_tokens
+        """The same against length-sorted padded batches: sorted padded tokens / real tokens."""
+        return self.sorted_padded_tokens / self.real_tokens
 
 
 def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_size: int) -> PackingAnalysis:
@@ -150,9 +140,10 @@ def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_
 
     Example:
         >>> a = analyze_lengths([100, 10, 10, 10], max_length=128, batch_size=2)
-        >>> a.padded_tokens, len(a.rows), a.packed_tokens   # batches [100, 10] [10, 10]: 200 + 20 padded tokens
+        >>> a.sorted_padded_tokens, len(a.rows), a.packed_tokens   # sorted batches [10, 10] [10, 100]: 20 + 200
         (220, 1, 128)
     """
+    from unpack_trainer.estimate import padded_batches
     from unpack_trainer.packing import best_fit_decreasing
 
     if max_length < 1:
@@ -167,8 +158,8 @@ def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_
     if array.size == 0:
         raise ValueError("There is no non-empty sample to analyze.")
     clipped = np.minimum(array, max_length)
-    real, padded = _padded_batches(clipped, batch_size)
-    _, sorted_padded = _padded_batches(np.sort(clipped), batch_size)
+    real, padded = padded_batches(clipped, batch_size, seed=0)
+    _, sorted_padded = padded_batches(np.sort(clipped), batch_size, seed=None)
     rows = best_fit_decreasing(clipped, max_length)
     row_tokens = np.asarray([int(clipped[row].sum()) for row in rows], dtype=np.int64)
     return PackingAnalysis(
@@ -583,7 +574,12 @@ def format_report(analysis: PackingAnalysis) -> str:
         _table(
             [
                 ("", "batches", "tokens processed", "padding"),
-                ("dataset order", f"{a.num_batches:,}", f"{a.padded_tokens:,}", _percent(a.padding_waste)),
+                (
+                    "random batches (as training shuffles)",
+                    f"{a.num_batches:,}",
+                    f"{a.padded_tokens:,}",
+                    _percent(a.padding_waste),
+                ),
                 (
                     "sorted by length (group_by_length, best case)",
                     f"{a.num_batches:,}",
@@ -607,12 +603,13 @@ def format_report(analysis: PackingAnalysis) -> str:
         )
     )
     out.append(
-        f"\nEstimated speedup of packing: {a.speedup:.2f}x over padded batches in dataset order, "
+        f"\nEstimated speedup of packing: {a.speedup:.2f}x over random padded batches, "
         f"{a.sorted_speedup:.2f}x over length-sorted batches."
     )
     out.append(
         _wrap(
-            "This is a token-count estimate (padded tokens / packed tokens per epoch), not a measurement: it leaves "
+            "This is a token-count estimate (padded tokens / real tokens per epoch, the same definition as the "
+            "trainer's start line), not a measurement: it leaves "
             "out the attention cost, which grows with the square of each sample's length, and the per-step "
             "overhead. Time a real training run to confirm it."
         )
@@ -823,6 +820,11 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise CLIError(f"--steps must be at least 1, got {args.steps}.")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    bad = [length for length in args.max_lengths if length < 1]
+    if bad:
+        raise CLIError(f"--max-lengths must be positive token counts, got {bad[0]}.")
     try:
         report = compare(
             max_lengths=args.max_lengths,
