@@ -100,6 +100,8 @@ def test_packing_wires_collator_patch_and_selfcheck(tokenizer, tmp_path):
     )
     assert trainer.unpack_decision.mode == "pack"
     assert isinstance(trainer.data_collator, DataCollatorForPacking)
+    assert trainer.unpack_selfcheck is None  # runs when training starts, on the model as it trains
+    trainer.get_train_dataloader()
     assert trainer.unpack_selfcheck is not None and trainer.unpack_selfcheck.ok
     from unpack_trainer.models import is_patched
 
@@ -178,29 +180,33 @@ def test_explicit_padding_free_false_is_kept(tokenizer, tmp_path):
 def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(tokenizer, tmp_path, monkeypatch, caplog):
     failing = ContaminationReport(False, 0.5, 1e-4, 0.5, torch.float32, 0.01)
     monkeypatch.setattr(trainer_module, "check_uncontaminated", lambda model, **kwargs: failing)
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_decision.mode == "pack"
     with caplog.at_level(logging.ERROR, logger="unpack_trainer"):
-        trainer = SFTTrainer(
-            model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True),
-            train_dataset=_prompt_completion(),
-            processing_class=tokenizer,
-        )
-    assert "Contamination self-check failed, training padded instead" in caplog.text
+        trainer.train()
+    assert "Contamination self-check failed (contamination measured: max |packed - one-by-one| = 0.5" in caplog.text
+    assert "training padded instead" in caplog.text
     assert trainer.unpack_decision.mode == "padded"
+    assert "contamination measured" in trainer.unpack_decision.reason
     assert type(trainer.data_collator) is DataCollatorForLanguageModeling
     assert "seq_lengths" not in trainer.train_dataset.column_names and len(trainer.train_dataset) == 24
     from unpack_trainer.models import is_patched
 
     assert not is_patched(trainer.model)
-    trainer.train()
     monkeypatch.setenv("UNPACK_STRICT", "1")
+    strict = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
     with pytest.raises(RuntimeError, match="UNPACK_STRICT=1"):
-        SFTTrainer(
-            model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True),
-            train_dataset=_prompt_completion(),
-            processing_class=tokenizer,
-        )
+        strict.train()
 
 
 class _DropsPackingMetadata(torch.nn.Module):
@@ -305,8 +311,8 @@ def test_qlora_4bit(tokenizer, tmp_path):
         processing_class=tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
-    assert trainer.unpack_decision.mode == "pack" and trainer.unpack_selfcheck.ok
     result = trainer.train()
+    assert trainer.unpack_decision.mode == "pack" and trainer.unpack_selfcheck.ok, trainer.unpack_decision
     assert torch.isfinite(torch.tensor(result.training_loss))
 
 

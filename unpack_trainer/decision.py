@@ -64,7 +64,7 @@ def log_once(logger: logging.Logger, level: int, message: str, *, main_process_o
     _logged.add((level, message))
     if main_process_only and not is_main_process():
         return
-    logger.log(level, message)
+    logger.log(level, message, stacklevel=2)
 
 
 def reset_log_once() -> None:

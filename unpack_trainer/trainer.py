@@ -1,20 +1,27 @@
 """``SFTTrainer``: ``trl.SFTTrainer`` that packs without cross-sample contamination, or turns padding-free on itself.
 
 The decision ([`unpack_trainer.decision.decide`]) is made once, before TRL's ``__init__``; then TRL prepares the
-data (tokenization, labels, truncation) and this class packs it with the global packer, swaps in the packed collator,
-patches the model's attention and runs the contamination self-check, falling back to padded training if it fails.
+data (tokenization, labels) and this class truncates it with counts, packs it with the global packer, swaps in the
+packed collator and patches the model's attention. The contamination self-check runs when training (or evaluation)
+starts, right before its data loader is built, on the model exactly as it will run (after everything ``train()``
+applies: liger kernels, a resumed checkpoint, ...); if it fails, the collator and the datasets are switched to padded
+before the first batch is drawn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 import trl
 from datasets import Dataset, IterableDataset
 from transformers import AutoConfig, TrainingArguments
@@ -22,7 +29,8 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from unpack_trainer.collator import DataCollatorForPacking
 from unpack_trainer.config import SFTConfig
-from unpack_trainer.decision import PackingDecision, decide, env_flag, log_once
+from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, log_once, neftune_note
+from unpack_trainer.estimate import estimated_speedup
 from unpack_trainer.packing import best_fit_decreasing
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
@@ -36,9 +44,26 @@ def _model_config(model: Any, args: Any) -> Any:
 
 
 def _first_example(dataset: Any) -> dict[str, Any] | None:
+    """The training set's first example; ``ValueError`` for an empty one (nothing to train on)."""
     if dataset is None:
         return None
-    return next(iter(dataset))
+    try:
+        return next(iter(dataset))
+    except StopIteration:
+        raise ValueError("`train_dataset` is empty (0 examples); training needs at least one example.") from None
+
+
+def _columns(dataset: Any) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is None and dataset is not None:  # an IterableDataset with unknown features: peek at one example
+        names = list(next(iter(dataset), {}).keys())
+    return list(names or [])
+
+
+def _is_iterable(dataset: Any) -> bool:
+    if isinstance(dataset, dict):
+        return any(_is_iterable(value) for value in dataset.values())
+    return isinstance(dataset, (IterableDataset, torch.utils.data.IterableDataset))
 
 
 def _registry() -> tuple[frozenset[str], dict[str, str]]:
@@ -52,13 +77,24 @@ def _default_args(model: Any) -> SFTConfig:
     return SFTConfig(f"{str(name).rstrip('/').split('/')[-1]}-SFT")
 
 
-def _padded_tokens(lengths: np.ndarray, batch_size: int, seed: int) -> int:
-    """Tokens a padded batch of ``batch_size`` random examples computes on (each batch padded to its longest)."""
-    order = np.random.default_rng(seed).permutation(lengths.size)
-    shuffled = lengths[order]
-    pad = (-shuffled.size) % batch_size
-    batches = np.concatenate([shuffled, np.zeros(pad, dtype=shuffled.dtype)]).reshape(-1, batch_size)
-    return int((batches.max(axis=1) * (batches > 0).sum(axis=1)).sum())
+def _keep_batches_whole(trl_args: Any, args: Any) -> None:
+    """Turn accelerate's batch dispatching off for packed batches (on ``trl_args``, a copy of the user's config).
+
+    ``DataLoaderDispatcher`` (accelerate's default for iterable data) slices every tensor of a batch to the batch
+    dimension, which cuts the 1-D ``packed_seq_lengths`` / ``cu_seq_lens_*`` of a ``(1, T)`` packed batch. Each process
+    then reads its own batches (what TRL already does for an iterable training set).
+    """
+    config = copy.copy(args.accelerator_config)
+    if getattr(config, "dispatch_batches", None) is True:
+        log_once(
+            logger,
+            logging.WARNING,
+            "accelerator_config.dispatch_batches=True ignored: dispatching slices every tensor of a batch to its "
+            "first dimension, which would cut the packing metadata (packed_seq_lengths, cu_seq_lens); each process "
+            "reads its own batches instead. Set padding_free=False to keep dispatching.",
+        )
+    config.dispatch_batches = False
+    trl_args.accelerator_config = config
 
 
 class SFTTrainer(trl.SFTTrainer):
@@ -74,9 +110,11 @@ class SFTTrainer(trl.SFTTrainer):
 
     Attributes:
         unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
-        unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the padded-token estimate, for the
-            training set.
-        unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result.
+        unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the estimated speedup
+            ([`unpack_trainer.estimate`]) for the training set; for a streamed training set, the truncation counts
+            (``"truncation"``) as they are read.
+        unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
+            started (``None`` before, and when nothing is packed).
     """
 
     def __init__(
@@ -93,6 +131,11 @@ class SFTTrainer(trl.SFTTrainer):
         self.unpack_stats: dict[str, Any] = {}
         self.unpack_selfcheck: ContaminationReport | None = None
         self._unpack_mode = "stock"
+        self._unpack_checked = True
+        self._unpack_train_prepared = False
+        self._unpack_eval_flattened = False
+        self._unpack_user_collator = data_collator is not None
+        self._unpack_counts: list[_TruncationCounts] = []
         if env_flag(env, "UNPACK_DISABLE"):
             self.unpack_decision = decide(args, model_config=None, env=env)
             super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
@@ -105,6 +148,9 @@ class SFTTrainer(trl.SFTTrainer):
             dict_args["hub_token"] = args.hub_token
             args = SFTConfig(**dict_args)
         supported, blocklist = _registry()
+        peft_config = kwargs.get("peft_config")
+        if peft_config is None and not isinstance(model, str):
+            peft_config = getattr(model, "peft_config", None)
         decision = decide(
             args,
             model_config=_model_config(model, args),
@@ -114,18 +160,37 @@ class SFTTrainer(trl.SFTTrainer):
             supported_model_types=supported,
             blocklist=blocklist,
             env=env,
+            peft_config=peft_config,
         )
         self.unpack_decision = decision
-        log_once(logger, logging.WARNING if decision.overridden_request else logging.INFO, decision.reason)
+        has_metrics = any(
+            kwargs.get(name) is not None for name in ("compute_metrics", "preprocess_logits_for_metrics")
+        )
+        self._unpack_eval_flattened, eval_note = eval_batches(args, decision, has_metrics=has_metrics)
 
         trl_args = copy.copy(args)
         trl_args.padding_free = False
         trl_args.packing = bool(args.packing) and decision.mode in ("pack", "stock")
+        if decision.packed:
+            _keep_batches_whole(trl_args, args)
         self._unpack_mode = decision.mode
         self._unpack_raw = {"train": train_dataset, "eval": eval_dataset}
         super().__init__(model, trl_args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        if isinstance(self.train_dataset, Dataset) and len(self.train_dataset) == 0:
+            total = len(train_dataset) if isinstance(train_dataset, Dataset) else "all"
+            raise ValueError(
+                f"The training dataset is empty after preparation: all {total} examples were dropped (no trained "
+                "token left, e.g. every prompt longer than max_length or every label masked). Raise max_length or "
+                "check the labels."
+            )
+        note = neftune_note(args, decision)
+        if note is not None:
+            log_once(logger, logging.WARNING, note)
+        if eval_note is not None and eval_dataset is not None:
+            log_once(logger, logging.INFO if not self._unpack_eval_flattened else logging.WARNING, eval_note)
         if decision.packed:
             self._enable_packed_path()
+        self._log_start_line()
 
     # ------------------------------------------------------------------------------------------------ packed path
 
@@ -136,37 +201,89 @@ class SFTTrainer(trl.SFTTrainer):
             completion_only_loss=self.completion_only_loss,
         )
 
+    def _padded_collator(self) -> DataCollatorForLanguageModeling:
+        return DataCollatorForLanguageModeling(
+            pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.args.pad_to_multiple_of
+        )
+
     def _enable_packed_path(self) -> None:
-        decision = self.unpack_decision
         self.data_collator = self._packed_collator()
-        if decision.patch:
-            from unpack_trainer.models import patch_model
+        if self.unpack_decision.patch:
+            from unpack_trainer.models import patch_model, resolve_backend
 
             patch_model(self.model)
+            resolve_backend(self.model)  # an impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable
+        self._unpack_checked = False  # the self-check runs right before the first data loader is built
+
+    def get_train_dataloader(self) -> Any:
+        self._unpack_check_before_first_batch()
+        return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        self._unpack_check_before_first_batch()
+        with self._unpack_eval_collator():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        self._unpack_check_before_first_batch()
+        with self._unpack_eval_collator():
+            return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _unpack_eval_collator(self) -> Iterator[None]:
+        """Evaluation batches padded (one row per example) when [`eval_batches`] said so, flattened otherwise."""
+        if not self.unpack_decision.packed or self._unpack_eval_flattened:
+            yield
+            return
+        collator, self.data_collator = self.data_collator, self._padded_collator()
+        try:
+            yield
+        finally:
+            self.data_collator = collator
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for counts in self._unpack_counts:
+                if counts.read:
+                    log_once(logger, logging.WARNING if counts.changed else logging.INFO, counts.summary())
+
+    def _unpack_check_before_first_batch(self) -> None:
+        """Run the contamination self-check once, on ``self.model`` as it is when its first data loader is built
+        (``train()`` has applied liger kernels, loaded a checkpoint, ... by then), and fall back to padded batches
+        before any batch is drawn if it fails."""
+        if self._unpack_checked:
+            return
+        self._unpack_checked = True
         report = check_uncontaminated(self.model, measure_contamination=False)
         self.unpack_selfcheck = report
-        if not report.ok:
-            message = f"Contamination self-check failed, training padded instead: {report.summary()}"
-            if env_flag(os.environ, "UNPACK_STRICT"):
-                raise RuntimeError(message + " (UNPACK_STRICT=1)")
-            logger.error(message)
-            self._fall_back_to_padded()
+        if report.ok:
+            if not report.conclusive:
+                log_once(logger, logging.WARNING, f"Self-check inconclusive on this model: {report.summary()}")
+            log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
             return
-        if not report.conclusive:
-            log_once(logger, logging.WARNING, f"Self-check inconclusive on this model: {report.summary()}")
-        logger.info("Self-check passed: %s", report.summary())
-        self._log_start_line()
+        if report.error is not None:
+            what = f"the packed forward raised {report.error}"
+        else:
+            what = (
+                f"contamination measured: max |packed - one-by-one| = {report.max_abs_diff:.3g} > tolerance "
+                f"{report.tolerance:.3g} ({report.dtype})"
+            )
+        message = f"Contamination self-check failed ({what}); training padded instead"
+        if env_flag(os.environ, "UNPACK_STRICT"):
+            raise RuntimeError(message + " (UNPACK_STRICT=1)")
+        log_once(logger, logging.ERROR, message)
+        self._fall_back_to_padded(f"contamination self-check failed: {what}")
 
-    def _fall_back_to_padded(self) -> None:
+    def _fall_back_to_padded(self, reason: str = "contamination self-check failed") -> None:
         if self.unpack_decision.patch:
             from unpack_trainer.models import unpatch_model
 
             unpatch_model(self.model)
-        self.unpack_decision = PackingDecision("padded", "contamination self-check failed", automatic=True)
+        self.unpack_decision = PackingDecision("padded", reason, automatic=True)
         self._unpack_mode = "padded"
-        self.data_collator = DataCollatorForLanguageModeling(
-            pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.args.pad_to_multiple_of
-        )
+        self.data_collator = self._padded_collator()
         args = self.args
         if self._unpack_raw["train"] is not None and not self._skip_prepare_dataset:
             self.train_dataset = self._prepare_dataset(
@@ -185,18 +302,27 @@ class SFTTrainer(trl.SFTTrainer):
                 )
 
     def _log_start_line(self) -> None:
+        """One line, once, on the main process: the decision, its reason and the training set's statistics. INFO;
+        WARNING when a request (packing / padding-free) was overridden."""
+        decision = self.unpack_decision
         stats = self.unpack_stats
-        parts = [f"mode={self.unpack_decision.mode}", f"reason: {self.unpack_decision.reason}"]
-        parts.append(f"attention={_attention_backend(self.model, self.unpack_decision.patch)}")
-        if stats:
+        parts = [f"mode={decision.mode}", f"reason: {decision.reason}"]
+        if decision.packed:
+            parts.append(f"attention={_attention_backend(self.model, decision.patch)}")
+        if stats.get("samples"):
             parts.append(f"samples={stats['samples']:,}")
             if "rows" in stats:
                 parts.append(f"rows={stats['rows']:,}")
                 parts.append(f"packing efficiency={stats['efficiency']:.2%}")
-            parts.append(f"estimated speedup vs padded={stats['estimated_speedup']:.2f}x (token count)")
-        if self.unpack_selfcheck is not None:
-            parts.append(f"self-check {self.unpack_selfcheck.seconds * 1000:.0f} ms")
-        logger.warning("unpack_trainer: " + ", ".join(parts))
+            if "estimated_speedup" in stats:
+                parts.append(
+                    f"estimated speedup vs padded batches of {stats['padded_batch_size']:.3g} samples="
+                    f"{stats['estimated_speedup']:.2f}x (token count)"
+                )
+        if decision.packed:
+            parts.append("the contamination self-check runs when training starts")
+        level = logging.WARNING if decision.overridden_request else logging.INFO
+        log_once(logger, level, "SFTTrainer: " + ", ".join(parts))
 
     # ------------------------------------------------------------------------------------------------ data
 
@@ -209,8 +335,23 @@ class SFTTrainer(trl.SFTTrainer):
         formatting_func: Any,
         dataset_name: str,
     ) -> Dataset | IterableDataset:
-        if self._unpack_mode not in ("pack", "padding_free"):
+        is_train = dataset_name == "train" and not self._unpack_train_prepared  # an eval split may be named "train"
+        self._unpack_train_prepared = True
+        if self._unpack_mode == "stock":
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        packed_ahead = "seq_lengths" in _columns(dataset)
+        flatten = self._unpack_mode in ("pack", "padding_free") and (is_train or self._unpack_eval_flattened)
+        if not flatten:
+            if self._unpack_user_collator:  # the user's collator decides what seq_lengths mean
+                return super()._prepare_dataset(
+                    dataset, processing_class, args, packing, formatting_func, dataset_name
+                )
+            if packed_ahead:  # padded batches cannot keep boundaries inside a row: one row per sample
+                dataset = _split_packed_rows(dataset, dataset_name)
+            return super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
+        if packed_ahead and packing:
+            dataset = _split_packed_rows(dataset, dataset_name)  # boundaries kept; the samples are packed anew
+            packed_ahead = False
         max_length = args.max_length
         args.max_length = None  # tokenize and build labels only; truncation is done here, with counts
         try:
@@ -219,7 +360,15 @@ class SFTTrainer(trl.SFTTrainer):
             args.max_length = max_length
         split = packing and args.packing_strategy == "bfd_split"
         if max_length is not None:
-            dataset = _enforce_max_length(dataset, max_length, args.truncation_mode, split, dataset_name)
+            if packed_ahead:
+                dataset = _check_packed_rows(dataset, max_length, dataset_name)
+            else:
+                counts = _TruncationCounts(dataset_name, max_length, args.truncation_mode, split)
+                dataset = _enforce_max_length(dataset, max_length, args.truncation_mode, split, dataset_name, counts)
+                if isinstance(dataset, IterableDataset):
+                    self._unpack_counts.append(counts)
+                    if is_train:
+                        self.unpack_stats["truncation"] = counts
         if packing:
             if max_length is None:
                 raise ValueError("When packing is enabled, `max_length` can't be `None`.")
@@ -231,18 +380,23 @@ class SFTTrainer(trl.SFTTrainer):
                 )
             dataset, stats = _pack_dataset(dataset, max_length, seed=args.seed)
         elif isinstance(dataset, Dataset):
-            stats = {"samples": len(dataset), "tokens": int(_lengths(dataset).sum())}
+            lengths = _lengths(dataset, packed_ahead)
+            stats = {"samples": int(lengths.size), "tokens": int(lengths.sum()), "lengths": lengths}
+            if packed_ahead:
+                stats["rows"] = len(dataset)
+                stats["efficiency"] = stats["tokens"] / max(len(dataset) * (max_length or 1), 1)
+                if max_length is None:
+                    del stats["efficiency"], stats["rows"]
         else:
             stats = {}
-        if dataset_name == "train" and stats:
+        if is_train and stats:
             lengths = stats.pop("lengths", None)
-            if lengths is None and isinstance(dataset, Dataset):
-                lengths = _lengths(dataset)
             if lengths is not None and lengths.size:
-                padded = _padded_tokens(lengths, args.per_device_train_batch_size, args.seed)
-                stats["padded_tokens"] = padded
-                stats["estimated_speedup"] = padded / max(int(lengths.sum()), 1)
-            self.unpack_stats = stats
+                rows = stats.get("rows") or len(dataset)
+                batch = args.per_device_train_batch_size * lengths.size / max(rows, 1)
+                stats["padded_batch_size"] = batch
+                stats["estimated_speedup"] = estimated_speedup(lengths, batch, seed=args.seed)
+            self.unpack_stats.update(stats)
         stats.pop("lengths", None)
         return dataset
 
@@ -256,38 +410,162 @@ def _attention_backend(model: Any, patched: bool) -> str:
     return f"{implementation} (transformers' own packed-position path, unpatched)"
 
 
-def _lengths(dataset: Dataset) -> np.ndarray:
+def _lengths(dataset: Dataset, packed_ahead: bool = False) -> np.ndarray:
+    """``(num_samples,)`` int64 sample lengths: of each row, or of each sample of rows packed ahead."""
     table = dataset.with_format("arrow")[:]
+    if packed_ahead:
+        return pc.list_flatten(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
     return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _trained_tokens(dataset: Dataset) -> np.ndarray:
+    """``(num_samples,)`` int64 number of labels other than -100 in each sample."""
+    labels = dataset.with_format("arrow")[:]["labels"]
+    lengths = pc.list_value_length(labels).to_numpy(zero_copy_only=False).astype(np.int64)
+    trained = pc.not_equal(pc.list_flatten(labels), -100).to_numpy(zero_copy_only=False).astype(np.int64)
+    ends = np.cumsum(lengths)
+    totals = np.concatenate(([0], np.cumsum(trained)))
+    return totals[ends] - totals[ends - lengths]
+
+
+def _split_packed_rows(dataset: Dataset | IterableDataset, name: str) -> Dataset | IterableDataset:
+    """Rows packed ahead (a ``seq_lengths`` column) -> one row per sample, cut at the boundaries ``seq_lengths`` gives.
+
+    Every per-token column (a list as long as ``input_ids``) is cut; other columns are repeated for each sample.
+    ``ValueError`` naming the row when its ``seq_lengths`` are not positive or do not sum to its length.
+    """
+    columns = _columns(dataset)
+    log_once(
+        logger,
+        logging.INFO,
+        f"{name} dataset has a `seq_lengths` column (rows packed ahead): each row is split into its samples at those "
+        "boundaries, so no sample attends to another.",
+    )
+    counter = {"row": 0}
+
+    def split(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {column: [] for column in columns if column != "seq_lengths"}
+        for index, lengths in enumerate(batch["seq_lengths"]):
+            row = counter["row"]
+            counter["row"] += 1
+            ids = batch["input_ids"][index]
+            lengths = [int(length) for length in lengths]
+            if any(length <= 0 for length in lengths) or sum(lengths) != len(ids):
+                raise ValueError(
+                    f"{name} dataset row {row} has {len(ids)} tokens but `seq_lengths` {lengths}; they must be "
+                    "positive and sum to the row's length."
+                )
+            starts = np.concatenate(([0], np.cumsum(lengths)))
+            for column in out:
+                value = batch[column][index]
+                per_token = isinstance(value, (list, tuple)) and len(value) == len(ids)
+                for start, end in zip(starts[:-1], starts[1:]):
+                    out[column].append(value[start:end] if per_token else value)
+        return out
+
+    return dataset.map(split, batched=True, remove_columns=columns)
+
+
+def _check_packed_rows(dataset: Dataset | IterableDataset, max_length: int, name: str) -> Dataset | IterableDataset:
+    """Rows packed ahead are kept whole in padding-free mode: one longer than ``max_length`` is an error naming it."""
+    counter = {"row": 0}
+
+    def check(example: dict[str, Any]) -> bool:
+        row = counter["row"]
+        counter["row"] += 1
+        if len(example["input_ids"]) > max_length:
+            raise ValueError(
+                f"{name} dataset row {row} is a row packed ahead (`seq_lengths` column) of {len(example['input_ids'])} "
+                f"tokens, longer than max_length={max_length}; rows packed ahead are never cut. Raise max_length, "
+                "set packing=True to pack its samples anew, or set max_length=None."
+            )
+        return any(label != -100 for label in example["labels"])
+
+    return dataset.filter(check)
+
+
+@dataclass
+class _TruncationCounts:
+    """What ``max_length`` did to one dataset: counted up front for a map-style dataset, as it is read for a stream."""
+
+    name: str
+    max_length: int
+    truncation_mode: str
+    split: bool
+    read: int = 0
+    over: int = 0
+    cut_tokens: int = 0
+    masked_from_start: int = 0
+    masked_after_truncation: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.over or self.masked_from_start or self.masked_after_truncation)
+
+    def summary(self) -> str:
+        action = "split into chunks of max_length" if self.split else f"truncated ({self.truncation_mode})"
+        text = (
+            f"{self.name} dataset (streamed): {self.over} of {self.read} samples read were longer than "
+            f"max_length={self.max_length} and were {action}"
+        )
+        if not self.split:
+            text += f", dropping {self.cut_tokens:,} tokens"
+        if self.masked_from_start:
+            text += f"; {self.masked_from_start} sample(s) with every label masked were dropped"
+        if self.masked_after_truncation:
+            text += f"; {self.masked_after_truncation} sample(s) with no trained token left after truncation dropped"
+        return text + "."
+
+
 def _enforce_max_length(
-    dataset: Dataset | IterableDataset, max_length: int, truncation_mode: str, split: bool, name: str
+    dataset: Dataset | IterableDataset,
+    max_length: int,
+    truncation_mode: str,
+    split: bool,
+    name: str,
+    counts: _TruncationCounts | None = None,
 ) -> Dataset | IterableDataset:
     """Truncate (or, with ``split``, cut into chunks) samples longer than ``max_length``, exactly as TRL's padded path
-    truncates, then drop samples left without any trained token. Both counts are logged."""
+    truncates, then drop samples without any trained token. Every count is logged: up front for a map-style dataset
+    (``ValueError`` with the counts when nothing is left); for a stream, the first truncation when it is read and the
+    totals in ``counts`` (logged at the end of training)."""
     if truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"Unsupported truncation mode: {truncation_mode}, expected 'keep_start' or 'keep_end'")
-    if isinstance(dataset, Dataset):
+    counts = counts if counts is not None else _TruncationCounts(name, max_length, truncation_mode, split)
+    action = "split into chunks of max_length" if split else f"truncated ({truncation_mode})"
+    streamed = not isinstance(dataset, Dataset)
+    if not streamed:
         lengths = _lengths(dataset)
         over = lengths > max_length
+        counts.read = int(lengths.size)
+        counts.over = int(over.sum())
+        counts.cut_tokens = int((lengths[over] - max_length).sum())
+        counts.masked_from_start = int((_trained_tokens(dataset) == 0).sum()) if lengths.size else 0
         if over.any():
-            action = "split into chunks of max_length" if split else f"truncated ({truncation_mode})"
-            cut = int((lengths[over] - max_length).sum())
-            logger.warning(
-                "%s dataset: %d of %d samples are longer than max_length=%d and were %s%s.",
-                name,
-                int(over.sum()),
-                lengths.size,
-                max_length,
-                action,
-                "" if split else f", dropping {cut:,} tokens",
+            log_once(
+                logger,
+                logging.WARNING,
+                f"{name} dataset: {counts.over} of {lengths.size} samples are longer than max_length={max_length} and "
+                f"were {action}" + ("" if split else f", dropping {counts.cut_tokens:,} tokens") + ".",
             )
     columns = ["input_ids", "labels"]
 
     def truncate(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {column: [] for column in columns}
         for ids, labels in zip(batch["input_ids"], batch["labels"]):
+            if streamed:
+                counts.read += 1
+                counts.masked_from_start += not any(label != -100 for label in labels)
+                if len(ids) > max_length:
+                    counts.over += 1
+                    counts.cut_tokens += len(ids) - max_length
+                    log_once(
+                        logger,
+                        logging.WARNING,
+                        f"{name} dataset (streamed): samples longer than max_length={max_length} are {action} as "
+                        "they are read; the totals are logged at the end of training and kept in "
+                        "trainer.unpack_stats['truncation'].",
+                    )
             if split:
                 for start in range(0, len(ids), max_length):
                     out["input_ids"].append(ids[start : start + max_length])
@@ -298,15 +576,39 @@ def _enforce_max_length(
                 out["labels"].append(labels[window])
         return out
 
+    def trained(example: dict[str, Any]) -> bool:
+        keep = any(label != -100 for label in example["labels"])
+        if streamed and not keep:
+            counts.masked_after_truncation += 1
+        return keep
+
     remove = [c for c in (dataset.column_names or []) if c not in columns]
     dataset = dataset.map(truncate, batched=True, remove_columns=remove or None)
-    before = len(dataset) if isinstance(dataset, Dataset) else None
-    dataset = dataset.filter(lambda example: any(label != -100 for label in example["labels"]))
-    if before is not None and len(dataset) != before:
-        logger.warning(
-            "%s dataset: dropped %d sample(s) with no trained token left after truncation (as padded training does).",
-            name,
-            before - len(dataset),
+    if streamed:
+        return dataset.filter(trained)
+    before = len(dataset)
+    dataset = dataset.filter(trained)
+    counts.masked_after_truncation = before - len(dataset) - counts.masked_from_start
+    if counts.masked_from_start:
+        log_once(
+            logger,
+            logging.WARNING,
+            f"{name} dataset: dropped {counts.masked_from_start} sample(s) whose labels are all masked (-100): they "
+            "have no trained token (as padded training does).",
+        )
+    if counts.masked_after_truncation:
+        log_once(
+            logger,
+            logging.WARNING,
+            f"{name} dataset: dropped {counts.masked_after_truncation} sample(s) with no trained token left after "
+            f"truncation to max_length={max_length} (as padded training does).",
+        )
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{name} dataset: every sample was dropped ({counts.read} samples: {counts.masked_from_start} with every "
+            f"label masked, {counts.masked_after_truncation} with no trained token left after truncation to "
+            f"max_length={max_length}; {counts.over} longer than max_length). Raise max_length, use "
+            "truncation_mode='keep_end', or check the labels."
         )
     return dataset
 
