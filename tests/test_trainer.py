@@ -412,3 +412,354 @@ def test_completion_only_loss_masks_prompts_inside_packed_rows(tokenizer, tmp_pa
     ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
     trained = {tokenizer.decode([i]) for i, label in zip(ids, labels) if label != -100}
     assert trained <= {"b", "d", tokenizer.eos_token} and {"b", "d"} <= trained
+
+
+# ------------------------------------------------------------------------------------------------ issue 10: drop-in
+
+
+def _tokenized(lengths, seed=0, **columns):
+    rng = random.Random(seed)
+    return Dataset.from_list(
+        [
+            {"input_ids": [rng.randint(7, 100) for _ in range(n)], **{k: v[i] for k, v in columns.items()}}
+            for i, n in enumerate(lengths)
+        ]
+    )
+
+
+def test_neftune_keeps_automatic_padding_free_off_and_explains_packed_scale(tokenizer, tmp_path, caplog):
+    auto = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, neftune_noise_alpha=5.0),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    assert auto.unpack_decision.mode == "padded" and "neftune_noise_alpha is set" in auto.unpack_decision.reason
+    assert type(auto.data_collator) is DataCollatorForLanguageModeling
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        packed = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True, neftune_noise_alpha=5.0),
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+    assert packed.unpack_decision.mode == "pack"
+    assert "NEFTune (neftune_noise_alpha=5.0) scales its noise by alpha/sqrt(tokens per row" in caplog.text
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_metrics_see_one_row_per_example_as_stock(tokenizer, tmp_path, packing):
+    def evaluate(**extra):
+        seen = {}
+
+        def compute_metrics(prediction):
+            seen["predictions"] = prediction.predictions.shape
+            seen["labels"] = prediction.label_ids.shape
+            return {"n": float(prediction.label_ids.shape[0])}
+
+        def preprocess(logits, labels):
+            seen.setdefault("preprocess", []).append(tuple(labels.shape))
+            return logits.argmax(-1)
+
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, per_device_eval_batch_size=4, **extra),
+            train_dataset=_prompt_completion(),
+            eval_dataset=_prompt_completion(10, seed=1),
+            processing_class=tokenizer,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess,
+        )
+        metrics = trainer.evaluate()
+        return trainer, metrics, seen
+
+    ours, ours_metrics, ours_seen = evaluate(**({"packing": True} if packing else {}))
+    stock, stock_metrics, stock_seen = evaluate(padding_free=False)
+    assert ours.unpack_decision.mode == ("pack" if packing else "padding_free")
+    assert ours_seen == stock_seen and ours_seen["labels"][0] == 10
+    assert ours_metrics["eval_n"] == 10.0
+    assert ours_metrics["eval_loss"] == pytest.approx(stock_metrics["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("kind", ["iterable", "dict", "iterable_dict"])
+def test_iterable_eval_datasets_with_default_settings(tokenizer, tmp_path, packing, kind):
+    """accelerate dispatches batches of iterable data by default, slicing the 1-D packing metadata."""
+    from datasets import IterableDatasetDict
+
+    def eval_data():
+        stream = _prompt_completion(10, seed=1).to_iterable_dataset()
+        if kind == "iterable":
+            return stream
+        if kind == "dict":
+            return {"a": stream, "b": _prompt_completion(6, seed=2).to_iterable_dataset()}
+        return IterableDatasetDict({"a": stream})
+
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(
+            tmp_path,
+            per_device_eval_batch_size=5,
+            eval_strategy="steps",
+            eval_steps=1,
+            **({"packing": True} if packing else {}),
+        ),
+        train_dataset=_prompt_completion(),
+        eval_dataset=eval_data(),
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_decision.packed
+    trainer.train()
+    metrics = trainer.evaluate()
+    losses = [value for key, value in metrics.items() if key.endswith("_loss")]
+    assert losses and all(torch.isfinite(torch.tensor(loss)) for loss in losses)
+    if kind == "iterable" and not packing:  # the same examples map-style: the same batches (no partial last one)
+        mapped = trainer.evaluate(_prompt_completion(10, seed=1))
+        assert metrics["eval_loss"] == pytest.approx(mapped["eval_loss"], rel=1e-6)
+
+
+PACKED_AHEAD = [[12, 4], [9, 7], [5, 3, 6]]
+
+
+def _packed_ahead_rows():
+    rng = random.Random(0)
+    rows = []
+    for lengths in PACKED_AHEAD:
+        ids = [rng.randint(7, 100) for _ in range(sum(lengths))]
+        rows.append({"input_ids": ids, "seq_lengths": lengths})
+    return Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("mode", ["pack", "padding_free", "padded"])
+def test_rows_packed_ahead_keep_their_boundaries(tokenizer, tmp_path, mode):
+    extra = {"pack": {"packing": True}, "padding_free": {}, "padded": {"padding_free": False}}[mode]
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, max_length=16, per_device_train_batch_size=2, **extra),
+        train_dataset=_packed_ahead_rows(),
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_decision.mode == mode
+    data = trainer.train_dataset
+    samples = sorted(n for lengths in PACKED_AHEAD for n in lengths)
+    if mode == "padded":  # one padded row per sample
+        assert sorted(len(ids) for ids in data["input_ids"]) == samples
+    else:
+        assert sorted(n for lengths in data["seq_lengths"] for n in lengths) == samples
+        batch = trainer.data_collator([data[i] for i in range(len(data))])
+        assert sorted(batch["packed_seq_lengths"].tolist()) == samples
+    assert trainer.unpack_stats.get("samples", len(samples)) == len(samples)
+    trainer.train()
+
+
+def test_rows_packed_ahead_longer_than_max_length_are_an_error(tokenizer, tmp_path):
+    trainer_kwargs = dict(train_dataset=_packed_ahead_rows(), processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"row 0 is a row packed ahead .* of 16 tokens, longer than max_length=15"):
+        SFTTrainer(model=tiny_llama(vocab_size=len(tokenizer)), args=_args(tmp_path, max_length=15), **trainer_kwargs)
+
+
+@pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning"])
+def test_peft_prompt_learning_is_blocked_up_front(tokenizer, tmp_path, kind, caplog):
+    from peft import PrefixTuningConfig, PromptTuningConfig
+
+    config_cls = PromptTuningConfig if kind == "prompt_tuning" else PrefixTuningConfig
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        trainer, result = _train(
+            tokenizer,
+            _args(tmp_path, packing=True),
+            peft_config=config_cls(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        )
+    assert trainer.unpack_decision.mode == "padded"
+    assert f"PEFT prompt learning ({kind.upper()})" in trainer.unpack_decision.reason
+    assert "self-check failed" not in caplog.text
+    assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+def _strip_packing(module, args, kwargs):
+    for key in (
+        "position_ids",
+        "packed_seq_lengths",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+    ):
+        kwargs.pop(key, None)
+    return args, kwargs
+
+
+def test_selfcheck_runs_on_the_model_as_patched_at_train(tokenizer, tmp_path, monkeypatch, caplog):
+    """A patch applied by ``train()`` itself (as liger's is) that breaks packing is measured and trained padded."""
+    import transformers.trainer
+
+    applied = []
+
+    def fake_liger(model, config):
+        applied.append(True)
+        model.register_forward_pre_hook(_strip_packing, with_kwargs=True, prepend=True)
+
+    monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", fake_liger)
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True, use_liger_kernel=True),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_decision.mode == "pack" and not applied
+    with caplog.at_level(logging.ERROR, logger="unpack_trainer"):
+        trainer.train()
+    assert applied
+    assert "Contamination self-check failed (contamination measured: max |packed - one-by-one|" in caplog.text
+    assert trainer.unpack_decision.mode == "padded"
+    assert type(trainer.data_collator) is DataCollatorForLanguageModeling
+    assert "seq_lengths" not in trainer.train_dataset.column_names
+
+
+def test_selfcheck_reports_a_raising_forward_as_such(tokenizer, tmp_path, caplog):
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+
+    def explode(module, args, kwargs):
+        if "packed_seq_lengths" in kwargs:
+            raise RuntimeError("kernel exploded")
+        return args, kwargs
+
+    trainer.model.model.register_forward_pre_hook(explode, with_kwargs=True)
+    with caplog.at_level(logging.ERROR, logger="unpack_trainer"):
+        trainer.train()
+    assert "Contamination self-check failed (the packed forward raised RuntimeError: kernel exploded)" in caplog.text
+    assert "contamination measured" not in caplog.text
+    assert trainer.unpack_decision.mode == "padded"
+
+
+def test_impossible_forced_backend_raises_at_trainer_start(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="UNPACK_ATTENTION_BACKEND=flash"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True),
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize("extra", [{}, {"packing": True}, {"padding_free": False}])
+def test_every_sample_dropped_or_empty_data_is_a_clear_error(tokenizer, tmp_path, extra):
+    long_prompts = Dataset.from_list([{"prompt": "a" * 30, "completion": "b"} for _ in range(4)])
+    match = "every sample was dropped|all 4 examples were dropped"
+    with pytest.raises(ValueError, match=match):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, max_length=16, completion_only_loss=True, **extra),
+            train_dataset=long_prompts,
+            processing_class=tokenizer,
+        )
+    masked = _tokenized([5, 6, 7], labels=[[-100] * 5, [-100] * 6, [-100] * 7])
+    with pytest.raises(ValueError, match=r"every sample was dropped \(3 samples: 3 with every label masked|all 3"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, max_length=16, **extra),
+            train_dataset=masked,
+            processing_class=tokenizer,
+        )
+    with pytest.raises(ValueError, match=r"`train_dataset` is empty \(0 examples\)"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, **extra),
+            train_dataset=Dataset.from_dict({"prompt": [], "completion": []}),
+            processing_class=tokenizer,
+        )
+
+
+def test_skip_prepare_dataset_declines_packing_with_the_reason(tokenizer, tmp_path, caplog):
+    data = _tokenized([60, 5, 9])
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True, max_length=16, dataset_kwargs={"skip_prepare_dataset": True}),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    assert trainer.unpack_decision.mode == "padding_free" and trainer.unpack_decision.overridden_request
+    assert "packing=True ignored (dataset_kwargs={'skip_prepare_dataset': True}" in caplog.text
+    assert "neither packed nor truncated" in caplog.text and "mode=padding_free" in caplog.text
+
+
+def test_eval_split_named_train_does_not_overwrite_training_stats(tokenizer, tmp_path):
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path, packing=True),
+        train_dataset=_prompt_completion(24),
+        eval_dataset={"train": _prompt_completion(5, seed=3), "other": _prompt_completion(7, seed=4)},
+        processing_class=tokenizer,
+    )
+    assert trainer.unpack_stats["samples"] == 24 and len(trainer.train_dataset) == trainer.unpack_stats["rows"]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_streamed_truncation_is_counted_and_logged(tokenizer, tmp_path, packing, caplog):
+    lengths = [5] * 27 + [30] * 5
+    stream = _tokenized(lengths).to_iterable_dataset()
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        trainer, _ = _train(
+            tokenizer,
+            _args(
+                tmp_path,
+                max_length=16,
+                max_steps=1,
+                num_train_epochs=1,
+                per_device_train_batch_size=64,
+                packing=packing,
+                packing_buffer_size=64,
+            ),
+            dataset=stream,
+        )
+    counts = trainer.unpack_stats["truncation"]
+    assert (counts.read, counts.over, counts.cut_tokens) == (32, 5, 5 * 14)
+    assert "samples longer than max_length=16 are truncated (keep_start) as they are read" in caplog.text
+    assert "train dataset (streamed): 5 of 32 samples read were longer than max_length=16" in caplog.text
+
+
+def test_start_line_is_info_once_with_the_shared_speedup_estimate(tokenizer, tmp_path, caplog):
+    from unpack_trainer.estimate import estimated_speedup
+
+    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True, per_device_train_batch_size=2),
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+        trainer.train()
+    start = [r for r in caplog.records if "mode=pack" in r.getMessage()]
+    assert len(start) == 1 and start[0].levelno == logging.INFO
+    assert not start[0].getMessage().startswith("unpack_trainer")
+    stats = trainer.unpack_stats
+    batch = 2 * stats["samples"] / stats["rows"]  # a padded step holds the samples of 2 packed rows
+    assert stats["padded_batch_size"] == pytest.approx(batch) and batch > 2
+    unpacked = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=_args(tmp_path),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )
+    lengths = [len(ids) for ids in unpacked.train_dataset["input_ids"]]  # the same samples, in dataset order
+    assert stats["estimated_speedup"] == pytest.approx(estimated_speedup(lengths, batch, seed=0))
+    assert any(
+        r.levelno == logging.INFO and "Contamination self-check passed" in r.getMessage() for r in caplog.records
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, packing=True),
+            data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id),
+            train_dataset=_prompt_completion(),
+            processing_class=tokenizer,
+        )
+    overridden = [r for r in caplog.records if "mode=padded" in r.getMessage()]
+    assert len(overridden) == 1 and overridden[0].levelno == logging.WARNING
