@@ -18,7 +18,10 @@ class SFTConfig(trl.SFTConfig):
             attends to another). `None` lets the trainer decide: it turns padding-free on when the model, collator and
             data allow it and logs why (set `UNPACK_DISABLE_AUTO_PADDING_FREE=1` to keep padded batches). `False` is
             never overridden. With `packing=True`, rows are always padding-free. Unlike stock TRL, `max_length` is
-            enforced (truncation exactly as padded training does), on every attention backend.
+            enforced (truncation exactly as padded training does), on every attention backend. The automatic choice
+            stays off with `neftune_noise_alpha` (its noise scale depends on the row length), and evaluation stays
+            padded when `compute_metrics` / `preprocess_logits_for_metrics` is set (unless `eval_packing=True` or
+            `padding_free=True`), so that metrics see one row per example.
         packing_buffer_size (`int`, *optional*, defaults to `10000`):
             With `packing=True` and an `IterableDataset`, how many samples are buffered and packed together with
             best-fit decreasing; rows less than 99.5% full are held back (at most 2 rounds) to be topped up by later
