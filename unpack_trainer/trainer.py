@@ -211,8 +211,8 @@ class SFTTrainer(trl.SFTTrainer):
         if self.unpack_decision.patch:
             from unpack_trainer.models import patch_model, resolve_backend
 
-            patch_model(self.model)
             resolve_backend(self.model)  # an impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable
+            patch_model(self.model)
         self._unpack_checked = False  # the self-check runs right before the first data loader is built
 
     def get_train_dataloader(self) -> Any:
