@@ -49,35 +49,32 @@ import numbers
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unpack_trainer._validation import (
+    Overflow,
+    check_overflow,
+    check_positive_int,
+    check_seq_lengths,
+    token_list,
+    too_long_error,
+    value_list,
+)
 from unpack_trainer.packing import best_fit_decreasing
 
 logger = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
-Overflow = Literal["error", "truncate", "split"]
 
-_OVERFLOWS = ("error", "truncate", "split")
 _STATE_FORMAT = "unpack_trainer.StreamingPacker/1"
 #: Per-token fields a packed row carries, with the value a sample without the field is equivalent to (``None``: a
 #: copy of its ``input_ids``, as the collators default the labels).
 _TOKEN_FIELD_DEFAULTS: dict[str, int | None] = {"labels": None, "completion_mask": 1, "assistant_masks": 1}
 DEFAULT_TOKEN_FIELDS = ("input_ids", "labels", "completion_mask", "assistant_masks")
-
-
-def _as_list(value: Any) -> list:
-    """A token sequence as a Python list (lists are returned as they are, arrays and tensors via ``tolist``)."""
-    if type(value) is list:
-        return value
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-        return value if type(value) is list else [value]
-    return list(value)
 
 
 def _cut_seq_lengths(seq_lengths: list[int], start: int, stop: int) -> list[int]:
@@ -226,14 +223,12 @@ class StreamingPacker(IterableDataset):
         pack_selected_samples: Callable[[list[Sample]], Sample] | None = None,
     ) -> None:
         super().__init__()
-        self.max_length = _positive_int(max_length, "max_length")
-        self.buffer_size = _positive_int(buffer_size, "buffer_size")
+        self.max_length = check_positive_int(max_length, "max_length")
+        self.buffer_size = check_positive_int(buffer_size, "buffer_size")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
             raise ValueError(f"`seed` must be a non-negative integer or None, got {seed!r}.")
         self.seed = None if seed is None else int(seed)
-        if overflow not in _OVERFLOWS:
-            raise ValueError(f"Unknown overflow policy {overflow!r}; use one of {_OVERFLOWS}.")
-        self.overflow = overflow
+        self.overflow = check_overflow(overflow)
         if (
             isinstance(full_row_fill, bool)
             or not isinstance(full_row_fill, numbers.Real)
@@ -258,7 +253,7 @@ class StreamingPacker(IterableDataset):
         if (rank is None) != (world_size is None):
             raise ValueError("Pass both `rank` and `world_size`, or neither.")
         if world_size is not None:
-            world_size = _positive_int(world_size, "world_size")
+            world_size = check_positive_int(world_size, "world_size")
             if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
                 raise ValueError(f"`rank` must be an integer in [0, {world_size}), got {rank!r}.")
         self.rank, self.world_size = (0, 1) if world_size is None else (int(rank), int(world_size))
@@ -546,9 +541,10 @@ class StreamingPacker(IterableDataset):
         if ids is None:
             raise ValueError(f"Sample {index} of the stream has no `input_ids` (keys: {sorted(item)}).")
         sample = item
-        if type(ids) is not list:
+        checked = token_list(ids, index, "`input_ids` of sample {index} of the stream")
+        if checked is not ids:
             sample = dict(item)
-            ids = sample["input_ids"] = _as_list(ids)
+            ids = sample["input_ids"] = checked
         length = len(ids)
         if length == 0:
             raise ValueError(f"Sample {index} of the stream is empty; every sample needs at least one token.")
@@ -566,29 +562,33 @@ class StreamingPacker(IterableDataset):
             value = item.get(field) if field in keys else None
             if value is None:
                 continue
-            if type(value) is not list:
+            what = f"`{field}` of sample {{index}} of the stream"
+            if field == "labels":
+                checked = token_list(value, index, what)
+            elif field in _TOKEN_FIELD_DEFAULTS:
+                checked = token_list(value, index, what, allow_bool=True)
+            else:
+                checked = value_list(value, index, what)
+            if checked is not value:
                 if sample is item:
                     sample = dict(item)
-                value = sample[field] = _as_list(value)
+                value = sample[field] = checked
             if len(value) != length:
                 raise ValueError(
                     f"Sample {index} of the stream has {length} input_ids but {len(value)} `{field}`; they must have "
                     "equal length."
                 )
         mask = item.get("attention_mask")
-        if mask is not None and 0 in _as_list(mask):
+        if mask is not None and 0 in token_list(
+            mask, index, "`attention_mask` of sample {index} of the stream", allow_bool=True
+        ):
             raise ValueError(
                 f"Sample {index} of the stream has padding (attention_mask == 0); packing needs unpadded samples. "
                 "Tokenize without padding."
             )
         own = item.get("seq_lengths")
         if own is not None:
-            own = _as_list(own)
-            if sum(own) != length or any(n <= 0 for n in own):
-                raise ValueError(
-                    f"Sample {index} of the stream has {length} tokens but `seq_lengths` {own}; the lengths must be "
-                    "positive and sum to the number of tokens."
-                )
+            own = check_seq_lengths(own, length, index, "sample {index} of the stream")
             if sample is item:
                 sample = dict(item)
             sample["seq_lengths"] = own
@@ -611,10 +611,7 @@ class StreamingPacker(IterableDataset):
         """Apply ``overflow`` to a sample longer than ``max_length``."""
         capacity = self.max_length
         if self.overflow == "error":
-            raise ValueError(
-                f"Sample {index} of the stream has {length} tokens, more than max_length={capacity}. "
-                "Pass overflow='truncate' or overflow='split' to handle long samples, or raise max_length."
-            )
+            raise too_long_error(index, length, capacity, where=" of the stream")
         if self.overflow == "truncate":
             spans = [(0, capacity)]
             stats["truncated"] += 1
@@ -734,12 +731,6 @@ class StreamingPacker(IterableDataset):
                 self.max_length,
                 stats["split_chunks"],
             )
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 def pack_iterable_dataset(
@@ -915,7 +906,7 @@ class StreamingDatasetReader:
 
     def __init__(self, files: Sequence[str], batch_size: int, columns: Sequence[str] | None = None) -> None:
         self.files = list(files)
-        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
         self.columns = None if columns is None else list(columns)
         self._position = [0, 0]  # [file index, rows of that file already yielded]
         self._resume: list[int] | None = None
