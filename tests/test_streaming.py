@@ -402,6 +402,130 @@ def test_state_dict_before_iteration_and_after_the_end():
     assert list(again) == rows  # a new pass starts over
 
 
+class _ListSource:
+    """A re-iterable source over ``items``; with ``stateful`` it has ``state_dict`` / ``load_state_dict`` (the
+    position, like a streaming ``datasets.IterableDataset``). ``fail_at``: raise ``OSError`` when item ``fail_at`` is
+    read, once (a disk or network error inside the source)."""
+
+    def __init__(self, items, *, stateful=False, fail_at=None):
+        self.items, self.fail_at, self.position, self._start = items, fail_at, 0, 0
+        if stateful:
+            self.state_dict = lambda: {"position": self.position}
+            self.load_state_dict = lambda state: setattr(self, "_start", state["position"])
+
+    def __iter__(self):
+        self.position, self._start = self._start, 0
+        while self.position < len(self.items):
+            if self.position == self.fail_at:
+                self.fail_at = None
+                raise OSError("connection reset")
+            self.position += 1
+            yield self.items[self.position - 1]
+
+
+class _FlakyPacker(StreamingPacker):
+    """Raises from the ``hook`` hook on its ``fail_at``-th call."""
+
+    def __init__(self, *args, hook=None, fail_at=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hook, self.fail_at, self.calls = hook, fail_at, 0
+
+    def _maybe_fail(self, hook):
+        if hook == self.hook:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise RuntimeError(f"{hook} failed")
+
+    def select_samples_to_pack(self, samples):
+        self._maybe_fail("select")
+        return super().select_samples_to_pack(samples)
+
+    def pack_selected_samples(self, samples):
+        self._maybe_fail("pack")
+        return super().pack_selected_samples(samples)
+
+
+def _rows_until_error(packer, error, match):
+    rows = []
+    with pytest.raises(error, match=match):
+        for row in packer:
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_state_after_a_rejected_sample_resumes_with_the_corrected_sample(stateful):
+    """Issue 10 item 15: a sample rejected by overflow="error" was counted as read, so resuming skipped it."""
+    lengths = _lognormal(120, seed=11, capacity=64)
+    fixed = _samples(lengths)
+    bad = list(fixed)
+    bad[50] = {"input_ids": list(range(65))}
+    make = lambda items: StreamingPacker(_ListSource(items, stateful=stateful), 64, buffer_size=16)  # noqa: E731
+    expected = list(make(fixed))
+    packer = make(bad)
+    head = _rows_until_error(packer, ValueError, "Sample 50 of the stream has 65 tokens, more than max_length=64")
+    state = pickle.loads(pickle.dumps(packer.state_dict()))
+    resumed = make(fixed)
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == expected
+    _assert_every_sample_once(expected, lengths, 64)
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_state_after_a_source_error_resumes_exactly(stateful):
+    lengths = _lognormal(120, seed=12, capacity=64)
+    samples = _samples(lengths)
+    expected = list(StreamingPacker(_ListSource(samples, stateful=stateful), 64, buffer_size=16))
+    packer = StreamingPacker(_ListSource(samples, stateful=stateful, fail_at=37), 64, buffer_size=16)
+    head = _rows_until_error(packer, OSError, "connection reset")
+    resumed = StreamingPacker(_ListSource(samples, stateful=stateful), 64, buffer_size=16)
+    resumed.load_state_dict(packer.state_dict())
+    assert head + list(resumed) == expected
+
+
+@pytest.mark.parametrize("hook, fail_at", [("pack", 1), ("pack", 9), ("select", 2)])
+def test_state_after_a_hook_error_resumes_exactly(hook, fail_at):
+    """Issue 10 item 15: an exception inside a custom `pack_selected_samples` lost the row being built."""
+    lengths = _lognormal(200, seed=13, capacity=64)
+    samples = _samples(lengths, labels=True)
+    make = lambda **kw: _FlakyPacker(samples, 64, buffer_size=32, seed=5, **kw)  # noqa: E731
+    expected = list(make())
+    packer = make(hook=hook, fail_at=fail_at)
+    head = _rows_until_error(packer, RuntimeError, f"{hook} failed")
+    resumed = make()
+    resumed.load_state_dict(packer.state_dict())
+    assert head + list(resumed) == expected
+    _assert_every_sample_once(expected, lengths, 64)
+
+
+def test_one_shot_iterator_cannot_be_read_twice():
+    """Issue 10 item 15: a generator read for a second epoch silently yielded 0 rows."""
+    packer = StreamingPacker((sample for sample in _samples([3, 4, 5])), 8)
+    assert len(list(packer)) == 2
+    with pytest.raises(ValueError, match="one-shot iterator.*already read.*re-iterable source"):
+        list(packer)
+    # a fresh generator resumes from a state (it is read from its start, skipping what was read)
+    lengths = _lognormal(100, seed=14, capacity=64)
+    expected = list(StreamingPacker(_samples(lengths), 64, buffer_size=16))
+    packer = StreamingPacker(iter(_samples(lengths)), 64, buffer_size=16)
+    iterator = iter(packer)
+    head = [next(iterator) for _ in range(5)]
+    resumed = StreamingPacker(iter(_samples(lengths)), 64, buffer_size=16)
+    resumed.load_state_dict(packer.state_dict())
+    assert head + list(resumed) == expected
+    packer.load_state_dict(packer.state_dict())
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        list(packer)
+
+
+def test_load_state_dict_names_missing_keys():
+    packer = StreamingPacker(_samples([3]), 8)
+    state = packer.state_dict()
+    del state["samples"], state["pending"]
+    with pytest.raises(ValueError, match=r"lacks the keys \['pending', 'samples'\].*state_dict\(\)"):
+        packer.load_state_dict(state)
+
+
 # ------------------------------------------------------------------------------------------------- sharding
 
 

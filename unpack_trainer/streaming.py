@@ -71,6 +71,22 @@ logger = logging.getLogger(__name__)
 Sample = dict[str, Any]
 
 _STATE_FORMAT = "unpack_trainer.StreamingPacker/1"
+_STATE_KEYS = (
+    "format",
+    "config",
+    "shard",
+    "epoch",
+    "num_read",
+    "round",
+    "exhausted",
+    "samples",
+    "lengths",
+    "born",
+    "pending",
+    "pending_tokens",
+    "stats",
+    "source",
+)
 #: Per-token fields a packed row carries, with the value a sample without the field is equivalent to (``None``: a
 #: copy of its ``input_ids``, as the collators default the labels).
 _TOKEN_FIELD_DEFAULTS: dict[str, int | None] = {"labels": None, "completion_mask": 1, "assistant_masks": 1}
@@ -128,7 +144,19 @@ class _PassState:
     the round in which they were read; ``pending`` holds the rows of the current round that were not yielded yet.
     """
 
-    __slots__ = ("epoch", "shard", "num_read", "round", "exhausted", "samples", "lengths", "born", "pending", "stats")
+    __slots__ = (
+        "epoch",
+        "shard",
+        "num_read",
+        "round",
+        "exhausted",
+        "samples",
+        "lengths",
+        "born",
+        "pending",
+        "stats",
+        "rewind",
+    )
 
     def __init__(self, epoch: int, shard: tuple[int, int] | None = None) -> None:
         self.epoch = epoch
@@ -140,6 +168,9 @@ class _PassState:
         self.lengths: list[int] = []
         self.born: list[int] = []
         self.pending: deque[tuple[int, list[Sample]]] = deque()  # (tokens, samples) of each row
+        # After an exception while reading a stateful source, the source may stand past `num_read`: its state at the
+        # start of that read, and `num_read` then, so that a resume can go back there and skip what was kept.
+        self.rewind: tuple[Any, int] | None = None
         self.stats = {
             "samples": 0,
             "rows": 0,
@@ -166,7 +197,10 @@ class StreamingPacker(IterableDataset):
     ``load_state_dict`` (e.g. a streaming ``datasets.IterableDataset``, [`streaming_dataset_reader`]'s ``rows()``)
     is repositioned with them; any other source is re-iterated from its start and the items already read are
     skipped, so it must yield the same items in the same order every time it is iterated. The state holds up to
-    ``buffer_size`` samples (it references them; it does not copy them).
+    ``buffer_size`` samples (it references them; it does not copy them). A state taken after an exception (a sample
+    rejected by ``overflow="error"`` or by validation, an error in the source or in a hook) resumes with nothing lost
+    or repeated: the item that raised and the row being built are not counted as read or emitted. A one-shot
+    iterator source (a generator) can be read by one pass only; a second pass raises ``ValueError``.
 
     Sharding: in a ``torch.utils.data.DataLoader`` worker, or with ``rank`` / ``world_size``, each worker of each
     rank packs a distinct shard of the stream: no sample twice, none missing. A ``datasets.IterableDataset`` source
@@ -176,8 +210,10 @@ class StreamingPacker(IterableDataset):
     ``state_dict`` / ``load_state_dict`` inside each worker).
 
     Args:
-        dataset: the samples: dicts with ``input_ids`` (a list, 1-D array or tensor of token ids) and optionally the
-            other ``token_fields`` (same length) and ``seq_lengths`` (a sample that is already several samples).
+        dataset: the samples: dicts with ``input_ids`` (a list, 1-D array or tensor of integer token ids; floats,
+            booleans, strings, ``None`` and nested lists are rejected with an error naming the sample) and
+            optionally the other ``token_fields`` (same length) and ``seq_lengths`` (a sample that is already several
+            samples).
             Any iterable; a ``datasets.IterableDataset`` or a source with ``state_dict`` resumes without re-reading.
         max_length: tokens per row (the row capacity).
         buffer_size: samples packed together; larger packs tighter, costs memory and start-up latency.
@@ -277,6 +313,9 @@ class StreamingPacker(IterableDataset):
         )
         # In shared memory so that persistent DataLoader workers see `set_epoch` calls made after they started.
         self._shared_epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        # A generator (or any iterator) can be read once: a second pass would silently find it empty.
+        self._one_shot = isinstance(dataset, Iterator)
+        self._passes_started = 0
         self._live: _PassState | None = None
         self._resume: dict[str, Any] | None = None
         self._logged_dropped_keys = False
@@ -389,9 +428,13 @@ class StreamingPacker(IterableDataset):
         if self._resume is not None:
             return dict(self._resume)
         state = self._live if self._live is not None else _PassState(self._epoch)
-        source_state = None
+        source_state, source_skip = None, 0
         if self._stateful_source and self._live is not None:
-            source_state = self.dataset.state_dict()
+            if state.rewind is not None:
+                source_state, read_then = state.rewind
+                source_skip = state.num_read - read_then
+            else:
+                source_state = self.dataset.state_dict()
         return {
             "format": _STATE_FORMAT,
             "config": self._config(),
@@ -407,6 +450,7 @@ class StreamingPacker(IterableDataset):
             "pending_tokens": [tokens for tokens, _ in state.pending],
             "stats": dict(state.stats),
             "source": source_state,
+            "source_skip": source_skip,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -419,6 +463,12 @@ class StreamingPacker(IterableDataset):
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
             raise ValueError(f"Not a StreamingPacker state (expected format {_STATE_FORMAT!r}).")
+        missing = sorted(set(_STATE_KEYS) - set(state_dict))
+        if missing:
+            raise ValueError(
+                f"The StreamingPacker state lacks the keys {missing}; pass the dict returned by `state_dict()` "
+                "unchanged (after `torch.save` / `pickle`, not after selecting keys)."
+            )
         saved, current = state_dict["config"], self._config()
         differences = [
             f"{key}: saved {saved.get(key)!r}, now {value!r}"
@@ -442,6 +492,14 @@ class StreamingPacker(IterableDataset):
 
     def _start_pass(self) -> tuple[_PassState, Iterator]:
         shard = self._shard()
+        if self._one_shot and self._passes_started:
+            raise ValueError(
+                "The StreamingPacker's source is a one-shot iterator (e.g. a generator) that an earlier pass already "
+                "read, so this pass (a new epoch, or a resume) would silently yield no rows or skip samples. Pass a "
+                "re-iterable source: a list, a `datasets.IterableDataset`, or an object whose `__iter__` starts "
+                "over each time (e.g. `class Source: def __iter__(self): yield from read_samples()`)."
+            )
+        self._passes_started += 1
         resume, self._resume = self._resume, None
         if resume is None:
             state = _PassState(self._epoch, shard)
@@ -469,11 +527,12 @@ class StreamingPacker(IterableDataset):
             return state, iter(())
         if self._stateful_source and resume["source"] is not None:
             self.dataset.load_state_dict(resume["source"])
-            return state, iter(self.dataset)
-        # No source state: re-read the source from its start and skip what was already read.
-        iterator = iter(self.dataset)
-        skipped = sum(1 for _ in itertools.islice(iterator, state.num_read))
-        if skipped != state.num_read:
+            iterator, to_skip = iter(self.dataset), int(resume.get("source_skip", 0))
+        else:
+            # No source state: re-read the source from its start and skip what was already read.
+            iterator, to_skip = iter(self.dataset), state.num_read
+        skipped = sum(1 for _ in itertools.islice(iterator, to_skip))
+        if skipped != to_skip:
             raise ValueError(
                 f"The state says {state.num_read} items were read from the source, but it now has only {skipped}; "
                 "resume with the same source."
@@ -489,10 +548,12 @@ class StreamingPacker(IterableDataset):
         stats = state.stats
         while True:
             while state.pending:
-                tokens, samples = state.pending.popleft()
+                tokens, samples = state.pending[0]
+                row = pack(samples)  # if this raises, the row stays pending: a state taken now still holds it
+                state.pending.popleft()
                 stats["rows"] += 1
                 stats["tokens"] += tokens
-                yield pack(samples)
+                yield row
             with _gc_paused():
                 if not state.exhausted:
                     self._fill(state, source, shard_id, num_shards)
@@ -507,6 +568,9 @@ class StreamingPacker(IterableDataset):
         round_index, capacity, check = state.round, self.max_length, self._check_sample
         missing, num_read = self.buffer_size - len(samples), state.num_read
         added = 0
+        # `num_read` counts an item only once it is in the buffer (or belongs to another shard): an item that raises
+        # is read again on resume. A stateful source stands past it, so remember where it stood before this read.
+        mark = (self.dataset.state_dict(), num_read) if self._stateful_source and missing > 0 else None
         try:
             while added < missing:
                 try:
@@ -515,19 +579,24 @@ class StreamingPacker(IterableDataset):
                     state.exhausted = True
                     break
                 index = num_read
-                num_read += 1
                 if num_shards > 1 and index % num_shards != shard_id:
+                    num_read += 1
                     continue
                 sample, length = check(item, index)
                 if length <= capacity:
                     samples.append(sample)
                     lengths.append(length)
                     added += 1
-                    continue
-                for chunk, chunk_length in self._overflow(sample, length, index, state.stats):
-                    samples.append(chunk)
-                    lengths.append(chunk_length)
-                    added += 1
+                else:
+                    chunks = self._overflow(sample, length, index, state.stats)
+                    samples.extend([chunk for chunk, _ in chunks])
+                    lengths.extend([chunk_length for _, chunk_length in chunks])
+                    added += len(chunks)
+                num_read += 1
+            state.rewind = None
+        except BaseException:
+            state.rewind = mark
+            raise
         finally:
             born.extend([round_index] * (len(samples) - len(born)))
             state.num_read = num_read
