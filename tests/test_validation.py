@@ -205,3 +205,19 @@ def test_trainer_rejects_float_token_ids(tmp_path, packing, caplog):
                 train_dataset=dataset,
                 processing_class=tokenizer,
             )
+
+
+def test_selfcheck_probe_lengths_are_checked():
+    from unpack_trainer import check_uncontaminated
+
+    model = tiny_llama(vocab_size=32)
+    for bad, message in (
+        ((), r"at least 2 positive integer length\(s\), got \[\]"),
+        ((4,), r"got \[4\]"),
+        ((3, 0), r"got \[3, 0\]"),
+        ((2.5, 3), "non-integer id 2.5"),
+        ("ab", "must be a sequence"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_uncontaminated(model, lengths=bad)
+    assert check_uncontaminated(model, lengths=[3, 1]).ok

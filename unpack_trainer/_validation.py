@@ -213,6 +213,15 @@ def check_seq_lengths(seq_lengths: Any, num_tokens: int, index: int, what: str =
     return lengths
 
 
+def check_lengths(lengths: Any, name: str, *, min_count: int = 1) -> tuple[int, ...]:
+    """Sample lengths given as an option (e.g. the self-check's probe ``lengths``): at least ``min_count`` positive
+    integers, returned as a tuple; ``ValueError`` naming ``name`` otherwise."""
+    values = token_list(as_sequence(lengths, name), 0, f"`{name}`")
+    if len(values) < min_count or any(value <= 0 for value in values):
+        raise ValueError(f"`{name}` must hold at least {min_count} positive integer length(s), got {values}.")
+    return tuple(values)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Datasets (the trainer)
 # --------------------------------------------------------------------------------------------------------------------
