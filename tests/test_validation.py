@@ -221,3 +221,11 @@ def test_selfcheck_probe_lengths_are_checked():
         with pytest.raises(ValueError, match=message):
             check_uncontaminated(model, lengths=bad)
     assert check_uncontaminated(model, lengths=[3, 1]).ok
+
+
+def test_streaming_packer_checks_ends_and_the_collator_every_id():
+    """The packer's O(1) check (container, dtype, first and last ids) keeps it fast; a bad id in the middle of a
+    list reaches the collator, which checks every id, so it is still never trained."""
+    rows = list(StreamingPacker([{"input_ids": [1, 2.5, 3]}, {"input_ids": [4, 5]}], 8))
+    with pytest.raises(ValueError, match="`input_ids` of example 0 holds a non-integer id 2.5 at position 1"):
+        DataCollatorForPacking(pad_token_id=0)(rows)

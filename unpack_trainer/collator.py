@@ -17,6 +17,7 @@ Worked example, two examples of lengths 3 and 2 (no ``seq_lengths``: each exampl
 from __future__ import annotations
 
 import numbers
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,8 +151,10 @@ class DataCollatorForPacking(DataCollatorMixin):
             seq_lengths.append(padding)
 
         output = packed_metadata(seq_lengths)
-        output["input_ids"] = torch.tensor([input_ids], dtype=torch.long)
-        label_tensor = torch.tensor([labels], dtype=torch.long)
+        input_tensor, label_tensor = _int64_row(input_ids), _int64_row(labels)
+        if input_tensor is None or label_tensor is None:
+            self._raise_for_bad_values(examples)
+        output["input_ids"] = input_tensor
         label_tensor[0, output["cu_seq_lens_q"][:-1].long()] = IGNORE_INDEX
         output["labels"] = label_tensor
         batch = {key: output[key] for key in _OUTPUT_ORDER}
@@ -159,15 +162,21 @@ class DataCollatorForPacking(DataCollatorMixin):
             batch["use_cache"] = self.use_cache
         return batch
 
-    def _example_tokens(self, example: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
-        """An example's ids and labels with its masks applied; ``ValueError`` naming ``index`` on bad input."""
+    def _example_tokens(
+        self, example: dict[str, Any], index: int, *, scan: bool = False
+    ) -> tuple[list[int], list[int]]:
+        """An example's ids and labels with its masks applied; ``ValueError`` naming ``index`` on bad input.
+
+        Ids and labels get the O(1) check here (``scan=False``); every value is checked when the batch tensors are
+        built (see [`_int64_row`]), and a failure there re-checks the examples with ``scan=True`` to name the culprit.
+        """
         if "input_ids" not in example:
             raise ValueError(f"Example {index} has no `input_ids` (keys: {sorted(example)}).")
-        ids = token_list(example["input_ids"], index, "`input_ids` of example {index}")
+        ids = token_list(example["input_ids"], index, "`input_ids` of example {index}", scan=scan)
         if not ids:
             raise ValueError(f"Example {index} is empty; every example needs at least one token.")
         if example.get("labels") is not None:
-            labels = token_list(example["labels"], index, "`labels` of example {index}")
+            labels = token_list(example["labels"], index, "`labels` of example {index}", scan=scan)
         else:
             labels = ids
         masks = [("labels", labels)]
@@ -191,9 +200,27 @@ class DataCollatorForPacking(DataCollatorMixin):
             labels = [label if keep else IGNORE_INDEX for label, keep in zip(labels, values)]
         return ids, labels
 
+    def _raise_for_bad_values(self, examples: list[dict[str, Any]]) -> None:
+        """Check every value of every example (``token_list`` with ``scan=True``) and raise the error naming it."""
+        for index, example in enumerate(examples):
+            self._example_tokens(example, index, scan=True)
+        raise ValueError("A token id or label of this batch is not an integer in int64 range.")
+
     def _padding_length(self, total: int) -> int:
         multiple = self.pad_to_multiple_of
         return 0 if multiple is None else (-total) % multiple
+
+
+def _int64_row(values: list[int]) -> torch.Tensor | None:
+    """``values`` as a ``(1, len(values))`` int64 tensor, or ``None`` if one is not an integer in int64 range or is a
+    ``bool``. ``array("q")`` checks and converts every value in C: several times faster than ``torch.tensor``."""
+    if bool in set(map(type, values)):
+        return None
+    try:
+        buffer = array("q", values)
+    except (TypeError, OverflowError):
+        return None
+    return torch.frombuffer(buffer, dtype=torch.int64).clone().unsqueeze(0)
 
 
 _OUTPUT_ORDER = (
