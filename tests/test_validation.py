@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, Features, Sequence, Value
 from tiny import char_tokenizer, tiny_llama
 
 from unpack_trainer import (
@@ -167,6 +167,8 @@ def test_containers_may_be_generators():
 
 def test_dataset_column_check_names_the_sample():
     check_dataset_token_ids(Dataset.from_dict({"input_ids": [[1, 2], [3]]}), "train")
+    fixed = Features({"input_ids": Sequence(Value("int32"), length=2)})
+    check_dataset_token_ids(Dataset.from_dict({"input_ids": [[1, 2]]}, features=fixed), "train")
     with pytest.raises(ValueError, match="`input_ids` of sample 0 of the train dataset holds a non-integer id 1.0"):
         check_dataset_token_ids(Dataset.from_dict({"input_ids": [[1.0, 2.0], [3.5]]}), "train")
     with pytest.raises(ValueError, match="`input_ids` of sample 1 of the eval dataset holds a nested sequence"):

@@ -260,9 +260,8 @@ def check_dataset_token_ids(dataset: Any, name: str, fields: Sequence[str] = ("i
         if field not in schema.names:
             continue
         column_type = schema.field(field).type
-        if (pa.types.is_list(column_type) or pa.types.is_large_list(column_type)) and pa.types.is_integer(
-            column_type.value_type
-        ):
+        value_type = getattr(column_type, "value_type", None)  # list, large_list, fixed_size_list
+        if value_type is not None and pa.types.is_integer(value_type):
             continue
         plain = dataset.with_format(None)
         for start in range(0, len(dataset), 1024):
