@@ -483,6 +483,57 @@ def test_state_after_a_source_error_resumes_exactly(stateful):
     assert head + list(resumed) == expected
 
 
+def test_rejected_sample_after_a_resume_from_a_datasets_source():
+    """The source's position is remembered before each read; in a pass that has not read from a `datasets` source
+    yet, its `state_dict()` is still the previous one, so the pass's starting point is used instead."""
+    from datasets import Dataset
+
+    lengths = _lognormal(90, seed=15, capacity=64)
+    fixed = _samples(lengths)
+    bad = list(fixed)
+    bad[60] = {"input_ids": list(range(65))}
+    fixed_source, bad_source = Dataset.from_list(fixed), Dataset.from_list(bad)
+    make = lambda data: StreamingPacker(data.to_iterable_dataset(), 64, buffer_size=16)  # noqa: E731
+    expected = list(make(fixed_source))
+    failures = 0
+    for cut in range(1, len(expected)):
+        packer = make(bad_source)
+        iterator = iter(packer)
+        try:
+            head = [next(iterator) for _ in range(cut)]
+        except ValueError:
+            break
+        middle_packer = make(bad_source)
+        middle_packer.load_state_dict(packer.state_dict())
+        middle = _rows_until_error(middle_packer, ValueError, "Sample 60 of the stream has 65 tokens")
+        failures += 1
+        resumed = make(fixed_source)
+        resumed.load_state_dict(middle_packer.state_dict())
+        assert head + middle + list(resumed) == expected, f"cut {cut}"
+    assert failures >= 2
+
+
+def test_state_taken_right_after_a_resume_from_a_datasets_source():
+    """A state taken while a resumed pass still yields rows it had pending (before reading from the source) must
+    not record the `datasets` source's stale position."""
+    from datasets import Dataset
+
+    lengths = _lognormal(90, seed=16, capacity=64)
+    source = Dataset.from_list(_samples(lengths))
+    make = lambda: StreamingPacker(source.to_iterable_dataset(), 64, buffer_size=16)  # noqa: E731
+    expected = list(make())
+    for cut in range(1, len(expected) - 1):
+        first = make()
+        iterator = iter(first)
+        head = [next(iterator) for _ in range(cut)]
+        second = make()
+        second.load_state_dict(first.state_dict())
+        middle = [next(iter(second))]
+        third = make()
+        third.load_state_dict(second.state_dict())
+        assert head + middle + list(third) == expected, f"cut {cut}"
+
+
 @pytest.mark.parametrize("hook, fail_at", [("pack", 1), ("pack", 9), ("select", 2)])
 def test_state_after_a_hook_error_resumes_exactly(hook, fail_at):
     """Issue 10 item 15: an exception inside a custom `pack_selected_samples` lost the row being built."""

@@ -156,6 +156,8 @@ class _PassState:
         "pending",
         "stats",
         "rewind",
+        "origin",
+        "source_started",
     )
 
     def __init__(self, epoch: int, shard: tuple[int, int] | None = None) -> None:
@@ -171,6 +173,10 @@ class _PassState:
         # After an exception while reading a stateful source, the source may stand past `num_read`: its state at the
         # start of that read, and `num_read` then, so that a resume can go back there and skip what was kept.
         self.rewind: tuple[Any, int] | None = None
+        # Where this pass's source iterator started (source state or None for "its beginning", and `num_read` then),
+        # and whether it was read yet: until then a `datasets` source's `state_dict()` is still the previous one.
+        self.origin: tuple[Any, int] = (None, 0)
+        self.source_started = False
         self.stats = {
             "samples": 0,
             "rows": 0,
@@ -430,11 +436,13 @@ class StreamingPacker(IterableDataset):
         state = self._live if self._live is not None else _PassState(self._epoch)
         source_state, source_skip = None, 0
         if self._stateful_source and self._live is not None:
-            if state.rewind is not None:
+            if state.rewind is not None:  # an exception while reading: the source may stand past `num_read`
                 source_state, read_then = state.rewind
-                source_skip = state.num_read - read_then
+            elif not state.source_started:  # not read yet in this pass: its own state is still the previous one
+                source_state, read_then = state.origin
             else:
-                source_state = self.dataset.state_dict()
+                source_state, read_then = self.dataset.state_dict(), state.num_read
+            source_skip = state.num_read - read_then
         return {
             "format": _STATE_FORMAT,
             "config": self._config(),
@@ -528,9 +536,11 @@ class StreamingPacker(IterableDataset):
         if self._stateful_source and resume["source"] is not None:
             self.dataset.load_state_dict(resume["source"])
             iterator, to_skip = iter(self.dataset), int(resume.get("source_skip", 0))
+            state.origin = (resume["source"], state.num_read - to_skip)
         else:
             # No source state: re-read the source from its start and skip what was already read.
             iterator, to_skip = iter(self.dataset), state.num_read
+        state.source_started = to_skip > 0
         skipped = sum(1 for _ in itertools.islice(iterator, to_skip))
         if skipped != to_skip:
             raise ValueError(
@@ -570,7 +580,10 @@ class StreamingPacker(IterableDataset):
         added = 0
         # `num_read` counts an item only once it is in the buffer (or belongs to another shard): an item that raises
         # is read again on resume. A stateful source stands past it, so remember where it stood before this read.
-        mark = (self.dataset.state_dict(), num_read) if self._stateful_source and missing > 0 else None
+        mark = None
+        if self._stateful_source and missing > 0:
+            mark = (self.dataset.state_dict(), num_read) if state.source_started else state.origin
+            state.source_started = True
         try:
             while added < missing:
                 try:
