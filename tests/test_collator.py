@@ -21,7 +21,9 @@ def test_hand_example_padding_free():
         "cu_seq_lens_k",
         "max_length_q",
         "max_length_k",
+        "use_cache",
     ]
+    assert out["use_cache"] is False  # safe for unpatched models (issue 10, item 22)
     assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
     assert out["labels"].tolist() == [[-100, 2, 3, -100, 5]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
@@ -153,3 +155,23 @@ def test_matches_trl_on_rows_packed_ahead(rows_of_samples):
     for key in ("input_ids", "position_ids", "labels", "cu_seq_lens_q"):
         assert torch.equal(ours[key], theirs[key]), key
     assert ours["packed_seq_lengths"].tolist() == [len(s) for row in rows_of_samples for s in row]
+
+
+def test_batches_are_exact_on_an_unpatched_model_by_default():
+    """Issue 10 item 22: with its default `use_cache=True`, an unpatched transformers model builds a KV cache and then
+    ignores the packed `position_ids`, attending across samples (logit diff 0.09-0.31). The collator's batches carry
+    `use_cache=False`, so they are exact on any model."""
+    from tiny import tiny_llama
+
+    model = tiny_llama(vocab_size=64).eval()
+    assert model.config.use_cache
+    samples = [[3, 9, 4, 17, 5], [8, 2, 11], [21, 6, 30, 7, 12, 13, 1]]
+    batch = DataCollatorForPacking(pad_token_id=0, pad_to_multiple_of=8)([{"input_ids": s} for s in samples])
+    with torch.no_grad():
+        packed = model(**batch).logits[0]
+        alone = torch.cat([model(input_ids=t([s])).logits[0] for s in samples])
+    torch.testing.assert_close(packed[: alone.shape[0]], alone, rtol=1e-5, atol=1e-5)
+    # `use_cache=None` leaves the key out, for a forward that does not take it
+    assert "use_cache" not in DataCollatorForPacking(pad_token_id=0, use_cache=None)([{"input_ids": [1, 2]}])
+    with pytest.raises(ValueError, match="`use_cache` must be True, False or None"):
+        DataCollatorForPacking(pad_token_id=0, use_cache="no")

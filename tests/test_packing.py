@@ -1,4 +1,5 @@
 import logging
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -122,6 +123,25 @@ def test_small_and_bucketed_bfd_agree_around_the_switch():
         assert sorted(small_fill.tolist()) == sorted(bucketed_fill.tolist())
         rows = best_fit_decreasing(lengths, 2048)
         assert len(rows) == small_rows and sorted(i for r in rows for i in r) == list(range(n))
+
+
+def test_bfd_memory_does_not_depend_on_capacity():
+    """Issue 10 item 14: one bucket per free-space value made memory and time grow with the capacity (930 MB and
+    8-12 s for 10,000 samples at max_length=10**7; out of memory at 10**8)."""
+    rng = np.random.default_rng(2)
+    lengths = np.clip(np.rint(rng.lognormal(np.log(180), 0.8, 10_000)), 1, 2048).astype(np.int64)
+    peaks = {}
+    for capacity in (2048, 10**6, 10**12):  # the bucketed packer (more than _SMALL_INPUT samples)
+        tracemalloc.start()
+        try:
+            row_of, num_rows = _best_fit_decreasing_assign(lengths, capacity)
+            peaks[capacity] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peaks[capacity] < 2 * peaks[2048] + 2**20, peaks
+        assert np.bincount(row_of, weights=lengths, minlength=num_rows).max() <= capacity
+    assert num_rows == 1
+    assert best_fit_decreasing(lengths, 10**12) == [list(range(lengths.size))]
 
 
 def test_bfd_is_deterministic_and_shuffle_is_seeded():

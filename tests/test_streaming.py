@@ -402,6 +402,181 @@ def test_state_dict_before_iteration_and_after_the_end():
     assert list(again) == rows  # a new pass starts over
 
 
+class _ListSource:
+    """A re-iterable source over ``items``; with ``stateful`` it has ``state_dict`` / ``load_state_dict`` (the
+    position, like a streaming ``datasets.IterableDataset``). ``fail_at``: raise ``OSError`` when item ``fail_at`` is
+    read, once (a disk or network error inside the source)."""
+
+    def __init__(self, items, *, stateful=False, fail_at=None):
+        self.items, self.fail_at, self.position, self._start = items, fail_at, 0, 0
+        if stateful:
+            self.state_dict = lambda: {"position": self.position}
+            self.load_state_dict = lambda state: setattr(self, "_start", state["position"])
+
+    def __iter__(self):
+        self.position, self._start = self._start, 0
+        while self.position < len(self.items):
+            if self.position == self.fail_at:
+                self.fail_at = None
+                raise OSError("connection reset")
+            self.position += 1
+            yield self.items[self.position - 1]
+
+
+class _FlakyPacker(StreamingPacker):
+    """Raises from the ``hook`` hook on its ``fail_at``-th call."""
+
+    def __init__(self, *args, hook=None, fail_at=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hook, self.fail_at, self.calls = hook, fail_at, 0
+
+    def _maybe_fail(self, hook):
+        if hook == self.hook:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise RuntimeError(f"{hook} failed")
+
+    def select_samples_to_pack(self, samples):
+        self._maybe_fail("select")
+        return super().select_samples_to_pack(samples)
+
+    def pack_selected_samples(self, samples):
+        self._maybe_fail("pack")
+        return super().pack_selected_samples(samples)
+
+
+def _rows_until_error(packer, error, match):
+    rows = []
+    with pytest.raises(error, match=match):
+        for row in packer:
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_state_after_a_rejected_sample_resumes_with_the_corrected_sample(stateful):
+    """Issue 10 item 15: a sample rejected by overflow="error" was counted as read, so resuming skipped it."""
+    lengths = _lognormal(120, seed=11, capacity=64)
+    fixed = _samples(lengths)
+    bad = list(fixed)
+    bad[50] = {"input_ids": list(range(65))}
+    make = lambda items: StreamingPacker(_ListSource(items, stateful=stateful), 64, buffer_size=16)  # noqa: E731
+    expected = list(make(fixed))
+    packer = make(bad)
+    head = _rows_until_error(packer, ValueError, "Sample 50 of the stream has 65 tokens, more than max_length=64")
+    state = pickle.loads(pickle.dumps(packer.state_dict()))
+    resumed = make(fixed)
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == expected
+    _assert_every_sample_once(expected, lengths, 64)
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_state_after_a_source_error_resumes_exactly(stateful):
+    lengths = _lognormal(120, seed=12, capacity=64)
+    samples = _samples(lengths)
+    expected = list(StreamingPacker(_ListSource(samples, stateful=stateful), 64, buffer_size=16))
+    packer = StreamingPacker(_ListSource(samples, stateful=stateful, fail_at=37), 64, buffer_size=16)
+    head = _rows_until_error(packer, OSError, "connection reset")
+    resumed = StreamingPacker(_ListSource(samples, stateful=stateful), 64, buffer_size=16)
+    resumed.load_state_dict(packer.state_dict())
+    assert head + list(resumed) == expected
+
+
+def test_rejected_sample_after_a_resume_from_a_datasets_source():
+    """The source's position is remembered before each read; in a pass that has not read from a `datasets` source
+    yet, its `state_dict()` is still the previous one, so the pass's starting point is used instead."""
+    from datasets import Dataset
+
+    lengths = _lognormal(90, seed=15, capacity=64)
+    fixed = _samples(lengths)
+    bad = list(fixed)
+    bad[60] = {"input_ids": list(range(65))}
+    fixed_source, bad_source = Dataset.from_list(fixed), Dataset.from_list(bad)
+    make = lambda data: StreamingPacker(data.to_iterable_dataset(), 64, buffer_size=16)  # noqa: E731
+    expected = list(make(fixed_source))
+    failures = 0
+    for cut in range(1, len(expected)):
+        packer = make(bad_source)
+        iterator = iter(packer)
+        try:
+            head = [next(iterator) for _ in range(cut)]
+        except ValueError:
+            break
+        middle_packer = make(bad_source)
+        middle_packer.load_state_dict(packer.state_dict())
+        middle = _rows_until_error(middle_packer, ValueError, "Sample 60 of the stream has 65 tokens")
+        failures += 1
+        resumed = make(fixed_source)
+        resumed.load_state_dict(middle_packer.state_dict())
+        assert head + middle + list(resumed) == expected, f"cut {cut}"
+    assert failures >= 2
+
+
+def test_state_taken_right_after_a_resume_from_a_datasets_source():
+    """A state taken while a resumed pass still yields rows it had pending (before reading from the source) must
+    not record the `datasets` source's stale position."""
+    from datasets import Dataset
+
+    lengths = _lognormal(90, seed=16, capacity=64)
+    source = Dataset.from_list(_samples(lengths))
+    make = lambda: StreamingPacker(source.to_iterable_dataset(), 64, buffer_size=16)  # noqa: E731
+    expected = list(make())
+    for cut in range(1, len(expected) - 1):
+        first = make()
+        iterator = iter(first)
+        head = [next(iterator) for _ in range(cut)]
+        second = make()
+        second.load_state_dict(first.state_dict())
+        middle = [next(iter(second))]
+        third = make()
+        third.load_state_dict(second.state_dict())
+        assert head + middle + list(third) == expected, f"cut {cut}"
+
+
+@pytest.mark.parametrize("hook, fail_at", [("pack", 1), ("pack", 9), ("select", 2)])
+def test_state_after_a_hook_error_resumes_exactly(hook, fail_at):
+    """Issue 10 item 15: an exception inside a custom `pack_selected_samples` lost the row being built."""
+    lengths = _lognormal(200, seed=13, capacity=64)
+    samples = _samples(lengths, labels=True)
+    make = lambda **kw: _FlakyPacker(samples, 64, buffer_size=32, seed=5, **kw)  # noqa: E731
+    expected = list(make())
+    packer = make(hook=hook, fail_at=fail_at)
+    head = _rows_until_error(packer, RuntimeError, f"{hook} failed")
+    resumed = make()
+    resumed.load_state_dict(packer.state_dict())
+    assert head + list(resumed) == expected
+    _assert_every_sample_once(expected, lengths, 64)
+
+
+def test_one_shot_iterator_cannot_be_read_twice():
+    """Issue 10 item 15: a generator read for a second epoch silently yielded 0 rows."""
+    packer = StreamingPacker((sample for sample in _samples([3, 4, 5])), 8)
+    assert len(list(packer)) == 2
+    with pytest.raises(ValueError, match="one-shot iterator.*already read.*re-iterable source"):
+        list(packer)
+    # a fresh generator resumes from a state (it is read from its start, skipping what was read)
+    lengths = _lognormal(100, seed=14, capacity=64)
+    expected = list(StreamingPacker(_samples(lengths), 64, buffer_size=16))
+    packer = StreamingPacker(iter(_samples(lengths)), 64, buffer_size=16)
+    iterator = iter(packer)
+    head = [next(iterator) for _ in range(5)]
+    resumed = StreamingPacker(iter(_samples(lengths)), 64, buffer_size=16)
+    resumed.load_state_dict(packer.state_dict())
+    assert head + list(resumed) == expected
+    packer.load_state_dict(packer.state_dict())
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        list(packer)
+
+
+def test_load_state_dict_names_missing_keys():
+    packer = StreamingPacker(_samples([3]), 8)
+    state = packer.state_dict()
+    del state["samples"], state["pending"]
+    with pytest.raises(ValueError, match=r"lacks the keys \['pending', 'samples'\].*state_dict\(\)"):
+        packer.load_state_dict(state)
+
+
 # ------------------------------------------------------------------------------------------------- sharding
 
 

@@ -11,16 +11,21 @@ Worked example, two examples of lengths 3 and 2 (no ``seq_lengths``: each exampl
     packed_seq_lengths  [3, 2]            int32
     cu_seq_lens_q/k     [0, 3, 5]         int32
     max_length_q/k      3                 Python int
+    use_cache           False             (an unpatched model with a KV cache would ignore the packing)
 """
 
 from __future__ import annotations
 
+import numbers
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.data.data_collator import DataCollatorMixin
+
+from unpack_trainer._validation import check_positive_int, check_seq_lengths, token_list
 
 IGNORE_INDEX = -100
 
@@ -55,10 +60,6 @@ def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]
     }
 
 
-def _as_list(value: Any) -> list[int]:
-    return value.tolist() if hasattr(value, "tolist") else list(value)
-
-
 @dataclass
 class DataCollatorForPacking(DataCollatorMixin):
     """Flatten a batch of examples into one row of shape ``(1, T)`` with per-sample positions and no attention mask.
@@ -72,7 +73,18 @@ class DataCollatorForPacking(DataCollatorMixin):
     token, wherever the example's labels are ``-100``, where ``assistant_masks == 0``, and where
     ``completion_mask == 0`` when ``completion_only_loss``; ``position_ids`` ``(1, T)`` int64; ``packed_seq_lengths``
     ``(num_samples,)`` int32 summing to ``T``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32; ``max_length_q`` /
-    ``max_length_k`` int. No ``attention_mask``: a mask would make transformers ignore the packing.
+    ``max_length_k`` int; ``use_cache=False`` (unless ``use_cache=None``). No ``attention_mask``: a mask would make
+    transformers ignore the packing.
+
+    Safe by default for any model, patched or not: transformers' own models detect a packed row from
+    ``position_ids`` that restart, but only when they build no KV cache; with their default ``use_cache=True`` an
+    unpatched model attends across samples (logits off by 0.1-0.3 on a tiny Llama). The batch therefore carries
+    ``use_cache=False``, which every transformers causal LM ``forward`` accepts (TRL's ``SFTTrainer.compute_loss``
+    sets the same value). A cache of a packed row would be of no use anyway: its keys span several samples.
+
+    Every example is validated (``ValueError`` naming the example and the field): ids, labels and masks must be flat
+    1-D sequences of integers (lists, arrays or tensors; masks may be booleans), of equal lengths, and
+    ``seq_lengths`` positive integers summing to the number of tokens.
 
     Args:
         pad_token_id (`int`):
@@ -84,18 +96,31 @@ class DataCollatorForPacking(DataCollatorMixin):
             Whether ``completion_mask`` masks the labels. ``None`` applies it whenever the examples have it.
         return_tensors (`str`, *optional*, defaults to `"pt"`):
             Only ``"pt"`` is supported.
+        use_cache (`bool` or `None`, *optional*, defaults to `False`):
+            Value of the ``use_cache`` key added to every batch. ``False`` keeps packed batches exact on models whose
+            attention is not patched (see above). ``None`` leaves the key out, for a model whose ``forward`` does not
+            take ``use_cache``; then pass ``use_cache=False`` yourself unless the model is patched.
     """
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
     completion_only_loss: bool | None = None
     return_tensors: str = "pt"
+    use_cache: bool | None = False
 
     def __post_init__(self) -> None:
         if self.pad_token_id is None:
             raise ValueError("`pad_token_id` is None; set the tokenizer's pad token (or use its eos token).")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
-            raise ValueError(f"`pad_to_multiple_of` must be positive, got {self.pad_to_multiple_of}.")
+        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, numbers.Integral):
+            raise ValueError(f"`pad_token_id` must be an integer token id, got {self.pad_token_id!r}.")
+        if self.pad_to_multiple_of is not None:
+            check_positive_int(
+                self.pad_to_multiple_of,
+                "pad_to_multiple_of",
+                requirement="positive: an integer >= 1, or None for no padding",
+            )
+        if self.use_cache not in (None, True, False):
+            raise ValueError(f"`use_cache` must be True, False or None, got {self.use_cache!r}.")
         if self.return_tensors != "pt":
             raise ValueError(f"Only return_tensors='pt' is supported, got {self.return_tensors!r}.")
 
@@ -111,12 +136,10 @@ class DataCollatorForPacking(DataCollatorMixin):
                     f"Example {index} {'lacks' if packed_ahead else 'has'} `seq_lengths` while example 0 "
                     f"{'has' if packed_ahead else 'does not'}; mix packed and unpacked rows in different batches."
                 )
-            lengths = _as_list(example["seq_lengths"]) if packed_ahead else [len(ids)]
-            if sum(lengths) != len(ids) or any(length <= 0 for length in lengths):
-                raise ValueError(
-                    f"Example {index} has {len(ids)} tokens but `seq_lengths` {lengths} (sum {sum(lengths)}); the "
-                    "lengths must be positive and sum to the number of tokens."
-                )
+            if packed_ahead:
+                lengths = check_seq_lengths(example["seq_lengths"], len(ids), index, "example {index}")
+            else:
+                lengths = [len(ids)]
             input_ids.extend(ids)
             labels.extend(example_labels)
             seq_lengths.extend(lengths)
@@ -128,26 +151,46 @@ class DataCollatorForPacking(DataCollatorMixin):
             seq_lengths.append(padding)
 
         output = packed_metadata(seq_lengths)
-        output["input_ids"] = torch.tensor([input_ids], dtype=torch.long)
-        label_tensor = torch.tensor([labels], dtype=torch.long)
+        input_tensor, label_tensor = _int64_row(input_ids), _int64_row(labels)
+        if input_tensor is None or label_tensor is None:
+            self._raise_for_bad_values(examples)
+        output["input_ids"] = input_tensor
         label_tensor[0, output["cu_seq_lens_q"][:-1].long()] = IGNORE_INDEX
         output["labels"] = label_tensor
-        return {key: output[key] for key in _OUTPUT_ORDER}
+        batch = {key: output[key] for key in _OUTPUT_ORDER}
+        if self.use_cache is not None:
+            batch["use_cache"] = self.use_cache
+        return batch
 
-    def _example_tokens(self, example: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
-        """An example's ids and labels with its masks applied; ``ValueError`` naming ``index`` on bad input."""
+    def _example_tokens(
+        self, example: dict[str, Any], index: int, *, scan: bool = False
+    ) -> tuple[list[int], list[int]]:
+        """An example's ids and labels with its masks applied; ``ValueError`` naming ``index`` on bad input.
+
+        Ids and labels get the O(1) check here (``scan=False``); every value is checked when the batch tensors are
+        built (see [`_int64_row`]), and a failure there re-checks the examples with ``scan=True`` to name the culprit.
+        """
         if "input_ids" not in example:
             raise ValueError(f"Example {index} has no `input_ids` (keys: {sorted(example)}).")
-        ids = _as_list(example["input_ids"])
+        ids = token_list(example["input_ids"], index, "`input_ids` of example {index}", scan=scan)
         if not ids:
             raise ValueError(f"Example {index} is empty; every example needs at least one token.")
-        labels = _as_list(example["labels"]) if example.get("labels") is not None else list(ids)
+        if example.get("labels") is not None:
+            labels = token_list(example["labels"], index, "`labels` of example {index}", scan=scan)
+        else:
+            labels = ids
         masks = [("labels", labels)]
         use_completion = self.completion_only_loss is not False and example.get("completion_mask") is not None
         if use_completion:
-            masks.append(("completion_mask", _as_list(example["completion_mask"])))
+            mask = token_list(
+                example["completion_mask"], index, "`completion_mask` of example {index}", allow_bool=True
+            )
+            masks.append(("completion_mask", mask))
         if example.get("assistant_masks") is not None:
-            masks.append(("assistant_masks", _as_list(example["assistant_masks"])))
+            mask = token_list(
+                example["assistant_masks"], index, "`assistant_masks` of example {index}", allow_bool=True
+            )
+            masks.append(("assistant_masks", mask))
         for name, values in masks:
             if len(values) != len(ids):
                 raise ValueError(
@@ -157,9 +200,27 @@ class DataCollatorForPacking(DataCollatorMixin):
             labels = [label if keep else IGNORE_INDEX for label, keep in zip(labels, values)]
         return ids, labels
 
+    def _raise_for_bad_values(self, examples: list[dict[str, Any]]) -> None:
+        """Check every value of every example (``token_list`` with ``scan=True``) and raise the error naming it."""
+        for index, example in enumerate(examples):
+            self._example_tokens(example, index, scan=True)
+        raise ValueError("A token id or label of this batch is not an integer in int64 range.")
+
     def _padding_length(self, total: int) -> int:
         multiple = self.pad_to_multiple_of
         return 0 if multiple is None else (-total) % multiple
+
+
+def _int64_row(values: list[int]) -> torch.Tensor | None:
+    """``values`` as a ``(1, len(values))`` int64 tensor, or ``None`` if one is not an integer in int64 range or is a
+    ``bool``. ``array("q")`` checks and converts every value in C: several times faster than ``torch.tensor``."""
+    if bool in set(map(type, values)):
+        return None
+    try:
+        buffer = array("q", values)
+    except (TypeError, OverflowError):
+        return None
+    return torch.frombuffer(buffer, dtype=torch.int64).clone().unsqueeze(0)
 
 
 _OUTPUT_ORDER = (

@@ -21,19 +21,26 @@ import bisect
 import gc
 import logging
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import numpy as np
 import torch
 
+from unpack_trainer._validation import (
+    Overflow,
+    as_sequence,
+    check_overflow,
+    check_positive_int,
+    token_list,
+    too_long_error,
+)
+
 logger = logging.getLogger(__name__)
 
 Strategy = Literal["first_fit", "bfd"]
-Overflow = Literal["error", "truncate", "split"]
 
 _STRATEGIES = ("first_fit", "bfd")
-_OVERFLOWS = ("error", "truncate", "split")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -42,17 +49,13 @@ _OVERFLOWS = ("error", "truncate", "split")
 
 
 def _check_capacity(capacity: int, name: str = "capacity") -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
-        raise ValueError(f"`{name}` must be a positive integer, got {capacity!r}.")
-    if capacity <= 0:
-        raise ValueError(f"`{name}` must be a positive integer, got {capacity}.")
-    return int(capacity)
+    return check_positive_int(capacity, name)
 
 
-def _as_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> np.ndarray:
+def _as_lengths(lengths: Iterable[int] | np.ndarray, capacity: int) -> np.ndarray:
     """Validate ``lengths`` against ``capacity`` and return them as a 1-D int64 array."""
     capacity = _check_capacity(capacity)
-    array = np.asarray(lengths)
+    array = np.asarray(as_sequence(lengths, "lengths"))
     if array.ndim != 1:
         raise ValueError(f"`lengths` must be 1-D, got shape {array.shape}.")
     if array.size and not np.issubdtype(array.dtype, np.integer):
@@ -96,10 +99,11 @@ def _best_fit_decreasing_assign(lengths: np.ndarray, capacity: int) -> tuple[np.
     """Best-fit decreasing, exact, over the whole input. Returns ``(row_of (n,) int64, num_rows)``.
 
     Samples are taken longest first (ties by index); each goes to the open row with the least free space that still
-    fits it, else a new row. Lengths are small integers, so open rows are kept in buckets by free space and all
-    samples of one length are placed together: a row with free space ``r`` takes ``r // L`` samples of length ``L``
-    in a row (after each one it is still the best fit), so the work is a few numpy calls per distinct length instead
-    of a loop per sample.
+    fits it, else a new row. Open rows are kept in buckets by free space (a dict, plus the sorted list of the free
+    space values that have a bucket) and all samples of one length are placed together: a row with free space ``r``
+    takes ``r // L`` samples of length ``L`` in a row (after each one it is still the best fit), so the work is a few
+    list operations per (distinct length, bucket touched) instead of a loop per sample. Memory is ``O(num_samples)``
+    and time does not depend on ``capacity``: there are never more buckets than rows.
     """
     n = lengths.size
     order = np.argsort(-lengths, kind="stable")
@@ -107,27 +111,37 @@ def _best_fit_decreasing_assign(lengths: np.ndarray, capacity: int) -> tuple[np.
     row_of_sorted = np.empty(n, dtype=np.int64)
     group_starts = np.concatenate(([0], np.flatnonzero(np.diff(sorted_lengths)) + 1, [n])).tolist()
 
-    buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # free space -> ids of open rows
-    bucket_sizes = np.zeros(capacity + 1, dtype=np.int64)
+    buckets: dict[int, list[int]] = {}  # free space -> ids of open rows (full rows are not kept)
+    free_values: list[int] = []  # the keys of `buckets`, ascending
     num_rows = 0
 
     def move(rows: list[int], free: int) -> None:
-        buckets[free].extend(rows)
-        bucket_sizes[free] += len(rows)
+        if free == 0:
+            return
+        bucket = buckets.get(free)
+        if bucket is None:
+            buckets[free] = list(rows)
+            bisect.insort(free_values, free)
+        else:
+            bucket.extend(rows)
 
     for start, end in zip(group_starts[:-1], group_starts[1:]):
         length = int(sorted_lengths[start])
         pos, remaining = start, end - start
-        for free in (np.flatnonzero(bucket_sizes[length:]) + length).tolist():
+        first = bisect.bisect_left(free_values, length)
+        emptied = 0  # buckets free_values[first : first + emptied] were used up
+        moves: list[tuple[list[int], int]] = []  # every move lands below `length`: apply them after the scan
+        for index in range(first, len(free_values)):
+            free = free_values[index]
             per_row = free // length
             rows = buckets[free]
             if len(rows) * per_row <= remaining:
-                taken, buckets[free] = rows, []
-                bucket_sizes[free] = 0
-                count = len(taken) * per_row
-                row_of_sorted[pos : pos + count] = np.repeat(np.asarray(taken, dtype=np.int64), per_row)
+                del buckets[free]
+                emptied += 1
+                count = len(rows) * per_row
+                row_of_sorted[pos : pos + count] = np.repeat(np.asarray(rows, dtype=np.int64), per_row)
                 pos, remaining = pos + count, remaining - count
-                move(taken, free - per_row * length)
+                moves.append((rows, free - per_row * length))
                 if remaining == 0:
                     break
                 continue
@@ -135,14 +149,16 @@ def _best_fit_decreasing_assign(lengths: np.ndarray, capacity: int) -> tuple[np.
             used = full + (rest > 0)
             taken = rows[len(rows) - used :][::-1]
             del rows[len(rows) - used :]
-            bucket_sizes[free] -= used
             row_of_sorted[pos : pos + full * per_row] = np.repeat(np.asarray(taken[:full], dtype=np.int64), per_row)
-            move(taken[:full], free - per_row * length)
+            moves.append((taken[:full], free - per_row * length))
             if rest:
                 row_of_sorted[pos + full * per_row : end] = taken[full]
-                move([taken[full]], free - rest * length)
+                moves.append(([taken[full]], free - rest * length))
             remaining = 0
             break
+        del free_values[first : first + emptied]
+        for rows, free in moves:
+            move(rows, free)
         if remaining:
             per_row = capacity // length
             full, rest = divmod(remaining, per_row)
@@ -183,16 +199,18 @@ def _best_fit_decreasing_assign_small(lengths: np.ndarray, capacity: int) -> tup
 
 
 def best_fit_decreasing(
-    lengths: Sequence[int] | np.ndarray, capacity: int, *, seed: int | None = None
+    lengths: Iterable[int] | np.ndarray, capacity: int, *, seed: int | None = None
 ) -> list[list[int]]:
     """Pack samples into rows of ``capacity`` tokens with best-fit decreasing over the *whole* input.
 
     Unlike TRL's ``pack_dataset(strategy="bfd")``, which packs windows of 1,000 rows independently, this sees every
     sample at once, so short samples from anywhere fill the gaps left by long ones. Deterministic: ties are broken by
-    sample index. Runs in a few numpy calls per distinct length (millions of samples per second).
+    sample index. Runs in a few list operations per distinct length (millions of samples per second); memory and
+    time do not depend on ``capacity``.
 
     Args:
-        lengths: ``(num_samples,)`` integer lengths, each in ``[1, capacity]``.
+        lengths: ``(num_samples,)`` integer lengths, each in ``[1, capacity]``: a list, array, tensor or any
+            iterable (a generator is read once).
         capacity: tokens per row (``max_length``).
         seed: if given, the rows are returned in an order shuffled with ``numpy.random.default_rng(seed)`` (see
             [`shuffle_rows`]), so that batches are not sorted by length. ``None`` keeps creation order (fullest rows,
@@ -275,28 +293,10 @@ def pack_lengths(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _as_token_list(sequence: object, index: int, what: str = "sample") -> list[int]:
-    """A 1-D sequence of integer ids as a Python list; ``ValueError`` naming ``index`` otherwise."""
-    if isinstance(sequence, torch.Tensor):
-        if sequence.dim() != 1:
-            raise ValueError(f"{what.capitalize()} {index} must be 1-D, got shape {tuple(sequence.shape)}.")
-        if sequence.is_floating_point() or sequence.is_complex() or sequence.dtype == torch.bool:
-            raise ValueError(f"{what.capitalize()} {index} must hold integer ids, got dtype {sequence.dtype}.")
-        return sequence.tolist()
-    if isinstance(sequence, np.ndarray):
-        if sequence.ndim != 1 or (sequence.size and not np.issubdtype(sequence.dtype, np.integer)):
-            raise ValueError(
-                f"{what.capitalize()} {index} must be a 1-D array of integer ids, got {sequence.dtype} {sequence.shape}."
-            )
-        return sequence.tolist()
-    if isinstance(sequence, (str, bytes)) or not isinstance(sequence, Sequence):
-        raise ValueError(
-            f"{what.capitalize()} {index} must be a list or 1-D tensor of ids, got {type(sequence).__name__}."
-        )
-    for position, token in enumerate(sequence):
-        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-            raise ValueError(f"{what.capitalize()} {index} holds a non-integer id {token!r} at position {position}.")
-    return [int(token) for token in sequence]
+def _as_token_list(sequence: object, index: int, what: str = "sample", *, allow_bool: bool = False) -> list[int]:
+    """A 1-D sequence of integer ids as a Python list; ``ValueError`` naming ``index`` otherwise (see
+    [`unpack_trainer._validation.token_list`])."""
+    return token_list(sequence, index, what + " {index}", allow_bool=allow_bool)
 
 
 def _apply_overflow(
@@ -306,8 +306,7 @@ def _apply_overflow(
 
     ``samples[i]`` holds the parallel lists of sample ``i`` (ids, labels, masks...), all the same length.
     """
-    if overflow not in _OVERFLOWS:
-        raise ValueError(f"Unknown overflow policy {overflow!r}; use one of {_OVERFLOWS}.")
+    check_overflow(overflow)
     result, source, affected, cut = [], [], 0, 0
     for index, parts in enumerate(samples):
         length = len(parts[0])
@@ -318,10 +317,7 @@ def _apply_overflow(
             source.append(index)
             continue
         if overflow == "error":
-            raise ValueError(
-                f"Sample {index} has {length} tokens, more than max_length={max_length}. "
-                "Pass overflow='truncate' or overflow='split' to handle long samples, or raise max_length."
-            )
+            raise too_long_error(index, length, max_length)
         affected += 1
         if overflow == "truncate":
             cut += length - max_length
@@ -354,7 +350,7 @@ def _check_pack_args(max_length: int, pad_token_id: int | None) -> None:
 
 
 def pack_sequences(
-    sequences: Sequence[Sequence[int] | torch.Tensor],
+    sequences: Iterable[Sequence[int] | torch.Tensor],
     max_length: int,
     pad_token_id: int,
     return_boundaries: bool = False,
@@ -366,7 +362,9 @@ def pack_sequences(
     """Pack token sequences into rows of ``max_length`` tokens, right-padded with ``pad_token_id``.
 
     Args:
-        sequences: samples as 1-D integer tensors or lists of ids; none empty.
+        sequences: samples as 1-D integer tensors, arrays or lists of ids (any iterable of them); none empty. Ids
+            must be integers in int64 range: floats, booleans, strings, ``None`` and nested lists are rejected with
+            an error naming the sample.
         max_length: tokens per row.
         pad_token_id: id written after the last sample of each row.
         return_boundaries: also return, per row, the ``(start, end)`` token span (end exclusive) of every sample in
@@ -388,7 +386,8 @@ def pack_sequences(
                 [ 6,  7,  8,  9, 10, 11, 12,  0]])
     """
     _check_pack_args(max_length, pad_token_id)
-    samples = [[_as_token_list(sequence, i)] for i, sequence in enumerate(sequences)]
+    check_overflow(overflow)
+    samples = [[_as_token_list(sequence, i)] for i, sequence in enumerate(as_sequence(sequences, "sequences"))]
     samples, _ = _apply_overflow(samples, max_length, overflow)
     rows = pack_lengths([len(parts[0]) for parts in samples], max_length, strategy=strategy, seed=seed)
     input_ids, boundaries = _fill_rows([parts[0] for parts in samples], rows, max_length, pad_token_id)
@@ -431,9 +430,9 @@ def _mask_span(mask: list[int], index: int) -> tuple[int, int]:
 
 
 def concatenate_and_pack(
-    input_sequences: Sequence[Sequence[int] | torch.Tensor],
-    label_sequences: Sequence[Sequence[int] | torch.Tensor] | None,
-    attention_masks: Sequence[Sequence[int] | torch.Tensor] | None,
+    input_sequences: Iterable[Sequence[int] | torch.Tensor],
+    label_sequences: Iterable[Sequence[int] | torch.Tensor] | None,
+    attention_masks: Iterable[Sequence[int] | torch.Tensor] | None,
     max_length: int,
     pad_token_id: int,
     label_pad_id: int = -100,
@@ -446,7 +445,8 @@ def concatenate_and_pack(
     """Pack samples with their labels into rows, with everything needed to train without contamination.
 
     Args:
-        input_sequences: samples' token ids (1-D tensors or lists), none empty.
+        input_sequences: samples' token ids (1-D tensors, arrays or lists of integers; any iterable of them), none
+            empty.
         label_sequences: per-sample labels, same lengths as the inputs (``-100`` = not trained); ``None`` uses the
             inputs as labels.
         attention_masks: per-sample 0/1 masks, same lengths as the inputs, or ``None`` (all ones). Padding marked
@@ -466,6 +466,12 @@ def concatenate_and_pack(
         label of every sample is ``label_pad_id``, so no sample is trained to predict the next sample's first token.
     """
     _check_pack_args(max_length, pad_token_id)
+    check_overflow(overflow)
+    input_sequences = as_sequence(input_sequences, "input_sequences")
+    if label_sequences is not None:
+        label_sequences = as_sequence(label_sequences, "label_sequences")
+    if attention_masks is not None:
+        attention_masks = as_sequence(attention_masks, "attention_masks")
     num = len(input_sequences)
     for name, other in (("label_sequences", label_sequences), ("attention_masks", attention_masks)):
         if other is not None and len(other) != num:
@@ -478,7 +484,7 @@ def concatenate_and_pack(
         if len(labels) != len(ids):
             raise ValueError(f"Sample {i} has {len(ids)} input ids but {len(labels)} labels; they must match.")
         if attention_masks is not None:
-            mask = _as_token_list(attention_masks[i], i, "attention mask of sample")
+            mask = _as_token_list(attention_masks[i], i, "attention mask of sample", allow_bool=True)
             if len(mask) != len(ids):
                 raise ValueError(
                     f"Sample {i} has {len(ids)} input ids but an attention mask of length {len(mask)}; they must match."

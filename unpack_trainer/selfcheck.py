@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from unpack_trainer._validation import check_lengths
 from unpack_trainer.collator import packed_metadata
 
 # Relative tolerance on logits, by the dtype the model computes in: packed and one-by-one runs sum in different orders.
@@ -105,6 +106,7 @@ def check_uncontaminated(
     Returns:
         A [`ContaminationReport`]; ``report.ok`` says whether packing is safe on this model.
     """
+    lengths = check_lengths(lengths, "lengths", min_count=2)
     start = time.perf_counter()
     device = _device(model)
     threads = torch.get_num_threads()

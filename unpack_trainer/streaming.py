@@ -49,35 +49,48 @@ import numbers
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unpack_trainer._validation import (
+    Overflow,
+    check_overflow,
+    check_positive_int,
+    check_seq_lengths,
+    token_list,
+    too_long_error,
+    value_list,
+)
 from unpack_trainer.packing import best_fit_decreasing
 
 logger = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
-Overflow = Literal["error", "truncate", "split"]
 
-_OVERFLOWS = ("error", "truncate", "split")
 _STATE_FORMAT = "unpack_trainer.StreamingPacker/1"
+_STATE_KEYS = (
+    "format",
+    "config",
+    "shard",
+    "epoch",
+    "num_read",
+    "round",
+    "exhausted",
+    "samples",
+    "lengths",
+    "born",
+    "pending",
+    "pending_tokens",
+    "stats",
+    "source",
+)
 #: Per-token fields a packed row carries, with the value a sample without the field is equivalent to (``None``: a
 #: copy of its ``input_ids``, as the collators default the labels).
 _TOKEN_FIELD_DEFAULTS: dict[str, int | None] = {"labels": None, "completion_mask": 1, "assistant_masks": 1}
 DEFAULT_TOKEN_FIELDS = ("input_ids", "labels", "completion_mask", "assistant_masks")
-
-
-def _as_list(value: Any) -> list:
-    """A token sequence as a Python list (lists are returned as they are, arrays and tensors via ``tolist``)."""
-    if type(value) is list:
-        return value
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-        return value if type(value) is list else [value]
-    return list(value)
 
 
 def _cut_seq_lengths(seq_lengths: list[int], start: int, stop: int) -> list[int]:
@@ -131,7 +144,21 @@ class _PassState:
     the round in which they were read; ``pending`` holds the rows of the current round that were not yielded yet.
     """
 
-    __slots__ = ("epoch", "shard", "num_read", "round", "exhausted", "samples", "lengths", "born", "pending", "stats")
+    __slots__ = (
+        "epoch",
+        "shard",
+        "num_read",
+        "round",
+        "exhausted",
+        "samples",
+        "lengths",
+        "born",
+        "pending",
+        "stats",
+        "rewind",
+        "origin",
+        "source_started",
+    )
 
     def __init__(self, epoch: int, shard: tuple[int, int] | None = None) -> None:
         self.epoch = epoch
@@ -143,6 +170,13 @@ class _PassState:
         self.lengths: list[int] = []
         self.born: list[int] = []
         self.pending: deque[tuple[int, list[Sample]]] = deque()  # (tokens, samples) of each row
+        # After an exception while reading a stateful source, the source may stand past `num_read`: its state at the
+        # start of that read, and `num_read` then, so that a resume can go back there and skip what was kept.
+        self.rewind: tuple[Any, int] | None = None
+        # Where this pass's source iterator started (source state or None for "its beginning", and `num_read` then),
+        # and whether it was read yet: until then a `datasets` source's `state_dict()` is still the previous one.
+        self.origin: tuple[Any, int] = (None, 0)
+        self.source_started = False
         self.stats = {
             "samples": 0,
             "rows": 0,
@@ -169,7 +203,10 @@ class StreamingPacker(IterableDataset):
     ``load_state_dict`` (e.g. a streaming ``datasets.IterableDataset``, [`streaming_dataset_reader`]'s ``rows()``)
     is repositioned with them; any other source is re-iterated from its start and the items already read are
     skipped, so it must yield the same items in the same order every time it is iterated. The state holds up to
-    ``buffer_size`` samples (it references them; it does not copy them).
+    ``buffer_size`` samples (it references them; it does not copy them). A state taken after an exception (a sample
+    rejected by ``overflow="error"`` or by validation, an error in the source or in a hook) resumes with nothing lost
+    or repeated: the item that raised and the row being built are not counted as read or emitted. A one-shot
+    iterator source (a generator) can be read by one pass only; a second pass raises ``ValueError``.
 
     Sharding: in a ``torch.utils.data.DataLoader`` worker, or with ``rank`` / ``world_size``, each worker of each
     rank packs a distinct shard of the stream: no sample twice, none missing. A ``datasets.IterableDataset`` source
@@ -179,8 +216,10 @@ class StreamingPacker(IterableDataset):
     ``state_dict`` / ``load_state_dict`` inside each worker).
 
     Args:
-        dataset: the samples: dicts with ``input_ids`` (a list, 1-D array or tensor of token ids) and optionally the
-            other ``token_fields`` (same length) and ``seq_lengths`` (a sample that is already several samples).
+        dataset: the samples: dicts with ``input_ids`` (a list, 1-D array or tensor of integer token ids; a float
+            or boolean array, text, ``None`` or a nested list is rejected with an error naming the sample; the
+            packer checks a list's first and last ids, the collator every id) and optionally the other
+            ``token_fields`` (same length) and ``seq_lengths`` (a sample that is already several samples).
             Any iterable; a ``datasets.IterableDataset`` or a source with ``state_dict`` resumes without re-reading.
         max_length: tokens per row (the row capacity).
         buffer_size: samples packed together; larger packs tighter, costs memory and start-up latency.
@@ -226,14 +265,12 @@ class StreamingPacker(IterableDataset):
         pack_selected_samples: Callable[[list[Sample]], Sample] | None = None,
     ) -> None:
         super().__init__()
-        self.max_length = _positive_int(max_length, "max_length")
-        self.buffer_size = _positive_int(buffer_size, "buffer_size")
+        self.max_length = check_positive_int(max_length, "max_length")
+        self.buffer_size = check_positive_int(buffer_size, "buffer_size")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
             raise ValueError(f"`seed` must be a non-negative integer or None, got {seed!r}.")
         self.seed = None if seed is None else int(seed)
-        if overflow not in _OVERFLOWS:
-            raise ValueError(f"Unknown overflow policy {overflow!r}; use one of {_OVERFLOWS}.")
-        self.overflow = overflow
+        self.overflow = check_overflow(overflow)
         if (
             isinstance(full_row_fill, bool)
             or not isinstance(full_row_fill, numbers.Real)
@@ -258,7 +295,7 @@ class StreamingPacker(IterableDataset):
         if (rank is None) != (world_size is None):
             raise ValueError("Pass both `rank` and `world_size`, or neither.")
         if world_size is not None:
-            world_size = _positive_int(world_size, "world_size")
+            world_size = check_positive_int(world_size, "world_size")
             if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
                 raise ValueError(f"`rank` must be an integer in [0, {world_size}), got {rank!r}.")
         self.rank, self.world_size = (0, 1) if world_size is None else (int(rank), int(world_size))
@@ -282,6 +319,9 @@ class StreamingPacker(IterableDataset):
         )
         # In shared memory so that persistent DataLoader workers see `set_epoch` calls made after they started.
         self._shared_epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        # A generator (or any iterator) can be read once: a second pass would silently find it empty.
+        self._one_shot = isinstance(dataset, Iterator)
+        self._passes_started = 0
         self._live: _PassState | None = None
         self._resume: dict[str, Any] | None = None
         self._logged_dropped_keys = False
@@ -394,9 +434,15 @@ class StreamingPacker(IterableDataset):
         if self._resume is not None:
             return dict(self._resume)
         state = self._live if self._live is not None else _PassState(self._epoch)
-        source_state = None
+        source_state, source_skip = None, 0
         if self._stateful_source and self._live is not None:
-            source_state = self.dataset.state_dict()
+            if state.rewind is not None:  # an exception while reading: the source may stand past `num_read`
+                source_state, read_then = state.rewind
+            elif not state.source_started:  # not read yet in this pass: its own state is still the previous one
+                source_state, read_then = state.origin
+            else:
+                source_state, read_then = self.dataset.state_dict(), state.num_read
+            source_skip = state.num_read - read_then
         return {
             "format": _STATE_FORMAT,
             "config": self._config(),
@@ -412,6 +458,7 @@ class StreamingPacker(IterableDataset):
             "pending_tokens": [tokens for tokens, _ in state.pending],
             "stats": dict(state.stats),
             "source": source_state,
+            "source_skip": source_skip,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -424,6 +471,12 @@ class StreamingPacker(IterableDataset):
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
             raise ValueError(f"Not a StreamingPacker state (expected format {_STATE_FORMAT!r}).")
+        missing = sorted(set(_STATE_KEYS) - set(state_dict))
+        if missing:
+            raise ValueError(
+                f"The StreamingPacker state lacks the keys {missing}; pass the dict returned by `state_dict()` "
+                "unchanged (after `torch.save` / `pickle`, not after selecting keys)."
+            )
         saved, current = state_dict["config"], self._config()
         differences = [
             f"{key}: saved {saved.get(key)!r}, now {value!r}"
@@ -447,6 +500,14 @@ class StreamingPacker(IterableDataset):
 
     def _start_pass(self) -> tuple[_PassState, Iterator]:
         shard = self._shard()
+        if self._one_shot and self._passes_started:
+            raise ValueError(
+                "The StreamingPacker's source is a one-shot iterator (e.g. a generator) that an earlier pass already "
+                "read, so this pass (a new epoch, or a resume) would silently yield no rows or skip samples. Pass a "
+                "re-iterable source: a list, a `datasets.IterableDataset`, or an object whose `__iter__` starts "
+                "over each time (e.g. `class Source: def __iter__(self): yield from read_samples()`)."
+            )
+        self._passes_started += 1
         resume, self._resume = self._resume, None
         if resume is None:
             state = _PassState(self._epoch, shard)
@@ -474,11 +535,14 @@ class StreamingPacker(IterableDataset):
             return state, iter(())
         if self._stateful_source and resume["source"] is not None:
             self.dataset.load_state_dict(resume["source"])
-            return state, iter(self.dataset)
-        # No source state: re-read the source from its start and skip what was already read.
-        iterator = iter(self.dataset)
-        skipped = sum(1 for _ in itertools.islice(iterator, state.num_read))
-        if skipped != state.num_read:
+            iterator, to_skip = iter(self.dataset), int(resume.get("source_skip", 0))
+            state.origin = (resume["source"], state.num_read - to_skip)
+        else:
+            # No source state: re-read the source from its start and skip what was already read.
+            iterator, to_skip = iter(self.dataset), state.num_read
+        state.source_started = to_skip > 0
+        skipped = sum(1 for _ in itertools.islice(iterator, to_skip))
+        if skipped != to_skip:
             raise ValueError(
                 f"The state says {state.num_read} items were read from the source, but it now has only {skipped}; "
                 "resume with the same source."
@@ -494,10 +558,12 @@ class StreamingPacker(IterableDataset):
         stats = state.stats
         while True:
             while state.pending:
-                tokens, samples = state.pending.popleft()
+                tokens, samples = state.pending[0]
+                row = pack(samples)  # if this raises, the row stays pending: a state taken now still holds it
+                state.pending.popleft()
                 stats["rows"] += 1
                 stats["tokens"] += tokens
-                yield pack(samples)
+                yield row
             with _gc_paused():
                 if not state.exhausted:
                     self._fill(state, source, shard_id, num_shards)
@@ -512,6 +578,12 @@ class StreamingPacker(IterableDataset):
         round_index, capacity, check = state.round, self.max_length, self._check_sample
         missing, num_read = self.buffer_size - len(samples), state.num_read
         added = 0
+        # `num_read` counts an item only once it is in the buffer (or belongs to another shard): an item that raises
+        # is read again on resume. A stateful source stands past it, so remember where it stood before this read.
+        mark = None
+        if self._stateful_source and missing > 0:
+            mark = (self.dataset.state_dict(), num_read) if state.source_started else state.origin
+            state.source_started = True
         try:
             while added < missing:
                 try:
@@ -520,35 +592,46 @@ class StreamingPacker(IterableDataset):
                     state.exhausted = True
                     break
                 index = num_read
-                num_read += 1
                 if num_shards > 1 and index % num_shards != shard_id:
+                    num_read += 1
                     continue
                 sample, length = check(item, index)
                 if length <= capacity:
                     samples.append(sample)
                     lengths.append(length)
                     added += 1
-                    continue
-                for chunk, chunk_length in self._overflow(sample, length, index, state.stats):
-                    samples.append(chunk)
-                    lengths.append(chunk_length)
-                    added += 1
+                else:
+                    chunks = self._overflow(sample, length, index, state.stats)
+                    samples.extend([chunk for chunk, _ in chunks])
+                    lengths.extend([chunk_length for _, chunk_length in chunks])
+                    added += len(chunks)
+                num_read += 1
+            state.rewind = None
+        except BaseException:
+            state.rewind = mark
+            raise
         finally:
             born.extend([round_index] * (len(samples) - len(born)))
             state.num_read = num_read
             state.stats["samples"] += added
 
     def _check_sample(self, item: Any, index: int) -> tuple[Sample, int]:
-        """Validate one source item; return it with its token fields as lists, and its length."""
+        """Validate one source item; return it with its token fields as lists, and its length.
+
+        Token fields get the O(1) check of [`unpack_trainer._validation.token_list`] with ``scan=False`` (container,
+        dtype, first and last values), so that packing stays at hundreds of thousands of samples per second; the
+        collator checks every value of the rows.
+        """
         if type(item) is not dict and not isinstance(item, Mapping):
             raise ValueError(f"Sample {index} of the stream is a {type(item).__name__}, not a dict with `input_ids`.")
         ids = item.get("input_ids")
         if ids is None:
             raise ValueError(f"Sample {index} of the stream has no `input_ids` (keys: {sorted(item)}).")
         sample = item
-        if type(ids) is not list:
+        checked = token_list(ids, index, "`input_ids` of sample {index} of the stream", scan=False)
+        if checked is not ids:
             sample = dict(item)
-            ids = sample["input_ids"] = _as_list(ids)
+            ids = sample["input_ids"] = checked
         length = len(ids)
         if length == 0:
             raise ValueError(f"Sample {index} of the stream is empty; every sample needs at least one token.")
@@ -566,29 +649,31 @@ class StreamingPacker(IterableDataset):
             value = item.get(field) if field in keys else None
             if value is None:
                 continue
-            if type(value) is not list:
+            what = f"`{field}` of sample {{index}} of the stream"
+            if field in _TOKEN_FIELD_DEFAULTS:
+                checked = token_list(value, index, what, allow_bool=field != "labels", scan=False)
+            else:
+                checked = value_list(value, index, what)
+            if checked is not value:
                 if sample is item:
                     sample = dict(item)
-                value = sample[field] = _as_list(value)
+                value = sample[field] = checked
             if len(value) != length:
                 raise ValueError(
                     f"Sample {index} of the stream has {length} input_ids but {len(value)} `{field}`; they must have "
                     "equal length."
                 )
         mask = item.get("attention_mask")
-        if mask is not None and 0 in _as_list(mask):
+        if mask is not None and 0 in token_list(
+            mask, index, "`attention_mask` of sample {index} of the stream", allow_bool=True
+        ):
             raise ValueError(
                 f"Sample {index} of the stream has padding (attention_mask == 0); packing needs unpadded samples. "
                 "Tokenize without padding."
             )
         own = item.get("seq_lengths")
         if own is not None:
-            own = _as_list(own)
-            if sum(own) != length or any(n <= 0 for n in own):
-                raise ValueError(
-                    f"Sample {index} of the stream has {length} tokens but `seq_lengths` {own}; the lengths must be "
-                    "positive and sum to the number of tokens."
-                )
+            own = check_seq_lengths(own, length, index, "sample {index} of the stream")
             if sample is item:
                 sample = dict(item)
             sample["seq_lengths"] = own
@@ -611,10 +696,7 @@ class StreamingPacker(IterableDataset):
         """Apply ``overflow`` to a sample longer than ``max_length``."""
         capacity = self.max_length
         if self.overflow == "error":
-            raise ValueError(
-                f"Sample {index} of the stream has {length} tokens, more than max_length={capacity}. "
-                "Pass overflow='truncate' or overflow='split' to handle long samples, or raise max_length."
-            )
+            raise too_long_error(index, length, capacity, where=" of the stream")
         if self.overflow == "truncate":
             spans = [(0, capacity)]
             stats["truncated"] += 1
@@ -734,12 +816,6 @@ class StreamingPacker(IterableDataset):
                 self.max_length,
                 stats["split_chunks"],
             )
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 def pack_iterable_dataset(
@@ -915,7 +991,7 @@ class StreamingDatasetReader:
 
     def __init__(self, files: Sequence[str], batch_size: int, columns: Sequence[str] | None = None) -> None:
         self.files = list(files)
-        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
         self.columns = None if columns is None else list(columns)
         self._position = [0, 0]  # [file index, rows of that file already yielded]
         self._resume: list[int] | None = None

@@ -27,6 +27,7 @@ from datasets import Dataset, IterableDataset
 from transformers import AutoConfig, TrainingArguments
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from unpack_trainer._validation import check_dataset_token_ids
 from unpack_trainer.collator import DataCollatorForPacking
 from unpack_trainer.config import SFTConfig
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, log_once, neftune_note
@@ -358,6 +359,7 @@ class SFTTrainer(trl.SFTTrainer):
             dataset = super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
         finally:
             args.max_length = max_length
+        check_dataset_token_ids(dataset, dataset_name)
         split = packing and args.packing_strategy == "bfd_split"
         if max_length is not None:
             if packed_ahead:
