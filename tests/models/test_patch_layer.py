@@ -91,8 +91,9 @@ def test_compile_fullgraph_of_a_patched_model():
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="eager")
         got = compiled(**inputs).logits
-        # A packed batch still runs (and is exact) when the model is compiled without fullgraph.
-        row = packed_row()
+        # A packed batch with the collator's metadata still takes the packed path when the model is compiled
+        # (without fullgraph: the metadata is read on the host).
+        row = {**packed_row(), "packed_seq_lengths": torch.tensor([4, 3, 2], dtype=torch.int32)}
         torch._dynamo.reset()
         packed = torch.compile(model, backend="eager")(**row).logits
         eager_packed = model(**row).logits
@@ -103,7 +104,7 @@ def test_compile_fullgraph_of_a_patched_model():
 
 def test_export_of_a_patched_model():
     """Issue 10 item 11: ``torch.export`` of a patched model, with a mask and with a static cache."""
-    from transformers import StaticCache
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     model = patch_model(tiny_llama())
     inputs = prompts()
@@ -111,9 +112,12 @@ def test_export_of_a_patched_model():
     with torch.no_grad():
         expected = model(**inputs, use_cache=False).logits
         torch.testing.assert_close(exported.module()(**inputs, use_cache=False).logits, expected)
-    cache = StaticCache(config=model.config, max_cache_len=16)
-    step = {"input_ids": inputs["input_ids"][:, :1], "past_key_values": cache, "use_cache": True}
-    torch.export.export(model, args=(), kwargs=step)
+    # Generation export recipe: the static cache lives in the exported module's buffers.
+    model.generation_config.cache_implementation = "static"
+    exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=16)
+    ids = inputs["input_ids"][:1, :3]
+    program = exportable.export(input_ids=ids, cache_position=torch.arange(3))
+    assert program.module()(input_ids=ids, cache_position=torch.arange(3)).shape == (1, 3, 64)
 
 
 def test_output_attentions_after_patching():
@@ -126,14 +130,20 @@ def test_output_attentions_after_patching():
         patch_model(model)
         model.config.output_attentions = True
         got = model(**inputs).attentions
+        # A packed batch with attention weights: each sample's block of weights is what the sample alone gets.
         row = packed_row()
-        packed = model(**row).attentions  # a packed batch with attention weights: the exact dense path
-        unpatch_model(model)
-        stock = model(**row).attentions
+        packed = model(**row).attentions
+        ids, start = row["input_ids"][0], 0
+        for length in (4, 3, 2):
+            alone = model(input_ids=ids[start : start + length].unsqueeze(0)).attentions
+            for layer, weights in zip(packed, alone):
+                block = layer[0, :, start : start + length, start : start + length]
+                torch.testing.assert_close(block, weights[0])
+                if start:  # nothing from earlier samples
+                    assert layer[0, :, start : start + length, :start].abs().max() == 0
+            start += length
     assert len(got) == len(expected) == 2
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b)
-    for a, b in zip(packed, stock):
         torch.testing.assert_close(a, b)
     sdpa = patch_model(tiny_llama("sdpa"))
     with pytest.raises(ValueError, match="attn_implementation` set to sdpa"):
@@ -156,13 +166,14 @@ def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch
     assert is_patched(model)
     row = packed_row()
     with torch.no_grad():
-        got = model(**row).logits
-    assert calls == ["eager", "eager"]
+        got = model(**row).logits[0]
+        ids = row["input_ids"][0]
+        alone = torch.cat([model(input_ids=ids[a:b].unsqueeze(0)).logits[0] for a, b in ((0, 4), (4, 7), (7, 9))])
+    assert calls[:2] == ["eager", "eager"]  # the packed batch ran the packed helper on eager, in both layers
     assert model.config._attn_implementation == "unpack_eager"
+    torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-6)
     unpatch_model(model)
-    assert model.config._attn_implementation == "eager"
-    with torch.no_grad():
-        torch.testing.assert_close(got, model(**row).logits, rtol=1e-5, atol=1e-6)
+    assert model.config._attn_implementation == "eager" and not is_patched(model)
 
 
 def test_torch_save_and_load_in_a_new_process(tmp_path):
