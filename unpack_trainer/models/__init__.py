@@ -265,7 +265,7 @@ def _state_mixer_reason(decoder: torch.nn.Module) -> str | None:
         )
         own = {p for p, _ in module.named_parameters(recurse=False)}
         if convolution or _STATE_MIXER_NAMES.search(cls.__name__) or own & set(_STATE_PARAMETERS):
-            what = "convolution" if convolution else "recurrent / state-space"
+            what = "convolution" if convolution or "Conv" in cls.__name__ else "recurrent / state-space"
             return (
                 f"its {what} token mixer {cls.__name__} ({name}) carries state along the row, across sample boundaries"
             )
@@ -278,6 +278,13 @@ def _unsupported_reason(config: Any, decoder: torch.nn.Module, attention: list[t
             f"its layers attend within chunks of attention_chunk_size={config.attention_chunk_size} tokens "
             "(chunked attention), which the packed attention helper does not implement"
         )
+    for module in attention:
+        for name, child in module.named_modules():
+            if "Indexer" in type(child).__name__:
+                return (
+                    f"its sparse attention indexer ({type(child).__name__}, {name}) picks keys from the dense mask of "
+                    "the whole row inside the attention module, outside the attention interface"
+                )
     from unpack_trainer.patches.attention import packed_attention_forward
 
     takes_sinks = "s_aux" in inspect.signature(packed_attention_forward).parameters
@@ -363,13 +370,32 @@ def refusal_reason(model_config: Any, *, blocking_only: bool = True) -> str | No
     if model_type in BLOCKLIST:
         return BLOCKLIST[model_type]
     try:
-        from transformers import AutoModelForCausalLM
+        key = (type(model_config), model_config.to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001 - not a transformers config: nothing to build
+        return None
+    if key not in _refusals:
+        if len(_refusals) > 64:
+            _refusals.clear()
+        _refusals[key] = _structural_refusal(model_config)
+    refused = _refusals[key]
+    if refused is None or (blocking_only and refused.kind in ("unreachable", "unsupported")):
+        return None
+    return refused.reason
 
+
+# (config class, config JSON) -> the refusal its structure gives (None: patchable or not buildable here).
+_refusals: dict[tuple[type, str], PatchRefused | None] = {}
+
+
+def _structural_refusal(model_config: Any) -> PatchRefused | None:
+    from transformers import AutoModelForCausalLM
+
+    try:
         with torch.device("meta"), _quiet_transformers():
             model = AutoModelForCausalLM.from_config(model_config)
         _discover(model)
     except PatchRefused as refused:
-        return None if blocking_only and refused.kind in ("unreachable", "unsupported") else refused.reason
+        return refused
     except Exception:  # noqa: BLE001 - an unbuildable config is no refusal; the self-check still runs
         return None
     return None
@@ -539,9 +565,8 @@ def _llama_rope_module(modeling: types.ModuleType) -> bool:
     from transformers.models.llama import modeling_llama as llama
 
     function = _rope_originals.get(modeling.__name__, getattr(modeling, "apply_rotary_pos_emb", None))
-    return _same_code(function, llama.apply_rotary_pos_emb) and _same_code(
-        getattr(modeling, "rotate_half", None), llama.rotate_half
-    )
+    reference = _rope_originals.get(llama.__name__, llama.apply_rotary_pos_emb)  # Llama's own may be replaced now
+    return _same_code(function, reference) and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
 
 
 def _patch_rope(decoder: _Decoder) -> tuple[str, ...]:
