@@ -1113,5 +1113,35 @@ def test_real_kernels_on_cuda(backend, window, monkeypatch):
         assert_close_to_reference(g.float(), e.float(), rel=5e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+@pytest.mark.parametrize(("dim", "v_dim"), [(192, 128), (20, 12)])
+def test_real_kernels_value_head_dim_on_cuda(backend, dim, v_dim, monkeypatch):
+    """MLA shapes (deepseek_v3: 192 / 128) and head dims that are not a multiple of 8, on the real kernels."""
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    if backend == "xformers":
+        pytest.importorskip("xformers")
+    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    lengths = [40, 1, 97, 3, 64, 11]
+    q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, dtype=torch.bfloat16, device="cuda")
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=dim**-0.5, sliding_window=16, **info_kwargs(lengths)
+    )
+    assert out.shape == (1, sum(lengths), 8, v_dim)
+    upstream = torch.randn_like(out)
+    (out.float() * upstream.float()).sum().backward()
+    got = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    expected = reference(q, k, v, lengths, scaling=dim**-0.5, window=16)
+    (expected.float() * upstream.float()).sum().backward()
+    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
+    for g, e in zip(got, grads([q, k, v])):
+        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
+
+
 def test_flash_accumulator_head_dim_rounding():
     assert [attention._flash_rounded_head_dim(d) for d in (8, 32, 100, 128, 160, 256)] == [32, 32, 128, 128, 192, 256]
