@@ -1091,6 +1091,9 @@ def make_attention_function(original_implementation: str) -> Callable[..., tuple
         info = packed_info_from_kwargs(query, key, attention_mask, kwargs)
         if info is not None:
             kwargs["packed_seq_info"] = info
+            if kwargs.get("sliding_window") is None and getattr(module, "_unpack_sliding_window", None):
+                # The model applies this window through its mask only (set by unpack_trainer.models.patch_model).
+                kwargs["sliding_window"] = module._unpack_sliding_window
             return packed_attention_forward(
                 module, query, key, value, None, original_implementation=original_implementation, **kwargs
             )
