@@ -285,15 +285,6 @@ def _unsupported_reason(config: Any, decoder: torch.nn.Module, attention: list[t
                     f"its sparse attention indexer ({type(child).__name__}, {name}) picks keys from the dense mask of "
                     "the whole row inside the attention module, outside the attention interface"
                 )
-    from unpack_trainer.patches.attention import packed_attention_forward
-
-    takes_sinks = "s_aux" in inspect.signature(packed_attention_forward).parameters
-    for module in attention:
-        if not takes_sinks and any(getattr(module, name, None) is not None for name in ("sinks", "s_aux")):
-            return (
-                f"its attention ({type(module).__name__}) adds attention sinks (s_aux), which the packed attention "
-                "helper does not implement yet"
-            )
     return None
 
 

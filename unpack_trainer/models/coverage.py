@@ -53,6 +53,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "exaone4",
         "exaone_moe",
         "flex_olmo",
+        "flint",
         "gemma",
         "gemma2",
         "gemma3_text",
@@ -64,8 +65,11 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "gpt2",
         "gpt_bigcode",
         "gpt_neox",
+        "gpt_oss",
         "granite",
+        "granite_swa",
         "granitemoe",
+        "granitemoe_swa",
         "granitemoeshared",
         "helium",
         "hrm_text",
@@ -82,6 +86,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "llama",
         "longcat_flash",
         "mellum",
+        "mimo_v2_flash",
         "minicpm3",
         "minimax_m2",
         "minimax_m3_vl_text",
@@ -164,6 +169,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # Their default configs are attention-only; the released models interleave short convolutions.
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # Its router logits are not collected by the model: stock transformers fails on output_router_logits=True.
+    "flint": dict(output_router_logits=None),
 }
 
 # Model types that cannot be checked here, and why.
