@@ -11,9 +11,11 @@
 | ``padding_free=False``                   | padded (never overridden)       | padded                                   |
 
 Blocked means: a custom ``data_collator``; a ``ProcessorMixin`` processing class; a vision-language model or a vision
-dataset; an encoder-decoder model; a blocklisted model type; PEFT prompt learning (prompt tuning, p-tuning, prefix
-tuning: virtual tokens or prefix keys are prepended to every row). A model type that is neither registered nor
-blocklisted is not blocked here: it runs without our patch if the contamination self-check passes on the user's model.
+dataset; an encoder-decoder model; a model whose structure cannot be packed exactly
+(:func:`unpack_trainer.models.refusal_reason`: recurrent / state-space / convolution token mixers, ALiBi); PEFT prompt
+learning (prompt tuning, p-tuning, prefix tuning: virtual tokens or prefix keys are prepended to every row). A model
+type that is not verified is not blocked here: it runs without our patch if the contamination self-check passes on the
+user's model.
 
 Also decided here, without overriding an explicit request:
 
@@ -147,6 +149,11 @@ def blocked_reason(
     model_type = getattr(model_config, "model_type", None)
     if model_type in blocklist:
         return f"model type {model_type!r} is not supported: {blocklist[model_type]}"
+    from unpack_trainer.models import refusal_reason  # found from the model's structure (meta device), no forward
+
+    refusal = refusal_reason(model_config)
+    if refusal is not None:
+        return f"model type {model_type!r} cannot be packed: {refusal}"
     return None
 
 

@@ -446,5 +446,7 @@ def test_unpatch_restores_stock_behaviour():
     assert_rel_close(patched, stock)  # stock eager builds the dense block mask: same numbers, T x T memory
 
 
-def test_every_registered_architecture_is_tested():
-    assert sorted(ARCHITECTURES) == supported_model_types()
+def test_deep_tested_architectures_are_verified():
+    """This module tests these types in depth (several rows, checkpointing, LoRA, QLoRA, generation); every verified
+    type gets the one-by-one / padded checks in tests/models/test_coverage.py."""
+    assert set(ARCHITECTURES) <= set(supported_model_types())

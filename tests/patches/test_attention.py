@@ -7,6 +7,8 @@ flash-attn and xformers are checked on CPU with stand-in kernels that verify wha
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import types
 
@@ -40,8 +42,9 @@ class FakeModule(torch.nn.Module):
     is_causal = True
 
 
-def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None):
-    """Dense per-sample causal attention in float64. q: (total, H, D); k, v: (total, H_kv, D) -> (total, H, D)."""
+def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None, sinks=None):
+    """Dense per-sample causal attention in float64. q: (total, H, D); k: (total, H_kv, D); v: (total, H_kv, D_v)
+    -> (total, H, D_v). ``sinks``: (H,) extra logit per head in the softmax denominator (gpt_oss ``s_aux``)."""
     groups = q.shape[1] // k.shape[1]
     outputs, start = [], 0
     for length in lengths:
@@ -57,7 +60,12 @@ def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None):
         if window is not None:
             allowed &= j > i - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outputs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        if sinks is None:
+            weights = scores.softmax(-1)
+        else:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, length, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        outputs.append((weights @ vs).transpose(0, 1))
         start += length
     return torch.cat(outputs).to(q.dtype)
 
@@ -75,17 +83,17 @@ def reference(query, key, value, lengths, **options):
     return out.view(batch, seq_len, heads, -1)
 
 
-def random_qkv(lengths, *, rows=1, heads=4, kv_heads=2, dim=8, dtype=torch.float32, device="cpu", seed=0):
+def random_qkv(lengths, *, rows=1, heads=4, kv_heads=2, dim=8, v_dim=None, dtype=torch.float32, device="cpu", seed=0):
+    """q (rows, heads, T, dim), k (rows, kv_heads, T, dim), v (rows, kv_heads, T, v_dim or dim), leaves."""
     total = sum(lengths)
     assert total % rows == 0
     generator = torch.Generator().manual_seed(seed)
-    shape = (rows, total // rows, dim)
 
-    def make(h):
-        x = torch.randn(shape[0], h, shape[1], shape[2], generator=generator)
+    def make(h, d):
+        x = torch.randn(rows, h, total // rows, d, generator=generator)
         return x.to(device=device, dtype=dtype).requires_grad_()
 
-    return make(heads), make(kv_heads), make(kv_heads)
+    return make(heads, dim), make(kv_heads, dim), make(kv_heads, v_dim or dim)
 
 
 def info_kwargs(lengths, rows=1):
@@ -232,29 +240,174 @@ def test_backend_matches_reference_forward_and_backward(backend, lengths, rows, 
         assert_close_to_reference(g, e)
 
 
-def test_softcap_goes_to_a_backend_that_applies_it(caplog, monkeypatch):
+def assert_matches_reference(out, leaves, lengths, **options):
+    """Forward and the gradient of every leaf (q, k, v, and sinks when given) against :func:`reference`."""
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    (out * upstream).sum().backward()
+    got = grads(leaves)
+    for t in leaves:
+        t.grad = None
+    expected = reference(*leaves[:3], lengths, **options)
+    (expected * upstream).sum().backward()
+    assert out.shape == expected.shape
+    assert_close_to_reference(out.detach(), expected.detach())
+    for index, (g, e) in enumerate(zip(got, grads(leaves))):
+        assert torch.isfinite(g).all(), f"non-finite gradient of leaf {index}"
+        assert_close_to_reference(g, e)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize(("dim", "v_dim", "window"), [(8, 12, None), (12, 5, 4), (20, 12, 6)])
+def test_value_head_dim_differs_from_query_head_dim(backend, dim, v_dim, window):
+    """MLA (deepseek_v3): values have their own head dim; scaling is not 1/sqrt(dim)."""
+    lengths = [5, 1, 9, 3, 12, 1]
+    q, k, v = random_qkv(lengths, dim=dim, v_dim=v_dim)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.37, sliding_window=window, backend=backend, **info_kwargs(lengths)
+    )
+    assert out.shape == (1, sum(lengths), 4, v_dim)
+    assert_matches_reference(out, [q, k, v], lengths, scaling=0.37, window=window)
+
+
+def random_sinks(heads=4, seed=3):
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2).requires_grad_()
+
+
+@pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 1), (3, 4)])
+def test_sinks_on_eager_buckets(window, kv_heads):
+    """gpt_oss attention sinks: one extra logit per head in every query's softmax denominator; exact gradients for
+    q, k, v and the sinks themselves."""
+    lengths = [5, 1, 9, 3, 12, 1, 30]
+    q, k, v = random_qkv(lengths, kv_heads=kv_heads)
+    sinks = random_sinks()
+    out, _ = packed_attention_forward(
+        FakeModule(),
+        q,
+        k,
+        v,
+        None,
+        scaling=0.4,
+        sliding_window=window,
+        s_aux=sinks,
+        backend="eager",
+        **info_kwargs(lengths),
+    )
+    without = reference(q, k, v, lengths, scaling=0.4, window=window)
+    assert (out - without).abs().max() > 0.05, "the sinks must change the output for this test to mean anything"
+    assert_matches_reference(out, [q, k, v, sinks], lengths, scaling=0.4, window=window, sinks=sinks)
+
+
+def test_softcap_on_eager_buckets():
+    lengths = [6, 3, 9, 1, 20]
+    q, k, v = random_qkv(lengths, kv_heads=1)
+    out, _ = packed_attention_forward(
+        FakeModule(),
+        q,
+        k,
+        v,
+        None,
+        scaling=1.0,
+        softcap=1.5,
+        sliding_window=5,
+        backend="eager",
+        **info_kwargs(lengths),
+    )
+    without = reference(q, k, v, lengths, scaling=1.0, window=5)
+    assert (out - without).abs().max() > 0.05, "the softcap must change the output for this test to mean anything"
+    assert_matches_reference(out, [q, k, v], lengths, scaling=1.0, softcap=1.5, window=5)
+
+
+@pytest.mark.parametrize(
+    ("option", "feature"), [("softcap", "attention logit softcapping"), ("s_aux", "attention sinks")]
+)
+def test_automatic_choice_hands_quirks_to_eager(caplog, monkeypatch, option, feature):
+    """On the CPU the automatic choice is SDPA, which can apply neither: eager buckets take over, logged once."""
     monkeypatch.setattr(attention, "_logged_once", set())
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    ran = spy_backends(monkeypatch)
     lengths = [6, 3, 9]
     q, k, v = random_qkv(lengths)
-    expected = reference(q, k, v, lengths, scaling=1.0, softcap=2.0)
+    value = 2.0 if option == "softcap" else random_sinks()
     with caplog.at_level(logging.WARNING, logger=attention.__name__):
         out, _ = packed_attention_forward(
-            FakeModule(), q, k, v, None, scaling=1.0, softcap=2.0, **info_kwargs(lengths)
+            FakeModule(), q, k, v, None, scaling=1.0, **{option: value}, **info_kwargs(lengths)
         )
-    assert "sdpa cannot apply logit softcapping; using eager" in caplog.text
-    assert_close_to_reference(out.detach(), expected.detach())
-    out, _ = packed_attention_forward(
-        FakeModule(), q, k, v, None, scaling=1.0, softcap=2.0, backend="eager", **info_kwargs(lengths)
+    assert ran == ["eager"]
+    assert f"sdpa cannot apply {feature}" in caplog.text and "using eager" in caplog.text
+    leaves = [q, k, v] + ([value] if option == "s_aux" else [])
+    options = {"softcap": value} if option == "softcap" else {"sinks": value}
+    assert_matches_reference(out, leaves, lengths, scaling=1.0, **options)
+
+
+def spy_backends(monkeypatch) -> list[str]:
+    """Record the name of every backend function that runs."""
+    ran: list[str] = []
+    for name, function in list(attention._BACKEND_FUNCTIONS.items()):
+
+        def spy(*args, _name=name, _function=function, **kwargs):
+            ran.append(_name)
+            return _function(*args, **kwargs)
+
+        monkeypatch.setitem(attention._BACKEND_FUNCTIONS, name, spy)
+    return ran
+
+
+def never_called(*args, **kwargs):
+    raise AssertionError("the kernel must not run: the backend has to refuse first")
+
+
+@pytest.mark.parametrize(
+    ("backend", "option", "feature"),
+    [
+        ("sdpa", "softcap", "attention logit softcapping"),
+        ("xformers", "softcap", "attention logit softcapping"),
+        ("torch_varlen", "softcap", "attention logit softcapping"),
+        ("sdpa", "s_aux", "attention sinks"),
+        ("xformers", "s_aux", "attention sinks"),
+        ("flash", "s_aux", "attention sinks"),
+        ("torch_varlen", "s_aux", "attention sinks"),
+        ("torch_varlen", "dropout", "attention dropout"),
+    ],
+)
+def test_explicit_backend_refuses_what_it_cannot_apply(cpu_kernels, monkeypatch, backend, option, feature):
+    """Issue 10 item 21: ``backend="sdpa"`` with ``softcap`` used to return the output without softcapping."""
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: never_called)
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: never_called)
+    monkeypatch.setattr(
+        attention, "_xformers_fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
     )
-    assert_close_to_reference(out.detach(), expected.detach())
-
-
-def test_softcap_on_forced_sdpa_is_an_error(monkeypatch):
-    monkeypatch.setenv(attention.ENV_BACKEND, "sdpa")
     lengths = [6, 3]
     q, k, v = random_qkv(lengths)
-    with pytest.raises(ValueError, match="cannot apply attention logit softcapping"):
-        packed_attention_forward(FakeModule(), q, k, v, None, softcap=2.0, **info_kwargs(lengths))
+    value = {"softcap": 2.0, "s_aux": random_sinks(), "dropout": 0.1}[option]
+    with pytest.raises(ValueError, match=f"backend='{backend}' cannot apply {feature}"):
+        packed_attention_forward(
+            FakeModule(), q, k, v, None, backend=backend, **{option: value}, **info_kwargs(lengths)
+        )
+
+
+@pytest.mark.parametrize(
+    ("backend", "option", "feature"),
+    [
+        ("sdpa", "softcap", "attention logit softcapping"),
+        ("xformers", "softcap", "attention logit softcapping"),
+        ("torch_varlen", "softcap", "attention logit softcapping"),
+        ("sdpa", "s_aux", "attention sinks"),
+        ("flash", "s_aux", "attention sinks"),
+        ("torch_varlen", "dropout", "attention dropout"),
+    ],
+)
+def test_forced_backend_that_cannot_apply_a_quirk_is_an_error(cpu_kernels, monkeypatch, backend, option, feature):
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: never_called)
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: never_called)
+    monkeypatch.setattr(
+        attention, "_xformers_fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
+    )
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    lengths = [6, 3]
+    q, k, v = random_qkv(lengths)
+    value = {"softcap": 2.0, "s_aux": random_sinks(), "dropout": 0.1}[option]
+    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}={backend} cannot apply {feature}"):
+        packed_attention_forward(FakeModule(), q, k, v, None, **{option: value}, **info_kwargs(lengths))
 
 
 def test_dropout_is_passed_to_sdpa_and_applied_by_eager(monkeypatch):
@@ -340,6 +493,7 @@ def test_choose_backend(monkeypatch):
 def test_choose_backend_prefers_available_kernels(monkeypatch):
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
     monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: object())
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
     monkeypatch.setattr(attention, "_xformers_fmha", lambda: object())
     cuda = torch.device("cuda")
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "flash"
@@ -402,6 +556,7 @@ class StandInFlash:
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
         assert q.dim() == k.dim() == v.dim() == 3, "flash-attn varlen takes (total_tokens, num_heads, head_dim)"
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash-attn 2 takes one head dim for q, k and v"
         assert q.shape[0] == k.shape[0] == int(cu_seqlens_q[-1])
         assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and int(cu_seqlens_q[0]) == 0
         assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
@@ -410,7 +565,7 @@ class StandInFlash:
         assert options["causal"] is True
         window = options.get("window_size", (-1, -1))
         assert window[1] in (0, -1)
-        self.calls.append({"lengths": lengths, **options})
+        self.calls.append({"lengths": lengths, "head_dims": (q.shape[-1], k.shape[-1], v.shape[-1]), **options})
         return reference_tokens(
             q,
             k,
@@ -428,6 +583,8 @@ def cpu_kernels(monkeypatch):
     monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    # torch's real varlen_attn imports on a CPU build too; a test that wants it installs a stand-in.
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
 
 
 @pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 1), (50, 4)])
@@ -542,19 +699,401 @@ def test_xformers_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
     assert_close_to_reference(out.detach(), expected.detach())
 
 
+def test_flash_gets_one_head_dim_for_q_k_v(cpu_kernels, monkeypatch):
+    """flash-attn 2 takes one head dim for q, k and v: MLA values are zero-padded to the query head dim and the
+    output cropped back (as transformers' flash_attention_forward does)."""
+    kernel = StandInFlash()
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    lengths = [5, 1, 9, 1, 12, 4]
+    q, k, v = random_qkv(lengths, dim=20, v_dim=12)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.3, sliding_window=4, **info_kwargs(lengths)
+    )
+    assert [call["head_dims"] for call in kernel.calls] == [(20, 20, 20)]
+    assert_matches_reference(out, [q, k, v], lengths, scaling=0.3, window=4)
+
+
+def test_flash_applies_softcap(cpu_kernels, monkeypatch):
+    kernel = StandInFlash()
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    lengths = [5, 1, 9, 1, 12, 4]
+    q, k, v = random_qkv(lengths)
+    out, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=1.0, softcap=1.5, **info_kwargs(lengths))
+    assert [call["softcap"] for call in kernel.calls] == [1.5]
+    assert_matches_reference(out, [q, k, v], lengths, scaling=1.0, softcap=1.5)
+
+
+@pytest.mark.parametrize(("window", "kv_heads", "v_dim"), [(None, 2, None), (4, 2, 12), (3, 4, None)])
+def test_xformers_dispatch_quirks(cpu_kernels, monkeypatch, window, kv_heads, v_dim):
+    record = {}
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
+    monkeypatch.setattr(attention, "_xformers_fmha", lambda: make_fake_xformers(record))
+    lengths = [5, 1, 9, 1, 12, 4]
+    q, k, v = random_qkv(lengths, kv_heads=kv_heads, v_dim=v_dim)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.4, sliding_window=window, **info_kwargs(lengths)
+    )
+    assert record["from_seqlens"][0] == lengths
+    assert_matches_reference(out, [q, k, v], lengths, scaling=0.4, window=window)
+
+
+def make_stand_in_varlen(calls: list, *, gqa_parameter: bool = True):
+    """A stand-in for ``torch.nn.attention.varlen.varlen_attn`` with its signature (with or without ``enable_gqa``),
+    checking what the real kernel requires and computing the reference."""
+
+    def check_and_compute(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa):
+        assert query.dim() == key.dim() == value.dim() == 3, "varlen_attn takes (total_tokens, num_heads, head_dim)"
+        assert query.shape[-1] == key.shape[-1] == value.shape[-1], "one head dim for q, k and v"
+        assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 256, "flash kernels need head_dim % 8 == 0, <= 256"
+        assert all(x.stride(-1) == 1 for x in (query, key, value))
+        assert cu_seq_q.dtype == torch.int32 and cu_seq_q.device == query.device and cu_seq_q.dim() == 1
+        assert int(cu_seq_q[0]) == 0 and int(cu_seq_q[-1]) == query.shape[0] == key.shape[0]
+        assert torch.equal(cu_seq_q, cu_seq_k)
+        lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+        assert isinstance(max_q, int) and max_q == max_k == max(lengths)
+        assert isinstance(window_size, tuple) and window_size[1] == 0, "causal: (-1, 0), or (left, 0) for a window"
+        assert window_size[0] == -1 or window_size[0] >= 0
+        assert scale is not None
+        if enable_gqa:
+            assert query.shape[1] % key.shape[1] == 0
+        else:
+            assert key.shape[1] == value.shape[1] == query.shape[1]
+        calls.append(
+            {
+                "lengths": lengths,
+                "window_size": window_size,
+                "enable_gqa": enable_gqa,
+                "kv_heads": key.shape[1],
+                "head_dim": query.shape[-1],
+                "scale": scale,
+            }
+        )
+        window = None if window_size[0] < 0 else window_size[0] + 1
+        return reference_tokens(query, key, value, lengths, scaling=scale, window=window)
+
+    if gqa_parameter:
+
+        def varlen_attn(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            *,
+            return_aux=None,
+            scale=None,
+            window_size=(-1, -1),
+            enable_gqa=False,
+            seqused_k=None,
+            block_table=None,
+            num_splits=None,
+        ):
+            return check_and_compute(
+                query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa
+            )
+
+    else:
+
+        def varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+        ):
+            return check_and_compute(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, False)
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize(
+    ("window", "kv_heads", "gqa_parameter", "dim", "v_dim"),
+    [
+        (None, 2, True, 8, None),
+        (4, 1, False, 8, None),
+        (50, 4, True, 8, None),
+        (4, 2, True, 10, 6),  # head dims padded to a multiple of 8, values to the query head dim
+        (None, 1, False, 20, 12),
+    ],
+)
+def test_torch_varlen_dispatch(cpu_kernels, monkeypatch, window, kv_heads, gqa_parameter, dim, v_dim):
+    calls = []
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(
+        attention, "_torch_varlen_kernel", lambda: make_stand_in_varlen(calls, gqa_parameter=gqa_parameter)
+    )
+    lengths = [5, 1, 9, 1, 12, 4]
+    q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads, dim=dim, v_dim=v_dim)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.4, sliding_window=window, **info_kwargs(lengths)
+    )
+    (call,) = calls
+    assert call["lengths"] == lengths and call["scale"] == 0.4
+    # transformers' window w (i - w < j <= i) is the kernel's inclusive (w - 1, 0); causal alone is (-1, 0).
+    assert call["window_size"] == ((-1, 0) if window in (None, 50) else (window - 1, 0))
+    # GQA: the kernel's enable_gqa where its signature has it, the kv heads repeated where it does not.
+    assert call["enable_gqa"] == (gqa_parameter and kv_heads < 4)
+    assert call["kv_heads"] == (kv_heads if gqa_parameter else 4)
+    assert call["head_dim"] == -(-max(dim, v_dim or dim) // 8) * 8
+    assert out.shape == (2, sum(lengths) // 2, 4, v_dim or dim)
+    assert_matches_reference(out, [q, k, v], lengths, scaling=0.4, window=window)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "fallback"), [("softcap", 2.0, "eager"), ("s_aux", "sinks", "eager"), ("dropout", 0.2, "sdpa")]
+)
+def test_torch_varlen_hands_over_what_it_cannot_apply(cpu_kernels, monkeypatch, caplog, option, value, fallback):
+    monkeypatch.setattr(attention, "_logged_once", set())
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: never_called)
+    ran = spy_backends(monkeypatch)
+    lengths = [6, 3, 9]
+    q, k, v = random_qkv(lengths)
+    value = random_sinks() if value == "sinks" else value
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        out, _ = packed_attention_forward(
+            FakeModule(), q, k, v, None, scaling=0.5, **{option: value}, **info_kwargs(lengths)
+        )
+    assert ran == [fallback]
+    assert "torch_varlen cannot apply attention" in caplog.text and f"using {fallback}" in caplog.text
+    if option != "dropout":
+        leaves = [q, k, v] + ([value] if option == "s_aux" else [])
+        options = {"softcap": value} if option == "softcap" else {"sinks": value}
+        assert_matches_reference(out, leaves, lengths, scaling=0.5, **options)
+
+
+def test_choose_torch_varlen(monkeypatch):
+    """On CUDA in half precision: flash-attn when installed, else torch's varlen_attn, before xformers."""
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(attention, "_cuda_flash_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: object())
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: object())
+    monkeypatch.setattr(attention, "_xformers_fmha", lambda: object())
+    cuda = torch.device("cuda")
+    assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "flash"
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "torch_varlen"
+    assert choose_backend(cuda, torch.float16, "flash_attention_2").name == "torch_varlen"
+    assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # varlen_attn needs half precision
+    assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
+    # Quirks the kernel cannot apply go to the next backend that can.
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True).name == "eager"
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", dropout=True).name == "xformers"
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", head_dim=320).name == "xformers"
+    monkeypatch.setattr(attention, "_cuda_flash_unsupported_reason", lambda device: "compute capability 7.5 < 8.0")
+    choice = choose_backend(cuda, torch.bfloat16, "sdpa")
+    assert choice.name == "xformers" and "compute capability 7.5" in choice.reason
+
+
+def test_forced_torch_varlen_that_cannot_run_names_the_variable(monkeypatch):
+    monkeypatch.setenv(attention.ENV_BACKEND, "torch_varlen")
+    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen but .*CUDA"):
+        choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa")
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
+    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen but .*varlen_attn"):
+        choose_backend(torch.device("cuda"), torch.bfloat16, "sdpa")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model families' quirks, module level: the real attention module of a tiny model, packed, against the same module
+# run on each sample alone with transformers' own eager attention of that family
+# ---------------------------------------------------------------------------------------------------------------------
+
+_QUIRK_COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=64,
+    max_position_embeddings=256,
+    initializer_range=0.2,  # large enough that softcapping and sinks change the output visibly
+)
+# model_type -> config overrides. Layer 0 and layer 1 differ where the family mixes layer kinds.
+QUIRK_FAMILIES = {
+    # logit softcapping, query_pre_attn_scalar scaling, sliding window on layer 0 only
+    "gemma2": dict(head_dim=16, sliding_window=6, attn_logit_softcapping=1.0, query_pre_attn_scalar=24),
+    # q/k norms, query_pre_attn_scalar scaling, sliding window on layer 0 only
+    "gemma3_text": dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24, sliding_window_pattern=2),
+    # attention sinks (s_aux), sliding window on layer 0 only
+    "gpt_oss": dict(
+        head_dim=16, sliding_window=6, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=131072
+    ),
+    # MLA: query/key head dim 12 + 8 = 20, value head dim 12
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+    ),
+    # GQA, layer_types: full attention on layer 0, sliding window on layer 1
+    "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+}
+QUIRK_LENGTHS = [9, 3, 14, 1, 7]
+_PACKED_IMPLEMENTATION = "unpack_quirk_test"
+
+
+@functools.cache
+def quirk_model(model_type: str) -> torch.nn.Module:
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+
+    AttentionInterface.register(_PACKED_IMPLEMENTATION, make_attention_function("sdpa"))
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**_QUIRK_COMMON, **QUIRK_FAMILIES[model_type]})
+    model = AutoModelForCausalLM.from_config(config)
+    for module in model.modules():
+        if hasattr(module, "sinks"):
+            with torch.no_grad():
+                module.sinks.normal_(0.0, 2.0)  # visible sinks (the tiny model initialises them near 0)
+    return model
+
+
+def eager_mask(length: int, sliding_window: int | None) -> torch.Tensor:
+    """(1, 1, L, L) additive mask of one sample from transformers' own mask functions, as its eager path uses."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    function = causal_mask_function if sliding_window is None else sliding_window_causal_mask_function(sliding_window)
+    i = torch.arange(length).view(length, 1)
+    j = torch.arange(length).view(1, length)
+    allowed = function(0, 0, i, j)
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min).view(1, 1, length, length)
+
+
+def run_quirk_layer(model_type: str, layer: int, packed: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Forward + backward of one attention layer over the packed row (or each sample alone, eager): the output
+    (1, T, hidden) and the gradients of the input and every parameter of the layer."""
+    model = quirk_model(model_type)
+    decoder = model.model
+    attention_module = decoder.layers[layer].self_attn
+    config = attention_module.config
+    total = sum(QUIRK_LENGTHS)
+    generator = torch.Generator().manual_seed(layer)
+    hidden = torch.randn(1, total, config.hidden_size, generator=generator).requires_grad_()
+    upstream = torch.randn(1, total, config.hidden_size, generator=generator)
+    position_ids = torch.cat([torch.arange(n) for n in QUIRK_LENGTHS]).unsqueeze(0)
+    rotary_options = {}
+    if "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters:
+        rotary_options["layer_type"] = config.layer_types[layer]
+    cos, sin = decoder.rotary_emb(hidden, position_ids, **rotary_options)
+    original = config._attn_implementation
+    attention_module.zero_grad(set_to_none=True)
+    try:
+        if packed:
+            config._attn_implementation = _PACKED_IMPLEMENTATION
+            lengths = torch.tensor(QUIRK_LENGTHS, dtype=torch.int32)
+            out, _ = attention_module(hidden, (cos, sin), None, packed_seq_lengths=lengths)
+        else:
+            config._attn_implementation = "eager"
+            outputs, start = [], 0
+            window = getattr(attention_module, "sliding_window", None)
+            for length in QUIRK_LENGTHS:
+                span = slice(start, start + length)
+                part, _ = attention_module(hidden[:, span], (cos[:, span], sin[:, span]), eager_mask(length, window))
+                outputs.append(part)
+                start += length
+            out = torch.cat(outputs, dim=1)
+    finally:
+        config._attn_implementation = original
+    (out * upstream).sum().backward()
+    gradients = [hidden.grad] + [p.grad.clone() for p in attention_module.parameters()]
+    return out.detach(), gradients
+
+
+@pytest.fixture
+def quirk_backend(request, monkeypatch):
+    """Sets up one backend for the packed run: ``eager`` forced, ``sdpa`` the automatic CPU choice, or a kernel
+    backend (flash-attn, torch varlen, xformers) as the automatic choice with a stand-in kernel on the CPU."""
+    backend = request.param
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(attention, "_logged_once", set())
+    if backend == "eager":
+        monkeypatch.setenv(attention.ENV_BACKEND, "eager")
+    if backend in ("flash", "torch_varlen", "xformers"):
+        monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+        flash = StandInFlash() if backend == "flash" else None
+        varlen = make_stand_in_varlen([]) if backend == "torch_varlen" else None
+        fmha = make_fake_xformers({}) if backend == "xformers" else None
+        monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: flash)
+        monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: varlen)
+        monkeypatch.setattr(attention, "_xformers_fmha", lambda: fmha)
+    return backend
+
+
+# What each automatic backend hands over: softcap (gemma2) to flash-attn or eager, sinks (gpt_oss) to eager.
+_HANDED_OVER = {("gemma2", "sdpa"), ("gemma2", "torch_varlen"), ("gemma2", "xformers")}
+_HANDED_OVER |= {("gpt_oss", backend) for backend in ("sdpa", "flash", "torch_varlen", "xformers")}
+
+
+@pytest.mark.parametrize("quirk_backend", ["eager", "sdpa", "flash", "torch_varlen", "xformers"], indirect=True)
+@pytest.mark.parametrize("model_type", list(QUIRK_FAMILIES))
+def test_family_quirks_match_eager_per_sample(model_type, quirk_backend, monkeypatch):
+    ran = spy_backends(monkeypatch)
+    for layer in (0, 1):
+        expected, expected_grads = run_quirk_layer(model_type, layer, packed=False)
+        got, got_grads = run_quirk_layer(model_type, layer, packed=True)
+        assert_close_to_reference(got, expected)
+        assert len(got_grads) == len(expected_grads)
+        for g, e in zip(got_grads, expected_grads):
+            assert_close_to_reference(g, e)
+    handed_over = (model_type, quirk_backend) in _HANDED_OVER
+    assert set(ran) == {"eager" if handed_over else quirk_backend}
+
+
+def test_family_quirks_change_the_output():
+    """The quirks the family test covers are not no-ops on these tiny models: without softcapping or sinks the
+    output moves far beyond the test's tolerance."""
+    for model_type, attribute, neutral in (("gemma2", "attn_logit_softcapping", None), ("gpt_oss", "sinks", None)):
+        module = quirk_model(model_type).model.layers[1].self_attn
+        with_quirk, _ = run_quirk_layer(model_type, 1, packed=False)
+        saved = getattr(module, attribute)
+        if attribute == "sinks":
+            del module.sinks
+            module.sinks = torch.nn.Parameter(torch.full_like(saved, -1e4))  # exp(-1e4) == 0: no sink
+        else:
+            setattr(module, attribute, neutral)
+        try:
+            without, _ = run_quirk_layer(model_type, 1, packed=False)
+        finally:
+            if attribute == "sinks":
+                module.sinks = saved
+            else:
+                setattr(module, attribute, saved)
+        assert (with_quirk - without).abs().max() > 1e-2 * with_quirk.abs().max()
+
+
+@pytest.mark.parametrize(("model_type", "backend"), [("gemma2", "sdpa"), ("gpt_oss", "sdpa"), ("gpt_oss", "eager")])
+def test_family_quirks_on_a_forced_backend_that_cannot(model_type, backend, monkeypatch):
+    if backend == "eager":  # eager can apply everything: forcing it is fine
+        monkeypatch.setenv(attention.ENV_BACKEND, backend)
+        run_quirk_layer(model_type, 0, packed=True)
+        return
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}={backend} cannot apply attention"):
+        run_quirk_layer(model_type, 0, packed=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The real kernels (CUDA only)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash", "xformers", "sdpa", "eager"])
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa", "eager"])
 @pytest.mark.parametrize("window", [None, 16])
 def test_real_kernels_on_cuda(backend, window, monkeypatch):
     if backend == "flash":
         pytest.importorskip("flash_attn")
     if backend == "xformers":
         pytest.importorskip("xformers")
+    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
     lengths = [40, 1, 97, 3, 64, 11]
     q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16, device="cuda")
@@ -569,6 +1108,36 @@ def test_real_kernels_on_cuda(backend, window, monkeypatch):
     expected = reference(q, k, v, lengths, scaling=0.125, window=window)
     (expected.float() * upstream.float()).sum().backward()
     # bf16: within a few bf16 ulps of the float64 reference rounded to bf16.
+    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
+    for g, e in zip(got, grads([q, k, v])):
+        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+@pytest.mark.parametrize(("dim", "v_dim"), [(192, 128), (20, 12)])
+def test_real_kernels_value_head_dim_on_cuda(backend, dim, v_dim, monkeypatch):
+    """MLA shapes (deepseek_v3: 192 / 128) and head dims that are not a multiple of 8, on the real kernels."""
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    if backend == "xformers":
+        pytest.importorskip("xformers")
+    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    lengths = [40, 1, 97, 3, 64, 11]
+    q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, dtype=torch.bfloat16, device="cuda")
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=dim**-0.5, sliding_window=16, **info_kwargs(lengths)
+    )
+    assert out.shape == (1, sum(lengths), 8, v_dim)
+    upstream = torch.randn_like(out)
+    (out.float() * upstream.float()).sum().backward()
+    got = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    expected = reference(q, k, v, lengths, scaling=dim**-0.5, window=16)
+    (expected.float() * upstream.float()).sum().backward()
     assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
     for g, e in zip(got, grads([q, k, v])):
         assert_close_to_reference(g.float(), e.float(), rel=5e-2)

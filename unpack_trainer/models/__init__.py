@@ -1,27 +1,48 @@
 """Patch a transformers model so that packed batches attend per sample: ``patch_model`` / ``unpatch_model``.
 
-What a patch does, for a registered ``config.model_type``:
+The patch is generic: what it touches is found from the model itself, not from a list of architectures.
+
+- **The decoder**: the innermost module whose class builds its attention mask through transformers' mask functions
+  (``create_causal_mask``, ``create_sliding_window_causal_mask``, ``create_chunked_causal_mask``,
+  ``create_masks_for_generate``) and holds the attention modules.
+- **The attention modules**: modules of the decoder whose class looks its attention function up in
+  ``ALL_ATTENTION_FUNCTIONS``; every decoder layer must have one (else it mixes tokens some other way).
+- **Refusals**, found before any forward (:func:`refusal_reason`): recurrent / state-space / convolution token mixers
+  (Mamba, short convolutions, gated delta nets, ...: their state crosses sample boundaries), ALiBi position biases,
+  attention that does not go through the attention interface, a decoder that builds its mask some other way.
+
+What a patch does:
 
 - registers ``unpack_<impl>`` in transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (``<impl>`` is the
   model's attention implementation: "sdpa", "eager", "flash_attention_2", ...) and sets the model's
   ``config._attn_implementation`` to it. Packed batches go to :mod:`unpack_trainer.patches.attention` with no
-  ``(T, T)`` mask built; every other batch (a padded batch with ``attention_mask``, generation with a KV cache) runs
-  ``<impl>`` exactly as before;
-- adds a forward pre-hook on the decoder model (``LlamaModel``, ...) that decides once per forward whether the batch
-  is packed and computes the packing metadata (:class:`~unpack_trainer.patches.attention.PackedSeqInfo`), which
-  reaches every layer as a keyword argument (so it survives gradient checkpointing);
-- with ``rope=True``, replaces the modeling module's ``apply_rotary_pos_emb`` with
+  ``(T, T)`` mask built; every other batch (a padded batch with ``attention_mask``, generation with any KV cache) runs
+  ``<impl>`` exactly as before. ``model.set_attn_implementation(...)`` after patching is followed (the next forward
+  re-routes through ``unpack_<new impl>``), ``config.output_attentions = True`` works where it works unpatched (packed
+  batches then take transformers' own exact path, which returns the weights), and a pickled patched model registers
+  its implementation again when it is loaded;
+- adds a forward pre-hook on the decoder that decides once per forward whether the batch is packed and computes the
+  packing metadata (:class:`~unpack_trainer.patches.attention.PackedSeqInfo`), which reaches every layer as a keyword
+  argument (so it survives gradient checkpointing). Under ``torch.compile`` / ``torch.export`` a batch without packing
+  metadata is left as it came;
+- with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
-  model of that type is unpatched).
+  model of that module is unpatched or collected).
 
-The per-architecture modules (``llama.py``, ``mistral.py``, ``qwen2.py``, ``qwen3.py``) only declare where these live.
+Per-architecture modules in this package hold only quirks (see ``_QUIRKS``). Which model types are verified, one by
+one, is :func:`supported_model_types`; ``python -m unpack_trainer.models --coverage`` prints the table.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
+import logging
+import re
+import sys
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,53 +54,56 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCKLIST",
-    "ArchitectureSpec",
-    "get_spec",
+    "PatchRefused",
     "is_patched",
     "patch_model",
+    "refusal_reason",
     "resolve_backend",
     "supported_model_types",
     "unpatch_model",
 ]
 
-# model_type -> module declaring its ArchitectureSpec as SPEC. Every module in this package is listed here.
-_REGISTRY: dict[str, str] = {
-    "llama": "unpack_trainer.models.llama",
-    "mistral": "unpack_trainer.models.mistral",
-    "qwen2": "unpack_trainer.models.qwen2",
-    "qwen3": "unpack_trainer.models.qwen3",
-}
+logger = logging.getLogger(__name__)
 
-# model_type -> why packed attention cannot be made exact for it.
-BLOCKLIST: dict[str, str] = {
-    "gemma2": "its attention uses logit softcapping (attn_logit_softcapping), which SDPA cannot apply per sample",
-    "gpt_oss": "its attention uses attention sinks (s_aux) and flex attention, which the packed helper does not support",
-}
+# model_type -> why it cannot be packed exactly, for what the model's structure does not show. Structural refusals
+# (state-carrying mixers, ALiBi, attention outside the interface) are found by refusal_reason, not listed here.
+BLOCKLIST: dict[str, str] = {}
 
 _UNPACK_PREFIX = "unpack_"
 _STATE_ATTRIBUTE = "_unpack_trainer_patch"
 
+# Mask builders of transformers.masking_utils a patchable decoder calls (the mask interface is what we replace).
+_MASK_BUILDERS = (
+    "create_causal_mask",
+    "create_sliding_window_causal_mask",
+    "create_chunked_causal_mask",
+    "create_masks_for_generate",
+)
+# Token mixers that carry state along the sequence, by class name (checked on the decoder's own submodules).
+_STATE_MIXER_NAMES = re.compile(
+    r"Mamba|SSM|Ssm(?![a-z])|ShortConv|Recurren|RGLRU|Rglru|Rwkv|RWKV|LSTM|Lstm|DeltaNet|LinearAttention|Lightning"
+    r"|Retention|Hyena"
+)
+# Parameters only state-space layers have.
+_STATE_PARAMETERS = ("A_log", "dt_bias")
 
-@dataclass(frozen=True)
-class ArchitectureSpec:
-    """Where one architecture keeps what the patch touches.
+
+class PatchRefused(ValueError):
+    """``patch_model`` cannot make packed batches exact on this model.
 
     Attributes:
         model_type: ``config.model_type``.
-        modeling_module: the transformers modeling module, e.g. ``"transformers.models.llama.modeling_llama"``.
-        decoder_class: the decoder model class in that module (builds the mask, runs the layers): ``"LlamaModel"``.
-        attention_class: the attention module class; it must call ``ALL_ATTENTION_FUNCTIONS.get_interface``.
-        rope_function: the module-level RoPE function the attention class calls.
-        sliding_window: where sliding windows come from (``None``: the architecture has none). The attention module
-            passes ``sliding_window`` to the attention function, which applies it per sample.
+        reason: why, in words.
+        kind: ``"state"`` (a token mixer carries state across samples), ``"alibi"``, ``"blocklist"`` (see
+            :data:`BLOCKLIST`): packing would contaminate, so the trainer trains padded; ``"unreachable"`` (the
+            attention or the mask is built outside transformers' interfaces, so the patch cannot reach it) and
+            ``"unsupported"`` (a feature the packed helper does not implement, e.g. chunked attention): transformers'
+            own packed path with its dense mask may still be exact, and the self-check decides.
     """
 
-    model_type: str
-    modeling_module: str
-    decoder_class: str
-    attention_class: str
-    rope_function: str = "apply_rotary_pos_emb"
-    sliding_window: str | None = None
+    def __init__(self, model_type: str, reason: str, kind: str) -> None:
+        self.model_type, self.reason, self.kind = model_type, reason, kind
+        super().__init__(f"unpack_trainer cannot patch model_type '{model_type}': {reason}.")
 
 
 @dataclass
@@ -88,7 +112,15 @@ class _PatchState:
     original_implementation: str | None
     attention: bool
     rope: bool
+    rope_modules: tuple[str, ...] = ()
     hook_ids: list[int] = field(default_factory=list)  # ids, not handles: a deep copy of the model keeps the ids
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled in a new process (torch.load of a patched model): the attention implementation the config names
+        # must be registered there too, or every forward fails on an unknown implementation.
+        self.__dict__.update(state)
+        if self.attention:
+            _register_implementation(self.original_implementation)
 
 
 # modeling module -> original RoPE function, and the decoders currently using the replacement.
@@ -97,32 +129,87 @@ _rope_users: dict[str, weakref.WeakSet] = {}
 
 
 def supported_model_types() -> list[str]:
-    """The ``config.model_type`` values :func:`patch_model` supports, sorted."""
-    return sorted(_REGISTRY)
+    """The ``config.model_type`` values verified on the fast packed path, sorted.
 
-
-def _unsupported(model_type: str) -> ValueError:
-    supported = ", ".join(supported_model_types())
-    if model_type in BLOCKLIST:
-        return ValueError(
-            f"unpack_trainer cannot patch model_type '{model_type}': {BLOCKLIST[model_type]}. "
-            f"Supported model types: {supported}."
-        )
-    return ValueError(
-        f"unpack_trainer has no packed-attention patch for model_type '{model_type}'. "
-        f"Supported model types: {supported}."
-    )
-
-
-def get_spec(model_type: str) -> ArchitectureSpec:
-    """The :class:`ArchitectureSpec` registered for ``model_type``.
-
-    Raises:
-        ValueError: ``model_type`` is blocklisted (with the reason) or not registered (with the supported list).
+    Each one passed the generated coverage check (``tests/models/test_coverage.py``): a tiny model of that type is
+    patched, its packed logits equal each sample run alone and its loss and every gradient equal a padded batch, on
+    SDPA and eager, with no ``(T, T)`` mask built. Other types may still patch (the patch is generic); the trainer's
+    self-check guards them.
     """
-    if model_type not in _REGISTRY:
-        raise _unsupported(model_type)
-    return importlib.import_module(_REGISTRY[model_type]).SPEC
+    from unpack_trainer.models.coverage import VERIFIED_MODEL_TYPES
+
+    return sorted(VERIFIED_MODEL_TYPES)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Discovery: what a class refers to, the decoder, its layers and attention modules
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _function_references(function: Any, seen: set[int]) -> dict[str, Any]:
+    """Global names ``function`` uses -> their objects, following module-level helpers of transformers' models."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None or id(code) in seen:
+        return {}
+    seen.add(id(code))
+    namespace = getattr(function, "__globals__", {})
+    found: dict[str, Any] = {}
+    for name in _code_names(code):
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        found[name] = value
+        if isinstance(value, types.FunctionType) and value.__module__.startswith("transformers.models."):
+            found.update(_function_references(value, seen))
+    return found
+
+
+@functools.cache
+def _class_references(cls: type) -> dict[str, Any]:
+    """Global names used by the methods ``cls`` defines or inherits from transformers' modeling code."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            if callable(value):
+                found.update(_function_references(value, seen))
+    return found
+
+
+def _uses_attention_interface(cls: type) -> bool:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return any(value is ALL_ATTENTION_FUNCTIONS for value in _class_references(cls).values())
+
+
+def _builds_mask_with_transformers(cls: type) -> bool:
+    from transformers import masking_utils
+
+    builders = {id(getattr(masking_utils, name)) for name in _MASK_BUILDERS if hasattr(masking_utils, name)}
+    return any(id(value) in builders for value in _class_references(cls).values())
+
+
+def _mentions_alibi(cls: type) -> bool:
+    return any("alibi" in name.lower() for name in _class_references(cls))
+
+
+def _model_type(pretrained: torch.nn.Module) -> str:
+    return getattr(pretrained.config, "model_type", None) or type(pretrained).__name__
 
 
 def _pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -139,18 +226,187 @@ def _pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-def _decoders(model: torch.nn.Module) -> tuple[ArchitectureSpec, Any, list[torch.nn.Module]]:
-    pretrained = _pretrained_model(model)
-    spec = get_spec(getattr(pretrained.config, "model_type", None) or type(pretrained).__name__)
-    modeling = importlib.import_module(spec.modeling_module)
-    decoder_class = getattr(modeling, spec.decoder_class)
-    decoders = [module for module in model.modules() if isinstance(module, decoder_class)]
-    if not decoders:
-        raise ValueError(
-            f"Found no {spec.decoder_class} inside {type(model).__name__}; unpack_trainer patches the decoder model "
-            f"of model_type '{spec.model_type}'."
+@dataclass
+class _Decoder:
+    module: torch.nn.Module
+    attention: list[torch.nn.Module]
+
+
+def _layers_of(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: the longest ``ModuleList`` directly under the decoder."""
+    lists = [child for child in decoder.children() if isinstance(child, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _alibi_reason(config: Any, classes: list[type]) -> str | None:
+    flag = getattr(config, "alibi", None)
+    if flag is None:
+        flag = getattr(getattr(config, "attn_config", None), "alibi", None)
+    if flag is None:
+        flag = any(_mentions_alibi(cls) for cls in classes)
+    if flag:
+        return (
+            "it adds ALiBi position biases computed from positions along the whole row, which the packed attention "
+            "helper does not apply per sample"
         )
-    return spec, modeling, decoders
+    return None
+
+
+def _state_mixer_reason(decoder: torch.nn.Module) -> str | None:
+    from transformers import PreTrainedModel
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, not a convolution
+
+    for name, module in decoder.named_modules():
+        cls = type(module)
+        if isinstance(module, PreTrainedModel):
+            continue  # the model classes are named after the family (MambaModel), their mixers after what they do
+        convolution = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and not isinstance(
+            module, Conv1D
+        )
+        own = {p for p, _ in module.named_parameters(recurse=False)}
+        if convolution or _STATE_MIXER_NAMES.search(cls.__name__) or own & set(_STATE_PARAMETERS):
+            what = "convolution" if convolution or "Conv" in cls.__name__ else "recurrent / state-space"
+            return (
+                f"its {what} token mixer {cls.__name__} ({name}) carries state along the row, across sample boundaries"
+            )
+    return None
+
+
+def _unsupported_reason(config: Any, decoder: torch.nn.Module, attention: list[torch.nn.Module]) -> str | None:
+    if getattr(config, "attention_chunk_size", None):
+        return (
+            f"its layers attend within chunks of attention_chunk_size={config.attention_chunk_size} tokens "
+            "(chunked attention), which the packed attention helper does not implement"
+        )
+    for module in attention:
+        for name, child in module.named_modules():
+            if "Indexer" in type(child).__name__:
+                return (
+                    f"its sparse attention indexer ({type(child).__name__}, {name}) picks keys from the dense mask of "
+                    "the whole row inside the attention module, outside the attention interface"
+                )
+    return None
+
+
+def _discover(model: torch.nn.Module) -> tuple[str, list[_Decoder]]:
+    """The model type and the patchable decoders of ``model``.
+
+    Raises:
+        PatchRefused: the model cannot be patched exactly (with the reason and its kind).
+        TypeError: ``model`` holds no transformers ``PreTrainedModel``.
+    """
+    pretrained = _pretrained_model(model)
+    model_type = _model_type(pretrained)
+    if model_type in BLOCKLIST:
+        raise PatchRefused(model_type, BLOCKLIST[model_type], "blocklist")
+    modules = list(model.modules())
+    classes = list(dict.fromkeys(type(module) for module in modules))
+    reason = _alibi_reason(pretrained.config, classes)
+    if reason is not None:
+        raise PatchRefused(model_type, reason, "alibi")
+    attention_classes = [cls for cls in classes if _uses_attention_interface(cls)]
+    builders = [m for m in modules if _builds_mask_with_transformers(type(m))]
+    decoders = []
+    for candidate in builders:
+        if any(other is not candidate and other in set(candidate.modules()) for other in builders):
+            continue  # not the innermost (e.g. the multimodal wrapper around the text model)
+        reason = _state_mixer_reason(candidate)
+        if reason is not None:
+            raise PatchRefused(model_type, reason, "state")
+        attention = [m for m in candidate.modules() if type(m) in attention_classes]
+        if not attention:
+            continue
+        for index, layer in enumerate(_layers_of(candidate)):
+            if not any(type(m) in attention_classes for m in layer.modules()):
+                raise PatchRefused(
+                    model_type,
+                    f"decoder layer {index} ({type(layer).__name__}) has no attention module that goes through "
+                    "transformers' attention interface, so it mixes tokens some other way",
+                    "state",
+                )
+        reason = _unsupported_reason(pretrained.config, candidate, attention)
+        if reason is not None:
+            raise PatchRefused(model_type, reason, "unsupported")
+        decoders.append(_Decoder(candidate, attention))
+    if decoders:
+        return model_type, decoders
+    if not builders:
+        reason = _state_mixer_reason(model)
+        if reason is not None:
+            raise PatchRefused(model_type, reason, "state")
+        raise PatchRefused(
+            model_type,
+            f"{type(pretrained).__name__} does not build its attention mask through transformers' mask functions "
+            f"({', '.join(_MASK_BUILDERS[:2])}, ...), so a packed batch would still get a dense mask",
+            "unreachable",
+        )
+    named = ", ".join(sorted({cls.__name__ for cls in classes if "Attention" in cls.__name__})) or "none found"
+    raise PatchRefused(
+        model_type,
+        f"its attention ({named}) does not call transformers' attention interface (ALL_ATTENTION_FUNCTIONS), so the "
+        "packed helper cannot reach it",
+        "unreachable",
+    )
+
+
+def refusal_reason(model_config: Any, *, blocking_only: bool = True) -> str | None:
+    """Why a model of ``model_config`` cannot be packed exactly, found from its structure before any forward.
+
+    The model is built on the ``meta`` device (no memory, no weights) and inspected as :func:`patch_model` would.
+    With ``blocking_only`` (the trainer's use), only reasons that make packing wrong are returned: a token mixer that
+    carries state across samples, ALiBi, a blocklisted type. ``None`` also when the configuration cannot be built
+    here (e.g. remote code): the self-check then guards it.
+    """
+    model_type = getattr(model_config, "model_type", None)
+    if model_type in BLOCKLIST:
+        return BLOCKLIST[model_type]
+    try:
+        key = (type(model_config), model_config.to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001 - not a transformers config: nothing to build
+        return None
+    if key not in _refusals:
+        if len(_refusals) > 64:
+            _refusals.clear()
+        _refusals[key] = _structural_refusal(model_config)
+    refused = _refusals[key]
+    if refused is None or (blocking_only and refused.kind in ("unreachable", "unsupported")):
+        return None
+    return refused.reason
+
+
+# (config class, config JSON) -> the refusal its structure gives (None: patchable or not buildable here).
+_refusals: dict[tuple[type, str], PatchRefused | None] = {}
+
+
+def _structural_refusal(model_config: Any) -> PatchRefused | None:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), _quiet_transformers():
+            model = AutoModelForCausalLM.from_config(model_config)
+        _discover(model)
+    except PatchRefused as refused:
+        return refused
+    except Exception:  # noqa: BLE001 - an unbuildable config is no refusal; the self-check still runs
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Registration, hooks, RoPE
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def _register_implementation(original: str | None) -> str:
@@ -161,6 +417,7 @@ def _register_implementation(original: str | None) -> str:
     from unpack_trainer.patches.attention import make_attention_function
     from unpack_trainer.patches.masks import make_mask_function
 
+    _allow_output_attentions_on_unpack_eager()
     base = original or "sdpa"
     name = _UNPACK_PREFIX + base
     if name not in AttentionInterface._global_mapping:
@@ -170,12 +427,82 @@ def _register_implementation(original: str | None) -> str:
     return name
 
 
+def _strip(implementation: str | None) -> str | None:
+    if isinstance(implementation, str) and implementation.startswith(_UNPACK_PREFIX):
+        return implementation[len(_UNPACK_PREFIX) :]
+    return implementation
+
+
+@functools.lru_cache(maxsize=1)
+def _allow_output_attentions_on_unpack_eager() -> None:
+    """Make transformers' ``config.output_attentions`` checks treat ``unpack_<impl>`` as ``<impl>``.
+
+    transformers refuses ``output_attentions=True`` unless the implementation is named "eager"; a patched eager model
+    is named "unpack_eager" and returns the same weights (packed batches with ``output_attentions`` take
+    transformers' own path). Installed once, on the first patch; for every other implementation name the checks
+    behave exactly as before.
+    """
+    from transformers import PretrainedConfig
+
+    original = PretrainedConfig.__dict__["output_attentions"]
+    validate = PretrainedConfig.__dict__.get("validate_output_attentions")
+
+    def setter(self: Any, value: bool) -> None:
+        implementation = self._attn_implementation
+        unpacked = _strip(implementation)
+        if unpacked != implementation and unpacked == "eager":
+            self._output_attentions = value
+            return
+        if value and unpacked != implementation:
+            raise ValueError(
+                "The `output_attentions` attribute is not supported when using the `attn_implementation` set to "
+                f"{unpacked}. Please set it to 'eager' instead."
+            )
+        original.fset(self, value)
+
+    PretrainedConfig.output_attentions = property(original.fget, setter, original.fdel, original.__doc__)
+    if validate is not None:
+
+        def validate_output_attentions(self: Any) -> None:
+            if _strip(self._attn_implementation) == "eager":
+                return
+            validate(self)
+
+        PretrainedConfig.validate_output_attentions = validate_output_attentions
+
+
 _forward_parameters: dict[type, list[str]] = {}
+
+
+def _wants_attention_weights(module: torch.nn.Module, kwargs: dict) -> bool:
+    requested = kwargs.get("output_attentions")
+    if requested is None:
+        requested = getattr(module.config, "output_attentions", False)
+    return bool(requested)
+
+
+def _follow_implementation_change(module: torch.nn.Module, state: _PatchState) -> None:
+    """Re-route through ``unpack_<impl>`` after ``model.set_attn_implementation(impl)`` changed the config."""
+    current = module.config._attn_implementation
+    if current is None or current.startswith(_UNPACK_PREFIX):
+        return
+    state.original_implementation = current
+    module.config._attn_implementation = _register_implementation(current)
+    logger.warning(
+        "unpack_trainer: the attention implementation of this patched model was changed to %r; packed batches now "
+        "use the packed helper on %r (unpatch_model restores %r).",
+        current,
+        current,
+        current,
+    )
 
 
 def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     from unpack_trainer.patches.masks import packed_forward_active, packed_info_for_forward
 
+    state: _PatchState | None = module.__dict__.get(_STATE_ATTRIBUTE)
+    if state is not None:
+        _follow_implementation_change(module, state)
     if args:
         names = _forward_parameters.get(type(module))
         if names is None:
@@ -188,43 +515,84 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
         kwargs = {**dict(zip(names, args)), **kwargs}
         args = ()
     info = packed_info_for_forward(kwargs)
-    module.__dict__.setdefault("_unpack_tokens", []).append(packed_forward_active(info))
+    if info is None:
+        return args, kwargs
+    if _wants_attention_weights(module, kwargs):
+        # The packed helper returns no weights: transformers' own packed path (a dense block mask from the restarting
+        # position_ids, which the metadata filled in) computes the same outputs and returns them.
+        from unpack_trainer.patches.attention import _log_once
+
+        _log_once(
+            logging.INFO,
+            "unpack_trainer: output_attentions=True: packed batches take transformers' dense-mask path, which "
+            "returns the attention weights.",
+        )
+        kwargs["packed_seq_info"] = None
+        return args, kwargs
+    packed_forward_active(module, info)
     return args, kwargs
 
 
 def _decoder_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     from unpack_trainer.patches.masks import reset_packed_forward
 
-    tokens = module.__dict__.get("_unpack_tokens")
-    if tokens:
-        reset_packed_forward(tokens.pop())
+    reset_packed_forward(module)
 
 
-def _patch_rope(spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Module) -> None:
+def _same_code(a: Any, b: Any) -> bool:
+    a, b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if a is None or b is None:
+        return False
+
+    def key(code: types.CodeType) -> tuple:
+        consts = tuple(c for c in code.co_consts if not isinstance(c, (str, types.CodeType)))
+        return code.co_code, code.co_names, code.co_varnames, consts
+
+    return key(a) == key(b)
+
+
+def _llama_rope_module(modeling: types.ModuleType) -> bool:
+    """Whether ``modeling`` applies RoPE exactly as Llama does (``apply_rotary_pos_emb`` and ``rotate_half``)."""
+    from transformers.models.llama import modeling_llama as llama
+
+    function = _rope_originals.get(modeling.__name__, getattr(modeling, "apply_rotary_pos_emb", None))
+    reference = _rope_originals.get(llama.__name__, llama.apply_rotary_pos_emb)  # Llama's own may be replaced now
+    return _same_code(function, reference) and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
+
+
+def _patch_rope(decoder: _Decoder) -> tuple[str, ...]:
     from unpack_trainer.patches.rope import apply_rotary_pos_emb
 
-    if spec.modeling_module not in _rope_originals:
-        _rope_originals[spec.modeling_module] = getattr(modeling, spec.rope_function)
-        setattr(modeling, spec.rope_function, apply_rotary_pos_emb)
-    _rope_users.setdefault(spec.modeling_module, weakref.WeakSet()).add(decoder)
-    # A patched model that is garbage collected without unpatch_model releases the RoPE function too.
-    weakref.finalize(decoder, _release_rope, spec.modeling_module, spec.rope_function)
+    patched = []
+    for name in dict.fromkeys(type(m).__module__ for m in decoder.attention):
+        modeling = sys.modules.get(name)
+        if modeling is None or not _llama_rope_module(modeling):
+            continue
+        if name not in _rope_originals:
+            _rope_originals[name] = modeling.apply_rotary_pos_emb
+            modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+        _rope_users.setdefault(name, weakref.WeakSet()).add(decoder.module)
+        # A patched model that is garbage collected without unpatch_model releases the RoPE function too.
+        weakref.finalize(decoder.module, _release_rope, name)
+        patched.append(name)
+    return tuple(patched)
 
 
-def _release_rope(modeling_module: str, rope_function: str) -> None:
+def _release_rope(modeling_module: str) -> None:
     """Restore the modeling module's RoPE function once no live patched decoder uses the replacement."""
     users = _rope_users.get(modeling_module)
     if users is not None and next(iter(users), None) is not None:  # iterating skips decoders being collected
         return
     if modeling_module in _rope_originals:
-        setattr(importlib.import_module(modeling_module), rope_function, _rope_originals.pop(modeling_module))
+        importlib.import_module(modeling_module).apply_rotary_pos_emb = _rope_originals.pop(modeling_module)
 
 
-def _unpatch_rope(spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Module) -> None:
-    users = _rope_users.get(spec.modeling_module)
-    if users is not None:
-        users.discard(decoder)
-    _release_rope(spec.modeling_module, spec.rope_function)
+def _unpatch_rope(modules: tuple[str, ...], decoder: torch.nn.Module) -> None:
+    for name in modules:
+        users = _rope_users.get(name)
+        if users is not None:
+            users.discard(decoder)
+        _release_rope(name)
 
 
 _HOOK_DICTS = (
@@ -243,83 +611,132 @@ def _remove_hook(module: torch.nn.Module, hook_id: int) -> None:
         getattr(module, name, {}).pop(hook_id, None)
 
 
-def _patch_decoder(
-    spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Module, *, attention: bool, rope: bool
-) -> None:
-    config = decoder.config
-    original = config._attn_implementation
-    if original is not None and original.startswith(_UNPACK_PREFIX):  # e.g. a deep copy of a patched model
-        original = original[len(_UNPACK_PREFIX) :]
-    state = _PatchState(spec.model_type, original, attention, rope)
+_WINDOW_ATTRIBUTE = "_unpack_sliding_window"
+
+
+def _window_not_passed(decoder: _Decoder) -> int | None:
+    """``config.sliding_window`` when the decoder builds a sliding-window mask but its attention modules never pass
+    ``sliding_window`` to the attention function (e.g. Phimoe: stock SDPA/eager get the window from the mask only)."""
+    from transformers import masking_utils
+
+    window = getattr(decoder.module.config, "sliding_window", None)
+    if not window or getattr(decoder.module.config, "layer_types", None) is not None:
+        return None
+    builders = _class_references(type(decoder.module)).values()
+    if not any(value is masking_utils.create_sliding_window_causal_mask for value in builders):
+        return None
+    if any(
+        "sliding_window" in _class_references(type(m)) or _mentions(type(m), "sliding_window")
+        for m in decoder.attention
+    ):
+        return None
+    return int(window)
+
+
+def _mentions(cls: type, attribute: str) -> bool:
+    """Whether a method of ``cls`` (from transformers' modeling code) reads an attribute named ``attribute``."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for value in vars(klass).values():
+            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+            if code is not None and attribute in _code_names(code):
+                return True
+    return False
+
+
+def _patch_decoder(model_type: str, decoder: _Decoder, *, attention: bool, rope: bool) -> None:
+    module = decoder.module
+    config = module.config
+    window = _window_not_passed(decoder)
+    for layer in decoder.attention:
+        if window is not None:
+            setattr(layer, _WINDOW_ATTRIBUTE, window)
+    original = _strip(config._attn_implementation)  # a deep copy of a patched model carries the prefix
+    state = _PatchState(model_type, original, attention, rope)
     if attention:
         config._attn_implementation = _register_implementation(original)
-        state.hook_ids.append(decoder.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True).id)
-        post_hook = decoder.register_forward_hook(_decoder_post_hook, with_kwargs=True, always_call=True)
+        state.hook_ids.append(module.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True).id)
+        post_hook = module.register_forward_hook(_decoder_post_hook, with_kwargs=True, always_call=True)
         state.hook_ids.append(post_hook.id)
     if rope:
-        _patch_rope(spec, modeling, decoder)
-    setattr(decoder, _STATE_ATTRIBUTE, state)
+        state.rope_modules = _patch_rope(decoder)
+    setattr(module, _STATE_ATTRIBUTE, state)
 
 
-def _unpatch_decoder(spec: ArchitectureSpec, modeling: Any, decoder: torch.nn.Module) -> None:
-    state: _PatchState | None = getattr(decoder, _STATE_ATTRIBUTE, None)
+def _unpatch_decoder(module: torch.nn.Module) -> None:
+    state: _PatchState | None = getattr(module, _STATE_ATTRIBUTE, None)
     if state is None:
         return
     for hook_id in state.hook_ids:
-        _remove_hook(decoder, hook_id)
-    if state.attention:
-        decoder.config._attn_implementation = state.original_implementation
+        _remove_hook(module, hook_id)
+    current = module.config._attn_implementation
+    if state.attention and (current is None or current.startswith(_UNPACK_PREFIX)):
+        module.config._attn_implementation = _strip(current) if current else state.original_implementation
     if state.rope:
-        _unpatch_rope(spec, modeling, decoder)
-    delattr(decoder, _STATE_ATTRIBUTE)
-    with contextlib.suppress(KeyError):
-        del decoder.__dict__["_unpack_tokens"]
+        _unpatch_rope(state.rope_modules, module)
+    for layer in module.modules():
+        layer.__dict__.pop(_WINDOW_ATTRIBUTE, None)
+    delattr(module, _STATE_ATTRIBUTE)
+
+
+def _patched_decoders(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if getattr(module, _STATE_ATTRIBUTE, None) is not None]
 
 
 def patch_model(model: torch.nn.Module, *, attention: bool = True, rope: bool = True) -> torch.nn.Module:
     """Make packed batches attend per sample in ``model``; return ``model`` (patched in place).
 
-    Works on a transformers model, a ``PeftModel`` wrapping one, and bitsandbytes-quantized models. Calling it again
-    with the same flags does nothing; with other flags it re-patches. A packed batch is ``model(**batch)`` with the
-    collator's keys (``input_ids``, ``position_ids``, ``labels``, ``packed_seq_lengths``, ``cu_seq_lens_q/k``,
-    ``max_length_q/k``, no ``attention_mask``) or just ``position_ids`` restarting at 0 per sample.
+    Works on any decoder-only transformers model whose attention goes through transformers' attention interface and
+    whose decoder builds its mask with transformers' mask functions (found from the model, see the module docstring),
+    on a ``PeftModel`` wrapping one, and on bitsandbytes-quantized models. Calling it again with the same flags does
+    nothing; with other flags it re-patches. A packed batch is ``model(**batch)`` with the collator's keys
+    (``input_ids``, ``position_ids``, ``labels``, ``packed_seq_lengths``, ``cu_seq_lens_q/k``, ``max_length_q/k``,
+    no ``attention_mask``) or just ``position_ids`` restarting at 0 per sample.
 
     Args:
         model: the model to patch.
         attention: route packed batches to the per-sample attention helper (no ``(T, T)`` mask).
-        rope: use :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (a drop-in with the same result).
+        rope: use :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` where the model applies Llama's RoPE.
 
     Raises:
-        ValueError: ``config.model_type`` is not supported (the message names the supported ones) or blocklisted
-            (the message gives the reason).
+        PatchRefused: (a ``ValueError``) the model cannot be packed exactly; the message gives the reason.
         TypeError: ``model`` holds no transformers ``PreTrainedModel``.
     """
-    spec, modeling, decoders = _decoders(model)
+    model_type, decoders = _discover(model)
+    if model_type not in supported_model_types():
+        logger.info(
+            "unpack_trainer: model_type %r is patched by the generic patch but is not among the verified types; "
+            "the trainer's self-check guards it.",
+            model_type,
+        )
     for decoder in decoders:
-        state: _PatchState | None = getattr(decoder, _STATE_ATTRIBUTE, None)
+        state: _PatchState | None = getattr(decoder.module, _STATE_ATTRIBUTE, None)
         if state is not None and (state.attention, state.rope) == (attention, rope):
             continue
         if state is not None:
-            _unpatch_decoder(spec, modeling, decoder)
-        _patch_decoder(spec, modeling, decoder, attention=attention, rope=rope)
+            _unpatch_decoder(decoder.module)
+        _patch_decoder(model_type, decoder, attention=attention, rope=rope)
     return model
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch_model` (a no-op on a model that is not patched); return ``model``."""
-    spec, modeling, decoders = _decoders(model)
-    for decoder in decoders:
-        _unpatch_decoder(spec, modeling, decoder)
+    """Undo :func:`patch_model` (a no-op on a model that is not patched); return ``model``.
+
+    An implementation chosen with ``set_attn_implementation`` after patching is kept.
+    """
+    _pretrained_model(model)
+    for module in _patched_decoders(model):
+        _unpatch_decoder(module)
     return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    """Whether :func:`patch_model` is in effect on ``model``."""
-    try:
-        _, _, decoders = _decoders(model)
-    except (TypeError, ValueError):
+    """Whether :func:`patch_model` is in effect on ``model`` (after ``set_attn_implementation`` too: the next forward
+    re-routes through the new implementation)."""
+    if not isinstance(model, torch.nn.Module):
         return False
-    return any(getattr(decoder, _STATE_ATTRIBUTE, None) is not None for decoder in decoders)
+    return bool(_patched_decoders(model))
 
 
 def resolve_backend(model: torch.nn.Module) -> BackendChoice:
@@ -332,9 +749,7 @@ def resolve_backend(model: torch.nn.Module) -> BackendChoice:
     from unpack_trainer.patches.attention import choose_backend
 
     pretrained = _pretrained_model(model)
-    implementation = pretrained.config._attn_implementation
-    if implementation is not None and implementation.startswith(_UNPACK_PREFIX):
-        implementation = implementation[len(_UNPACK_PREFIX) :]
+    implementation = _strip(pretrained.config._attn_implementation)
     parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     dtype = parameter.dtype if parameter is not None else torch.float32

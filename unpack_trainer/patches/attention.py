@@ -6,6 +6,7 @@ This module computes the same result from the per-sample lengths:
 
 - ``flash``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16), split at sample boundaries where a row is so
   large that the kernel's 32-bit offsets would overflow;
+- ``torch_varlen``: PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, no extra install);
 - ``xformers``: ``memory_efficient_attention`` with a ``BlockDiagonalCausalMask`` (CUDA);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` per sample, without any ``(T, T)`` mask: samples of
   similar length are gathered into one padded ``(n, H, L, D)`` batch (padding at the end of each sample, where causal
@@ -21,8 +22,21 @@ Worked example, one row of two samples of lengths 3 and 2::
     max_seqlen          3
 
 Sliding-window attention (a query at position ``i`` sees keys ``j`` with ``i - sliding_window < j <= i``, as in
-transformers' masks) and grouped-query attention (``num_kv_heads`` dividing ``num_heads``) work on every backend.
-``UNPACK_ATTENTION_BACKEND=flash|xformers|sdpa|eager`` forces a backend; asking for one that cannot run is an error.
+transformers' masks), grouped-query attention (``num_kv_heads`` dividing ``num_heads``), any ``scaling`` and a value
+head dim different from the query head dim (MLA) work on every backend. The model families' other quirks are applied
+by the backends that can, and handed to one that can by the automatic choice (logged once):
+
+=================  =====  ============  ========  ====  =====
+feature            flash  torch_varlen  xformers  sdpa  eager
+=================  =====  ============  ========  ====  =====
+logit ``softcap``  yes    no            no        no    yes
+sinks (``s_aux``)  no     no            no        no    yes
+dropout            yes    no            yes       yes   yes
+=================  =====  ============  ========  ====  =====
+
+``UNPACK_ATTENTION_BACKEND=flash|torch_varlen|xformers|sdpa|eager`` forces a backend; asking for one that cannot run,
+or that cannot apply what the model asks for, is an error naming the variable. So is a ``backend=`` argument that
+cannot apply it (as transformers' own ``sdpa_attention_forward`` refuses ``softcap``).
 
 The packing metadata is computed once per forward on the CPU (:class:`PackedSeqInfo`); every per-layer index tensor is
 cached on that object, so no layer synchronises with the device.
@@ -54,8 +68,26 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BACKENDS: tuple[str, ...] = ("flash", "xformers", "sdpa", "eager")
+BACKENDS: tuple[str, ...] = ("flash", "torch_varlen", "xformers", "sdpa", "eager")
 ENV_BACKEND = "UNPACK_ATTENTION_BACKEND"
+
+# The automatic choice: the first of these that can run here and can apply what the call asks for, else eager.
+_AUTOMATIC_ORDER: tuple[str, ...] = ("flash", "torch_varlen", "xformers", "sdpa")
+# What each backend applies beyond causal / sliding-window / grouped-query attention with any scaling.
+_CAPABILITIES: dict[str, frozenset[str]] = {
+    "flash": frozenset({"softcap", "dropout"}),
+    "torch_varlen": frozenset(),
+    "xformers": frozenset({"dropout"}),
+    "sdpa": frozenset({"dropout"}),
+    "eager": frozenset({"softcap", "sinks", "dropout"}),
+}
+_FEATURE_NAMES = {
+    "softcap": "attention logit softcapping",
+    "sinks": "attention sinks (s_aux)",
+    "dropout": "attention dropout",
+}
+# flash-attn 2 and torch's varlen flash kernel take head dims up to 256 (one head dim for q, k and v).
+_FLASH_MAX_HEAD_DIM = 256
 
 # Availability seams. Tests swap these to run the flash/xformers dispatch on CPU with stand-in kernels.
 _KERNEL_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
@@ -432,6 +464,39 @@ def _flash_varlen_kernel() -> Callable[..., torch.Tensor] | None:
     return _kernel_cache["flash"]
 
 
+def _torch_varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """``torch.nn.attention.varlen.varlen_attn`` when this torch has it (2.10 and later), else ``None``."""
+    if "torch_varlen" not in _kernel_cache:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except Exception as error:  # noqa: BLE001
+            _log_once(logging.DEBUG, f"torch.nn.attention.varlen is not usable: {error!r}")
+            varlen_attn = None
+        _kernel_cache["torch_varlen"] = varlen_attn
+    return _kernel_cache["torch_varlen"]
+
+
+def _takes_enable_gqa(kernel: Callable[..., Any]) -> bool:
+    """Whether ``varlen_attn`` has the ``enable_gqa`` keyword (added after the first release); read from its
+    signature, not from the torch version."""
+    try:
+        return "enable_gqa" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _cuda_flash_unsupported_reason(device: torch.device) -> str | None:
+    """Why torch's own flash kernel cannot run on ``device``: a torch built without it, or a GPU older than sm80."""
+    if device.type != "cuda":
+        return None
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch was built without its flash attention kernel"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"torch's flash kernel needs compute capability 8.0 or newer, the GPU has {major}.{minor}"
+    return None
+
+
 def _xformers_fmha() -> Any:
     """``xformers.ops.fmha`` when xformers imports, else ``None`` (imported on first use)."""
     if "xformers" not in _kernel_cache:
@@ -457,6 +522,14 @@ def backend_unavailable_reason(backend: str, device: torch.device, dtype: torch.
         if dtype not in _FLASH_DTYPES:
             return f"flash-attn needs float16 or bfloat16, the model computes in {dtype}"
         return None
+    if backend == "torch_varlen":
+        if _torch_varlen_kernel() is None:
+            return "this torch has no torch.nn.attention.varlen.varlen_attn (torch 2.10 or later)"
+        if device.type not in _KERNEL_DEVICE_TYPES:
+            return f"torch's varlen_attn needs a CUDA device, the model is on {device.type}"
+        if dtype not in _FLASH_DTYPES:
+            return f"torch's varlen_attn needs float16 or bfloat16, the model computes in {dtype}"
+        return _cuda_flash_unsupported_reason(device)
     if backend == "xformers":
         if _xformers_fmha() is None:
             return "xformers is not installed (pip install xformers)"
@@ -478,12 +551,40 @@ class BackendChoice(NamedTuple):
         return f"{self.name} ({self.reason})"
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype, original_implementation: str | None) -> BackendChoice:
+def _missing_features(backend: str, features: frozenset[str], head_dim: int | None) -> list[str]:
+    """What ``backend`` cannot apply of ``features`` (keys of :data:`_FEATURE_NAMES`) and ``head_dim``, described."""
+    missing = [_FEATURE_NAMES[name] for name in sorted(features - _CAPABILITIES[backend])]
+    if backend in ("flash", "torch_varlen") and head_dim is not None and head_dim > _FLASH_MAX_HEAD_DIM:
+        missing.append(f"head_dim {head_dim} (its kernel takes at most {_FLASH_MAX_HEAD_DIM})")
+    return missing
+
+
+def _features(*, softcap: bool, sinks: bool, dropout: bool) -> frozenset[str]:
+    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout}
+    return frozenset(name for name, wanted in flags.items() if wanted)
+
+
+def choose_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    original_implementation: str | None,
+    *,
+    softcap: bool = False,
+    sinks: bool = False,
+    dropout: bool = False,
+    head_dim: int | None = None,
+) -> BackendChoice:
     """Which backend packed attention uses for inputs on ``device`` in ``dtype``.
 
-    ``UNPACK_ATTENTION_BACKEND`` wins (and is an error if that backend cannot run here). A model loaded with
-    ``attn_implementation="eager"`` keeps eager. Otherwise the first that can run of flash-attn, xformers, SDPA.
+    ``UNPACK_ATTENTION_BACKEND`` wins (and is an error if that backend cannot run here, or cannot apply the requested
+    features). A model loaded with ``attn_implementation="eager"`` keeps eager. Otherwise the first of flash-attn,
+    torch's ``varlen_attn``, xformers and SDPA that can run here and can apply the features; eager when none can.
+
+    Args:
+        softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
+        head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
     """
+    wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced:
         if forced not in BACKENDS:
@@ -491,16 +592,32 @@ def choose_backend(device: torch.device, dtype: torch.dtype, original_implementa
         reason = backend_unavailable_reason(forced, device, dtype)
         if reason is not None:
             raise ValueError(f"{ENV_BACKEND}={forced} but {reason}. Unset {ENV_BACKEND} to choose automatically.")
+        missing = _missing_features(forced, wanted, head_dim)
+        if missing:
+            able = [name for name in BACKENDS if not _missing_features(name, wanted, head_dim)]
+            raise ValueError(
+                f"{ENV_BACKEND}={forced} cannot apply {' and '.join(missing)}, which this model's attention uses; "
+                f"set it to {' or '.join(able)}, or unset {ENV_BACKEND} to choose automatically."
+            )
         return BackendChoice(forced, f"forced by {ENV_BACKEND}")
     if original_implementation == "eager":
         return BackendChoice("eager", "the model was loaded with attn_implementation='eager'")
     skipped = []
-    for backend in ("flash", "xformers"):
+    for backend in _AUTOMATIC_ORDER:
         reason = backend_unavailable_reason(backend, device, dtype)
-        if reason is None:
-            return BackendChoice(backend, f"{backend} available on {torch.device(device).type} for {dtype}")
-        skipped.append(reason)
-    return BackendChoice("sdpa", "no kernel backend: " + "; ".join(skipped))
+        if reason is not None:
+            skipped.append(reason)
+            continue
+        missing = _missing_features(backend, wanted, head_dim)
+        if missing:
+            skipped.append(f"{backend} cannot apply {' and '.join(missing)}")
+            continue
+        if backend == "sdpa":
+            reason = "no kernel backend: " + "; ".join(skipped) if skipped else "SDPA"
+            return BackendChoice("sdpa", reason)
+        reason = f"{backend} available on {torch.device(device).type} for {dtype}"
+        return BackendChoice(backend, reason + ("; skipped: " + "; ".join(skipped) if skipped else ""))
+    return BackendChoice("eager", "; ".join(skipped))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -592,8 +709,8 @@ def _unbucketed(outputs: list[torch.Tensor], plan: _SdpaPlan, batch: int, seq_le
     return _ScatterTokens.apply(slots, plan.scatter, plan.gather, plan.pad_slots).view(batch, seq_len, heads, dim)
 
 
-def _sdpa_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
-    del softcap, module
+def _sdpa_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, sinks, module):
+    del softcap, sinks, module  # refused before dispatch (see _CAPABILITIES)
     batch, heads, seq_len, dim = query.shape
     groups = heads // key.shape[1]
     plan = info.sdpa_plan(query.device)
@@ -617,12 +734,19 @@ def _sdpa_packed(query, key, value, info, *, scaling, dropout, sliding_window, s
     return _unbucketed(outputs, plan, batch, seq_len)
 
 
-def _eager_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
+def _eager_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, sinks, module):
+    """``softmax(softcap(QK^T * scaling) + mask) V`` per bucket, as transformers' eager functions compute it.
+
+    With ``sinks`` ``(H,)`` (gpt_oss ``s_aux``), every query's softmax denominator also holds ``exp(sinks[h])``:
+    ``weights = exp(scores - logaddexp(logsumexp(scores), sinks[h]))``, the sink's own weight dropped, as gpt_oss's
+    ``eager_attention_forward`` does by concatenating a sink column.
+    """
     batch, heads, seq_len, dim = query.shape
     groups = heads // key.shape[1]
     plan = info.sdpa_plan(query.device)
     qs, ks, vs = (_bucketed(_tokens_major(x), plan) for x in (query, key, value))
     training = bool(getattr(module, "training", False))
+    sink_logits = None if sinks is None else sinks.to(device=query.device, dtype=torch.float32).view(1, heads, 1, 1)
     outputs = []
     for bucket, q_bucket, k_bucket, v_bucket in zip(plan.buckets, qs, ks, vs):
         length = bucket.length
@@ -635,18 +759,76 @@ def _eager_packed(query, key, value, info, *, scaling, dropout, sliding_window, 
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
             scores = scores + mask
-            weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            if sink_logits is None:
+                weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            else:
+                logits = scores.float()
+                normaliser = torch.logaddexp(torch.logsumexp(logits, dim=-1, keepdim=True), sink_logits)
+                weights = torch.exp(logits - normaliser).to(query.dtype)
             weights = F.dropout(weights, p=dropout, training=training)
             chunks.append(torch.matmul(weights, v))
         outputs.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
     return _unbucketed(outputs, plan, batch, seq_len)
 
 
-def _flash_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
+def _varlen_packed(kernel_call, name, query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
+    """Shared by flash-attn and torch's varlen_attn: (total_tokens, heads, head_dim) inputs with one head dim for q, k
+    and v (rounded up to ``multiple``), the samples' ``cu_seqlens`` and ``max_seqlen``, rows split into chunks where
+    the kernel's 32-bit offsets would overflow.
+
+    ``kernel_call(q, k, v, cu_seqlens, max_seqlen) -> (tokens, heads, padded head_dim)``; ``kernel_call.multiple``:
+    the head-dim multiple the kernel needs (zero padding of q and k leaves every score unchanged: ``scaling`` is
+    explicit; padded value columns are cropped from the output).
+    """
     batch, heads, seq_len, dim = query.shape
-    kernel = _flash_varlen_kernel()
+    v_dim = value.shape[-1]
     # (total_tokens, num_heads, head_dim), contiguous as transformers hands them to flash-attn.
     q_tokens, k_tokens, v_tokens = (_tokens_major(x).contiguous() for x in (query, key, value))
+    padded = -(-max(dim, v_dim) // kernel_call.multiple) * kernel_call.multiple
+    q_in, k_in = (F.pad(x, (0, padded - dim)) if padded != dim else x for x in (q_tokens, k_tokens))
+    v_in = F.pad(v_tokens, (0, padded - v_dim)) if padded != v_dim else v_tokens
+
+    def crop(out: torch.Tensor) -> torch.Tensor:
+        return out[..., :v_dim] if padded != v_dim else out
+
+    chunks = info.flash_chunks(heads, padded, query.device)
+    if len(chunks) == 1 and chunks[0].cu_seqlens is not None:
+        out = crop(kernel_call(q_in, k_in, v_in, chunks[0].cu_seqlens, info.max_seqlen))
+        return out.reshape(batch, seq_len, heads, v_dim)
+    _log_once(
+        logging.WARNING,
+        f"A packed batch of {info.total_tokens} tokens x {heads} heads x head_dim {padded} exceeds {name}'s 32-bit "
+        f"offsets; it is run in {len(chunks)} chunks split at sample boundaries.",
+    )
+    outputs = []
+    for chunk in chunks:
+        part = slice(chunk.begin, chunk.end)
+        if chunk.cu_seqlens is not None:
+            outputs.append(crop(kernel_call(q_in[part], k_in[part], v_in[part], chunk.cu_seqlens, chunk.max_seqlen)))
+            continue
+        fallback = "eager" if softcap is not None else "sdpa"
+        _log_once(
+            logging.WARNING,
+            f"Packed sample {chunk.first_seq} ({chunk.end - chunk.begin} tokens) alone exceeds {name}'s 32-bit "
+            f"offsets; it runs on {fallback} instead.",
+        )
+        out = _BACKEND_FUNCTIONS[fallback](
+            *(x[part].transpose(0, 1).unsqueeze(0) for x in (q_tokens, k_tokens, v_tokens)),
+            chunk.fallback,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=None,
+            module=module,
+        )
+        outputs.append(out.reshape(chunk.end - chunk.begin, heads, v_dim))
+    return torch.cat(outputs).view(batch, seq_len, heads, v_dim)
+
+
+def _flash_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, sinks, module):
+    del sinks  # refused before dispatch
+    kernel = _flash_varlen_kernel()
     options: dict[str, Any] = {"dropout_p": dropout, "softmax_scale": scaling, "causal": True}
     if sliding_window is not None and info.max_seqlen > sliding_window:
         # flash-attn's window is inclusive on both sides: (left, right) = (sliding_window - 1, 0) keeps
@@ -654,44 +836,63 @@ def _flash_packed(query, key, value, info, *, scaling, dropout, sliding_window, 
         options["window_size"] = (sliding_window - 1, 0)
     if softcap is not None:
         options["softcap"] = softcap
-    chunks = info.flash_chunks(heads, dim, query.device)
-    if len(chunks) == 1 and chunks[0].cu_seqlens is not None:
-        cu = chunks[0].cu_seqlens
-        out = kernel(q_tokens, k_tokens, v_tokens, cu, cu, info.max_seqlen, info.max_seqlen, **options)
-        return out.view(batch, seq_len, heads, -1)
-    _log_once(
-        logging.WARNING,
-        f"A packed batch of {info.total_tokens} tokens x {heads} heads x head_dim {dim} exceeds flash-attn's 32-bit "
-        f"offsets; it is run in {len(chunks)} chunks split at sample boundaries.",
+
+    def call(q, k, v, cu_seqlens, max_seqlen):
+        # flash-attn takes grouped kv heads as they are, and pads head dims to a multiple of 8 itself.
+        return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+
+    call.multiple = 1
+    return _varlen_packed(
+        call,
+        "flash-attn",
+        query,
+        key,
+        value,
+        info,
+        scaling=scaling,
+        dropout=dropout,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        module=module,
     )
-    outputs = []
-    for chunk in chunks:
-        q, k, v = (x[chunk.begin : chunk.end] for x in (q_tokens, k_tokens, v_tokens))
-        if chunk.cu_seqlens is not None:
-            cu = chunk.cu_seqlens
-            outputs.append(kernel(q, k, v, cu, cu, chunk.max_seqlen, chunk.max_seqlen, **options))
-            continue
-        fallback = "eager" if softcap is not None else "sdpa"
-        _log_once(
-            logging.WARNING,
-            f"Packed sample {chunk.first_seq} ({chunk.end - chunk.begin} tokens) alone exceeds flash-attn's 32-bit "
-            f"offsets; it runs on {fallback} instead.",
-        )
-        part = _BACKEND_FUNCTIONS[fallback](
-            *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
-            chunk.fallback,
-            scaling=scaling,
-            dropout=dropout,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            module=module,
-        )
-        outputs.append(part.reshape(chunk.end - chunk.begin, heads, -1))
-    return torch.cat(outputs).view(batch, seq_len, heads, -1)
 
 
-def _xformers_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, module):
-    del softcap, module
+def _torch_varlen_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, sinks, module):
+    del softcap, sinks, dropout  # refused before dispatch: varlen_attn has none of them
+    kernel = _torch_varlen_kernel()
+    heads, kv_heads = query.shape[1], key.shape[1]
+    groups = heads // kv_heads
+    grouped = groups > 1 and _takes_enable_gqa(kernel)
+    window = (-1, 0)  # causal
+    if sliding_window is not None and info.max_seqlen > sliding_window:
+        window = (sliding_window - 1, 0)  # inclusive on both sides, as flash-attn's
+
+    def call(q, k, v, cu_seqlens, max_seqlen):
+        options: dict[str, Any] = {"scale": scaling, "window_size": window}
+        if grouped:
+            options["enable_gqa"] = True
+        elif groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+
+    call.multiple = 8  # torch's flash kernel asserts head_dim % 8 == 0 (flash-attn's Python wrapper pads for us)
+    return _varlen_packed(
+        call,
+        "torch varlen_attn",
+        query,
+        key,
+        value,
+        info,
+        scaling=scaling,
+        dropout=0.0,
+        sliding_window=sliding_window,
+        softcap=None,
+        module=module,
+    )
+
+
+def _xformers_packed(query, key, value, info, *, scaling, dropout, sliding_window, softcap, sinks, module):
+    del softcap, sinks, module  # refused before dispatch
     batch, heads, seq_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -711,6 +912,7 @@ def _xformers_packed(query, key, value, info, *, scaling, dropout, sliding_windo
 # Dispatch table: tests wrap entries to check which backend ran.
 _BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "flash": _flash_packed,
+    "torch_varlen": _torch_varlen_packed,
     "xformers": _xformers_packed,
     "sdpa": _sdpa_packed,
     "eager": _eager_packed,
@@ -718,20 +920,34 @@ _BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def _choice_for(
-    info: PackedSeqInfo, query: torch.Tensor, original: str | None, softcap: float | None
+    info: PackedSeqInfo,
+    query: torch.Tensor,
+    value: torch.Tensor,
+    original: str | None,
+    *,
+    softcap: bool,
+    sinks: bool,
+    dropout: bool,
 ) -> BackendChoice:
-    key = ("choice", str(query.device), query.dtype, original, softcap is not None, os.environ.get(ENV_BACKEND))
+    """The automatic (or forced) backend of one call, decided once per batch and set of features; a hand-over from
+    the backend chosen for plain attention to one that can apply the call's features is logged once."""
+    head_dim = max(query.shape[-1], value.shape[-1])
+    features = (softcap, sinks, dropout, head_dim)
+    key = ("choice", str(query.device), query.dtype, original, features, os.environ.get(ENV_BACKEND))
     cached = info._cache.get(key)
     if cached is not None:
         return cached
-    choice = choose_backend(query.device, query.dtype, original)
-    if softcap is not None and choice.name in ("sdpa", "xformers"):
-        if choice.reason.startswith("forced"):
-            raise ValueError(
-                f"{ENV_BACKEND}={choice.name} cannot apply attention logit softcapping; use eager or flash."
-            )
-        _log_once(logging.WARNING, f"Packed attention: {choice.name} cannot apply logit softcapping; using eager.")
-        choice = BackendChoice("eager", f"{choice.name} cannot apply logit softcapping")
+    choice = choose_backend(
+        query.device, query.dtype, original, softcap=softcap, sinks=sinks, dropout=dropout, head_dim=head_dim
+    )
+    plain = choose_backend(query.device, query.dtype, original)
+    if plain.name != choice.name:
+        missing = _missing_features(plain.name, _features(softcap=softcap, sinks=sinks, dropout=dropout), head_dim)
+        _log_once(
+            logging.WARNING,
+            f"Packed attention: {plain.name} cannot apply {' and '.join(missing)}; using {choice.name} for these "
+            "layers.",
+        )
     _log_once(logging.INFO, f"Packed attention backend: {choice}.")
     info._cache[key] = choice
     return choice
@@ -756,21 +972,25 @@ def packed_attention_forward(
 
     Args:
         module: the attention module (read for ``training``, ``is_causal``).
-        query: ``(B, H, T, D)``; key, value: ``(B, H_kv, T, D)`` with ``H_kv`` dividing ``H``. Keys must be exactly the
-            query tokens (no KV cache of earlier tokens).
+        query: ``(B, H, T, D)``; key: ``(B, H_kv, T, D)``; value: ``(B, H_kv, T, D_v)``, with ``H_kv`` dividing
+            ``H``. Keys must be exactly the query tokens (no KV cache of earlier tokens).
         attention_mask: ignored on the packed path (the samples define the mask); ``None`` in a patched model.
         scaling: softmax scale, ``1 / sqrt(D)`` when ``None``.
         dropout: attention dropout probability (transformers passes 0.0 outside training).
         sliding_window: each query sees at most this many keys, itself included; ``None`` for full causal attention.
-        softcap: ``tanh`` logit softcapping; flash and eager apply it, SDPA and xformers hand it to eager.
-        backend: one of :data:`BACKENDS`; ``None`` chooses with :func:`choose_backend`.
+        softcap: ``tanh(scores / softcap) * softcap`` logit softcapping (gemma2); flash and eager apply it.
+        backend: one of :data:`BACKENDS`; ``None`` chooses with :func:`choose_backend`, handing what a backend
+            cannot apply (softcap, sinks, dropout on torch_varlen) to one that can. A ``backend`` that cannot apply
+            them raises ``ValueError``.
         original_implementation: the model's attention implementation before patching (for the choice).
         **kwargs: packing metadata, read by :func:`packed_info_from_kwargs`: ``packed_seq_info``,
             ``packed_seq_lengths`` ``(num_seqs,)`` int, ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, or
-            ``position_ids`` ``(B, T)``.
+            ``position_ids`` ``(B, T)``. ``s_aux``: attention sinks (gpt_oss), ``(H,)`` one logit per query head
+            added to every softmax denominator (eager applies them). ``is_causal`` (default: the module's).
 
     Returns:
-        ``(attn_output, None)`` with ``attn_output`` ``(B, T, H, D)`` in ``query``'s dtype.
+        ``(attn_output, None)`` with ``attn_output`` ``(B, T, H, D_v)`` in ``query``'s dtype; ``D_v`` is the value
+        head dim (MLA models such as deepseek_v3 have ``D_v != D``).
     """
     del attention_mask
     info = packed_info_from_kwargs(query, key, None, kwargs)
@@ -794,16 +1014,37 @@ def packed_attention_forward(
         raise ValueError(f"{heads} query heads cannot be grouped over {key.shape[1]} key/value heads.")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise ValueError("Packed attention is causal only; this module asks for bidirectional attention.")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("Packed attention does not support attention sinks (`s_aux`).")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and sinks.numel() != heads:
+        raise ValueError(f"Attention sinks (`s_aux`) need one logit per query head ({heads}), got {sinks.numel()}.")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}.")
     if scaling is None:
         scaling = dim**-0.5
     if backend is None:
-        backend = _choice_for(info, query, original_implementation, softcap).name
-    elif backend not in _BACKEND_FUNCTIONS:
-        raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+        backend = _choice_for(
+            info,
+            query,
+            value,
+            original_implementation,
+            softcap=softcap is not None,
+            sinks=sinks is not None,
+            dropout=dropout > 0,
+        ).name
+    else:
+        if backend not in _BACKEND_FUNCTIONS:
+            raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+        wanted = _features(softcap=softcap is not None, sinks=sinks is not None, dropout=dropout > 0)
+        missing = _missing_features(backend, wanted, max(dim, value.shape[-1]))
+        if missing:
+            able = [name for name in BACKENDS if not _missing_features(name, wanted, max(dim, value.shape[-1]))]
+            raise ValueError(
+                f"Packed attention backend={backend!r} cannot apply {' and '.join(missing)}; use "
+                f"{' or '.join(repr(name) for name in able)}, or backend=None to choose one that can."
+            )
+        reason = backend_unavailable_reason(backend, query.device, query.dtype)
+        if reason is not None:
+            raise ValueError(f"Packed attention backend={backend!r} cannot run here: {reason}.")
     out = _BACKEND_FUNCTIONS[backend](
         query,
         key,
@@ -813,6 +1054,7 @@ def packed_attention_forward(
         dropout=dropout,
         sliding_window=sliding_window,
         softcap=softcap,
+        sinks=sinks,
         module=module,
     )
     return out, None
@@ -849,6 +1091,9 @@ def make_attention_function(original_implementation: str) -> Callable[..., tuple
         info = packed_info_from_kwargs(query, key, attention_mask, kwargs)
         if info is not None:
             kwargs["packed_seq_info"] = info
+            if kwargs.get("sliding_window") is None and getattr(module, "_unpack_sliding_window", None):
+                # The model applies this window through its mask only (set by unpack_trainer.models.patch_model).
+                kwargs["sliding_window"] = module._unpack_sliding_window
             return packed_attention_forward(
                 module, query, key, value, None, original_implementation=original_implementation, **kwargs
             )

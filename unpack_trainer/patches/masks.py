@@ -5,12 +5,15 @@ mask function registered here returns ``None`` (the attention helper derives the
 metadata); for anything else it returns exactly what the model's own implementation ("sdpa", "eager", ...) returns.
 
 Whether the current forward is packed is decided by :func:`packed_info_for_forward`, called by the model hook before
-the decoder runs, and published for the mask function through :func:`packed_forward_active`.
+the decoder runs, and published for the mask function through :func:`packed_forward_active` on a per-thread stack
+(a plain list in a ``threading.local``: ``torch.compile(fullgraph=True)`` traces it, where it cannot trace a
+``ContextVar``). Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left exactly as it
+came, with no Python branch on tensor values, so a compiled or exported patched model traces as an unpatched one.
 """
 
 from __future__ import annotations
 
-import contextvars
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,20 +23,54 @@ from unpack_trainer.patches.attention import PackedSeqInfo
 
 __all__ = ["make_mask_function", "packed_forward_active", "packed_info_for_forward"]
 
-_ACTIVE: contextvars.ContextVar[PackedSeqInfo | None] = contextvars.ContextVar("unpack_packed_forward", default=None)
+# Per thread (nn.DataParallel runs its replicas in threads): a stack of (decoder, PackedSeqInfo) for the packed
+# forwards now running, innermost last.
+_state = threading.local()
+
+# Keys of a decoder forward's kwargs that mark a batch as explicitly packed.
+_METADATA_KEYS = ("packed_seq_lengths", "cu_seq_lens_q")
 
 
-def packed_forward_active(info: PackedSeqInfo | None) -> contextvars.Token:
-    """Mark the forward now running as packed (``info``) or not (``None``); undo with ``_ACTIVE.reset(token)``."""
-    return _ACTIVE.set(info)
+def _stack() -> list[tuple[Any, PackedSeqInfo]]:
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
 
 
-def reset_packed_forward(token: contextvars.Token) -> None:
-    _ACTIVE.reset(token)
+def packed_forward_active(decoder: Any, info: PackedSeqInfo) -> None:
+    """Mark the forward of ``decoder`` now starting as packed with ``info``; undo with :func:`reset_packed_forward`."""
+    reset_packed_forward(decoder)  # an entry a failed trace left behind
+    _stack().append((decoder, info))
 
 
-def current_packed_info() -> PackedSeqInfo | None:
-    return _ACTIVE.get()
+def reset_packed_forward(decoder: Any) -> None:
+    """End the packed forward of ``decoder`` (no-op when its forward was not packed)."""
+    stack = _stack()
+    if any(entry[0] is decoder for entry in stack):
+        stack[:] = [entry for entry in stack if entry[0] is not decoder]
+
+
+def current_packed_info(config: Any = None) -> PackedSeqInfo | None:
+    """The packing metadata of the innermost packed forward running in this thread (of the decoder whose config is
+    ``config``, when given), or ``None``."""
+    stack = getattr(_state, "stack", None)
+    if not stack:
+        return None
+    for decoder, info in reversed(stack):
+        if config is None or getattr(decoder, "config", None) is config:
+            return info
+    return None
+
+
+def is_tracing() -> bool:
+    """Whether ``torch.compile`` (dynamo) or ``torch.export`` is tracing the code now running."""
+    compiler = getattr(torch, "compiler", None)
+    for name in ("is_compiling", "is_exporting"):
+        check = getattr(compiler, name, None)
+        if check is not None and check():
+            return True
+    return False
 
 
 def make_mask_function(original_implementation: str) -> Callable[..., Any]:
@@ -41,7 +78,7 @@ def make_mask_function(original_implementation: str) -> Callable[..., Any]:
     mask (``sdpa_mask``, ``eager_mask``, ...) called with the same arguments."""
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
-        if _ACTIVE.get() is not None:
+        if current_packed_info(kwargs.get("config")) is not None:
             return None
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -62,11 +99,17 @@ def _cache_length(past_key_values: Any) -> int:
     return int(get_seq_length()) if callable(get_seq_length) else 0
 
 
+def _is_2d_mask(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is a ``(B, T)`` padding mask (not a prepared 4D mask, nor a dict of masks by layer
+    type as ``generate`` passes with a static cache)."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+
+
 def _hides_nothing(attention_mask: Any) -> bool:
     """Whether ``attention_mask`` is absent or a 2D mask of ones (a padding-free batch that carries one anyway)."""
     if attention_mask is None:
         return True
-    return attention_mask.dim() == 2 and bool(attention_mask.bool().all())
+    return _is_2d_mask(attention_mask) and bool(attention_mask.bool().all())
 
 
 def _restart_positions(info: PackedSeqInfo, device: torch.device) -> torch.Tensor:
@@ -96,7 +139,9 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     embeds = kwargs.get("inputs_embeds")
     input_ids = kwargs.get("input_ids")
     reference = input_ids if input_ids is not None else embeds
-    if reference is None:
+    if reference is None or (is_tracing() and all(kwargs.get(key) is None for key in _METADATA_KEYS)):
+        # Nothing to pack, or a compiled / exported forward without packing metadata: run as unpatched, with no
+        # Python branch on tensor values (a packed batch given only by `position_ids` then takes transformers' path).
         kwargs["packed_seq_info"] = None
         return None
     batch_size, seq_len = reference.shape[0], reference.shape[1]
@@ -125,7 +170,7 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             if given is not None and int(given) != info.max_seqlen:
                 raise ValueError(f"`{name}`={int(given)} but the longest packed sample has {info.max_seqlen} tokens.")
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
+            if not _hides_nothing(attention_mask):
                 raise ValueError(
                     "A packed batch (with `packed_seq_lengths` / `cu_seq_lens_q`) cannot also hide tokens with an "
                     "`attention_mask`; make trailing padding a sample of its own and drop the mask."

@@ -1,0 +1,85 @@
+"""Generated coverage: every model type of transformers' causal-LM auto mapping is on the fast packed path (verified),
+refused with a named reason, or skipped with a reason. Nothing fails, nothing is silently dense.
+
+Each type builds a tiny model from its config class (2 layers, hidden size 32; see
+``unpack_trainer.models.coverage.tiny_config``) and runs ``check_model_type``: packed logits == each sample alone (fp32,
+relative 1e-5), loss and every gradient == the padded batch, SDPA and eager, the packed helper in every attention layer
+and transformers' mask function never called for the packed batch (no (T, T) mask).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import transformers
+
+from unpack_trainer.decision import blocked_reason
+from unpack_trainer.models import BLOCKLIST, refusal_reason, supported_model_types
+from unpack_trainer.models.__main__ import README_END, README_START
+from unpack_trainer.models.coverage import (
+    VERIFIED_MODEL_TYPES,
+    VERIFIED_WITH,
+    _config_class,
+    check_model_type,
+    coverage_table,
+    model_types,
+    tiny_config,
+)
+
+MODEL_TYPES = model_types()
+SAME_VERSION = transformers.__version__ == VERIFIED_WITH
+_outcomes: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_patched_models():
+    yield
+    gc.collect()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_model_type(model_type):
+    outcome = check_model_type(model_type)
+    _outcomes[model_type] = outcome
+    assert outcome.status in ("fast", "refused", "skipped"), f"{model_type}: {outcome.reason}"
+    assert outcome.reason
+    if outcome.status == "fast":
+        assert outcome.implementations, "no attention implementation was verified"
+        if SAME_VERSION:
+            assert model_type in VERIFIED_MODEL_TYPES, f"{model_type} passes: add it to VERIFIED_MODEL_TYPES"
+        return
+    assert model_type not in VERIFIED_MODEL_TYPES, f"{model_type} is listed as verified but {outcome.status}"
+    if outcome.status == "refused" and outcome.kind in ("state", "alibi"):
+        # The trainer's decision names the same reason before any forward (from the structure, on the meta device).
+        config = _config_class(model_type)() if outcome.source == "default" else tiny_config(model_type)
+        assert refusal_reason(config) == outcome.reason
+        blocked = blocked_reason(
+            model_config=config, data_collator=None, processing_class=None, dataset_sample=None, blocklist=BLOCKLIST
+        )
+        assert blocked is not None and outcome.reason in blocked
+
+
+def test_goal_and_supported_model_types():
+    assert supported_model_types() == sorted(VERIFIED_MODEL_TYPES)
+    assert len(VERIFIED_MODEL_TYPES) >= 40
+    assert VERIFIED_MODEL_TYPES <= set(MODEL_TYPES) or not SAME_VERSION
+
+
+@pytest.mark.skipif(not SAME_VERSION, reason=f"the README table was generated with transformers {VERIFIED_WITH}")
+def test_readme_table_is_generated_from_this_run():
+    if set(_outcomes) != set(MODEL_TYPES):
+        pytest.skip("needs the whole parametrized run of test_model_type")
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+    expected = coverage_table([_outcomes[model_type] for model_type in MODEL_TYPES])
+    assert table == expected, "README table is stale: run python -m unpack_trainer.models --coverage --write-readme"
+
+
+def test_refusal_needs_no_forward():
+    """The decision refuses a state-space model from its config alone (meta device), naming the mixer."""
+    from transformers import MambaConfig
+
+    reason = refusal_reason(MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64))
+    assert reason is not None and "MambaBlock" in reason and "across sample boundaries" in reason
