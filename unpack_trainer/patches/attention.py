@@ -755,17 +755,20 @@ def _eager_packed(query, key, value, info, *, scaling, dropout, sliding_window, 
         chunks = []
         for q, k, v in zip(q_bucket.split(per_chunk), k_bucket.split(per_chunk), v_bucket.split(per_chunk)):
             k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
-            scores = torch.matmul(q, k.transpose(2, 3)) * scaling
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = scores + mask
+            # The scale goes on q (n, H, L, D), or into the softcap's tanh, instead of one more (n, H, L, L) pass.
+            if softcap is None:
+                scores = torch.matmul(q * scaling, k.transpose(2, 3))
+            else:
+                scores = torch.tanh(torch.matmul(q * (scaling / softcap), k.transpose(2, 3))) * softcap
+            scores.add_(mask)  # in place: neither the matmul nor the softcap's multiply needs its output back
             if sink_logits is None:
                 weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             else:
                 logits = scores.float()
                 normaliser = torch.logaddexp(torch.logsumexp(logits, dim=-1, keepdim=True), sink_logits)
                 weights = torch.exp(logits - normaliser).to(query.dtype)
-            weights = F.dropout(weights, p=dropout, training=training)
+            if dropout > 0 and training:
+                weights = F.dropout(weights, p=dropout, training=True)
             chunks.append(torch.matmul(weights, v))
         outputs.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
     return _unbucketed(outputs, plan, batch, seq_len)
