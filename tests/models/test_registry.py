@@ -210,3 +210,23 @@ def test_rope_released_when_the_last_patched_model_is_collected():
     del model
     gc.collect()
     assert modeling_llama.apply_rotary_pos_emb is original_rope
+
+
+@pytest.mark.parametrize(
+    ("model_type", "feature"), [("gemma2", "softcap"), ("gpt_oss", "sinks")], ids=["softcap", "sinks"]
+)
+def test_resolve_backend_sees_what_the_attention_applies(monkeypatch, model_type, feature):
+    """A forced backend that cannot apply what the model's attention applies (softcapping, sinks) is an error when
+    the backend is resolved (the trainer's start), not at the first packed step."""
+    from unpack_trainer.models.coverage import tiny_config
+
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    config = tiny_config(model_type)
+    config._attn_implementation = "eager"  # both types support eager only
+    model = AutoModelForCausalLM.from_config(config)
+    assert resolve_backend(model).name == "eager"
+    monkeypatch.setenv(attention.ENV_BACKEND, "sdpa")
+    with pytest.raises(ValueError, match=f"UNPACK_ATTENTION_BACKEND=sdpa cannot apply .*{feature[:4]}"):
+        resolve_backend(model)
+    monkeypatch.setenv(attention.ENV_BACKEND, "eager")
+    assert resolve_backend(model).name == "eager"

@@ -742,9 +742,12 @@ def is_patched(model: torch.nn.Module) -> bool:
 def resolve_backend(model: torch.nn.Module) -> BackendChoice:
     """The attention backend packed batches of ``model`` will use, and why: a ``(name, reason)`` named tuple.
 
-    ``name`` is one of ``"flash"``, ``"xformers"``, ``"sdpa"``, ``"eager"``. Decided from the device and floating
-    dtype of the model's parameters, its attention implementation, the installed kernels and
-    ``UNPACK_ATTENTION_BACKEND`` (an impossible forced choice raises ``ValueError``). The model need not be patched.
+    ``name`` is one of :data:`unpack_trainer.patches.attention.BACKENDS`. Decided from the device and floating
+    dtype of the model's parameters, its attention implementation, what its attention applies (logit softcapping from
+    ``config.attn_logit_softcapping``, attention sinks from a ``sinks`` parameter of an attention module, the
+    largest query / value head dim), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
+    choice raises ``ValueError``). Dropout is left out: it only applies in training and every backend but
+    ``torch_varlen`` applies it (which then hands over per call, logged once). The model need not be patched.
     """
     from unpack_trainer.patches.attention import choose_backend
 
@@ -756,4 +759,21 @@ def resolve_backend(model: torch.nn.Module) -> BackendChoice:
     compute_dtype = getattr(getattr(pretrained.config, "quantization_config", None), "bnb_4bit_compute_dtype", None)
     if isinstance(compute_dtype, torch.dtype):
         dtype = compute_dtype
-    return choose_backend(device, dtype, implementation)
+    config = pretrained.config.get_text_config()
+    head_dims = [
+        getattr(module, "head_dim", None)
+        for module in model.modules()
+        if isinstance(getattr(module, "head_dim", None), int)
+    ]
+    for name in ("v_head_dim", "qk_head_dim"):
+        if isinstance(getattr(config, name, None), int):
+            head_dims.append(getattr(config, name))
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+    return choose_backend(
+        device,
+        dtype,
+        implementation,
+        softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+        sinks=sinks,
+        head_dim=max(head_dims) if head_dims else None,
+    )
