@@ -6,8 +6,6 @@ import gzip
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -41,6 +39,7 @@ lora_r: 32
 lora_alpha: 16
 lora_target_modules: [q_proj, v_proj]
 output_dir: Qwen2-0.5B-SFT
+use_cpu: true
 """
 
 
@@ -114,16 +113,32 @@ def test_model_names():
         assert (Path(resolve_model_name("unpack_trainer:smollm2")) / "config.json").is_file()
 
 
-def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path):
-    """End to end through accelerate launch, like `trl sft`: a recipe, a local data file, packing, LoRA flags."""
+def test_sft_launches_like_trl_sft(monkeypatch, capsys):
+    """Launcher options go to `accelerate launch`, everything else to this package's script, as `trl sft` does."""
+    import accelerate.commands.launch as launch
+
+    launched = []
+    monkeypatch.setattr(launch, "launch_command", launched.append)
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--num_processes", "1", "--use_cpu"]
+    assert main(["sft", *argv]) == 0
+    (args,) = launched
+    assert args.module and args.training_script == "unpack_trainer.sft_command" and args.num_processes == 1
+    assert args.training_script_args == ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--use_cpu"]
+
+
+def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog):
+    """The launched script's body: a recipe, a local data file, packing, LoRA flags, our trainer, a saved adapter."""
+    import torch
+
+    from unpack_trainer import sft_command
+
     model_dir = tmp_path / "model"
     tokenizer = char_tokenizer()
     tiny_llama(vocab_size=len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "train.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": "ab" * (i % 5 + 1), "completion": "cd" * (i % 7 + 1)}) + "\n" for i in range(40))
-    )
+    rows = [{"prompt": "ab" * (i % 5 + 1), "completion": "cd" * (i % 7 + 1)} for i in range(40)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         f"model_name_or_path: {model_dir}\ndataset_name: {data}\npacking: true\nmax_length: 64\n"
@@ -131,31 +146,11 @@ def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path):
         "lora_target_modules: [q_proj, v_proj]\nuse_cpu: true\nreport_to: none\nsave_strategy: 'no'\n"
     )
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "unpack_trainer.cli",
-            "sft",
-            "--config",
-            str(recipe),
-            "--output_dir",
-            str(out),
-            "--num_processes",
-            "1",
-            "--logging_steps",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    assert "unpack_trainer: mode=pack" in log, log[-4000:]
+    parsed = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", str(out)])
+    threads = torch.get_num_threads()
+    with caplog.at_level("INFO", logger="unpack_trainer"):
+        sft_command.main(*parsed)
+    torch.set_num_threads(threads)
+    assert "mode=pack" in caplog.text
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
