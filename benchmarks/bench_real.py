@@ -262,18 +262,22 @@ def report(records: list[dict[str, Any]]) -> str:
         rows = []
         for max_length in sorted({r["case"]["max_length"] for r in trainer}):
             by_provider: dict[str, list[dict[str, Any]]] = {}
+            by_repeat: dict[str, dict[int, float]] = {}  # provider -> repeat -> tokens/s
             for r in trainer:
                 if r["case"]["max_length"] == max_length:
                     by_provider.setdefault(r["case"]["provider"], []).append(r["result"])
-            medians = {p: statistics.median(x["tokens_per_s"] for x in rs) for p, rs in by_provider.items()}
+                    by_repeat.setdefault(r["case"]["provider"], {})[r["repeat"]] = r["result"]["tokens_per_s"]
             for provider in TRAINER_PROVIDERS:
                 if provider not in by_provider:
                     continue
                 results = by_provider[provider]
-                ratios = [
-                    f"{medians[provider] / medians[base]:.2f}x" if base in medians else "-"
-                    for base in ("trl_padded", "trl_packing")
-                ]
+                # The load of a shared machine drifts between repeats: compare providers within each repeat (they ran
+                # minutes apart), then take the median of those ratios.
+                ratios = []
+                for base in ("trl_padded", "trl_packing"):
+                    common = sorted(set(by_repeat[provider]) & set(by_repeat.get(base, {})))
+                    values = [by_repeat[provider][k] / by_repeat[base][k] for k in common]
+                    ratios.append(_spread(values, ".2f") + "x" if values else "-")
                 selfcheck = [x["selfcheck_ms"] for x in results if "selfcheck_ms" in x]
                 rows.append(
                     [
