@@ -279,8 +279,9 @@ _GENERATE_ELSEWHERE = textwrap.dedent(
 def test_sft_packing_save_and_generate_elsewhere(folder, tokenizer, tmp_path):
     from datasets import Dataset
 
-    from unpack_trainer import SFTConfig, SFTTrainer, unpatch_model
+    from unpack_trainer import SFTConfig, SFTTrainer
     from unpack_trainer.default_data import load_default_dataset
+    from unpack_trainer.models import is_patched
 
     # Short conversations, so that the one optimizer step is one packed row of at most 160 tokens (about 6 s).
     messages = [
@@ -319,14 +320,14 @@ def test_sft_packing_save_and_generate_elsewhere(folder, tokenizer, tmp_path):
     saved = tmp_path / "saved"
     trainer.save_model(str(saved))
 
+    # The still-patched model generates greedily; an unpatched copy of it (the saved weights, in a fresh process that
+    # never imports unpack_trainer) must generate the same tokens.
     model = trainer.model.eval()
+    assert is_patched(model)
     prompt = [{"role": "user", "content": "What is 12 + 30? Answer with the number."}]
     inputs = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         patched = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-        unpatch_model(model)
-        unpatched = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    assert torch.equal(patched, unpatched)
 
     proc = subprocess.run(
         [sys.executable, "-c", _GENERATE_ELSEWHERE, str(saved), json.dumps(prompt)],
