@@ -37,6 +37,9 @@ _EXPORTS: dict[str, str] = {
     "StreamingPacker": "unpack_trainer.streaming",
     "pack_iterable_dataset": "unpack_trainer.streaming",
     "streaming_dataset_reader": "unpack_trainer.streaming",
+    # a real pretrained model (the `real` extra)
+    "load_smollm2": "unpack_trainer.real_model",
+    "smollm2_path": "unpack_trainer.real_model",
 }
 
 __all__ = [
@@ -48,12 +51,14 @@ __all__ = [
     "check_uncontaminated",
     "concatenate_and_pack",
     "first_fit",
+    "load_smollm2",
     "pack_sequences",
     "pack_iterable_dataset",
     "packing_efficiency",
     "patch_model",
     "position_ids_from_sample_index",
     "shuffle_rows",
+    "smollm2_path",
     "streaming_dataset_reader",
     "supported_model_types",
     "unpatch_model",
@@ -87,6 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
         position_ids_from_sample_index,
         shuffle_rows,
     )
+    from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated
     from unpack_trainer.streaming import StreamingPacker, pack_iterable_dataset, streaming_dataset_reader
     from unpack_trainer.trainer import SFTTrainer

