@@ -1,0 +1,401 @@
+"""Quality of packed training: held-out loss of padded vs packed runs (and packing variants), over several seeds.
+
+    python benchmarks/bench_quality.py                      # the README table: 3 seeds, every arm below
+    python benchmarks/bench_quality.py --seeds 0 1 2 3 4 --arms padded packed_bfd packed
+    python benchmarks/bench_quality.py --quick              # smoke test: 1 seed, 64 samples, 2 arms
+
+Every arm trains the tiny Llama of the main job (``examples/sft_packing.py``: hidden 128, 2 layers, about 0.4M
+parameters, random init) on the embedded instruction data (3,991 trained samples of 10 to 1,629 tokens), for the
+same number of epochs, from the same initial weights for a given seed (the seed also sets the data order and the
+packing shuffle), with the same optimizer and cosine learning-rate schedule. The padded arm's batch size is the
+average number of samples in the packed arms' optimizer steps, so every arm takes about the same number of steps of
+about the same number of samples. The held-out loss is the mean next-token loss over every trained token of the 200
+held-out samples, computed the same way for every arm. Runs go seed by seed, the arms in turn within a seed, in one
+process, with torch on one thread (the machine is shared).
+
+To stay under ~30 minutes on 2 shared cores, the default is smaller than the main job: rows of 512 tokens (samples
+longer than 512 tokens, 3% of them, are truncated in every arm), 2 rows per optimizer step (about 9 samples per step,
+like the main job's one row of 1,024 tokens), one epoch.
+
+Arms (``--arms``):
+
+- ``padded``: ``padding_free=False``, random batches padded to their longest sample (what ``trl.SFTTrainer`` does).
+- ``packed_bfd``: ``packing=True, packing_order="decreasing"``: best-fit decreasing, the packer before this benchmark.
+- ``packed_shuffled``: ``packing_order="shuffled"``: rows mix lengths at random, as full as best-fit decreasing.
+- ``packed_bfd_sample``, ``packed_shuffled_sample``: the same with ``loss_normalization="sample"``.
+- ``packed_shuffled_balanced``: shuffled rows, each step composed of rows with balanced sample counts.
+- ``packed_shuffled_cap``: shuffled rows of at most ``2 x`` the mean samples per row.
+- ``padded_sample``: padded with ``loss_normalization="sample"``.
+- ``packed``: the default ``unpack_trainer.SFTConfig(packing=True)``, nothing else set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, format_table  # noqa: E402
+
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "padded": ("padded (trl default)", {"packing": False, "padding_free": False}),
+    "packed_bfd": ("packed, best-fit decreasing", {"packing": True, "packing_order": "decreasing"}),
+    "packed_shuffled": ("packed, shuffled best fit", {"packing": True, "packing_order": "shuffled"}),
+    "packed_bfd_sample": (
+        "packed, best-fit decreasing, per-sample loss",
+        {"packing": True, "packing_order": "decreasing", "loss_normalization": "sample"},
+    ),
+    "packed_shuffled_sample": (
+        "packed, shuffled, per-sample loss",
+        {"packing": True, "packing_order": "shuffled", "loss_normalization": "sample"},
+    ),
+    "packed_shuffled_balanced": (
+        "packed, shuffled, balanced steps",
+        {"packing": True, "packing_order": "shuffled", "balance_samples_per_step": True},
+    ),
+    "packed_shuffled_cap": (
+        "packed, shuffled, <= 2x mean samples/row",
+        {"packing": True, "packing_order": "shuffled"},
+    ),
+    "padded_sample": (
+        "padded, per-sample loss",
+        {"packing": False, "padding_free": False, "loss_normalization": "sample"},
+    ),
+    "packed": ("packed, unpack_trainer defaults", {"packing": True}),
+}
+DEFAULT_ARMS = ("padded", "packed_bfd", "packed_shuffled", "packed_bfd_sample", "packed_shuffled_balanced", "packed")
+RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_quality.json"
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run. ``samples_per_step`` holds the sample count of every optimizer step."""
+
+    arm: str
+    seed: int
+    eval_loss: float
+    final_train_loss: float
+    steps: int
+    samples_per_step: list[int]
+    train_s: float
+    real_tokens: int
+    rows_fill: float | None
+
+
+def held_out_loss(trainer: Any) -> float:
+    """Mean next-token loss over every trained token of the eval set (summed, then divided by the token count), so
+    it does not depend on how the samples are batched, padded or flattened."""
+    import torch
+    import torch.nn.functional as F
+
+    model = trainer.model
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in trainer.get_eval_dataloader():
+            labels = batch.pop("labels")
+            for key in ("completion_mask", "assistant_masks"):
+                batch.pop(key, None)
+            logits = model(**batch).logits[:, :-1].float()
+            targets = labels[:, 1:]
+            trained = targets != -100
+            total += float(F.cross_entropy(logits[trained], targets[trained], reduction="sum"))
+            count += int(trained.sum())
+    model.train()
+    return total / max(count, 1)
+
+
+class _Recorder:
+    """Wraps the collator: real tokens and samples of every batch (padding and the pad pseudo-sample excluded)."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+        self.batches: list[tuple[int, int]] = []
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collate(examples)
+        if "attention_mask" in batch:
+            real, samples = int(batch["attention_mask"].sum()), int(batch["input_ids"].shape[0])
+        else:
+            samples = sum(len(e["seq_lengths"]) if "seq_lengths" in e else 1 for e in examples)
+            real = sum(len(e["input_ids"]) for e in examples)
+        self.batches.append((real, samples))
+        return batch
+
+
+def train_arm(
+    arm: str,
+    seed: int,
+    *,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    max_length: int,
+    rows_per_step: int,
+    padded_batch_size: int,
+    max_samples_per_row: int | None,
+    epochs: float,
+    learning_rate: float,
+    output_dir: str,
+) -> Run:
+    import torch
+    from transformers import LlamaForCausalLM, PrinterCallback, TrainerCallback
+
+    from unpack_trainer import SFTConfig, SFTTrainer
+    from unpack_trainer.default_data import tiny_model_config
+
+    overrides = dict(ARMS[arm][1])
+    packed = overrides["packing"]
+    if arm == "packed_shuffled_cap":
+        overrides["max_samples_per_row"] = max_samples_per_row
+    args = SFTConfig(
+        output_dir=output_dir,
+        max_length=max_length,
+        num_train_epochs=epochs,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        weight_decay=0.0,
+        per_device_train_batch_size=rows_per_step if packed else padded_batch_size,
+        per_device_eval_batch_size=8,
+        eval_packing=False,
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=seed,
+        data_seed=seed,
+        **overrides,
+        **_checkpointing_off(SFTConfig),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_model_config(tokenizer))
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer
+    )
+    recorder = _Recorder(trainer.data_collator)
+    trainer.data_collator = recorder
+    losses: list[tuple[int, float]] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append((state.global_step, float(logs["loss"])))
+
+    trainer.add_callback(Losses())
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    output = trainer.train()
+    train_s = time.perf_counter() - start
+    trainer.data_collator = recorder.collate
+    eval_loss = held_out_loss(trainer)
+    per_step = args.per_device_train_batch_size and 1  # one batch per step (no gradient accumulation)
+    batches = recorder.batches[: output.global_step * per_step]
+    tail = [loss for step, loss in losses if step >= 0.9 * output.global_step] or [losses[-1][1]]
+    stats = trainer.unpack_stats
+    return Run(
+        arm=arm,
+        seed=seed,
+        eval_loss=eval_loss,
+        final_train_loss=sum(tail) / len(tail),
+        steps=output.global_step,
+        samples_per_step=[samples for _, samples in batches],
+        train_s=train_s,
+        real_tokens=sum(real for real, _ in batches),
+        rows_fill=stats.get("efficiency") if packed else None,
+    )
+
+
+def _checkpointing_off(config_cls: type) -> dict[str, bool]:
+    """Activation checkpointing off under the name this transformers version uses."""
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    return (
+        {"activation_checkpointing": False}
+        if "activation_checkpointing" in names
+        else {"gradient_checkpointing": False}
+    )
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(runs: list[Run], arms: list[str]) -> str:
+    """The markdown table: one line per arm, means (± std over seeds) and the paired difference to ``padded``."""
+    by_arm = {arm: sorted((r for r in runs if r.arm == arm), key=lambda r: r.seed) for arm in arms}
+    padded = {r.seed: r for r in by_arm.get("padded", [])}
+    headers = [
+        "arm",
+        "held-out loss/token",
+        "vs padded (paired)",
+        "final train loss",
+        "steps",
+        "samples/step mean (min-max)",
+        "train s",
+        "real tokens/s",
+        "rows full",
+    ]
+    rows = []
+    for arm in arms:
+        group = by_arm[arm]
+        if not group:
+            continue
+        loss, loss_std = _mean_std([r.eval_loss for r in group])
+        diffs = [r.eval_loss - padded[r.seed].eval_loss for r in group if r.seed in padded]
+        if arm != "padded" and len(diffs) > 0:
+            diff, diff_std = _mean_std(diffs)
+            versus = f"{diff:+.3f} ± {diff_std:.3f}"
+        else:
+            versus = "-"
+        counts = [c for r in group for c in r.samples_per_step]
+        seconds = statistics.fmean(r.train_s for r in group)
+        fill = [r.rows_fill for r in group if r.rows_fill is not None]
+        rows.append(
+            [
+                ARMS[arm][0],
+                f"{loss:.3f} ± {loss_std:.3f}",
+                versus,
+                f"{statistics.fmean(r.final_train_loss for r in group):.3f}",
+                f"{statistics.fmean(r.steps for r in group):.0f}",
+                f"{statistics.fmean(counts):.1f} ({min(counts)}-{max(counts)})",
+                f"{seconds:.0f}",
+                f"{statistics.fmean(r.real_tokens / r.train_s for r in group):,.0f}",
+                f"{statistics.fmean(fill):.2%}" if fill else "-",
+            ]
+        )
+    return format_table(headers, rows)
+
+
+def seed_noise(runs: list[Run]) -> dict[str, float]:
+    """Std over seeds of the padded held-out loss, and of the paired difference (default packed - padded)."""
+    padded = {r.seed: r.eval_loss for r in runs if r.arm == "padded"}
+    packed = {r.seed: r.eval_loss for r in runs if r.arm == "packed"}
+    out: dict[str, float] = {}
+    if len(padded) > 1:
+        out["padded_std"] = statistics.stdev(padded.values())
+        out["padded_mean"] = statistics.fmean(padded.values())
+    diffs = [packed[s] - padded[s] for s in packed if s in padded]
+    if len(diffs) > 1:
+        out["diff_mean"] = statistics.fmean(diffs)
+        out["diff_std"] = statistics.stdev(diffs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
+    parser.add_argument("--max-length", type=int, default=512, help="tokens per packed row (and truncation length)")
+    parser.add_argument("--rows-per-step", type=int, default=2, help="packed rows per optimizer step")
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--train-samples", type=int, help="use the first N training samples (default: all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write every run's figures")
+    parser.add_argument("--quick", action="store_true", help="smoke test: seed 0, 64 samples, padded and packed")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seeds, args.arms, args.train_samples = [0], ["padded", "packed"], 64
+
+    import datasets
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer.default_data import load_default_dataset, load_default_tokenizer
+    from unpack_trainer.packing import best_fit_decreasing
+
+    torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    import logging
+
+    logging.getLogger("unpack_trainer").setLevel(logging.ERROR)
+    tokenizer = load_default_tokenizer()
+    train_dataset = load_default_dataset("train")
+    if args.train_samples:
+        train_dataset = train_dataset.select(range(min(args.train_samples, len(train_dataset))))
+    eval_dataset = load_default_dataset("eval")
+    if args.quick:
+        eval_dataset = eval_dataset.select(range(16))
+
+    # Samples per packed row, from the lengths the trainer will see (text + completion, truncated to max_length).
+    lengths = [
+        min(len(tokenizer(p + c)["input_ids"]), args.max_length)
+        for p, c in zip(train_dataset["prompt"], train_dataset["completion"])
+    ]
+    per_row = len(lengths) / len(best_fit_decreasing(lengths, args.max_length))
+    padded_batch_size = max(1, round(per_row * args.rows_per_step))
+    max_samples_per_row = max(1, math.ceil(2 * per_row))
+    print(
+        f"{len(lengths):,} samples, {per_row:.2f} per packed row of {args.max_length}: padded batch "
+        f"{padded_batch_size}, packed {args.rows_per_step} row(s) per step",
+        file=sys.stderr,
+        flush=True,
+    )
+    runs: list[Run] = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for arm in args.arms:
+                run = train_arm(
+                    arm,
+                    seed,
+                    tokenizer=tokenizer,
+                    train_dataset=train_dataset,
+                    eval_dataset=eval_dataset,
+                    max_length=args.max_length,
+                    rows_per_step=args.rows_per_step,
+                    padded_batch_size=padded_batch_size,
+                    max_samples_per_row=max_samples_per_row,
+                    epochs=args.epochs,
+                    learning_rate=args.learning_rate,
+                    output_dir=os.path.join(tmp, arm),
+                )
+                runs.append(run)
+                print(
+                    f"seed {seed} {arm:<26} held-out {run.eval_loss:.4f}  train {run.final_train_loss:.3f}  "
+                    f"steps {run.steps}  {run.train_s:.0f} s  ({time.perf_counter() - start:.0f} s so far)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    command = "python benchmarks/bench_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = environment()
+    print(f"## Quality: held-out loss, padded vs packed, seeds {args.seeds}\n")
+    print(f"`{command.strip()}`\n")
+    print(", ".join(f"{k} {v}" for k, v in env.items()) + f", torch threads {args.threads}\n")
+    print(
+        f"tiny Llama (0.4M parameters), embedded data ({len(lengths):,} training samples, {len(eval_dataset)} held-out), "
+        f"max_length {args.max_length}, {args.epochs:g} epoch(s), lr {args.learning_rate:g} cosine, packed "
+        f"{args.rows_per_step} row(s)/step, padded batch {padded_batch_size}; mean ± std over seeds; "
+        f"total {time.perf_counter() - start:.0f} s\n"
+    )
+    print(summarize(runs, args.arms))
+    noise = seed_noise(runs)
+    if noise:
+        print("\n" + ", ".join(f"{k} {v:.4f}" for k, v in noise.items()))
+    payload = {
+        "command": command.strip(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "padded_batch_size": padded_batch_size,
+        "seed_noise": noise,
+        "runs": [dataclasses.asdict(r) for r in runs],
+    }
+    if not args.quick:
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
