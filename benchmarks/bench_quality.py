@@ -26,7 +26,8 @@ Arms (``--arms``):
 - ``packed_shuffled_balanced``: shuffled rows, each step composed of rows with balanced sample counts.
 - ``packed_shuffled_cap``: shuffled rows of at most ``2 x`` the mean samples per row.
 - ``padded_sample``: padded with ``loss_normalization="sample"``.
-- ``packed``: the default ``unpack_trainer.SFTConfig(packing=True)``, nothing else set.
+
+The arm whose settings are ``unpack_trainer.SFTConfig``'s defaults is marked "(default)" in the table.
 """
 
 from __future__ import annotations
@@ -71,9 +72,23 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
         "padded, per-sample loss",
         {"packing": False, "padding_free": False, "loss_normalization": "sample"},
     ),
-    "packed": ("packed, unpack_trainer defaults", {"packing": True}),
 }
-DEFAULT_ARMS = ("padded", "packed_bfd", "packed_shuffled", "packed_bfd_sample", "packed_shuffled_balanced", "packed")
+DEFAULT_ARMS = ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_sample", "packed_shuffled_balanced")
+LEVERS = ("packing_order", "max_samples_per_row", "loss_normalization", "balance_samples_per_step")
+
+
+def default_packed_arm() -> str:
+    """The arm whose settings are ``unpack_trainer.SFTConfig``'s defaults for every lever."""
+    from unpack_trainer import SFTConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(SFTConfig)}
+    for arm, (_, overrides) in ARMS.items():
+        if overrides.get("packing") and arm != "packed_shuffled_cap":
+            if all(overrides.get(name, fields[name]) == fields[name] for name in LEVERS):
+                return arm
+    raise RuntimeError("no arm has the default settings")
+
+
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_quality.json"
 
 
@@ -248,6 +263,7 @@ def summarize(runs: list[Run], arms: list[str]) -> str:
         "rows full",
     ]
     rows = []
+    default = default_packed_arm()
     for arm in arms:
         group = by_arm[arm]
         if not group:
@@ -264,7 +280,7 @@ def summarize(runs: list[Run], arms: list[str]) -> str:
         fill = [r.rows_fill for r in group if r.rows_fill is not None]
         rows.append(
             [
-                ARMS[arm][0],
+                ARMS[arm][0] + (" (default)" if arm == default else ""),
                 f"{loss:.3f} ± {loss_std:.3f}",
                 versus,
                 f"{statistics.fmean(r.final_train_loss for r in group):.3f}",
@@ -281,7 +297,7 @@ def summarize(runs: list[Run], arms: list[str]) -> str:
 def seed_noise(runs: list[Run]) -> dict[str, float]:
     """Std over seeds of the padded held-out loss, and of the paired difference (default packed - padded)."""
     padded = {r.seed: r.eval_loss for r in runs if r.arm == "padded"}
-    packed = {r.seed: r.eval_loss for r in runs if r.arm == "packed"}
+    packed = {r.seed: r.eval_loss for r in runs if r.arm == default_packed_arm()}
     out: dict[str, float] = {}
     if len(padded) > 1:
         out["padded_std"] = statistics.stdev(padded.values())
@@ -301,13 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows-per-step", type=int, default=2, help="packed rows per optimizer step")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--train-samples", type=int, help="use the first N training samples (default: all)")
+    parser.add_argument(
+        "--train-samples", type=int, default=2000, help="use the first N training samples (0: all 4,000)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write every run's figures")
     parser.add_argument("--quick", action="store_true", help="smoke test: seed 0, 64 samples, padded and packed")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seeds, args.arms, args.train_samples = [0], ["padded", "packed"], 64
+        args.seeds, args.arms, args.train_samples = [0], ["padded", default_packed_arm()], 64
 
     import datasets
     import torch

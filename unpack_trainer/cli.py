@@ -830,8 +830,9 @@ def _run_bench(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             providers=args.providers,
             data=args.data,
+            repeats=args.repeats,
         )
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         raise CLIError(str(error)) from None
     print(report)
     return 0
