@@ -73,7 +73,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
         {"packing": False, "padding_free": False, "loss_normalization": "sample"},
     ),
 }
-DEFAULT_ARMS = ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_sample", "packed_shuffled_balanced")
+DEFAULT_ARMS = ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_balanced", "packed_shuffled_sample")
 LEVERS = ("packing_order", "max_samples_per_row", "loss_normalization", "balance_samples_per_step")
 
 
@@ -105,6 +105,7 @@ class Run:
     train_s: float
     real_tokens: int
     rows_fill: float | None
+    long_share: float
 
 
 def held_out_loss(trainer: Any) -> float:
@@ -136,16 +137,40 @@ class _Recorder:
     def __init__(self, collate: Any) -> None:
         self.collate = collate
         self.batches: list[tuple[int, int]] = []
+        self.trained: list[list[int]] = []  # per batch: trained tokens of each sample
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collate(examples)
+        labels = batch["labels"]
         if "attention_mask" in batch:
             real, samples = int(batch["attention_mask"].sum()), int(batch["input_ids"].shape[0])
+            trained = (labels[:, 1:] != -100).sum(dim=1).tolist()
         else:
             samples = sum(len(e["seq_lengths"]) if "seq_lengths" in e else 1 for e in examples)
             real = sum(len(e["input_ids"]) for e in examples)
+            pieces = labels[0].split(batch["packed_seq_lengths"].tolist())
+            trained = [int((piece != -100).sum()) for piece in pieces][:samples]
         self.batches.append((real, samples))
+        self.trained.append(trained)
         return batch
+
+
+def long_sample_weight_share(trained_per_step: list[list[int]], normalization: str) -> float:
+    """Share of the epoch's gradient weight carried by the 10% of samples with the most trained tokens.
+
+    In a step normalized per token, sample ``i`` weighs ``t_i / (trained tokens of the step)``; per sample, ``1 /
+    (samples of the step)``. Every step weighs 1 in total, so the shares show which samples a run learns most from.
+    """
+    weights, sizes = [], []
+    for step in trained_per_step:
+        total, count = sum(step), sum(1 for t in step if t > 0)
+        for t in step:
+            if t > 0:
+                weights.append(t / total if normalization == "token" else 1 / count)
+                sizes.append(t)
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    top = order[: max(1, len(order) // 10)]
+    return sum(weights[i] for i in top) / sum(weights)
 
 
 def train_arm(
@@ -216,8 +241,7 @@ def train_arm(
     train_s = time.perf_counter() - start
     trainer.data_collator = recorder.collate
     eval_loss = held_out_loss(trainer)
-    per_step = args.per_device_train_batch_size and 1  # one batch per step (no gradient accumulation)
-    batches = recorder.batches[: output.global_step * per_step]
+    batches = recorder.batches[: output.global_step]  # one batch per step (no gradient accumulation)
     tail = [loss for step, loss in losses if step >= 0.9 * output.global_step] or [losses[-1][1]]
     stats = trainer.unpack_stats
     return Run(
@@ -230,6 +254,9 @@ def train_arm(
         train_s=train_s,
         real_tokens=sum(real for real, _ in batches),
         rows_fill=stats.get("efficiency") if packed else None,
+        long_share=long_sample_weight_share(
+            recorder.trained[: output.global_step], overrides.get("loss_normalization", "token")
+        ),
     )
 
 
@@ -294,6 +321,115 @@ def summarize(runs: list[Run], arms: list[str]) -> str:
     return format_table(headers, rows)
 
 
+def analyze(
+    train_dataset: Any,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    rows_per_step: int,
+    padded_batch_size: int,
+    seeds: list[int],
+) -> str:
+    """Without training: how each arm composes its optimizer steps, from the samples the trainer prepares.
+
+    Per arm (means over ``seeds``): rows and how full they are, samples per step, rows holding at most 2 samples, and
+    the share of the epoch's gradient weight carried by the 10% of samples with the most trained tokens, under
+    per-token and per-sample loss normalization ([`long_sample_weight_share`]).
+    """
+    import numpy as np
+
+    from unpack_trainer import SFTConfig, SFTTrainer
+    from unpack_trainer.default_data import tiny_model_config
+    from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import LlamaForCausalLM
+
+        trainer = SFTTrainer(
+            model=LlamaForCausalLM(tiny_model_config(tokenizer)),
+            args=SFTConfig(output_dir=tmp, max_length=max_length, packing=True, use_cpu=True, report_to="none"),
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+        )
+    lengths, trained = [], []
+    for row in trainer.train_dataset:
+        offset = 0
+        for length in row["seq_lengths"]:
+            labels = row["labels"][offset : offset + length]
+            lengths.append(length)
+            trained.append(sum(1 for label in labels[1:] if label != -100))
+            offset += length
+    lengths_array, trained_array = np.asarray(lengths), np.asarray(trained)
+    max_per_row = max(1, math.ceil(2 * len(lengths) / len(best_fit_decreasing(lengths_array, max_length))))
+    headers = [
+        "arm",
+        "rows",
+        "rows full",
+        "samples/step mean (min-max), std",
+        "rows with <= 2 samples",
+        "longest 10%: weight, per-token loss",
+        "per-sample loss",
+    ]
+    table = []
+    for arm in ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_balanced", "packed_shuffled_cap"):
+        stats: dict[str, list[float]] = {}
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            if arm == "padded":
+                order = rng.permutation(len(lengths))
+                steps = [order[k : k + padded_batch_size].tolist() for k in range(0, len(order), padded_batch_size)]
+                rows = None
+            else:
+                if arm == "packed_bfd":
+                    rows = best_fit_decreasing(lengths_array, max_length, seed=seed)
+                else:
+                    bound = max_per_row if arm == "packed_shuffled_cap" else None
+                    rows = shuffled_best_fit(lengths_array, max_length, seed=seed, max_samples_per_row=bound)
+                if arm == "packed_shuffled_balanced":
+                    order = balanced_step_order([len(r) for r in rows], rows_per_step, seed=seed)
+                else:
+                    order = rng.permutation(len(rows)).tolist()
+                ordered = [rows[i] for i in order]
+                steps = [
+                    [i for row in ordered[k : k + rows_per_step] for i in row]
+                    for k in range(0, len(ordered), rows_per_step)
+                ]
+            per_step = [[int(trained_array[i]) for i in step] for step in steps]
+            counts = [len(step) for step in steps]
+            values = {
+                "rows": len(rows) if rows else float("nan"),
+                "fill": lengths_array.sum() / (len(rows) * max_length) if rows else float("nan"),
+                "mean": statistics.fmean(counts),
+                "min": min(counts),
+                "max": max(counts),
+                "std": statistics.pstdev(counts),
+                "small": sum(len(r) <= 2 for r in rows) if rows else float("nan"),
+                "token": long_sample_weight_share(per_step, "token"),
+                "sample": long_sample_weight_share(per_step, "sample"),
+            }
+            for key, value in values.items():
+                stats.setdefault(key, []).append(value)
+        m = {key: statistics.fmean(values) for key, values in stats.items()}
+        packed = arm != "padded"
+        table.append(
+            [
+                ARMS[arm][0] + (f" ({max_per_row})" if arm == "packed_shuffled_cap" else ""),
+                f"{m['rows']:.0f}" if packed else "-",
+                f"{m['fill']:.2%}" if packed else "-",
+                f"{m['mean']:.1f} ({min(stats['min'])}-{max(stats['max'])}), {m['std']:.1f}",
+                f"{m['small']:.0f}" if packed else "-",
+                f"{m['token']:.1%}",
+                f"{m['sample']:.1%}",
+            ]
+        )
+    top = np.sort(trained_array)[::-1][: max(1, len(trained) // 10)]
+    note = (
+        f"{len(lengths):,} samples; the 10% with the most trained tokens hold {top.sum() / trained_array.sum():.1%} "
+        f"of the trained tokens (and 10% of the samples); means over seeds {seeds}"
+    )
+    return format_table(headers, table) + "\n\n" + note
+
+
 def seed_noise(runs: list[Run]) -> dict[str, float]:
     """Std over seeds of the padded held-out loss, and of the paired difference (default packed - padded)."""
     padded = {r.seed: r.eval_loss for r in runs if r.arm == "padded"}
@@ -306,6 +442,37 @@ def seed_noise(runs: list[Run]) -> dict[str, float]:
     if len(diffs) > 1:
         out["diff_mean"] = statistics.fmean(diffs)
         out["diff_std"] = statistics.stdev(diffs)
+    return out
+
+
+def _run_seeds_in_parallel(args: argparse.Namespace, argv: list[str]) -> list[Run]:
+    """One process per group of seeds (``--jobs`` processes), each running every arm in turn; returns all runs."""
+    import subprocess
+
+    groups = [args.seeds[i :: args.jobs] for i in range(min(args.jobs, len(args.seeds)))]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for index, seeds in enumerate(groups):
+            out = Path(tmp) / f"seeds{index}.json"
+            command = [sys.executable, __file__, *_strip_options(argv, ("--seeds", "--json", "--jobs"))]
+            command += ["--seeds", *map(str, seeds), "--json", str(out), "--worker"]
+            procs.append((subprocess.Popen(command), out))
+        runs = []
+        for proc, out in procs:
+            if proc.wait() != 0:
+                raise RuntimeError(f"benchmark worker {proc.args} failed with code {proc.returncode}")
+            runs += [Run(**run) for run in json.loads(out.read_text())]
+    return sorted(runs, key=lambda r: (r.seed, args.arms.index(r.arm)))
+
+
+def _strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the options ``names`` and their values."""
+    out, skipping = [], False
+    for item in argv:
+        if item.startswith("--"):
+            skipping = item.split("=")[0] in names
+        if not skipping:
+            out.append(item)
     return out
 
 
@@ -323,6 +490,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write every run's figures")
     parser.add_argument("--quick", action="store_true", help="smoke test: seed 0, 64 samples, padded and packed")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="seeds trained in parallel processes (each runs every arm in turn)"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--analyze",
+        action="store_true",
+        help="no training: how every arm composes its optimizer steps (samples per step, weight of long samples)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.arms, args.train_samples = [0], ["padded", default_packed_arm()], 64
@@ -362,32 +538,52 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
         flush=True,
     )
+    if args.analyze:
+        print(f"## Step composition per arm (no training), max_length {args.max_length}\n")
+        print(f"`python benchmarks/bench_quality.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n")
+        print(
+            analyze(
+                train_dataset,
+                tokenizer,
+                max_length=args.max_length,
+                rows_per_step=args.rows_per_step,
+                padded_batch_size=padded_batch_size,
+                seeds=args.seeds,
+            )
+        )
+        return
     runs: list[Run] = []
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            for arm in args.arms:
-                run = train_arm(
-                    arm,
-                    seed,
-                    tokenizer=tokenizer,
-                    train_dataset=train_dataset,
-                    eval_dataset=eval_dataset,
-                    max_length=args.max_length,
-                    rows_per_step=args.rows_per_step,
-                    padded_batch_size=padded_batch_size,
-                    max_samples_per_row=max_samples_per_row,
-                    epochs=args.epochs,
-                    learning_rate=args.learning_rate,
-                    output_dir=os.path.join(tmp, arm),
-                )
-                runs.append(run)
-                print(
-                    f"seed {seed} {arm:<26} held-out {run.eval_loss:.4f}  train {run.final_train_loss:.3f}  "
-                    f"steps {run.steps}  {run.train_s:.0f} s  ({time.perf_counter() - start:.0f} s so far)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    if args.jobs > 1 and len(args.seeds) > 1 and not args.worker:
+        runs = _run_seeds_in_parallel(args, argv if argv is not None else sys.argv[1:])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for seed in args.seeds:
+                for arm in args.arms:
+                    run = train_arm(
+                        arm,
+                        seed,
+                        tokenizer=tokenizer,
+                        train_dataset=train_dataset,
+                        eval_dataset=eval_dataset,
+                        max_length=args.max_length,
+                        rows_per_step=args.rows_per_step,
+                        padded_batch_size=padded_batch_size,
+                        max_samples_per_row=max_samples_per_row,
+                        epochs=args.epochs,
+                        learning_rate=args.learning_rate,
+                        output_dir=os.path.join(tmp, arm),
+                    )
+                    runs.append(run)
+                    print(
+                        f"seed {seed} {arm:<26} held-out {run.eval_loss:.4f}  train {run.final_train_loss:.3f}  "
+                        f"steps {run.steps}  {run.train_s:.0f} s  ({time.perf_counter() - start:.0f} s so far)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    if args.worker:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in runs]))
+        return
     command = "python benchmarks/bench_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment()
     print(f"## Quality: held-out loss, padded vs packed, seeds {args.seeds}\n")

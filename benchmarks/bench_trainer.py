@@ -5,7 +5,7 @@ spread (min-max) of tokens/s and of every ratio (paired within a round); a ratio
 "not significant".
 
     python benchmarks/bench_trainer.py                              # max_length 2048 and 8192, lognormal lengths
-    python benchmarks/bench_trainer.py --max-lengths 2048 --steps 4 --repeats 5
+    python benchmarks/bench_trainer.py --max-lengths 2048 --steps 4 --repeats 5 --threads 1   # steadier on a busy machine
     unpack-trainer bench                                            # the same on the embedded default data
 
 Tiny Llama (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096), pre-tokenized data with lognormal lengths

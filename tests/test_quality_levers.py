@@ -180,7 +180,9 @@ def test_shuffled_best_fit_errors():
 
 
 @settings(max_examples=60, deadline=None)
-@given(counts=st.lists(st.integers(1, 50), min_size=1, max_size=200), per_step=st.integers(1, 6), seed=st.integers(0, 99))
+@given(
+    counts=st.lists(st.integers(1, 50), min_size=1, max_size=200), per_step=st.integers(1, 6), seed=st.integers(0, 99)
+)
 def test_balanced_step_order_is_a_permutation(counts, per_step, seed):
     order = balanced_step_order(counts, per_step, seed=seed)
     assert sorted(order) == list(range(len(counts)))

@@ -9,7 +9,7 @@ def test_providers_run_interleaved_and_ratios_crossing_one_are_flagged(monkeypat
     calls = []
     speeds = {"trl_padded": [100.0, 100.0, 100.0], "trl_packing": [200.0, 90.0, 150.0], "unpack_packing": [400.0] * 3}
 
-    def fake_run(provider, max_length, steps, batch_size, data):
+    def fake_run(provider, max_length, steps, batch_size, data, threads=None):
         calls.append(provider)
         speed = speeds[provider][sum(1 for c in calls if c == provider) - 1]
         return {"tokens_per_s": speed, "seconds_per_step": 1.0, "first_step_s": 2.0, "peak_rss_mb": 10.0}

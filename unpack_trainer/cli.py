@@ -831,6 +831,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             providers=args.providers,
             data=args.data,
             repeats=args.repeats,
+            threads=args.threads,
         )
     except (RuntimeError, ValueError) as error:
         raise CLIError(str(error)) from None

@@ -85,9 +85,16 @@ def _setup(data: str, max_length: int, num_samples: int):
     return model, _word_tokenizer(), dataset
 
 
-def run_case(provider: str, max_length: int, steps: int, batch_size: int, data: str = "lognormal") -> dict:
-    """Train ``steps`` + 1 optimizer steps in this process and return throughput figures as a dict."""
+def run_case(
+    provider: str, max_length: int, steps: int, batch_size: int, data: str = "lognormal", threads: int | None = None
+) -> dict:
+    """Train ``steps`` + 1 optimizer steps in this process (on ``threads`` torch CPU threads; ``None``: torch's
+    default) and return throughput figures as a dict."""
+    import torch
     import trl
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     from datasets.utils.logging import disable_progress_bar
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
@@ -169,7 +176,9 @@ def _environment() -> str:
     )
 
 
-def _run_in_subprocess(provider: str, max_length: int, steps: int, batch_size: int, data: str) -> dict:
+def _run_in_subprocess(
+    provider: str, max_length: int, steps: int, batch_size: int, data: str, threads: int | None = None
+) -> dict:
     command = [
         sys.executable,
         "-m",
@@ -183,6 +192,8 @@ def _run_in_subprocess(provider: str, max_length: int, steps: int, batch_size: i
         "--data",
         data,
     ]
+    if threads is not None:
+        command += ["--threads", str(threads)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark case {provider} @ {max_length} failed:\n{proc.stderr[-4000:]}")
@@ -225,6 +236,7 @@ def compare(
     providers: Sequence[str] = tuple(PROVIDERS),
     data: str = "lognormal",
     repeats: int = 3,
+    threads: int | None = None,
     progress: bool = True,
 ) -> str:
     """Run every provider at every ``max_length``, each case in its own process, interleaved (A B C D A B C D ...)
@@ -247,7 +259,7 @@ def compare(
         results: dict[str, list[dict]] = {provider: [] for provider in providers}
         for round_index in range(repeats):
             for provider in providers:
-                result = _run_in_subprocess(provider, max_length, steps, batch_size, data)
+                result = _run_in_subprocess(provider, max_length, steps, batch_size, data, threads)
                 results[provider].append(result)
                 if progress:
                     print(
@@ -283,7 +295,7 @@ def compare(
                 )
     title = (
         f"Trainer throughput, real (non-pad) tokens/s, data={data}, {steps} timed steps, batch {batch_size}, "
-        f"{repeats} interleaved repeats"
+        f"{repeats} interleaved repeats" + (f", torch threads {threads}" if threads is not None else "")
     )
     return "\n".join([f"## {title}", "", _environment(), "", _format_table(headers, table), "", *notes])
 
@@ -298,6 +310,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_data: str) -> None
         "--repeats", type=int, default=3, help="rounds of the interleaved providers (A B C D A B C D ...)"
     )
     parser.add_argument(
+        "--threads", type=int, help="torch CPU threads per case (default: torch's); 1 is steadier on a busy machine"
+    )
+    parser.add_argument(
         "--data", choices=DATASETS, default=default_data, help="lognormal token ids or the embedded data"
     )
 
@@ -309,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.case:
         provider, max_length = args.case.split(":")
-        print(json.dumps(run_case(provider, int(max_length), args.steps, args.batch_size, args.data)))
+        print(json.dumps(run_case(provider, int(max_length), args.steps, args.batch_size, args.data, args.threads)))
         return
     print(
         compare(
@@ -319,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             providers=args.providers,
             data=args.data,
             repeats=args.repeats,
+            threads=args.threads,
         )
     )
 
