@@ -321,6 +321,32 @@ def summarize(runs: list[Run], arms: list[str]) -> str:
     return format_table(headers, rows)
 
 
+def prepared_samples(train_dataset: Any, tokenizer: Any, max_length: int) -> tuple[list[int], list[int]]:
+    """Every training sample's length and trained-token count as the trainer prepares them (chat template, EOS,
+    truncation to ``max_length``, samples without a trained token dropped): read back from a packed trainer's rows."""
+    from transformers import LlamaForCausalLM
+
+    from unpack_trainer import SFTConfig, SFTTrainer
+    from unpack_trainer.default_data import tiny_model_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = SFTTrainer(
+            model=LlamaForCausalLM(tiny_model_config(tokenizer)),
+            args=SFTConfig(output_dir=tmp, max_length=max_length, packing=True, use_cpu=True, report_to="none"),
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+        )
+    lengths, trained = [], []
+    for row in trainer.train_dataset:
+        offset = 0
+        for length in row["seq_lengths"]:
+            labels = row["labels"][offset : offset + length]
+            lengths.append(length)
+            trained.append(sum(1 for label in labels[1:] if label != -100))
+            offset += length
+    return lengths, trained
+
+
 def analyze(
     train_dataset: Any,
     tokenizer: Any,
@@ -338,27 +364,9 @@ def analyze(
     """
     import numpy as np
 
-    from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.default_data import tiny_model_config
     from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit
 
-    with tempfile.TemporaryDirectory() as tmp:
-        from transformers import LlamaForCausalLM
-
-        trainer = SFTTrainer(
-            model=LlamaForCausalLM(tiny_model_config(tokenizer)),
-            args=SFTConfig(output_dir=tmp, max_length=max_length, packing=True, use_cpu=True, report_to="none"),
-            train_dataset=train_dataset,
-            processing_class=tokenizer,
-        )
-    lengths, trained = [], []
-    for row in trainer.train_dataset:
-        offset = 0
-        for length in row["seq_lengths"]:
-            labels = row["labels"][offset : offset + length]
-            lengths.append(length)
-            trained.append(sum(1 for label in labels[1:] if label != -100))
-            offset += length
+    lengths, trained = prepared_samples(train_dataset, tokenizer, max_length)
     lengths_array, trained_array = np.asarray(lengths), np.asarray(trained)
     max_per_row = max(1, math.ceil(2 * len(lengths) / len(best_fit_decreasing(lengths_array, max_length))))
     headers = [
@@ -524,11 +532,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         eval_dataset = eval_dataset.select(range(16))
 
-    # Samples per packed row, from the lengths the trainer will see (text + completion, truncated to max_length).
-    lengths = [
-        min(len(tokenizer(p + c)["input_ids"]), args.max_length)
-        for p, c in zip(train_dataset["prompt"], train_dataset["completion"])
-    ]
+    # Samples per packed row, from the samples exactly as the trainer prepares them, so that the padded batch holds
+    # as many samples as the packed arms' steps on average.
+    lengths, _ = prepared_samples(train_dataset, tokenizer, args.max_length)
     per_row = len(lengths) / len(best_fit_decreasing(lengths, args.max_length))
     padded_batch_size = max(1, round(per_row * args.rows_per_step))
     max_samples_per_row = max(1, math.ceil(2 * per_row))
