@@ -48,17 +48,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, format_table  # noqa: E402
 
+_UNBALANCED = {"balance_samples_per_step": False}
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "padded": ("padded (trl default)", {"packing": False, "padding_free": False}),
-    "packed_bfd": ("packed, best-fit decreasing", {"packing": True, "packing_order": "decreasing"}),
-    "packed_shuffled": ("packed, shuffled best fit", {"packing": True, "packing_order": "shuffled"}),
+    "packed_bfd": ("packed, best-fit decreasing", {"packing": True, "packing_order": "decreasing", **_UNBALANCED}),
+    "packed_shuffled": ("packed, shuffled best fit", {"packing": True, "packing_order": "shuffled", **_UNBALANCED}),
     "packed_bfd_sample": (
         "packed, best-fit decreasing, per-sample loss",
-        {"packing": True, "packing_order": "decreasing", "loss_normalization": "sample"},
+        {"packing": True, "packing_order": "decreasing", "loss_normalization": "sample", **_UNBALANCED},
     ),
     "packed_shuffled_sample": (
         "packed, shuffled, per-sample loss",
-        {"packing": True, "packing_order": "shuffled", "loss_normalization": "sample"},
+        {"packing": True, "packing_order": "shuffled", "loss_normalization": "sample", **_UNBALANCED},
     ),
     "packed_shuffled_balanced": (
         "packed, shuffled, balanced steps",
@@ -66,7 +67,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "packed_shuffled_cap": (
         "packed, shuffled, <= 2x mean samples/row",
-        {"packing": True, "packing_order": "shuffled"},
+        {"packing": True, "packing_order": "shuffled", **_UNBALANCED},
     ),
     "padded_sample": (
         "padded, per-sample loss",

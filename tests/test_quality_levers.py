@@ -216,7 +216,9 @@ def test_trainer_uses_the_balanced_sampler(tokenizer, tmp_path):
     assert list(sampler) != order
     plain = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True, max_length=32, per_device_train_batch_size=2),
+        args=_args(
+            tmp_path, packing=True, max_length=32, per_device_train_batch_size=2, balance_samples_per_step=False
+        ),
         train_dataset=_prompt_completion(60),
         processing_class=tokenizer,
     )

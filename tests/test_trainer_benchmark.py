@@ -23,4 +23,5 @@ def test_providers_run_interleaved_and_ratios_crossing_one_are_flagged(monkeypat
     assert "1.50x (0.90-2.00), not significant" in packing  # vs padded: 2.0, 0.9, 1.5
     unpack = lines[bench.PROVIDERS["unpack_packing"]]
     assert "4.00x (4.00-4.00) |" in unpack and "2.67x (2.00-4.44) |" in unpack  # paired per round
+    assert "| 1.00x | 0.67x (0.50-1.11), not significant |" in lines[bench.PROVIDERS["trl_padded"]]
     assert "3 interleaved repeats" in report

@@ -44,11 +44,13 @@ class SFTConfig(trl.SFTConfig):
             mean token loss, so every sample weighs the same whatever its length; a packed row counts each of its
             samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss.
             Not supported with `loss_type="dft"`, label smoothing or a custom `compute_loss_func`.
-        balance_samples_per_step (`bool`, *optional*, defaults to `False`):
+        balance_samples_per_step (`bool`, *optional*, defaults to `True`):
             With `packing=True` and several packed rows per optimizer step (`per_device_train_batch_size *
             gradient_accumulation_steps > 1`), compose each step from rows whose sample counts balance out (rows
             with many short samples with rows of few long ones) instead of rows drawn at random, so every step
-            holds about the same number of samples. The order of the steps is shuffled with `seed` each epoch.
+            holds about the same number of samples. The order of the steps is shuffled with `seed` each epoch. With one
+            row per step it has nothing to balance (the rows are then drawn at random as usual). On the quality
+            benchmark (README) this brought the packed held-out loss from +0.035 to +0.004 of the padded run's.
     """
 
     padding_free: bool | None = field(
@@ -84,7 +86,7 @@ class SFTConfig(trl.SFTConfig):
         },
     )
     balance_samples_per_step: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "With packing=True and several rows per optimizer step: compose each step from rows whose sample "
             "counts balance out, so every step holds about the same number of samples."

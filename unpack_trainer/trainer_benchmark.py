@@ -270,7 +270,9 @@ def compare(
         for provider, runs in results.items():
             tokens = [r["tokens_per_s"] for r in runs]
             ratios = [
-                ratio_cell([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, results[base])])
+                "1.00x"
+                if base == provider
+                else ratio_cell([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, results[base])])
                 if base in results
                 else "-"
                 for base in ("trl_padded", "trl_packing")
