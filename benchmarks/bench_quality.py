@@ -1,7 +1,8 @@
 """Quality of packed training: held-out loss of padded vs packed runs (and packing variants), over several seeds.
 
-    python benchmarks/bench_quality.py                      # the README table: 3 seeds, every arm below
-    python benchmarks/bench_quality.py --seeds 0 1 2 3 4 --arms padded packed_bfd packed
+    python benchmarks/bench_quality.py --jobs 3             # the README table: 3 seeds in parallel processes
+    python benchmarks/bench_quality.py --seeds 0 1 2 3 4 --arms padded packed_bfd packed_shuffled_balanced
+    python benchmarks/bench_quality.py --analyze            # no training: how each arm composes its steps
     python benchmarks/bench_quality.py --quick              # smoke test: 1 seed, 64 samples, 2 arms
 
 Every arm trains the tiny Llama of the main job (``examples/sft_packing.py``: hidden 128, 2 layers, about 0.4M
@@ -13,9 +14,10 @@ about the same number of samples. The held-out loss is the mean next-token loss 
 held-out samples, computed the same way for every arm. Runs go seed by seed, the arms in turn within a seed, in one
 process, with torch on one thread (the machine is shared).
 
-To stay under ~30 minutes on 2 shared cores, the default is smaller than the main job: rows of 512 tokens (samples
-longer than 512 tokens, 3% of them, are truncated in every arm), 2 rows per optimizer step (about 9 samples per step,
-like the main job's one row of 1,024 tokens), one epoch.
+To stay small on 2 shared cores, the default is smaller than the main job: the first 2,000 of the 4,000 training
+samples (``--train-samples 0`` for all), rows of 512 tokens (longer samples, about 3%, are truncated in every arm), 2
+rows per optimizer step (about 10 samples per step, like the main job's one row of 1,024 tokens), one epoch. The README's
+run (five arms, three seeds, ``--jobs 3``) took 59 minutes on 2 cores shared with a load average of about 10.
 
 Arms (``--arms``):
 
