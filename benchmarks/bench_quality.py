@@ -16,8 +16,8 @@ process, with torch on one thread (the machine is shared).
 
 To stay small on 2 shared cores, the default is smaller than the main job: the first 2,000 of the 4,000 training
 samples (``--train-samples 0`` for all), rows of 512 tokens (longer samples, about 3%, are truncated in every arm), 2
-rows per optimizer step (about 10 samples per step, like the main job's one row of 1,024 tokens), one epoch. The README's
-run (five arms, three seeds, ``--jobs 3``) took 59 minutes on 2 cores shared with a load average of about 10.
+rows per optimizer step (about 10 samples per step, like the main job's one row of 1,024 tokens), one epoch. The
+README's run (five arms, three seeds, ``--jobs 3``) took 59 minutes on 2 cores shared with a load average of about 10.
 
 Arms (``--arms``):
 
@@ -599,7 +599,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"`{command.strip()}`\n")
     print(", ".join(f"{k} {v}" for k, v in env.items()) + f", torch threads {args.threads}\n")
     print(
-        f"tiny Llama (0.4M parameters), embedded data ({len(lengths):,} training samples, {len(eval_dataset)} held-out), "
+        f"tiny Llama (0.4M parameters), embedded data ({len(lengths):,} training samples, "
+        f"{len(eval_dataset)} held-out), "
         f"max_length {args.max_length}, {args.epochs:g} epoch(s), lr {args.learning_rate:g} cosine, packed "
         f"{args.rows_per_step} row(s)/step, padded batch {padded_batch_size}; mean ± std over seeds; "
         f"total {time.perf_counter() - start:.0f} s\n"
