@@ -14,20 +14,22 @@ epochs:
    about the same number of optimizer steps of about the same number of samples, with the same learning-rate schedule.
 
 It ends with a table (training wall-clock, real tokens per second, final training loss and the loss per token on
-held-out samples, computed the same way for both runs) and a PNG plot of the training loss against wall-clock time.
-Measured with the defaults on a 2-core CPU (torch 2.13, transformers 5.23, TRL 1.16; 3 min 44 s for the whole
-script)::
+held-out samples, computed the same way for both runs), one line saying whether the packed run's held-out loss is
+within the seed noise that ``benchmarks/bench_quality.py`` measured (the standard deviation of the padded run's
+held-out loss over seeds, read from ``benchmarks/RESULTS_quality.json``), and a PNG plot of the training loss
+against wall-clock time (which run is faster) and against samples trained on (whether the same samples teach as
+much). Measured with the defaults of the time on a 2-core CPU (torch 2.13, transformers 5.23, TRL 1.16; 3 min 44 s
+for the whole script), when packing used best-fit decreasing (now ``packing_order="decreasing"``)::
 
     run    | steps | samples/step | train wall-clock (s) | real tokens | padding | real tokens/s | final train loss | held-out loss/token
     packed |   434 |          9.2 |                 41.3 |     443,447 |    0.0% |        10,738 |            2.786 |               2.567
     padded |   444 |          9.0 |                166.2 |     443,447 |   71.2% |         2,668 |            2.533 |               2.425
 
-Packing computed no padding where padded batches were 71% padding, and trained on the same tokens 4.0x faster;
-when it finished (41 s) the padded run was at step 105 of 444 with a training loss of 3.33. At equal epochs the padded
-run ends a little lower (held-out 2.43 vs 2.57), most likely because best-fit decreasing groups samples by length
-(each long sample with the short ones that fill its gap), so packed steps mix the tasks less evenly than random
-batches do: rows filled in random order instead (503 rows, 86% full) reached 2.49. The computation of a packed row is
-exact: its loss and gradients equal those of its samples in a padded batch.
+Packing computed no padding where padded batches were 71% padding, and trained on the same tokens 4.0x faster. At
+equal epochs the padded run ended lower (held-out 2.43 vs 2.57, and lower in seeds 1 and 2 too): best-fit decreasing
+composes steps of one or two long samples and steps of fifty short ones. The README's quality section measures the
+cause over seeds and what closes it; the computation of a packed row itself is exact (its loss and gradients equal
+those of its samples in a padded batch).
 
 Your own model and data (a local directory from ``save_pretrained`` and a local file or ``save_to_disk``
 directory with ``prompt``/``completion``, ``messages``, ``text`` or ``input_ids`` columns)::
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import json
 import logging
 import math
 import os
@@ -54,6 +58,14 @@ DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".js
 COLUMN_LAYOUTS = ("'prompt' + 'completion'", "'messages'", "'text'", "'input_ids' (pre-tokenized)")
 MAX_EVAL_SAMPLES = 200
 QUICK_STEPS = 4
+QUALITY_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS_quality.json"
+# Measured by benchmarks/bench_quality.py (the README's table); used when its results file is not at hand.
+BENCHMARK_SEED_NOISE = {
+    "command": "python benchmarks/bench_quality.py --jobs 3",
+    "padded_std": 0.0204,
+    "diff_mean": 0.0044,
+    "diff_std": 0.0356,
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -250,6 +262,8 @@ class RunResult:
         computed_tokens: tokens the model ran on, padding included (all processes).
         curve: ``(seconds since the start of training, optimizer step, training loss)`` at each logging step.
         eval_loss: loss per trained token on the held-out samples ([`held_out_loss`], the same for every run).
+        samples_seen: samples trained on after each optimizer step (all processes): ``samples_seen[s - 1]`` after
+            step ``s``.
     """
 
     name: str
@@ -262,6 +276,7 @@ class RunResult:
     curve: list[tuple[float, int, float]]
     eval_loss: float
     notes: list[str] = dataclasses.field(default_factory=list)
+    samples_seen: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -428,7 +443,14 @@ def train_once(
     trainer.data_collator = collate
     eval_loss = held_out_loss(trainer)
 
-    real, computed, samples = counter.totals(output.global_step * args.gradient_accumulation_steps)
+    accumulation = args.gradient_accumulation_steps
+    real, computed, samples = counter.totals(output.global_step * accumulation)
+    per_step = [
+        sum(b[2] for b in counter.batches[step * accumulation : (step + 1) * accumulation])
+        for step in range(output.global_step)
+    ]
+    processes = trainer.accelerator.num_processes
+    samples_seen = [processes * total for total in itertools.accumulate(per_step)]
     totals = torch.tensor([real, computed], dtype=torch.int64, device=trainer.accelerator.device)
     totals = trainer.accelerator.reduce(totals, reduction="sum").tolist()
     result = RunResult(
@@ -441,6 +463,7 @@ def train_once(
         computed_tokens=int(totals[1]),
         curve=clock.points,
         eval_loss=eval_loss,
+        samples_seen=samples_seen,
     )
     return result, trainer
 
@@ -495,32 +518,70 @@ def _moving_average(values: Sequence[float], half_window: int) -> list[float]:
 
 
 def write_plot(results: Sequence[RunResult], path: Path, *, title: str) -> None:
-    """Training loss (y) against seconds since the start of training (x), one line per run, as a PNG."""
+    """Two panels, one line per run, as a PNG: training loss against seconds since the start of training (left:
+    which run is faster) and against samples trained on (right: whether the same data teaches as much)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=120)
+    figure, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
     for result, color in zip(results, ("tab:blue", "tab:orange")):
         seconds = [point[0] for point in result.curve]
         losses = [point[2] for point in result.curve]
+        seen = [result.samples_seen[min(point[1], len(result.samples_seen)) - 1] for point in result.curve]
         label = f"{result.name}: {result.train_s:.0f} s, {result.tokens_per_s:,.0f} real tokens/s"
-        if len(losses) >= 20:  # raw points faint, a centred moving average on top
-            axes.plot(seconds, losses, color=color, linewidth=0.8, alpha=0.3)
-            axes.plot(seconds, _moving_average(losses, len(losses) // 20), color=color, label=label, linewidth=1.8)
-        else:
-            axes.plot(seconds, losses, color=color, label=label, linewidth=1.5, marker=".")
-        axes.axvline(result.train_s, color=color, linestyle=":", linewidth=1)
-    axes.set_xlabel("wall-clock time since the start of training (s)")
-    axes.set_ylabel("training loss")
-    axes.set_title(title, fontsize=10)
-    axes.grid(alpha=0.3)
-    axes.legend()
+        for axes, xs in ((by_time, seconds), (by_samples, seen)):
+            if len(losses) >= 20:  # raw points faint, a centred moving average on top
+                axes.plot(xs, losses, color=color, linewidth=0.8, alpha=0.3)
+                axes.plot(xs, _moving_average(losses, len(losses) // 20), color=color, label=label, linewidth=1.8)
+            else:
+                axes.plot(xs, losses, color=color, label=label, linewidth=1.5, marker=".")
+        by_time.axvline(result.train_s, color=color, linestyle=":", linewidth=1)
+    by_time.set_xlabel("wall-clock time since the start of training (s)")
+    by_samples.set_xlabel("samples trained on")
+    for axes in (by_time, by_samples):
+        axes.set_ylabel("training loss")
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     plt.close(figure)
+
+
+def load_seed_noise(path: Path = QUALITY_RESULTS) -> dict[str, Any]:
+    """The seed noise of the held-out loss measured by ``benchmarks/bench_quality.py``: its results file when there
+    is one (a checkout of the repository), else the figures of the README's run (``BENCHMARK_SEED_NOISE``)."""
+    try:
+        payload = json.loads(path.read_text())
+        noise = dict(payload["seed_noise"], command=payload["command"])
+        noise["padded_std"]  # noqa: B018  (the key the verdict needs)
+    except (OSError, ValueError, KeyError):
+        return dict(BENCHMARK_SEED_NOISE)
+    return noise
+
+
+def quality_verdict(packed_loss: float, padded_loss: float, noise: dict[str, Any]) -> str:
+    """One line: the held-out losses, their difference, and whether it is within one standard deviation of the
+    padded run's held-out loss over seeds (as measured by the quality benchmark)."""
+    difference = packed_loss - padded_loss
+    std = float(noise["padded_std"])
+    head = (
+        f"held-out loss per token: packed {packed_loss:.3f}, padded {padded_loss:.3f} (packed - padded "
+        f"{difference:+.3f}); seed noise from `{noise['command']}`: std of the padded held-out loss over seeds "
+        f"{std:.3f}"
+    )
+    if "diff_mean" in noise:
+        head += f", packed - padded over seeds {noise['diff_mean']:+.3f} ± {noise['diff_std']:.3f}"
+    if abs(difference) <= std:
+        return head + " -> the difference is WITHIN the seed noise: as good as padded"
+    if std <= 0:
+        return head + " -> no seed noise measured: run the benchmark to judge the difference"
+    if difference < 0:
+        return head + f" -> packed is BETTER by more than the seed noise ({-difference / std:.1f} std)"
+    return head + f" -> packed is WORSE by more than the seed noise ({difference / std:.1f} std)"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -663,12 +724,13 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
                 f"after {packed.train_s:.0f} s, when the packed run had finished, the padded run was at step "
                 f"{step} of {padded.steps} with a training loss of {loss:.3f} (packed: {packed.final_loss:.3f})"
             )
+        print(quality_verdict(packed.eval_loss, padded.eval_loss, load_seed_noise()))
     try:
         write_plot(results, plot_path, title=f"{model_name} on {data_name}, max_length {args.max_length}")
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
     else:
-        print(f"loss against wall-clock time: {plot_path.resolve()}")
+        print(f"loss against wall-clock time and samples seen: {plot_path.resolve()}")
     print(f"fine-tuned model (packed run): {(output_dir / 'packed' / 'final').resolve()}")
     return results
 

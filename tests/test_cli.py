@@ -396,7 +396,8 @@ def test_import_is_light():
 
 
 def test_bench_runs_the_trainer_comparison(capsys):
-    code = main(["bench", "--max-lengths", "256", "--steps", "1", "--providers", "trl_packing", "unpack_packing"])
+    argv = ["bench", "--max-lengths", "256", "--steps", "1", "--repeats", "1"]
+    code = main([*argv, "--providers", "trl_packing", "unpack_packing"])
     assert code == 0
     out = capsys.readouterr().out
     assert "| 256 | (c) unpack_trainer, packing=True |" in out

@@ -112,8 +112,17 @@ def test_sft_packing_quick_trains_both_and_writes_table_plot_and_model(tmp_path)
     assert _number(rows["packed"]["padding"]) == 0.0
     assert _number(rows["padded"]["padding"]) > 0.0  # lengths spread from 10 to 256 tokens
     assert re.search(r"packed vs padded: [0-9.]+x less wall-clock, [0-9.]+x the real tokens/s", out), out
-    assert f"loss against wall-clock time: {plot.resolve()}" in out
+    assert f"loss against wall-clock time and samples seen: {plot.resolve()}" in out
     assert plot.read_bytes().startswith(PNG_MAGIC) and plot.stat().st_size > 10_000
+    verdict = re.search(
+        r"held-out loss per token: packed ([0-9.]+), padded ([0-9.]+) \(packed - padded ([-+][0-9.]+)\); seed noise "
+        r"from `python benchmarks/bench_quality.py[^`]*`: std of the padded held-out loss over seeds ([0-9.]+).* -> "
+        r"(?:the difference is WITHIN the seed noise|packed is (?:BETTER|WORSE) by more than the seed noise)",
+        out,
+    )
+    assert verdict, out
+    assert float(verdict[1]) == pytest.approx(_number(rows["packed"]["held-out loss/token"]), abs=1e-3)
+    assert float(verdict[2]) == pytest.approx(_number(rows["padded"]["held-out loss/token"]), abs=1e-3)
     final = tmp_path / "out" / "packed" / "final"
     assert (final / "config.json").is_file() and (final / "model.safetensors").stat().st_size > 0
 
@@ -269,6 +278,20 @@ def test_held_out_loss_is_the_same_for_packed_padded_and_one_by_one_batches(sft_
     assert losses["padded"] == pytest.approx(losses["one_by_one"], rel=1e-5)
     # the per-batch mean depends on the batching: the reason the example does not report it
     assert evaluated["padded"] != pytest.approx(evaluated["one_by_one"], rel=1e-4)
+
+
+def test_quality_verdict_compares_the_difference_with_the_benchmark_seed_noise(sft_example, tmp_path):
+    noise = {"command": "python benchmarks/bench_quality.py", "padded_std": 0.05, "diff_mean": 0.01, "diff_std": 0.02}
+    assert "WITHIN the seed noise" in sft_example.quality_verdict(2.50, 2.46, noise)
+    assert "WITHIN the seed noise" in sft_example.quality_verdict(2.42, 2.46, noise)
+    assert "WORSE by more than the seed noise (2.0 std)" in sft_example.quality_verdict(2.56, 2.46, noise)
+    assert "BETTER by more than the seed noise (2.0 std)" in sft_example.quality_verdict(2.36, 2.46, noise)
+    assert "packed - padded over seeds +0.010 ± 0.020" in sft_example.quality_verdict(2.5, 2.5, noise)
+    results = tmp_path / "RESULTS_quality.json"
+    results.write_text(json.dumps({"command": "python benchmarks/bench_quality.py --seeds 0 1", "seed_noise": noise}))
+    assert sft_example.load_seed_noise(results)["command"] == "python benchmarks/bench_quality.py --seeds 0 1"
+    assert sft_example.load_seed_noise(tmp_path / "missing.json") == sft_example.BENCHMARK_SEED_NOISE
+    assert sft_example.BENCHMARK_SEED_NOISE["padded_std"] > 0
 
 
 def test_final_loss_and_loss_at_a_time_average_the_last_tenth_of_steps(sft_example):

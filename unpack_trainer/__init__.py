@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "best_fit_decreasing": "unpack_trainer.packing",
     "first_fit": "unpack_trainer.packing",
     "shuffle_rows": "unpack_trainer.packing",
+    "shuffled_best_fit": "unpack_trainer.packing",
+    "balanced_step_order": "unpack_trainer.packing",
     "packing_efficiency": "unpack_trainer.packing",
     "pack_sequences": "unpack_trainer.packing",
     "concatenate_and_pack": "unpack_trainer.packing",
@@ -47,6 +49,7 @@ __all__ = [
     "SFTConfig",
     "SFTTrainer",
     "StreamingPacker",
+    "balanced_step_order",
     "best_fit_decreasing",
     "check_uncontaminated",
     "concatenate_and_pack",
@@ -58,6 +61,7 @@ __all__ = [
     "patch_model",
     "position_ids_from_sample_index",
     "shuffle_rows",
+    "shuffled_best_fit",
     "smollm2_path",
     "streaming_dataset_reader",
     "supported_model_types",
@@ -84,6 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.config import SFTConfig
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
     from unpack_trainer.packing import (
+        balanced_step_order,
         best_fit_decreasing,
         concatenate_and_pack,
         first_fit,
@@ -91,6 +96,7 @@ if TYPE_CHECKING:  # pragma: no cover
         packing_efficiency,
         position_ids_from_sample_index,
         shuffle_rows,
+        shuffled_best_fit,
     )
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated

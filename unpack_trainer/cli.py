@@ -832,8 +832,10 @@ def _run_bench(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             providers=args.providers,
             data=args.data,
+            repeats=args.repeats,
+            threads=args.threads,
         )
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         raise CLIError(str(error)) from None
     print(report)
     return 0

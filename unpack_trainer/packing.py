@@ -235,6 +235,178 @@ def best_fit_decreasing(
     return rows if seed is None else shuffle_rows(rows, seed)
 
 
+def _best_fit_in_order(
+    lengths: list[int], order: Sequence[int], capacity: int, row_of: list[int], open_rows: list[tuple[int, int]]
+) -> int:
+    """Place the samples ``order`` one by one into the open row with the least free space that fits (ties: lowest
+    row id), else a new row. ``open_rows`` is a sorted list of ``(free space, row id)``, updated in place; returns the
+    number of rows created."""
+    created = 0
+    num_rows = len(open_rows)
+    for i in order:
+        length = lengths[i]
+        position = bisect.bisect_left(open_rows, (length, -1))
+        if position < len(open_rows):
+            free, row = open_rows.pop(position)
+        else:
+            free, row, num_rows, created = capacity, num_rows, num_rows + 1, created + 1
+        row_of[i] = row
+        bisect.insort(open_rows, (free - length, row))
+    return created
+
+
+def shuffled_best_fit(
+    lengths: Sequence[int] | np.ndarray,
+    capacity: int,
+    *,
+    seed: int,
+    min_efficiency: float = 0.995,
+    max_samples_per_row: int | None = None,
+) -> list[list[int]]:
+    """Pack samples into rows that mix lengths at random, as full as best-fit decreasing (or ``min_efficiency``).
+
+    [`best_fit_decreasing`] places the longest samples first, so each row holds samples of similar rank: a long one
+    with the short ones filling its gap, medium ones together, and the last rows only short ones. This packer places
+    the samples in an order shuffled with ``numpy.random.default_rng(seed)`` with best fit (each into the open row
+    with the least free space that fits), except the shortest ones, kept back as fillers and placed last, longest
+    first, into the gaps. The fillers are the shortest samples holding a share of the tokens that starts at 5% and
+    doubles until the rows are as few as ``max(best-fit decreasing rows, ceil(tokens / (min_efficiency *
+    capacity)))`` (all samples are fillers at worst: that is best-fit decreasing on a shuffled tie order).
+
+    Args:
+        lengths: ``(num_samples,)`` integer lengths, each in ``[1, capacity]``.
+        capacity: tokens per row (``max_length``).
+        seed: seed of the shuffle; the same seed gives the same rows.
+        min_efficiency: accept fewer filler tokens once the rows are at least this full (real tokens / (rows x
+            capacity)); best-fit decreasing's row count is always accepted.
+        max_samples_per_row: if set, no row holds more samples than this (rows may then be less full; the
+            efficiency target is relaxed to what best fit reaches under the same bound).
+
+    Returns:
+        Rows as lists of sample indices, each list ascending, rows in shuffled order. Every index appears once.
+
+    Raises:
+        ValueError: a length is not a positive integer or exceeds ``capacity``, or ``max_samples_per_row < 1``.
+
+    Example:
+        >>> shuffled_best_fit([5, 3, 2, 4, 4, 2], capacity=10, seed=0)  # best_fit_decreasing: [[0, 3], [1, 2, 4], [5]]
+        [[1], [0, 4], [2, 3, 5]]
+    """
+    array = _as_lengths(lengths, capacity)
+    capacity = int(capacity)
+    if max_samples_per_row is not None and max_samples_per_row < 1:
+        raise ValueError(f"`max_samples_per_row` must be at least 1, got {max_samples_per_row}.")
+    if array.size == 0:
+        return []
+    if not 0.0 < min_efficiency <= 1.0:
+        raise ValueError(f"`min_efficiency` must be in (0, 1], got {min_efficiency}.")
+    rng = np.random.default_rng(seed)
+    values = array.tolist()
+    shuffled = rng.permutation(array.size)
+    # Shortest first, ties in shuffled order: the fillers are a prefix of this order.
+    by_length = shuffled[np.argsort(array[shuffled], kind="stable")]
+    cumulative = np.cumsum(array[by_length])
+    total = int(cumulative[-1])
+    if max_samples_per_row is None:
+        target = max(
+            len(best_fit_decreasing(array, capacity)),
+            -(-total // max(1, int(min_efficiency * capacity))),
+        )
+    else:
+        target = None
+    share = 0.05
+    best: tuple[int, list[int]] | None = None
+    while True:
+        num_fillers = int(np.searchsorted(cumulative, share * total, side="right"))
+        if share >= 1.0:
+            num_fillers = array.size
+        is_filler = np.zeros(array.size, dtype=bool)
+        is_filler[by_length[:num_fillers]] = True
+        body = [int(i) for i in shuffled if not is_filler[i]]
+        fillers = by_length[:num_fillers][::-1].tolist()  # longest filler first
+        row_of = [0] * array.size
+        if max_samples_per_row is None:
+            open_rows: list[tuple[int, int]] = []
+            num_rows = _best_fit_in_order(values, body, capacity, row_of, open_rows)
+            num_rows += _best_fit_in_order(values, fillers, capacity, row_of, open_rows)
+        else:
+            num_rows = _bounded_best_fit(values, body + fillers, capacity, max_samples_per_row, row_of)
+        if best is None or num_rows < best[0]:
+            best = (num_rows, row_of)
+        if (target is not None and num_rows <= target) or share >= 1.0:
+            break
+        share = min(1.0, share * 2)
+    num_rows, row_of = best
+    rows = _rows_from_assignment(np.asarray(row_of, dtype=np.int64), num_rows)
+    return shuffle_rows(rows, int(rng.integers(2**63 - 1)))
+
+
+def _bounded_best_fit(
+    lengths: list[int], order: Sequence[int], capacity: int, max_samples: int, row_of: list[int]
+) -> int:
+    """Best fit in ``order`` where a row also closes once it holds ``max_samples`` samples. Returns the row count."""
+    open_rows: list[tuple[int, int]] = []
+    counts: list[int] = []
+    for i in order:
+        length = lengths[i]
+        position = bisect.bisect_left(open_rows, (length, -1))
+        if position < len(open_rows):
+            free, row = open_rows.pop(position)
+        else:
+            free, row = capacity, len(counts)
+            counts.append(0)
+        row_of[i] = row
+        counts[row] += 1
+        if counts[row] < max_samples:
+            bisect.insort(open_rows, (free - length, row))
+    return len(counts)
+
+
+def balanced_step_order(samples_per_row: Sequence[int] | np.ndarray, rows_per_step: int, *, seed: int) -> list[int]:
+    """An order of the rows in which every ``rows_per_step`` consecutive rows (one optimizer step) hold about the same
+    number of samples.
+
+    The rows are ranked by sample count (ties in an order shuffled with ``seed``) and cut into ``rows_per_step``
+    strata of consecutive ranks; step ``j`` takes the ``j``-th row of each stratum, going up the even strata and down
+    the odd ones, so rows with many samples are paired with rows with few. The steps are then shuffled with
+    ``seed``. With ``rows_per_step == 1`` this is a plain shuffle. When the rows do not divide evenly, the left-over
+    rows (the middle ranks) form the last, smaller step.
+
+    Args:
+        samples_per_row: ``(num_rows,)`` number of samples in each row.
+        rows_per_step: rows in one optimizer step (all processes and accumulation steps).
+        seed: seed of the tie order and of the order of the steps.
+
+    Returns:
+        A permutation of ``range(num_rows)`` as a list.
+
+    Example:
+        >>> order = balanced_step_order([1, 9, 5, 5, 2, 8], rows_per_step=2, seed=0)
+        >>> sorted(sum([1, 9, 5, 5, 2, 8][i] for i in order[k : k + 2]) for k in range(0, 6, 2))
+        [10, 10, 10]
+    """
+    counts = np.asarray(samples_per_row, dtype=np.int64)
+    if rows_per_step < 1:
+        raise ValueError(f"`rows_per_step` must be at least 1, got {rows_per_step}.")
+    rng = np.random.default_rng(seed)
+    if rows_per_step == 1 or counts.size <= rows_per_step:
+        return rng.permutation(counts.size).tolist()
+    shuffled = rng.permutation(counts.size)
+    ranked = shuffled[np.argsort(counts[shuffled], kind="stable")]
+    num_steps = counts.size // rows_per_step
+    strata = []
+    for r in range(rows_per_step):
+        # strata at both ends of the ranking; the left-over middle ranks are set aside
+        start = r * num_steps if r < rows_per_step // 2 else counts.size - (rows_per_step - r) * num_steps
+        stratum = ranked[start : start + num_steps]
+        strata.append(stratum if r % 2 == 0 else stratum[::-1])
+    steps = np.stack(strata, axis=1)  # (num_steps, rows_per_step)
+    half = rows_per_step // 2
+    leftover = ranked[half * num_steps : counts.size - (rows_per_step - half) * num_steps].tolist()
+    order = steps[rng.permutation(num_steps)].reshape(-1).tolist()
+    return order + leftover
+
+
 def first_fit(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
     """Order-preserving packing: fill rows in input order and start a new row when the next sample does not fit.
 

@@ -32,7 +32,7 @@ from unpack_trainer.collator import DataCollatorForPacking
 from unpack_trainer.config import SFTConfig
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, log_once, neftune_note
 from unpack_trainer.estimate import estimated_speedup
-from unpack_trainer.packing import best_fit_decreasing
+from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
 logger = logging.getLogger("unpack_trainer")
@@ -137,8 +137,11 @@ class SFTTrainer(trl.SFTTrainer):
         self._unpack_eval_flattened = False
         self._unpack_user_collator = data_collator is not None
         self._unpack_counts: list[_TruncationCounts] = []
+        self._unpack_sample_loss = False
         if env_flag(env, "UNPACK_DISABLE"):
             self.unpack_decision = decide(args, model_config=None, env=env)
+            if getattr(args, "loss_normalization", "token") != "token":
+                log_once(logger, logging.WARNING, "loss_normalization ignored: UNPACK_DISABLE=1 trains as trl does")
             super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
             return
 
@@ -189,6 +192,7 @@ class SFTTrainer(trl.SFTTrainer):
             log_once(logger, logging.WARNING, note)
         if eval_note is not None and eval_dataset is not None:
             log_once(logger, logging.INFO if not self._unpack_eval_flattened else logging.WARNING, eval_note)
+        self._enable_sample_loss()
         if decision.packed:
             self._enable_packed_path()
         self._log_start_line()
@@ -380,7 +384,13 @@ class SFTTrainer(trl.SFTTrainer):
                 return pack_iterable_dataset(
                     dataset, max_length, buffer_size=getattr(args, "packing_buffer_size", 10_000), seed=args.seed
                 )
-            dataset, stats = _pack_dataset(dataset, max_length, seed=args.seed)
+            dataset, stats = _pack_dataset(
+                dataset,
+                max_length,
+                seed=args.seed,
+                order=getattr(args, "packing_order", "decreasing"),
+                max_samples_per_row=getattr(args, "max_samples_per_row", None),
+            )
         elif isinstance(dataset, Dataset):
             lengths = _lengths(dataset, packed_ahead)
             stats = {"samples": int(lengths.size), "tokens": int(lengths.sum()), "lengths": lengths}
@@ -401,6 +411,151 @@ class SFTTrainer(trl.SFTTrainer):
             self.unpack_stats.update(stats)
         stats.pop("lengths", None)
         return dataset
+
+    # ------------------------------------------------------------------------------------------------ step composition
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """With ``balance_samples_per_step`` and packed rows: a sampler whose optimizer steps hold balanced numbers of
+        samples ([`unpack_trainer.packing.balanced_step_order`]); otherwise the Trainer's own sampler."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        args = self.args
+        if (
+            getattr(args, "balance_samples_per_step", False)
+            and self._unpack_mode == "pack"
+            and isinstance(dataset, Dataset)
+            and "seq_lengths" in dataset.column_names
+        ):
+            rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+            table = dataset.with_format("arrow")[:]
+            counts = pc.list_value_length(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
+            return BalancedStepSampler(counts, rows_per_step, seed=args.seed)
+        return super()._get_train_sampler(train_dataset)
+
+    # ------------------------------------------------------------------------------------------------ loss
+
+    def _enable_sample_loss(self) -> None:
+        if getattr(self.args, "loss_normalization", "token") != "sample":
+            return
+        args = self.args
+        if args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ValueError(
+                "`loss_normalization='sample'` is not supported with `loss_type='dft'`, label smoothing or a custom "
+                "`compute_loss_func`; use `loss_normalization='token'`."
+            )
+        self._unpack_sample_loss = True
+        if self.loss_is_scaled_for_ga is None:
+            self.loss_is_scaled_for_ga = True  # divided by the samples of the whole accumulated step below
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """The Trainer's, but with ``loss_normalization="sample"`` the count returned is that of the samples with a
+        trained token in the whole accumulated step (all processes when ``average_tokens_across_devices``)."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._unpack_sample_loss and batch_samples:
+            count = torch.tensor(sum(sample_weights(batch)[1] for batch in batch_samples), device=device)
+            if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+                count = self.accelerator.gather(count).sum()
+            num_items_in_batch = count
+        return batch_samples, num_items_in_batch
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """TRL's loss, or with ``loss_normalization="sample"`` the sum over samples of each sample's mean token loss,
+        divided by the number of samples in the step (``num_items_in_batch``, see [`get_batch_samples`]) or, outside
+        a training step, in the batch."""
+        if not self._unpack_sample_loss:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        if "shift_labels" in inputs:
+            raise ValueError(
+                "`loss_normalization='sample'` does not support pre-shifted `shift_labels` (context parallel)."
+            )
+        weights, num_samples = sample_weights(inputs)
+        fused: list[Any] = []
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            # TRL's loss calls the model once with fused_lm_head=True (per-token log-probs); keep those outputs
+            out = model(*args, **kwargs)
+            if kwargs.get("fused_lm_head"):
+                fused.append(out)
+            return out
+
+        result = super().compute_loss(
+            forward, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not fused:
+            raise RuntimeError(
+                "`loss_normalization='sample'` needs TRL's fused LM head outputs, which were not computed."
+            )
+        outputs = fused[0]
+        log_probs = outputs.log_probs
+        denominator = num_samples if num_items_in_batch is None else num_items_in_batch
+        denominator = torch.as_tensor(denominator, device=log_probs.device).clamp(min=1)
+        loss = -(log_probs.float() * weights.to(log_probs.device)).sum() / denominator
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / steps
+        return (loss, result[1]) if return_outputs else loss
+
+
+class BalancedStepSampler(torch.utils.data.Sampler):
+    """Packed rows in an order where each optimizer step's rows hold balanced sample counts, reshuffled per epoch.
+
+    Args:
+        samples_per_row: ``(num_rows,)`` int64 samples in each packed row.
+        rows_per_step: rows per optimizer step, all processes and accumulation steps together.
+        seed: the order of epoch ``e`` uses seed ``seed + e``.
+    """
+
+    def __init__(self, samples_per_row: np.ndarray, rows_per_step: int, *, seed: int) -> None:
+        self.samples_per_row = samples_per_row
+        self.rows_per_step = rows_per_step
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.samples_per_row)
+
+    def __iter__(self):
+        yield from balanced_step_order(self.samples_per_row, self.rows_per_step, seed=self.seed + self.epoch)
+
+
+def sample_weights(batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """Per-token weights that turn a sum of token losses into a sum of per-sample mean losses.
+
+    A sample is a row of ``labels`` or, inside a row, a run of positions starting where ``position_ids`` is 0 (packed
+    and padding-free rows). Label position ``j`` (``j >= 1``, label ``!= -100``) is scored from position ``j - 1``, as
+    in a causal LM loss.
+
+    Args:
+        batch: ``labels`` ``(B, T)`` int64 and optionally ``position_ids`` ``(B, T)`` int64.
+
+    Returns:
+        ``weights`` ``(B, T - 1)`` float32 aligned with ``labels[:, 1:]``: ``1 / (trained tokens of the sample)`` at
+        every trained position, 0 elsewhere; and the number of samples with at least one trained token.
+
+    Example:
+        labels ``[[-100, 5, 6, -100, 7]]``, position_ids ``[[0, 1, 2, 0, 1]]`` -> weights ``[[0.5, 0.5, 0, 1]]``, 2.
+    """
+    labels = batch["labels"]
+    starts = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    starts[:, 0] = True
+    position_ids = batch.get("position_ids")
+    if position_ids is not None and position_ids.shape == labels.shape:
+        starts |= position_ids.to(labels.device) == 0
+    segment = starts.reshape(-1).cumsum(0) - 1
+    trained = torch.zeros_like(starts)
+    trained[:, 1:] = labels[:, 1:] != -100
+    trained = trained.reshape(-1)
+    counts = torch.bincount(segment[trained], minlength=int(segment[-1]) + 1)
+    weights = torch.where(trained, 1.0 / counts[segment].clamp(min=1).to(torch.float32), 0.0)
+    return weights.view(labels.shape)[:, 1:], int((counts > 0).sum())
 
 
 def _attention_backend(model: Any, patched: bool) -> str:
@@ -615,27 +770,38 @@ def _enforce_max_length(
     return dataset
 
 
-def _pack_dataset(dataset: Dataset, max_length: int, *, seed: int) -> tuple[Dataset, dict[str, Any]]:
-    """Pack a tokenized dataset (``input_ids``, ``labels``) into rows with the global BFD packer.
+def _pack_dataset(
+    dataset: Dataset,
+    max_length: int,
+    *,
+    seed: int,
+    order: str = "decreasing",
+    max_samples_per_row: int | None = None,
+) -> tuple[Dataset, dict[str, Any]]:
+    """Pack a tokenized dataset (``input_ids``, ``labels``) into rows with a global packer: best-fit decreasing
+    (``order="decreasing"``) or [`shuffled_best_fit`] (``order="shuffled"`` or a ``max_samples_per_row`` bound).
 
     Returns a dataset with ``input_ids`` and ``labels`` (each row's samples concatenated) and ``seq_lengths`` (the
     samples' lengths), in rows shuffled with ``seed``, and the packing statistics.
     """
     table = dataset.with_format("arrow")[:]
     lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
-    rows = best_fit_decreasing(lengths, max_length, seed=seed)
-    order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
+    if order == "shuffled" or max_samples_per_row is not None:
+        rows = shuffled_best_fit(lengths, max_length, seed=seed, max_samples_per_row=max_samples_per_row)
+    else:
+        rows = best_fit_decreasing(lengths, max_length, seed=seed)
+    sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
     samples_per_row = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     sample_offsets = np.concatenate(([0], np.cumsum(samples_per_row)))
-    token_ends = np.concatenate(([0], np.cumsum(lengths[order])))
+    token_ends = np.concatenate(([0], np.cumsum(lengths[sample_order])))
     row_offsets = token_ends[sample_offsets]
 
     def regroup(column: pa.ChunkedArray) -> pa.Array:
-        values = pc.list_flatten(column.take(pa.array(order)))
+        values = pc.list_flatten(column.take(pa.array(sample_order)))
         return pa.LargeListArray.from_arrays(pa.array(row_offsets, pa.int64()), values.combine_chunks())
 
     seq_lengths = pa.LargeListArray.from_arrays(
-        pa.array(sample_offsets, pa.int64()), pa.array(lengths[order], pa.int64())
+        pa.array(sample_offsets, pa.int64()), pa.array(lengths[sample_order], pa.int64())
     )
     packed = Dataset(
         pa.table(

@@ -1,8 +1,9 @@
 """Trainer throughput: stock TRL (padded, packing=True) vs unpack_trainer (packing=True, automatic padding-free).
 
 Used by ``benchmarks/bench_trainer.py`` (lognormal data) and ``unpack-trainer bench`` (the embedded default data).
-Same model, same ``SFTConfig`` otherwise, same data for every provider; every case runs in its own process.
-Throughput is real (non-pad) tokens per second over the timed steps (the first step is a warm-up and not timed).
+Same model, same ``SFTConfig`` otherwise, same data for every provider; every case runs in its own process, the
+providers interleaved (A B C D A B C D ...) for several rounds. Throughput is real (non-pad) tokens per second over
+the timed steps (the first step is a warm-up and not timed); the report gives the median and spread over the rounds.
 """
 
 from __future__ import annotations
@@ -84,9 +85,16 @@ def _setup(data: str, max_length: int, num_samples: int):
     return model, _word_tokenizer(), dataset
 
 
-def run_case(provider: str, max_length: int, steps: int, batch_size: int, data: str = "lognormal") -> dict:
-    """Train ``steps`` + 1 optimizer steps in this process and return throughput figures as a dict."""
+def run_case(
+    provider: str, max_length: int, steps: int, batch_size: int, data: str = "lognormal", threads: int | None = None
+) -> dict:
+    """Train ``steps`` + 1 optimizer steps in this process (on ``threads`` torch CPU threads; ``None``: torch's
+    default) and return throughput figures as a dict."""
+    import torch
     import trl
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     from datasets.utils.logging import disable_progress_bar
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
@@ -168,7 +176,9 @@ def _environment() -> str:
     )
 
 
-def _run_in_subprocess(provider: str, max_length: int, steps: int, batch_size: int, data: str) -> dict:
+def _run_in_subprocess(
+    provider: str, max_length: int, steps: int, batch_size: int, data: str, threads: int | None = None
+) -> dict:
     command = [
         sys.executable,
         "-m",
@@ -182,6 +192,8 @@ def _run_in_subprocess(provider: str, max_length: int, steps: int, batch_size: i
         "--data",
         data,
     ]
+    if threads is not None:
+        command += ["--threads", str(threads)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark case {provider} @ {max_length} failed:\n{proc.stderr[-4000:]}")
@@ -193,6 +205,29 @@ def _format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
 
 
+def _spread(values: Sequence[float], fmt: str) -> str:
+    """``median (min-max)`` of ``values`` formatted with ``fmt``; just the value when there is one."""
+    median = float(np.median(values))
+    if len(values) == 1:
+        return format(median, fmt)
+    return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def ratio_cell(ratios: Sequence[float]) -> str:
+    """A ratio's median and spread over the repeats, ``not significant`` when the spread crosses 1.0.
+
+    Example:
+        >>> ratio_cell([1.5, 1.6, 1.7])
+        '1.60x (1.50-1.70)'
+        >>> ratio_cell([0.8, 1.87, 1.45])
+        '1.45x (0.80-1.87), not significant'
+    """
+    cell = _spread(ratios, ".2f").replace(" (", "x (", 1) if len(ratios) > 1 else f"{ratios[0]:.2f}x"
+    if len(ratios) > 1 and min(ratios) <= 1.0 <= max(ratios):
+        cell += ", not significant"
+    return cell
+
+
 def compare(
     *,
     max_lengths: Sequence[int] = (2048, 8192),
@@ -200,39 +235,70 @@ def compare(
     batch_size: int = 8,
     providers: Sequence[str] = tuple(PROVIDERS),
     data: str = "lognormal",
+    repeats: int = 3,
+    threads: int | None = None,
     progress: bool = True,
 ) -> str:
-    """Run every provider at every ``max_length`` (each in its own process) and return a markdown report."""
-    headers = ["max_length", "provider", "tokens/s", "s/step", "peak RSS MB", "vs (a) padded", "vs (b) trl packing"]
+    """Run every provider at every ``max_length``, each case in its own process, interleaved (A B C D A B C D ...)
+    ``repeats`` times, and return a markdown report: the median and spread (min-max) of tokens/s over the repeats,
+    and of each ratio, computed within each round of the interleaving (so that a slow spell of a shared machine hits
+    both sides of a ratio). A ratio whose spread crosses 1.0 is marked not significant."""
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be at least 1, got {repeats}.")
+    headers = [
+        "max_length",
+        "provider",
+        "tokens/s median (min-max)",
+        "s/step",
+        "peak RSS MB",
+        "vs (a) padded",
+        "vs (b) trl packing",
+    ]
     table, notes = [], []
     for max_length in max_lengths:
-        results = {}
-        for provider in providers:
-            results[provider] = _run_in_subprocess(provider, max_length, steps, batch_size, data)
-            if progress:
-                print(f"{PROVIDERS[provider]} @ {max_length}: {results[provider]}", file=sys.stderr, flush=True)
-        for provider, result in results.items():
+        results: dict[str, list[dict]] = {provider: [] for provider in providers}
+        for round_index in range(repeats):
+            for provider in providers:
+                result = _run_in_subprocess(provider, max_length, steps, batch_size, data, threads)
+                results[provider].append(result)
+                if progress:
+                    print(
+                        f"[{round_index + 1}/{repeats}] {PROVIDERS[provider]} @ {max_length}: {result}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        for provider, runs in results.items():
+            tokens = [r["tokens_per_s"] for r in runs]
             ratios = [
-                f"{result['tokens_per_s'] / results[base]['tokens_per_s']:.2f}x" if base in results else "-"
+                "1.00x"
+                if base == provider
+                else ratio_cell([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, results[base])])
+                if base in results
+                else "-"
                 for base in ("trl_padded", "trl_packing")
             ]
             table.append(
                 [
                     max_length,
                     PROVIDERS[provider],
-                    f"{result['tokens_per_s']:,.0f}",
-                    f"{result['seconds_per_step']:.2f}",
-                    f"{result['peak_rss_mb']:,.0f}",
+                    _spread(tokens, ",.0f"),
+                    f"{np.median([r['seconds_per_step'] for r in runs]):.2f}",
+                    f"{np.median([r['peak_rss_mb'] for r in runs]):,.0f}",
                     *ratios,
                 ]
             )
-            if "selfcheck_s" in result:
+            checks = [r for r in runs if "selfcheck_s" in r]
+            if checks:
+                share = [100 * r["selfcheck_s"] / r["first_step_s"] for r in checks]
                 notes.append(
-                    f"- {PROVIDERS[provider]} @ {max_length}: self-check {result['selfcheck_s'] * 1000:.0f} ms = "
-                    f"{100 * result['selfcheck_s'] / result['first_step_s']:.2f}% of the first step "
-                    f"({result['first_step_s']:.2f} s)"
+                    f"- {PROVIDERS[provider]} @ {max_length}: self-check "
+                    f"{np.median([r['selfcheck_s'] for r in checks]) * 1000:.0f} ms = {np.median(share):.2f}% of the "
+                    f"first step ({np.median([r['first_step_s'] for r in checks]):.2f} s), medians"
                 )
-    title = f"Trainer throughput, real (non-pad) tokens/s, data={data}, {steps} timed steps, batch {batch_size}"
+    title = (
+        f"Trainer throughput, real (non-pad) tokens/s, data={data}, {steps} timed steps, batch {batch_size}, "
+        f"{repeats} interleaved repeats" + (f", torch threads {threads}" if threads is not None else "")
+    )
     return "\n".join([f"## {title}", "", _environment(), "", _format_table(headers, table), "", *notes])
 
 
@@ -242,6 +308,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_data: str) -> None
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per case (after one warm-up)")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per padded or padding-free batch")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds of the interleaved providers (A B C D A B C D ...)"
+    )
+    parser.add_argument(
+        "--threads", type=int, help="torch CPU threads per case (default: torch's); 1 is steadier on a busy machine"
+    )
     parser.add_argument(
         "--data", choices=DATASETS, default=default_data, help="lognormal token ids or the embedded data"
     )
@@ -254,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.case:
         provider, max_length = args.case.split(":")
-        print(json.dumps(run_case(provider, int(max_length), args.steps, args.batch_size, args.data)))
+        print(json.dumps(run_case(provider, int(max_length), args.steps, args.batch_size, args.data, args.threads)))
         return
     print(
         compare(
@@ -263,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
             batch_size=args.batch_size,
             providers=args.providers,
             data=args.data,
+            repeats=args.repeats,
+            threads=args.threads,
         )
     )
 
