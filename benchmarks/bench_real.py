@@ -73,73 +73,18 @@ def chat_dataset(num_samples: int):
 def run_trainer_case(provider: str, max_length: int, steps: int, batch_size: int) -> dict[str, Any]:
     """Train ``steps`` + 1 optimizer steps in this process; throughput over the last ``steps``."""
     import torch
-    import trl
-    from transformers import TrainerCallback
 
     from unpack_trainer import load_smollm2
+    from unpack_trainer.trainer_benchmark import time_training
 
     _quiet()
     torch.manual_seed(0)
-    packed = provider in ("trl_packing", "unpack_packing")
     model, tokenizer = load_smollm2()
     # Enough samples for every step of every provider (about 150 tokens each with the chat template).
     dataset = chat_dataset((steps + 1) * max(batch_size, max_length // 100) * 3)
-    config = dict(
-        output_dir=f"/tmp/bench_real/{provider}",
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        max_length=max_length,
-        max_steps=steps + 1,
-        per_device_train_batch_size=1 if packed else batch_size,
-        packing=packed,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
+    return time_training(
+        provider, model, tokenizer, dataset, max_length=max_length, steps=steps, batch_size=batch_size
     )
-    if provider.startswith("trl"):
-        trainer_cls, config_cls = trl.SFTTrainer, trl.SFTConfig
-    else:
-        from unpack_trainer import SFTConfig, SFTTrainer
-
-        trainer_cls, config_cls = SFTTrainer, SFTConfig
-    trainer = trainer_cls(model=model, args=config_cls(**config), train_dataset=dataset, processing_class=tokenizer)
-    tokens: list[int] = []
-    collate = trainer.data_collator
-
-    def counting_collator(examples):
-        batch = collate(examples)
-        mask = batch.get("attention_mask")
-        tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
-        return batch
-
-    trainer.data_collator = counting_collator
-    stamps: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-
-    trainer.add_callback(Stamp())
-    start = time.perf_counter()
-    trainer.train()
-    timed = stamps[-1] - stamps[0]
-    result: dict[str, Any] = {
-        "tokens_per_s": sum(tokens[1 : len(stamps)]) / timed,
-        "seconds_per_step": timed / (len(stamps) - 1),
-        "first_step_s": stamps[0] - start,
-        "peak_rss_mb": _peak_rss_mb(),
-    }
-    selfcheck = getattr(trainer, "unpack_selfcheck", None)
-    if selfcheck is not None:
-        result["selfcheck_ms"] = selfcheck.seconds * 1000
-    decision = getattr(trainer, "unpack_decision", None)
-    if decision is not None:
-        result["mode"] = decision.mode
-    return result
 
 
 def row_samples(row_tokens: int) -> list[list[int]]:
@@ -278,7 +223,7 @@ def report(records: list[dict[str, Any]]) -> str:
                     common = sorted(set(by_repeat[provider]) & set(by_repeat.get(base, {})))
                     values = [by_repeat[provider][k] / by_repeat[base][k] for k in common]
                     ratios.append(_spread(values, ".2f") + "x" if values else "-")
-                selfcheck = [x["selfcheck_ms"] for x in results if "selfcheck_ms" in x]
+                selfcheck = [x["selfcheck_s"] * 1000 for x in results if "selfcheck_s" in x]
                 rows.append(
                     [
                         max_length,

@@ -91,16 +91,36 @@ def run_case(
     """Train ``steps`` + 1 optimizer steps in this process (on ``threads`` torch CPU threads; ``None``: torch's
     default) and return throughput figures as a dict."""
     import torch
-    import trl
 
     if threads is not None:
         torch.set_num_threads(threads)
     from datasets.utils.logging import disable_progress_bar
-    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     disable_progress_bar()
+
+    num_samples = (steps + 1) * max(batch_size, max_length // 90) * 4
+    model, tokenizer, dataset = _setup(data, max_length, num_samples)
+    return time_training(
+        provider, model, tokenizer, dataset, max_length=max_length, steps=steps, batch_size=batch_size
+    )
+
+
+def time_training(
+    provider: str, model: Any, tokenizer: Any, dataset: Any, *, max_length: int, steps: int, batch_size: int
+) -> dict[str, Any]:
+    """Train ``model`` on ``dataset`` for ``steps + 1`` steps with ``provider``'s trainer and time the last ``steps``.
+
+    ``provider`` is one of ``trl_padded``, ``trl_packing``, ``unpack_packing``, ``unpack_padding_free``: stock TRL or
+    our ``SFTTrainer``, with ``packing=True`` (one row per device batch) or not (``batch_size`` samples). Returns the
+    real (non-pad) ``tokens_per_s`` and ``seconds_per_step`` of the timed steps, ``first_step_s``, ``peak_rss_mb`` of
+    this process, and for our trainer ``selfcheck_s`` and ``mode``.
+    """
+    import resource
+
+    import trl
+    from transformers import TrainerCallback
 
     packed = provider in ("trl_packing", "unpack_packing")
     config = dict(
@@ -119,8 +139,6 @@ def run_case(
         disable_tqdm=True,
         seed=0,
     )
-    num_samples = (steps + 1) * max(batch_size, max_length // 90) * 4
-    model, tokenizer, dataset = _setup(data, max_length, num_samples)
     if provider.startswith("trl"):
         trainer_cls, config_cls = trl.SFTTrainer, trl.SFTConfig
     else:
@@ -148,20 +166,19 @@ def run_case(
     trainer.add_callback(Stamp())
     start = time.perf_counter()
     trainer.train()
-    first_step = stamps[0] - start
     timed = stamps[-1] - stamps[0]
-    real_tokens = sum(tokens[1 : len(stamps)])
-    import resource
-
     result: dict[str, Any] = {
-        "tokens_per_s": real_tokens / timed,
+        "tokens_per_s": sum(tokens[1 : len(stamps)]) / timed,
         "seconds_per_step": timed / (len(stamps) - 1),
-        "first_step_s": first_step,
+        "first_step_s": stamps[0] - start,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     selfcheck = getattr(trainer, "unpack_selfcheck", None)
     if selfcheck is not None:
         result["selfcheck_s"] = selfcheck.seconds
+    decision = getattr(trainer, "unpack_decision", None)
+    if decision is not None:
+        result["mode"] = decision.mode
     return result
 
 
