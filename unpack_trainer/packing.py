@@ -184,17 +184,7 @@ def _best_fit_decreasing_assign_small(lengths: np.ndarray, capacity: int) -> tup
     values = lengths.tolist()
     order = sorted(range(len(values)), key=lambda i: (-values[i], i))
     row_of = [0] * len(values)
-    open_rows: list[tuple[int, int]] = []  # (free space, row id), sorted
-    num_rows = 0
-    for i in order:
-        length = values[i]
-        position = bisect.bisect_left(open_rows, (length, -1))
-        if position < len(open_rows):
-            free, row = open_rows.pop(position)
-        else:
-            free, row, num_rows = capacity, num_rows, num_rows + 1
-        row_of[i] = row
-        bisect.insort(open_rows, (free - length, row))
+    num_rows = _best_fit_in_order(values, order, capacity, row_of, open_rows=[])
     return np.asarray(row_of, dtype=np.int64), num_rows
 
 
