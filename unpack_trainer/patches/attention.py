@@ -44,6 +44,8 @@ cached on that object, so no layer synchronises with the device.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import logging
 import os
@@ -108,7 +110,6 @@ _MAX_DISTINCT_LENGTHS = 256
 # Eager materialises (n, H, L, L) scores; buckets are run in chunks of at most this many score elements.
 _EAGER_MAX_SCORE_ELEMENTS = 1 << 25
 
-_kernel_cache: dict[str, Any] = {}
 _logged_once: set[str] = set()
 
 
@@ -452,28 +453,28 @@ def packed_info_from_kwargs(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _optional(description: str, load: Callable[[], Any]) -> Any:
+    """``load()``, or ``None`` when it raises (logged at DEBUG): an optional kernel that is missing or broken (e.g. an
+    install without its CUDA libraries) is "not available"."""
+    try:
+        return load()
+    except Exception as error:  # noqa: BLE001
+        _log_once(logging.DEBUG, f"{description} is not usable: {error!r}")
+        return None
+
+
+@functools.cache
 def _flash_varlen_kernel() -> Callable[..., torch.Tensor] | None:
     """``flash_attn.flash_attn_varlen_func`` when flash-attn imports, else ``None`` (imported on first use)."""
-    if "flash" not in _kernel_cache:
-        try:
-            from flash_attn import flash_attn_varlen_func
-        except Exception as error:  # noqa: BLE001 - a broken install (missing CUDA libs) is "not available"
-            _log_once(logging.DEBUG, f"flash-attn is not usable: {error!r}")
-            flash_attn_varlen_func = None
-        _kernel_cache["flash"] = flash_attn_varlen_func
-    return _kernel_cache["flash"]
+    return _optional("flash-attn", lambda: importlib.import_module("flash_attn").flash_attn_varlen_func)
 
 
+@functools.cache
 def _torch_varlen_kernel() -> Callable[..., torch.Tensor] | None:
     """``torch.nn.attention.varlen.varlen_attn`` when this torch has it (2.10 and later), else ``None``."""
-    if "torch_varlen" not in _kernel_cache:
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except Exception as error:  # noqa: BLE001
-            _log_once(logging.DEBUG, f"torch.nn.attention.varlen is not usable: {error!r}")
-            varlen_attn = None
-        _kernel_cache["torch_varlen"] = varlen_attn
-    return _kernel_cache["torch_varlen"]
+    return _optional(
+        "torch.nn.attention.varlen", lambda: importlib.import_module("torch.nn.attention.varlen").varlen_attn
+    )
 
 
 def _takes_enable_gqa(kernel: Callable[..., Any]) -> bool:
@@ -497,16 +498,10 @@ def _cuda_flash_unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
+@functools.cache
 def _xformers_fmha() -> Any:
     """``xformers.ops.fmha`` when xformers imports, else ``None`` (imported on first use)."""
-    if "xformers" not in _kernel_cache:
-        try:
-            from xformers.ops import fmha
-        except Exception as error:  # noqa: BLE001
-            _log_once(logging.DEBUG, f"xformers is not usable: {error!r}")
-            fmha = None
-        _kernel_cache["xformers"] = fmha
-    return _kernel_cache["xformers"]
+    return _optional("xformers", lambda: importlib.import_module("xformers.ops.fmha"))
 
 
 def backend_unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
