@@ -29,49 +29,22 @@ Also decided here, without overriding an explicit request:
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from unpack_trainer._logging import _logged, is_main_process, log_once, reset_log_once  # noqa: F401
 from unpack_trainer.config import SFTConfig
 
 Mode = Literal["stock", "pack", "padding_free", "padded"]
 
 _TRUE = {"1", "true", "yes", "on"}
-_logged: set[tuple[int, str]] = set()
 
 
 def env_flag(env: Mapping[str, str], name: str) -> bool:
     """Whether environment variable ``name`` is set to a true value (1/true/yes/on, any case)."""
     return env.get(name, "").strip().lower() in _TRUE
-
-
-def is_main_process() -> bool:
-    """Whether this is the main process: rank 0 of an initialized ``torch.distributed`` group, else ``RANK`` unset or
-    ``0`` (set by ``torchrun`` / ``accelerate launch`` before the group exists)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0").strip() in ("", "0")
-
-
-def log_once(logger: logging.Logger, level: int, message: str, *, main_process_only: bool = True) -> None:
-    """Log ``message`` at ``level`` the first time it is seen in this process, on the main process only (unless
-    ``main_process_only=False``). The package's one log-once helper; ``reset_log_once()`` forgets what was logged."""
-    if (level, message) in _logged:
-        return
-    _logged.add((level, message))
-    if main_process_only and not is_main_process():
-        return
-    logger.log(level, message, stacklevel=2)
-
-
-def reset_log_once() -> None:
-    """Forget every message [`log_once`] has logged (for tests, or a second trainer that should log again)."""
-    _logged.clear()
 
 
 def _prompt_learning(peft_config: Any) -> str | None:

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unpack_trainer import _logging
 from unpack_trainer.patches import attention
 from unpack_trainer.patches.attention import (
     BackendChoice,
@@ -322,7 +323,7 @@ def test_softcap_on_eager_buckets():
 )
 def test_automatic_choice_hands_quirks_to_eager(caplog, monkeypatch, option, feature):
     """On the CPU the automatic choice is SDPA, which can apply neither: eager buckets take over, logged once."""
-    monkeypatch.setattr(attention, "_logged_once", set())
+    monkeypatch.setattr(_logging, "_logged", set())
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
     ran = spy_backends(monkeypatch)
     lengths = [6, 3, 9]
@@ -608,7 +609,7 @@ def test_flash_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
 def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog):
     kernel = StandInFlash()
     monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
-    monkeypatch.setattr(attention, "_logged_once", set())
+    monkeypatch.setattr(_logging, "_logged", set())
     heads, dim = 4, 8  # one token costs 4 * 32 elements of the (head_dim rounded up to 32) accumulator
     lengths = [30, 10, 50, 2, 20, 7]
     monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (60 + 128 * 2) * heads * 32)
@@ -628,7 +629,7 @@ def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog
 def test_flash_sample_too_large_alone_falls_back(cpu_kernels, monkeypatch, caplog, softcap, fallback):
     kernel = StandInFlash()
     monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
-    monkeypatch.setattr(attention, "_logged_once", set())
+    monkeypatch.setattr(_logging, "_logged", set())
     lengths = [10, 400, 12]
     monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (40 + 128 * 2) * 4 * 32)
     q, k, v = random_qkv(lengths)
@@ -842,7 +843,7 @@ def test_torch_varlen_dispatch(cpu_kernels, monkeypatch, window, kv_heads, gqa_p
     ("option", "value", "fallback"), [("softcap", 2.0, "eager"), ("s_aux", "sinks", "eager"), ("dropout", 0.2, "sdpa")]
 )
 def test_torch_varlen_hands_over_what_it_cannot_apply(cpu_kernels, monkeypatch, caplog, option, value, fallback):
-    monkeypatch.setattr(attention, "_logged_once", set())
+    monkeypatch.setattr(_logging, "_logged", set())
     monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
     monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: never_called)
     ran = spy_backends(monkeypatch)
@@ -1011,7 +1012,7 @@ def quirk_backend(request, monkeypatch):
     backend (flash-attn, torch varlen, xformers) as the automatic choice with a stand-in kernel on the CPU."""
     backend = request.param
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(attention, "_logged_once", set())
+    monkeypatch.setattr(_logging, "_logged", set())
     if backend == "eager":
         monkeypatch.setenv(attention.ENV_BACKEND, "eager")
     if backend in ("flash", "torch_varlen", "xformers"):

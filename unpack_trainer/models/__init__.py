@@ -520,9 +520,11 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
     if _wants_attention_weights(module, kwargs):
         # The packed helper returns no weights: transformers' own packed path (a dense block mask from the restarting
         # position_ids, which the metadata filled in) computes the same outputs and returns them.
-        from unpack_trainer.patches.attention import _log_once
+        from unpack_trainer._logging import log_once
+        from unpack_trainer.patches.attention import logger as attention_logger
 
-        _log_once(
+        log_once(
+            attention_logger,
             logging.INFO,
             "unpack_trainer: output_attentions=True: packed batches take transformers' dense-mask path, which "
             "returns the attention weights.",

@@ -57,6 +57,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from unpack_trainer._logging import log_once
+
 __all__ = [
     "BACKENDS",
     "ENV_BACKEND",
@@ -109,15 +111,6 @@ _CALL_COST_PAIRS = 1536
 _MAX_DISTINCT_LENGTHS = 256
 # Eager materialises (n, H, L, L) scores; buckets are run in chunks of at most this many score elements.
 _EAGER_MAX_SCORE_ELEMENTS = 1 << 25
-
-_logged_once: set[str] = set()
-
-
-def _log_once(level: int, message: str) -> None:
-    if message not in _logged_once:
-        _logged_once.add(message)
-        logger.log(level, message)
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # Packing metadata
@@ -459,7 +452,7 @@ def _optional(description: str, load: Callable[[], Any]) -> Any:
     try:
         return load()
     except Exception as error:  # noqa: BLE001
-        _log_once(logging.DEBUG, f"{description} is not usable: {error!r}")
+        log_once(logger, logging.DEBUG, f"{description} is not usable: {error!r}")
         return None
 
 
@@ -793,7 +786,8 @@ def _varlen_packed(kernel_call, name, query, key, value, info, *, scaling, dropo
     if len(chunks) == 1 and chunks[0].cu_seqlens is not None:
         out = crop(kernel_call(q_in, k_in, v_in, chunks[0].cu_seqlens, info.max_seqlen))
         return out.reshape(batch, seq_len, heads, v_dim)
-    _log_once(
+    log_once(
+        logger,
         logging.WARNING,
         f"A packed batch of {info.total_tokens} tokens x {heads} heads x head_dim {padded} exceeds {name}'s 32-bit "
         f"offsets; it is run in {len(chunks)} chunks split at sample boundaries.",
@@ -805,7 +799,8 @@ def _varlen_packed(kernel_call, name, query, key, value, info, *, scaling, dropo
             outputs.append(crop(kernel_call(q_in[part], k_in[part], v_in[part], chunk.cu_seqlens, chunk.max_seqlen)))
             continue
         fallback = "eager" if softcap is not None else "sdpa"
-        _log_once(
+        log_once(
+            logger,
             logging.WARNING,
             f"Packed sample {chunk.first_seq} ({chunk.end - chunk.begin} tokens) alone exceeds {name}'s 32-bit "
             f"offsets; it runs on {fallback} instead.",
@@ -941,12 +936,13 @@ def _choice_for(
     plain = choose_backend(query.device, query.dtype, original)
     if plain.name != choice.name:
         missing = _missing_features(plain.name, _features(softcap=softcap, sinks=sinks, dropout=dropout), head_dim)
-        _log_once(
+        log_once(
+            logger,
             logging.WARNING,
             f"Packed attention: {plain.name} cannot apply {' and '.join(missing)}; using {choice.name} for these "
             "layers.",
         )
-    _log_once(logging.INFO, f"Packed attention backend: {choice}.")
+    log_once(logger, logging.INFO, f"Packed attention backend: {choice}.")
     info._cache[key] = choice
     return choice
 
