@@ -558,6 +558,22 @@ def test_rows_packed_ahead_longer_than_max_length_are_an_error(tokenizer, tmp_pa
         SFTTrainer(model=tiny_llama(vocab_size=len(tokenizer)), args=_args(tmp_path, max_length=15), **trainer_kwargs)
 
 
+@pytest.mark.parametrize(
+    ("seq_lengths", "message"),
+    [([4, 4], r"Train dataset row 1 has 16 tokens but `seq_lengths` \[4, 4\]"), ([8, 8.0], "non-integer")],
+)
+def test_rows_packed_ahead_with_bad_seq_lengths_are_an_error(tokenizer, tmp_path, seq_lengths, message):
+    rows = _packed_ahead_rows().to_list()
+    rows[1] = {"input_ids": rows[1]["input_ids"][:16], "seq_lengths": seq_lengths}
+    with pytest.raises(ValueError, match=message):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=_args(tmp_path, max_length=16, packing=True),
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
+
+
 @pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning"])
 def test_peft_prompt_learning_is_blocked_up_front(tokenizer, tmp_path, kind, caplog):
     from peft import PrefixTuningConfig, PromptTuningConfig

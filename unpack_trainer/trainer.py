@@ -27,7 +27,7 @@ from datasets import Dataset, IterableDataset
 from transformers import AutoConfig, TrainingArguments
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from unpack_trainer._validation import check_dataset_token_ids
+from unpack_trainer._validation import check_dataset_token_ids, check_seq_lengths
 from unpack_trainer.collator import DataCollatorForPacking
 from unpack_trainer.config import SFTConfig
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, log_once, neftune_note
@@ -589,7 +589,8 @@ def _split_packed_rows(dataset: Dataset | IterableDataset, name: str) -> Dataset
     """Rows packed ahead (a ``seq_lengths`` column) -> one row per sample, cut at the boundaries ``seq_lengths`` gives.
 
     Every per-token column (a list as long as ``input_ids``) is cut; other columns are repeated for each sample.
-    ``ValueError`` naming the row when its ``seq_lengths`` are not positive or do not sum to its length.
+    ``ValueError`` naming the row when its ``seq_lengths`` are not positive integers summing to its length
+    ([`check_seq_lengths`], the collator's check).
     """
     columns = _columns(dataset)
     log_once(
@@ -606,12 +607,7 @@ def _split_packed_rows(dataset: Dataset | IterableDataset, name: str) -> Dataset
             row = counter["row"]
             counter["row"] += 1
             ids = batch["input_ids"][index]
-            lengths = [int(length) for length in lengths]
-            if any(length <= 0 for length in lengths) or sum(lengths) != len(ids):
-                raise ValueError(
-                    f"{name} dataset row {row} has {len(ids)} tokens but `seq_lengths` {lengths}; they must be "
-                    "positive and sum to the row's length."
-                )
+            lengths = check_seq_lengths(lengths, len(ids), row, f"{name} dataset row {{index}}")
             starts = np.concatenate(([0], np.cumsum(lengths)))
             for column in out:
                 value = batch[column][index]
