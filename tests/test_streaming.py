@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from unpack_trainer import DataCollatorForPacking, StreamingPacker, best_fit_decreasing, streaming_dataset_reader
 from unpack_trainer import streaming as streaming_module
-from unpack_trainer.streaming import pack_iterable_dataset
+from unpack_trainer.data_utils import pack_iterable_dataset
 
 
 def _samples(lengths, *, labels=False):

@@ -35,9 +35,12 @@ _EXPORTS: dict[str, str] = {
     "SFTConfig": "unpack_trainer.config",
     "SFTTrainer": "unpack_trainer.trainer",
     "check_uncontaminated": "unpack_trainer.selfcheck",
+    # dataset preparation (what the trainer calls)
+    "pack_dataset": "unpack_trainer.data_utils",
+    "truncate_dataset": "unpack_trainer.data_utils",
+    "pack_iterable_dataset": "unpack_trainer.data_utils",
     # streaming
     "StreamingPacker": "unpack_trainer.streaming",
-    "pack_iterable_dataset": "unpack_trainer.streaming",
     "streaming_dataset_reader": "unpack_trainer.streaming",
     # a real pretrained model (the `real` extra)
     "load_smollm2": "unpack_trainer.real_model",
@@ -55,8 +58,9 @@ __all__ = [
     "concatenate_and_pack",
     "first_fit",
     "load_smollm2",
-    "pack_sequences",
+    "pack_dataset",
     "pack_iterable_dataset",
+    "pack_sequences",
     "packing_efficiency",
     "patch_model",
     "position_ids_from_sample_index",
@@ -65,6 +69,7 @@ __all__ = [
     "smollm2_path",
     "streaming_dataset_reader",
     "supported_model_types",
+    "truncate_dataset",
     "unpatch_model",
     "__version__",
 ]
@@ -86,6 +91,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.collator import DataCollatorForPacking
     from unpack_trainer.config import SFTConfig
+    from unpack_trainer.data_utils import pack_dataset, pack_iterable_dataset, truncate_dataset
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
     from unpack_trainer.packing import (
         balanced_step_order,
@@ -100,5 +106,5 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated
-    from unpack_trainer.streaming import StreamingPacker, pack_iterable_dataset, streaming_dataset_reader
+    from unpack_trainer.streaming import StreamingPacker, streaming_dataset_reader
     from unpack_trainer.trainer import SFTTrainer

@@ -18,6 +18,7 @@ Rejected: floats (``1.0`` included: a float id is a sign of a broken pipeline, a
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -61,6 +62,52 @@ def too_long_error(index: int, length: int, max_length: int, *, where: str = "")
     return ValueError(
         f"Sample {index}{where} has {length} tokens, more than max_length={max_length}. "
         "Pass overflow='truncate' or overflow='split' to handle long samples, or raise max_length."
+    )
+
+
+def overflow_spans(
+    index: int, length: int, max_length: int, overflow: Overflow, *, where: str = ""
+) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` token spans kept of sample ``index`` (``length`` tokens) under ``overflow``.
+
+    A sample that fits is kept whole (``[(0, length)]``). A longer one: ``"error"`` raises [`too_long_error`] (with
+    ``where``), ``"truncate"`` keeps its first ``max_length`` tokens, ``"split"`` cuts it into consecutive chunks of
+    ``max_length`` tokens (the last one shorter). The one overflow policy of ``pack_sequences``,
+    ``concatenate_and_pack`` and the streaming packer.
+
+    Example:
+        >>> overflow_spans(0, 10, 4, "split")
+        [(0, 4), (4, 8), (8, 10)]
+    """
+    if length <= max_length:
+        return [(0, length)]
+    if overflow == "error":
+        raise too_long_error(index, length, max_length, where=where)
+    if overflow == "truncate":
+        return [(0, max_length)]
+    return [(start, min(start + max_length, length)) for start in range(0, length, max_length)]
+
+
+def log_overflow(
+    logger: logging.Logger,
+    overflow: Overflow,
+    samples: int,
+    max_length: int,
+    *,
+    tokens: int | None = None,
+    chunks: int | None = None,
+) -> None:
+    """Warn that ``samples`` samples longer than ``max_length`` were truncated (``tokens``: the tokens dropped) or
+    split (into ``chunks`` chunks, or re-packing ``tokens`` tokens); nothing when ``samples`` is 0."""
+    if not samples:
+        return
+    if overflow == "truncate":
+        action = f"truncated, dropping {tokens} token(s)"
+    else:
+        action = "split into " + ("chunks" if chunks is None else f"{chunks} chunks")
+        action += ", re-packing " + ("them" if tokens is None else f"{tokens} token(s)")
+    logger.warning(
+        "overflow=%r: %d sample(s) longer than max_length=%d were %s.", overflow, samples, max_length, action
     )
 
 

@@ -18,10 +18,12 @@ Worked example (``pack_sequences`` with the default order-preserving strategy)::
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import logging
 import numbers
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
@@ -32,8 +34,9 @@ from unpack_trainer._validation import (
     as_sequence,
     check_overflow,
     check_positive_int,
+    log_overflow,
+    overflow_spans,
     token_list,
-    too_long_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,23 @@ def _as_lengths(lengths: Iterable[int] | np.ndarray, capacity: int) -> np.ndarra
     return array
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector inside the block (and restore its previous state after it).
+
+    For code that allocates many small objects it keeps (rows as lists of sample indices, buffered samples): the
+    collector would only walk the same lists again and again. Cyclic garbage made meanwhile is collected once the
+    collector runs again. Used by [`best_fit_decreasing`] and the streaming packer's buffer.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _rows_from_assignment(row_of: np.ndarray, num_rows: int) -> list[list[int]]:
     """Group sample indices by row id; each row's indices ascending, rows ordered by id."""
     order = np.argsort(row_of, kind="stable")
@@ -86,13 +106,8 @@ def _rows_from_assignment(row_of: np.ndarray, num_rows: int) -> list[list[int]]:
     starts = (ends - np.bincount(row_of, minlength=num_rows)).tolist()
     flat = order.tolist()
     # Hundreds of thousands of small lists would trigger the cyclic garbage collector over and over.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return [flat[start:end] for start, end in zip(starts, ends.tolist())]
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _best_fit_decreasing_assign(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
@@ -226,13 +241,20 @@ def best_fit_decreasing(
 
 
 def _best_fit_in_order(
-    lengths: list[int], order: Sequence[int], capacity: int, row_of: list[int], open_rows: list[tuple[int, int]]
+    lengths: list[int],
+    order: Sequence[int],
+    capacity: int,
+    row_of: list[int],
+    open_rows: list[tuple[int, int]],
+    max_samples: int | None = None,
 ) -> int:
     """Place the samples ``order`` one by one into the open row with the least free space that fits (ties: lowest
-    row id), else a new row. ``open_rows`` is a sorted list of ``(free space, row id)``, updated in place; returns the
-    number of rows created."""
+    row id), else a new row. ``open_rows`` is a sorted list of ``(free space, row id)`` of every row created so far,
+    updated in place; returns the number of rows created. With ``max_samples``, a row closes (leaves ``open_rows``)
+    once it holds that many samples; ``open_rows`` must then start empty."""
     created = 0
     num_rows = len(open_rows)
+    counts: list[int] = []  # samples per row, with `max_samples`
     for i in order:
         length = lengths[i]
         position = bisect.bisect_left(open_rows, (length, -1))
@@ -240,7 +262,12 @@ def _best_fit_in_order(
             free, row = open_rows.pop(position)
         else:
             free, row, num_rows, created = capacity, num_rows, num_rows + 1, created + 1
+            counts.append(0)
         row_of[i] = row
+        if max_samples is not None:
+            counts[row] += 1
+            if counts[row] >= max_samples:
+                continue
         bisect.insort(open_rows, (free - length, row))
     return created
 
@@ -320,7 +347,7 @@ def shuffled_best_fit(
             num_rows = _best_fit_in_order(values, body, capacity, row_of, open_rows)
             num_rows += _best_fit_in_order(values, fillers, capacity, row_of, open_rows)
         else:
-            num_rows = _bounded_best_fit(values, body + fillers, capacity, max_samples_per_row, row_of)
+            num_rows = _best_fit_in_order(values, body + fillers, capacity, row_of, [], max_samples_per_row)
         if best is None or num_rows < best[0]:
             best = (num_rows, row_of)
         if (target is not None and num_rows <= target) or share >= 1.0:
@@ -329,27 +356,6 @@ def shuffled_best_fit(
     num_rows, row_of = best
     rows = _rows_from_assignment(np.asarray(row_of, dtype=np.int64), num_rows)
     return shuffle_rows(rows, int(rng.integers(2**63 - 1)))
-
-
-def _bounded_best_fit(
-    lengths: list[int], order: Sequence[int], capacity: int, max_samples: int, row_of: list[int]
-) -> int:
-    """Best fit in ``order`` where a row also closes once it holds ``max_samples`` samples. Returns the row count."""
-    open_rows: list[tuple[int, int]] = []
-    counts: list[int] = []
-    for i in order:
-        length = lengths[i]
-        position = bisect.bisect_left(open_rows, (length, -1))
-        if position < len(open_rows):
-            free, row = open_rows.pop(position)
-        else:
-            free, row = capacity, len(counts)
-            counts.append(0)
-        row_of[i] = row
-        counts[row] += 1
-        if counts[row] < max_samples:
-            bisect.insort(open_rows, (free - length, row))
-    return len(counts)
 
 
 def balanced_step_order(samples_per_row: Sequence[int] | np.ndarray, rows_per_step: int, *, seed: int) -> list[int]:
@@ -478,28 +484,13 @@ def _apply_overflow(
             result.append(parts)
             source.append(index)
             continue
-        if overflow == "error":
-            raise too_long_error(index, length, max_length)
+        spans = overflow_spans(index, length, max_length, overflow)
         affected += 1
-        if overflow == "truncate":
-            cut += length - max_length
-            result.append([part[:max_length] for part in parts])
+        cut += length - max_length if overflow == "truncate" else length
+        for start, stop in spans:
+            result.append([part[start:stop] for part in parts])
             source.append(index)
-        else:
-            cut += length
-            for start in range(0, length, max_length):
-                result.append([part[start : start + max_length] for part in parts])
-                source.append(index)
-    if affected:
-        action = "truncated, dropping" if overflow == "truncate" else "split into chunks, re-packing"
-        logger.warning(
-            "overflow=%r: %d sample(s) longer than max_length=%d were %s %d token(s).",
-            overflow,
-            affected,
-            max_length,
-            action,
-            cut,
-        )
+    log_overflow(logger, overflow, affected, max_length, tokens=cut)
     return result, source
 
 
@@ -591,6 +582,49 @@ def _mask_span(mask: list[int], index: int) -> tuple[int, int]:
     return start, end
 
 
+class PackedRows(tuple):
+    """What [`concatenate_and_pack`] returns: a tuple ``(input_ids, labels, sample_index)``, or with
+    ``return_position_ids`` ``(input_ids, labels, sample_index, position_ids)``, whose parts can also be read by name.
+    Every part is ``(num_rows, max_length)`` int64.
+
+    ``packed_masks`` is the deprecated name of ``sample_index`` (a ``FutureWarning``; removed in 0.3).
+    """
+
+    __slots__ = ()
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """``(num_rows, max_length)`` int64: the samples' ids side by side, ``pad_token_id`` after the last one."""
+        return self[0]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """``(num_rows, max_length)`` int64: the labels, ``label_pad_id`` at each sample's first token and padding."""
+        return self[1]
+
+    @property
+    def sample_index(self) -> torch.Tensor:
+        """``(num_rows, max_length)`` int64: the 1-based index of each token's sample within its row (0 = padding)."""
+        return self[2]
+
+    @property
+    def position_ids(self) -> torch.Tensor | None:
+        """``(num_rows, max_length)`` int64 positions restarting at 0 per sample; ``None`` without
+        ``return_position_ids``."""
+        return self[3] if len(self) > 3 else None
+
+    @property
+    def packed_masks(self) -> torch.Tensor:
+        """Deprecated name of [`sample_index`]."""
+        warnings.warn(
+            "`packed_masks` is deprecated and will be removed in unpack_trainer 0.3; use `sample_index` (the same "
+            "tensor: each token's 1-based sample index within its row, 0 = padding).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self[2]
+
+
 def concatenate_and_pack(
     input_sequences: Iterable[Sequence[int] | torch.Tensor],
     label_sequences: Iterable[Sequence[int] | torch.Tensor] | None,
@@ -603,7 +637,7 @@ def concatenate_and_pack(
     overflow: Overflow = "error",
     return_position_ids: bool = False,
     seed: int | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> PackedRows:
     """Pack samples with their labels into rows, with everything needed to train without contamination.
 
     Args:
@@ -622,10 +656,21 @@ def concatenate_and_pack(
             [`position_ids_from_sample_index`]).
 
     Returns:
-        ``(packed_inputs, packed_labels, packed_masks)`` and, with ``return_position_ids``, ``position_ids``; all
-        ``(num_rows, max_length)`` int64. ``packed_masks`` holds the 1-based index of the sample inside its row
-        (``0`` = padding): two tokens may attend to each other only if they carry the same non-zero index. The first
-        label of every sample is ``label_pad_id``, so no sample is trained to predict the next sample's first token.
+        A [`PackedRows`] tuple ``(input_ids, labels, sample_index)`` and, with ``return_position_ids``,
+        ``position_ids``; all ``(num_rows, max_length)`` int64, also readable by name (``rows.sample_index``).
+        ``sample_index`` holds the 1-based index of the sample inside its row (``0`` = padding): two tokens may attend
+        to each other only if they carry the same non-zero index (it was called ``packed_masks``; that attribute
+        still works until 0.3, with a ``FutureWarning``). The first label of every sample is ``label_pad_id``, so no
+        sample is trained to predict the next sample's first token.
+
+    Example:
+        >>> rows = concatenate_and_pack([[1, 2, 3], [4, 5]], None, None, max_length=6, pad_token_id=0)
+        >>> rows.input_ids
+        tensor([[1, 2, 3, 4, 5, 0]])
+        >>> rows.labels
+        tensor([[-100,    2,    3, -100,    5, -100]])
+        >>> rows.sample_index
+        tensor([[1, 1, 1, 2, 2, 0]])
     """
     _check_pack_args(max_length, pad_token_id)
     check_overflow(overflow)
@@ -666,22 +711,22 @@ def concatenate_and_pack(
     rows = pack_lengths([len(parts[0]) for parts in samples], max_length, strategy=strategy, seed=seed)
     packed_inputs, _ = _fill_rows([parts[0] for parts in samples], rows, max_length, pad_token_id)
     packed_labels, _ = _fill_rows([parts[1] for parts in samples], rows, max_length, label_pad_id)
-    sample_index: list[list[int]] = [[] for _ in samples]
+    index_in_row: list[list[int]] = [[] for _ in samples]
     for row in rows:
         for k, s in enumerate(row):
-            sample_index[s] = [k + 1] * len(samples[s][0])
-    packed_masks, _ = _fill_rows(sample_index, rows, max_length, 0)
-    outputs: tuple[torch.Tensor, ...] = (packed_inputs, packed_labels, packed_masks)
+            index_in_row[s] = [k + 1] * len(samples[s][0])
+    sample_index, _ = _fill_rows(index_in_row, rows, max_length, 0)
+    outputs: tuple[torch.Tensor, ...] = (packed_inputs, packed_labels, sample_index)
     if return_position_ids:
-        outputs += (position_ids_from_sample_index(packed_masks),)
-    return outputs
+        outputs += (position_ids_from_sample_index(sample_index),)
+    return PackedRows(outputs)
 
 
 def position_ids_from_sample_index(sample_index: torch.Tensor) -> torch.Tensor:
     """Position ids restarting at 0 wherever the sample index changes along the last dimension.
 
     Args:
-        sample_index: ``(..., T)`` integer tensor, e.g. ``packed_masks`` from [`concatenate_and_pack`]. Trailing
+        sample_index: ``(..., T)`` integer tensor, e.g. ``sample_index`` from [`concatenate_and_pack`]. Trailing
             padding (index 0) counts as one more pseudo-sample, so its positions also start at 0.
 
     Returns:

@@ -37,8 +37,6 @@ when the samples have them.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import glob
 import gzip
 import itertools
@@ -55,38 +53,28 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unpack_trainer._logging import log_once
 from unpack_trainer._validation import (
     Overflow,
     check_overflow,
     check_positive_int,
     check_seq_lengths,
+    log_overflow,
+    overflow_spans,
     token_list,
-    too_long_error,
     value_list,
 )
-from unpack_trainer.packing import best_fit_decreasing
+from unpack_trainer.packing import best_fit_decreasing, gc_paused
 
 logger = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
 
 _STATE_FORMAT = "unpack_trainer.StreamingPacker/1"
-_STATE_KEYS = (
-    "format",
-    "config",
-    "shard",
-    "epoch",
-    "num_read",
-    "round",
-    "exhausted",
-    "samples",
-    "lengths",
-    "born",
-    "pending",
-    "pending_tokens",
-    "stats",
-    "source",
-)
+#: What a pass's state holds (the `_PassState` slots a saved state carries, under the same names).
+_PASS_FIELDS = ("epoch", "shard", "num_read", "round", "exhausted", "samples", "lengths", "born", "pending", "stats")
+#: The keys of [`StreamingPacker.state_dict`] that [`StreamingPacker.load_state_dict`] requires.
+_STATE_KEYS = ("format", "config", *_PASS_FIELDS, "pending_tokens", "source")
 #: Per-token fields a packed row carries, with the value a sample without the field is equivalent to (``None``: a
 #: copy of its ``input_ids``, as the collators default the labels).
 _TOKEN_FIELD_DEFAULTS: dict[str, int | None] = {"labels": None, "completion_mask": 1, "assistant_masks": 1}
@@ -104,23 +92,6 @@ def _cut_seq_lengths(seq_lengths: list[int], start: int, stop: int) -> list[int]
         if offset >= stop:
             break
     return pieces
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while the buffer is filled and packed (no yield happens meanwhile).
-
-    Almost everything allocated there is kept (buffered samples, queued rows), so collections would only walk the
-    same token lists again and again; with a buffer of 10,000 samples that was a third of the packer's time. Cyclic
-    garbage the source makes meanwhile is collected once the collector runs again.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _worker() -> tuple[int, int]:
@@ -144,21 +115,7 @@ class _PassState:
     the round in which they were read; ``pending`` holds the rows of the current round that were not yielded yet.
     """
 
-    __slots__ = (
-        "epoch",
-        "shard",
-        "num_read",
-        "round",
-        "exhausted",
-        "samples",
-        "lengths",
-        "born",
-        "pending",
-        "stats",
-        "rewind",
-        "origin",
-        "source_started",
-    )
+    __slots__ = (*_PASS_FIELDS, "rewind", "origin", "source_started")
 
     def __init__(self, epoch: int, shard: tuple[int, int] | None = None) -> None:
         self.epoch = epoch
@@ -324,7 +281,7 @@ class StreamingPacker(IterableDataset):
         self._passes_started = 0
         self._live: _PassState | None = None
         self._resume: dict[str, Any] | None = None
-        self._logged_dropped_keys = False
+        self._keys_inspected = False  # the first sample's keys say which ones the rows do not carry
 
     # ---------------------------------------------------------------------------------------------------- hooks
 
@@ -564,7 +521,9 @@ class StreamingPacker(IterableDataset):
                 stats["rows"] += 1
                 stats["tokens"] += tokens
                 yield row
-            with _gc_paused():
+            # No yield happens while the buffer is filled and packed, and almost everything allocated there is kept
+            # (buffered samples, queued rows): with a buffer of 10,000 samples, GC was a third of the packer's time.
+            with gc_paused():
                 if not state.exhausted:
                     self._fill(state, source, shard_id, num_shards)
                 if not state.samples:
@@ -639,7 +598,7 @@ class StreamingPacker(IterableDataset):
             special = self._inspected_keys.intersection(item)
             if special:
                 sample = self._check_fields(item, sample, special, length, index)
-        if not self._logged_dropped_keys:
+        if not self._keys_inspected:
             self._log_dropped_keys(item)
         return sample, length
 
@@ -680,29 +639,27 @@ class StreamingPacker(IterableDataset):
         return sample
 
     def _log_dropped_keys(self, item: Mapping) -> None:
-        self._logged_dropped_keys = True
+        self._keys_inspected = True
         default_pack = (
             self._pack_hook is None and type(self).pack_selected_samples is StreamingPacker.pack_selected_samples
         )
         dropped = sorted(set(item) - set(self.token_fields) - {"seq_lengths"})
         if dropped and default_pack:
-            logger.info(
-                "Packed rows carry %s and `seq_lengths`; the other keys of the samples (%s) are not carried over.",
-                ", ".join(f"`{f}`" for f in self.token_fields),
-                ", ".join(f"`{k}`" for k in dropped),
+            carried = ", ".join(f"`{f}`" for f in self.token_fields)
+            log_once(
+                logger,
+                logging.INFO,
+                f"Packed rows carry {carried} and `seq_lengths`; the other keys of the samples "
+                f"({', '.join(f'`{k}`' for k in dropped)}) are not carried over.",
             )
 
     def _overflow(self, sample: Sample, length: int, index: int, stats: dict[str, int]) -> list[tuple[Sample, int]]:
         """Apply ``overflow`` to a sample longer than ``max_length``."""
-        capacity = self.max_length
-        if self.overflow == "error":
-            raise too_long_error(index, length, capacity, where=" of the stream")
+        spans = overflow_spans(index, length, self.max_length, self.overflow, where=" of the stream")
         if self.overflow == "truncate":
-            spans = [(0, capacity)]
             stats["truncated"] += 1
-            stats["truncated_tokens"] += length - capacity
+            stats["truncated_tokens"] += length - self.max_length
         else:
-            spans = [(start, min(start + capacity, length)) for start in range(0, length, capacity)]
             stats["split"] += 1
             stats["split_chunks"] += len(spans)
         chunks = []
@@ -802,48 +759,8 @@ class StreamingPacker(IterableDataset):
 
     def _log_overflow(self, state: _PassState) -> None:
         stats = state.stats
-        if stats["truncated"]:
-            logger.warning(
-                "overflow='truncate': %d sample(s) longer than max_length=%d were truncated, dropping %d token(s).",
-                stats["truncated"],
-                self.max_length,
-                stats["truncated_tokens"],
-            )
-        if stats["split"]:
-            logger.warning(
-                "overflow='split': %d sample(s) longer than max_length=%d were split into %d chunks, re-packing them.",
-                stats["split"],
-                self.max_length,
-                stats["split_chunks"],
-            )
-
-
-def pack_iterable_dataset(
-    dataset: Iterable[Mapping[str, Any]],
-    max_length: int,
-    *,
-    buffer_size: int = 10_000,
-    seed: int | None = None,
-    overflow: Overflow = "error",
-    **kwargs: Any,
-) -> StreamingPacker:
-    """Pack a streamed data set of tokenized samples for training: what ``SFTTrainer`` does with an
-    ``IterableDataset`` and ``packing=True``.
-
-    Args:
-        dataset: a ``datasets.IterableDataset`` (or any iterable) of dicts with ``input_ids`` and optionally
-            ``labels`` / ``completion_mask`` / ``assistant_masks``.
-        max_length: tokens per row.
-        buffer_size: ``SFTConfig.packing_buffer_size``.
-        seed: shuffles the rows of each round (``None``: no shuffle).
-        overflow: ``"error"``, ``"truncate"`` or ``"split"``, as in [`StreamingPacker`].
-        **kwargs: the other [`StreamingPacker`] options.
-
-    Returns:
-        A ``torch.utils.data.IterableDataset`` of rows with ``input_ids``, ``seq_lengths`` and the samples' other
-        token fields, with ``state_dict`` / ``load_state_dict`` / ``set_epoch``.
-    """
-    return StreamingPacker(dataset, max_length, buffer_size=buffer_size, seed=seed, overflow=overflow, **kwargs)
+        log_overflow(logger, "truncate", stats["truncated"], self.max_length, tokens=stats["truncated_tokens"])
+        log_overflow(logger, "split", stats["split"], self.max_length, chunks=stats["split_chunks"])
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -15,24 +15,33 @@ import copy
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 import trl
 from datasets import Dataset, IterableDataset
 from transformers import AutoConfig, TrainingArguments
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from unpack_trainer._validation import check_dataset_token_ids, check_seq_lengths
+from unpack_trainer._logging import log_once
+from unpack_trainer._validation import check_dataset_token_ids
 from unpack_trainer.collator import DataCollatorForPacking
 from unpack_trainer.config import SFTConfig
-from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, log_once, neftune_note
+from unpack_trainer.data_utils import (
+    TruncationCounts,
+    check_packed_rows,
+    column_names,
+    pack_dataset,
+    pack_iterable_dataset,
+    sample_lengths,
+    samples_per_row,
+    split_packed_rows,
+    truncate_dataset,
+)
+from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
 from unpack_trainer.estimate import estimated_speedup
-from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit
+from unpack_trainer.packing import balanced_step_order
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
 logger = logging.getLogger("unpack_trainer")
@@ -52,13 +61,6 @@ def _first_example(dataset: Any) -> dict[str, Any] | None:
         return next(iter(dataset))
     except StopIteration:
         raise ValueError("`train_dataset` is empty (0 examples); training needs at least one example.") from None
-
-
-def _columns(dataset: Any) -> list[str]:
-    names = getattr(dataset, "column_names", None)
-    if names is None and dataset is not None:  # an IterableDataset with unknown features: peek at one example
-        names = list(next(iter(dataset), {}).keys())
-    return list(names or [])
 
 
 def _is_iterable(dataset: Any) -> bool:
@@ -136,7 +138,7 @@ class SFTTrainer(trl.SFTTrainer):
         self._unpack_train_prepared = False
         self._unpack_eval_flattened = False
         self._unpack_user_collator = data_collator is not None
-        self._unpack_counts: list[_TruncationCounts] = []
+        self._unpack_counts: list[TruncationCounts] = []
         self._unpack_sample_loss = False
         if env_flag(env, "UNPACK_DISABLE"):
             self.unpack_decision = decide(args, model_config=None, env=env)
@@ -344,7 +346,7 @@ class SFTTrainer(trl.SFTTrainer):
         self._unpack_train_prepared = True
         if self._unpack_mode == "stock":
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
-        packed_ahead = "seq_lengths" in _columns(dataset)
+        packed_ahead = "seq_lengths" in column_names(dataset)
         flatten = self._unpack_mode in ("pack", "padding_free") and (is_train or self._unpack_eval_flattened)
         if not flatten:
             if self._unpack_user_collator:  # the user's collator decides what seq_lengths mean
@@ -352,10 +354,10 @@ class SFTTrainer(trl.SFTTrainer):
                     dataset, processing_class, args, packing, formatting_func, dataset_name
                 )
             if packed_ahead:  # padded batches cannot keep boundaries inside a row: one row per sample
-                dataset = _split_packed_rows(dataset, dataset_name)
+                dataset = split_packed_rows(dataset, dataset_name)
             return super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
         if packed_ahead and packing:
-            dataset = _split_packed_rows(dataset, dataset_name)  # boundaries kept; the samples are packed anew
+            dataset = split_packed_rows(dataset, dataset_name)  # boundaries kept; the samples are packed anew
             packed_ahead = False
         max_length = args.max_length
         args.max_length = None  # tokenize and build labels only; truncation is done here, with counts
@@ -367,10 +369,11 @@ class SFTTrainer(trl.SFTTrainer):
         split = packing and args.packing_strategy == "bfd_split"
         if max_length is not None:
             if packed_ahead:
-                dataset = _check_packed_rows(dataset, max_length, dataset_name)
+                dataset = check_packed_rows(dataset, max_length, dataset_name)
             else:
-                counts = _TruncationCounts(dataset_name, max_length, args.truncation_mode, split)
-                dataset = _enforce_max_length(dataset, max_length, args.truncation_mode, split, dataset_name, counts)
+                dataset, counts = truncate_dataset(
+                    dataset, max_length, truncation_mode=args.truncation_mode, split=split, name=dataset_name
+                )
                 if isinstance(dataset, IterableDataset):
                     self._unpack_counts.append(counts)
                     if is_train:
@@ -379,28 +382,24 @@ class SFTTrainer(trl.SFTTrainer):
             if max_length is None:
                 raise ValueError("When packing is enabled, `max_length` can't be `None`.")
             if isinstance(dataset, IterableDataset):
-                from unpack_trainer.streaming import pack_iterable_dataset
-
                 return pack_iterable_dataset(
                     dataset, max_length, buffer_size=getattr(args, "packing_buffer_size", 10_000), seed=args.seed
                 )
-            dataset, stats = _pack_dataset(
-                dataset,
-                max_length,
-                seed=args.seed,
-                order=getattr(args, "packing_order", "decreasing"),
-                max_samples_per_row=getattr(args, "max_samples_per_row", None),
-            )
-        elif isinstance(dataset, Dataset):
-            lengths = _lengths(dataset, packed_ahead)
+        stats: dict[str, Any] = {}
+        if packing or isinstance(dataset, Dataset):
+            lengths = sample_lengths(dataset, packed_ahead)  # of the samples, in the dataset's order
+            if packing:
+                dataset = pack_dataset(
+                    dataset,
+                    max_length,
+                    seed=args.seed,
+                    order=getattr(args, "packing_order", "decreasing"),
+                    max_samples_per_row=getattr(args, "max_samples_per_row", None),
+                )
             stats = {"samples": int(lengths.size), "tokens": int(lengths.sum()), "lengths": lengths}
-            if packed_ahead:
+            if (packing or packed_ahead) and max_length is not None:
                 stats["rows"] = len(dataset)
-                stats["efficiency"] = stats["tokens"] / max(len(dataset) * (max_length or 1), 1)
-                if max_length is None:
-                    del stats["efficiency"], stats["rows"]
-        else:
-            stats = {}
+                stats["efficiency"] = stats["tokens"] / max(len(dataset) * max_length, 1)
         if is_train and stats:
             lengths = stats.pop("lengths", None)
             if lengths is not None and lengths.size:
@@ -426,9 +425,7 @@ class SFTTrainer(trl.SFTTrainer):
             and "seq_lengths" in dataset.column_names
         ):
             rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-            table = dataset.with_format("arrow")[:]
-            counts = pc.list_value_length(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
-            return BalancedStepSampler(counts, rows_per_step, seed=args.seed)
+            return BalancedStepSampler(samples_per_row(dataset), rows_per_step, seed=args.seed)
         return super()._get_train_sampler(train_dataset)
 
     # ------------------------------------------------------------------------------------------------ loss
@@ -565,251 +562,3 @@ def _attention_backend(model: Any, patched: bool) -> str:
         return str(resolve_backend(model))
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return f"{implementation} (transformers' own packed-position path, unpatched)"
-
-
-def _lengths(dataset: Dataset, packed_ahead: bool = False) -> np.ndarray:
-    """``(num_samples,)`` int64 sample lengths: of each row, or of each sample of rows packed ahead."""
-    table = dataset.with_format("arrow")[:]
-    if packed_ahead:
-        return pc.list_flatten(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
-    return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
-
-
-def _trained_tokens(dataset: Dataset) -> np.ndarray:
-    """``(num_samples,)`` int64 number of labels other than -100 in each sample."""
-    labels = dataset.with_format("arrow")[:]["labels"]
-    lengths = pc.list_value_length(labels).to_numpy(zero_copy_only=False).astype(np.int64)
-    trained = pc.not_equal(pc.list_flatten(labels), -100).to_numpy(zero_copy_only=False).astype(np.int64)
-    ends = np.cumsum(lengths)
-    totals = np.concatenate(([0], np.cumsum(trained)))
-    return totals[ends] - totals[ends - lengths]
-
-
-def _split_packed_rows(dataset: Dataset | IterableDataset, name: str) -> Dataset | IterableDataset:
-    """Rows packed ahead (a ``seq_lengths`` column) -> one row per sample, cut at the boundaries ``seq_lengths`` gives.
-
-    Every per-token column (a list as long as ``input_ids``) is cut; other columns are repeated for each sample.
-    ``ValueError`` naming the row when its ``seq_lengths`` are not positive integers summing to its length
-    ([`check_seq_lengths`], the collator's check).
-    """
-    columns = _columns(dataset)
-    log_once(
-        logger,
-        logging.INFO,
-        f"{name} dataset has a `seq_lengths` column (rows packed ahead): each row is split into its samples at those "
-        "boundaries, so no sample attends to another.",
-    )
-    counter = {"row": 0}
-
-    def split(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {column: [] for column in columns if column != "seq_lengths"}
-        for index, lengths in enumerate(batch["seq_lengths"]):
-            row = counter["row"]
-            counter["row"] += 1
-            ids = batch["input_ids"][index]
-            lengths = check_seq_lengths(lengths, len(ids), row, f"{name} dataset row {{index}}")
-            starts = np.concatenate(([0], np.cumsum(lengths)))
-            for column in out:
-                value = batch[column][index]
-                per_token = isinstance(value, (list, tuple)) and len(value) == len(ids)
-                for start, end in zip(starts[:-1], starts[1:]):
-                    out[column].append(value[start:end] if per_token else value)
-        return out
-
-    return dataset.map(split, batched=True, remove_columns=columns)
-
-
-def _check_packed_rows(dataset: Dataset | IterableDataset, max_length: int, name: str) -> Dataset | IterableDataset:
-    """Rows packed ahead are kept whole in padding-free mode: one longer than ``max_length`` is an error naming it."""
-    counter = {"row": 0}
-
-    def check(example: dict[str, Any]) -> bool:
-        row = counter["row"]
-        counter["row"] += 1
-        if len(example["input_ids"]) > max_length:
-            raise ValueError(
-                f"{name} dataset row {row} is a row packed ahead (`seq_lengths` column) of {len(example['input_ids'])} "
-                f"tokens, longer than max_length={max_length}; rows packed ahead are never cut. Raise max_length, "
-                "set packing=True to pack its samples anew, or set max_length=None."
-            )
-        return any(label != -100 for label in example["labels"])
-
-    return dataset.filter(check)
-
-
-@dataclass
-class _TruncationCounts:
-    """What ``max_length`` did to one dataset: counted up front for a map-style dataset, as it is read for a stream."""
-
-    name: str
-    max_length: int
-    truncation_mode: str
-    split: bool
-    read: int = 0
-    over: int = 0
-    cut_tokens: int = 0
-    masked_from_start: int = 0
-    masked_after_truncation: int = 0
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.over or self.masked_from_start or self.masked_after_truncation)
-
-    def summary(self) -> str:
-        action = "split into chunks of max_length" if self.split else f"truncated ({self.truncation_mode})"
-        text = (
-            f"{self.name} dataset (streamed): {self.over} of {self.read} samples read were longer than "
-            f"max_length={self.max_length} and were {action}"
-        )
-        if not self.split:
-            text += f", dropping {self.cut_tokens:,} tokens"
-        if self.masked_from_start:
-            text += f"; {self.masked_from_start} sample(s) with every label masked were dropped"
-        if self.masked_after_truncation:
-            text += f"; {self.masked_after_truncation} sample(s) with no trained token left after truncation dropped"
-        return text + "."
-
-
-def _enforce_max_length(
-    dataset: Dataset | IterableDataset,
-    max_length: int,
-    truncation_mode: str,
-    split: bool,
-    name: str,
-    counts: _TruncationCounts | None = None,
-) -> Dataset | IterableDataset:
-    """Truncate (or, with ``split``, cut into chunks) samples longer than ``max_length``, exactly as TRL's padded path
-    truncates, then drop samples without any trained token. Every count is logged: up front for a map-style dataset
-    (``ValueError`` with the counts when nothing is left); for a stream, the first truncation when it is read and the
-    totals in ``counts`` (logged at the end of training)."""
-    if truncation_mode not in ("keep_start", "keep_end"):
-        raise ValueError(f"Unsupported truncation mode: {truncation_mode}, expected 'keep_start' or 'keep_end'")
-    counts = counts if counts is not None else _TruncationCounts(name, max_length, truncation_mode, split)
-    action = "split into chunks of max_length" if split else f"truncated ({truncation_mode})"
-    streamed = not isinstance(dataset, Dataset)
-    if not streamed:
-        lengths = _lengths(dataset)
-        over = lengths > max_length
-        counts.read = int(lengths.size)
-        counts.over = int(over.sum())
-        counts.cut_tokens = int((lengths[over] - max_length).sum())
-        counts.masked_from_start = int((_trained_tokens(dataset) == 0).sum()) if lengths.size else 0
-        if over.any():
-            log_once(
-                logger,
-                logging.WARNING,
-                f"{name} dataset: {counts.over} of {lengths.size} samples are longer than max_length={max_length} and "
-                f"were {action}" + ("" if split else f", dropping {counts.cut_tokens:,} tokens") + ".",
-            )
-    columns = ["input_ids", "labels"]
-
-    def truncate(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {column: [] for column in columns}
-        for ids, labels in zip(batch["input_ids"], batch["labels"]):
-            if streamed:
-                counts.read += 1
-                counts.masked_from_start += not any(label != -100 for label in labels)
-                if len(ids) > max_length:
-                    counts.over += 1
-                    counts.cut_tokens += len(ids) - max_length
-                    log_once(
-                        logger,
-                        logging.WARNING,
-                        f"{name} dataset (streamed): samples longer than max_length={max_length} are {action} as "
-                        "they are read; the totals are logged at the end of training and kept in "
-                        "trainer.unpack_stats['truncation'].",
-                    )
-            if split:
-                for start in range(0, len(ids), max_length):
-                    out["input_ids"].append(ids[start : start + max_length])
-                    out["labels"].append(labels[start : start + max_length])
-            else:
-                window = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
-                out["input_ids"].append(ids[window])
-                out["labels"].append(labels[window])
-        return out
-
-    def trained(example: dict[str, Any]) -> bool:
-        keep = any(label != -100 for label in example["labels"])
-        if streamed and not keep:
-            counts.masked_after_truncation += 1
-        return keep
-
-    remove = [c for c in (dataset.column_names or []) if c not in columns]
-    dataset = dataset.map(truncate, batched=True, remove_columns=remove or None)
-    if streamed:
-        return dataset.filter(trained)
-    before = len(dataset)
-    dataset = dataset.filter(trained)
-    counts.masked_after_truncation = before - len(dataset) - counts.masked_from_start
-    if counts.masked_from_start:
-        log_once(
-            logger,
-            logging.WARNING,
-            f"{name} dataset: dropped {counts.masked_from_start} sample(s) whose labels are all masked (-100): they "
-            "have no trained token (as padded training does).",
-        )
-    if counts.masked_after_truncation:
-        log_once(
-            logger,
-            logging.WARNING,
-            f"{name} dataset: dropped {counts.masked_after_truncation} sample(s) with no trained token left after "
-            f"truncation to max_length={max_length} (as padded training does).",
-        )
-    if len(dataset) == 0:
-        raise ValueError(
-            f"{name} dataset: every sample was dropped ({counts.read} samples: {counts.masked_from_start} with every "
-            f"label masked, {counts.masked_after_truncation} with no trained token left after truncation to "
-            f"max_length={max_length}; {counts.over} longer than max_length). Raise max_length, use "
-            "truncation_mode='keep_end', or check the labels."
-        )
-    return dataset
-
-
-def _pack_dataset(
-    dataset: Dataset,
-    max_length: int,
-    *,
-    seed: int,
-    order: str = "decreasing",
-    max_samples_per_row: int | None = None,
-) -> tuple[Dataset, dict[str, Any]]:
-    """Pack a tokenized dataset (``input_ids``, ``labels``) into rows with a global packer: best-fit decreasing
-    (``order="decreasing"``) or [`shuffled_best_fit`] (``order="shuffled"`` or a ``max_samples_per_row`` bound).
-
-    Returns a dataset with ``input_ids`` and ``labels`` (each row's samples concatenated) and ``seq_lengths`` (the
-    samples' lengths), in rows shuffled with ``seed``, and the packing statistics.
-    """
-    table = dataset.with_format("arrow")[:]
-    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
-    if order == "shuffled" or max_samples_per_row is not None:
-        rows = shuffled_best_fit(lengths, max_length, seed=seed, max_samples_per_row=max_samples_per_row)
-    else:
-        rows = best_fit_decreasing(lengths, max_length, seed=seed)
-    sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
-    samples_per_row = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-    sample_offsets = np.concatenate(([0], np.cumsum(samples_per_row)))
-    token_ends = np.concatenate(([0], np.cumsum(lengths[sample_order])))
-    row_offsets = token_ends[sample_offsets]
-
-    def regroup(column: pa.ChunkedArray) -> pa.Array:
-        values = pc.list_flatten(column.take(pa.array(sample_order)))
-        return pa.LargeListArray.from_arrays(pa.array(row_offsets, pa.int64()), values.combine_chunks())
-
-    seq_lengths = pa.LargeListArray.from_arrays(
-        pa.array(sample_offsets, pa.int64()), pa.array(lengths[sample_order], pa.int64())
-    )
-    packed = Dataset(
-        pa.table(
-            {"input_ids": regroup(table["input_ids"]), "labels": regroup(table["labels"]), "seq_lengths": seq_lengths}
-        )
-    )
-    total = int(lengths.sum())
-    stats = {
-        "samples": int(lengths.size),
-        "rows": len(rows),
-        "tokens": total,
-        "efficiency": total / max(len(rows) * max_length, 1),
-        "lengths": lengths,
-    }
-    return packed, stats

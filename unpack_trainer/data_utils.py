@@ -1,0 +1,441 @@
+"""Dataset-level preparation the trainer calls, like TRL's ``trl/data_utils.py``: truncate and pack a tokenized
+dataset.
+
+The walk of a training set through ``SFTTrainer`` with ``packing=True``::
+
+    trainer.py ──► data_utils.truncate_dataset       long samples truncated (or split), counted
+               ──► data_utils.pack_dataset           map-style: global bin packing        (packing.py)
+                   data_utils.pack_iterable_dataset  streamed: packed on the fly          (streaming.py)
+               ──► collator.py                       one packed batch per step
+
+- [`truncate_dataset`]: enforce ``max_length`` on ``input_ids`` / ``labels`` and drop the samples with no trained
+  token, with counts (a map-style dataset or a stream).
+- [`pack_dataset`]: a map-style dataset into rows of ``max_length`` tokens with the global packer of ``packing.py``;
+  each row holds its samples' tokens side by side and their lengths in ``seq_lengths``.
+- [`pack_iterable_dataset`]: a stream into such rows, on the fly, with [`~unpack_trainer.streaming.StreamingPacker`].
+- [`split_packed_rows`] / [`check_packed_rows`]: datasets whose rows were packed ahead (a ``seq_lengths`` column).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets import Dataset, IterableDataset
+
+from unpack_trainer._logging import log_once
+from unpack_trainer._validation import Overflow, check_positive_int, check_seq_lengths
+from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit
+from unpack_trainer.streaming import StreamingPacker
+
+__all__ = [
+    "TruncationCounts",
+    "check_packed_rows",
+    "column_names",
+    "pack_dataset",
+    "pack_iterable_dataset",
+    "sample_lengths",
+    "samples_per_row",
+    "split_packed_rows",
+    "truncate_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+_ORDERS = ("decreasing", "shuffled")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading a dataset
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def column_names(dataset: Any) -> list[str]:
+    """The columns of ``dataset``; for an ``IterableDataset`` with unknown features, the keys of its first example."""
+    names = getattr(dataset, "column_names", None)
+    if names is None and dataset is not None:  # an IterableDataset with unknown features: peek at one example
+        names = list(next(iter(dataset), {}).keys())
+    return list(names or [])
+
+
+def sample_lengths(dataset: Dataset, packed_ahead: bool = False) -> np.ndarray:
+    """``(num_samples,)`` int64 sample lengths: of each row (``input_ids``), or with ``packed_ahead`` of each sample
+    of the rows packed ahead (``seq_lengths`` flattened, row-major)."""
+    table = dataset.with_format("arrow")[:]
+    if packed_ahead:
+        return pc.list_flatten(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
+    return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def samples_per_row(dataset: Dataset) -> np.ndarray:
+    """``(num_rows,)`` int64 number of samples in each row of a packed dataset (the lengths of its ``seq_lengths``)."""
+    table = dataset.with_format("arrow")[:]
+    return pc.list_value_length(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _trained_tokens(dataset: Dataset) -> np.ndarray:
+    """``(num_samples,)`` int64 number of labels other than -100 in each sample."""
+    labels = dataset.with_format("arrow")[:]["labels"]
+    lengths = pc.list_value_length(labels).to_numpy(zero_copy_only=False).astype(np.int64)
+    trained = pc.not_equal(pc.list_flatten(labels), -100).to_numpy(zero_copy_only=False).astype(np.int64)
+    ends = np.cumsum(lengths)
+    totals = np.concatenate(([0], np.cumsum(trained)))
+    return totals[ends] - totals[ends - lengths]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rows packed ahead (a `seq_lengths` column)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def split_packed_rows(dataset: Dataset | IterableDataset, name: str) -> Dataset | IterableDataset:
+    """Rows packed ahead (a ``seq_lengths`` column) -> one row per sample, cut at the boundaries ``seq_lengths`` gives.
+
+    Every per-token column (a list as long as ``input_ids``) is cut; other columns are repeated for each sample.
+    ``ValueError`` naming the row when its ``seq_lengths`` are not positive integers summing to its length
+    ([`check_seq_lengths`], the collator's check).
+    """
+    columns = column_names(dataset)
+    log_once(
+        logger,
+        logging.INFO,
+        f"{name} dataset has a `seq_lengths` column (rows packed ahead): each row is split into its samples at those "
+        "boundaries, so no sample attends to another.",
+    )
+    counter = {"row": 0}
+
+    def split(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {column: [] for column in columns if column != "seq_lengths"}
+        for index, lengths in enumerate(batch["seq_lengths"]):
+            row = counter["row"]
+            counter["row"] += 1
+            ids = batch["input_ids"][index]
+            lengths = check_seq_lengths(lengths, len(ids), row, f"{name} dataset row {{index}}")
+            starts = np.concatenate(([0], np.cumsum(lengths)))
+            for column in out:
+                value = batch[column][index]
+                per_token = isinstance(value, (list, tuple)) and len(value) == len(ids)
+                for start, end in zip(starts[:-1], starts[1:]):
+                    out[column].append(value[start:end] if per_token else value)
+        return out
+
+    return dataset.map(split, batched=True, remove_columns=columns)
+
+
+def check_packed_rows(dataset: Dataset | IterableDataset, max_length: int, name: str) -> Dataset | IterableDataset:
+    """Rows packed ahead are kept whole in padding-free mode: one longer than ``max_length`` is an error naming it."""
+    counter = {"row": 0}
+
+    def check(example: dict[str, Any]) -> bool:
+        row = counter["row"]
+        counter["row"] += 1
+        if len(example["input_ids"]) > max_length:
+            raise ValueError(
+                f"{name} dataset row {row} is a row packed ahead (`seq_lengths` column) of {len(example['input_ids'])} "
+                f"tokens, longer than max_length={max_length}; rows packed ahead are never cut. Raise max_length, "
+                "set packing=True to pack its samples anew, or set max_length=None."
+            )
+        return any(label != -100 for label in example["labels"])
+
+    return dataset.filter(check)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# max_length
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TruncationCounts:
+    """What ``max_length`` did to one dataset: counted up front for a map-style dataset, as it is read for a stream."""
+
+    name: str
+    max_length: int
+    truncation_mode: str
+    split: bool
+    read: int = 0
+    over: int = 0
+    cut_tokens: int = 0
+    masked_from_start: int = 0
+    masked_after_truncation: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.over or self.masked_from_start or self.masked_after_truncation)
+
+    def summary(self) -> str:
+        action = "split into chunks of max_length" if self.split else f"truncated ({self.truncation_mode})"
+        text = (
+            f"{self.name} dataset (streamed): {self.over} of {self.read} samples read were longer than "
+            f"max_length={self.max_length} and were {action}"
+        )
+        if not self.split:
+            text += f", dropping {self.cut_tokens:,} tokens"
+        if self.masked_from_start:
+            text += f"; {self.masked_from_start} sample(s) with every label masked were dropped"
+        if self.masked_after_truncation:
+            text += f"; {self.masked_after_truncation} sample(s) with no trained token left after truncation dropped"
+        return text + "."
+
+
+def truncate_dataset(
+    dataset: Dataset | IterableDataset,
+    max_length: int,
+    *,
+    truncation_mode: str = "keep_start",
+    split: bool = False,
+    name: str = "train",
+) -> tuple[Dataset | IterableDataset, TruncationCounts]:
+    """Truncate (or, with ``split``, cut into chunks) samples longer than ``max_length``, exactly as TRL's padded path
+    truncates, then drop the samples without any trained token (every label ``-100``), as padded training does.
+
+    Every count is logged (once, ``name`` naming the dataset): up front for a map-style dataset; for a stream, the
+    first truncation when it is read, the totals accumulating in the returned counts as it is read (the trainer logs
+    them at the end of training).
+
+    Args:
+        dataset: a tokenized ``datasets.Dataset`` or ``IterableDataset`` with ``input_ids`` and ``labels`` (lists of
+            integer ids, of equal length in each sample). Other columns are removed.
+        max_length: the most tokens a sample keeps.
+        truncation_mode: ``"keep_start"`` keeps a long sample's first ``max_length`` tokens, ``"keep_end"`` its last
+            ones (``SFTConfig.truncation_mode``).
+        split: cut a long sample into consecutive chunks of ``max_length`` tokens (the last one shorter) instead of
+            truncating it (``packing_strategy="bfd_split"``); each chunk is a sample of its own.
+        name: the dataset's name in the log lines and errors (``"train"``, ``"eval"``).
+
+    Returns:
+        ``(dataset, counts)``: the dataset with ``input_ids`` and ``labels`` only, and its [`TruncationCounts`]
+        (complete for a map-style dataset; filled as a stream is read).
+
+    Raises:
+        ValueError: ``max_length`` is not a positive integer, an unknown ``truncation_mode``, or a map-style dataset
+            with no sample left (the message gives the counts).
+
+    Example:
+        >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6], [7, 8, 9]],
+        ...                         "labels": [[-100, 2, 3, 4], [-100, -100], [-100, -100, 9]]})
+        >>> truncated, counts = truncate_dataset(ds, 2)   # [5, 6] and [7, 8] have no trained token: dropped
+        >>> truncated[:]
+        {'input_ids': [[1, 2]], 'labels': [[-100, 2]]}
+        >>> counts.over, counts.cut_tokens, counts.masked_from_start, counts.masked_after_truncation
+        (2, 3, 1, 1)
+    """
+    check_positive_int(max_length, "max_length")
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"Unsupported truncation mode: {truncation_mode}, expected 'keep_start' or 'keep_end'")
+    counts = TruncationCounts(name, max_length, truncation_mode, split)
+    action = "split into chunks of max_length" if split else f"truncated ({truncation_mode})"
+    streamed = not isinstance(dataset, Dataset)
+    if not streamed:
+        lengths = sample_lengths(dataset)
+        over = lengths > max_length
+        counts.read = int(lengths.size)
+        counts.over = int(over.sum())
+        counts.cut_tokens = int((lengths[over] - max_length).sum())
+        counts.masked_from_start = int((_trained_tokens(dataset) == 0).sum()) if lengths.size else 0
+        if over.any():
+            log_once(
+                logger,
+                logging.WARNING,
+                f"{name} dataset: {counts.over} of {lengths.size} samples are longer than max_length={max_length} and "
+                f"were {action}" + ("" if split else f", dropping {counts.cut_tokens:,} tokens") + ".",
+            )
+    columns = ["input_ids", "labels"]
+
+    def truncate(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {column: [] for column in columns}
+        for ids, labels in zip(batch["input_ids"], batch["labels"]):
+            if streamed:
+                counts.read += 1
+                counts.masked_from_start += not any(label != -100 for label in labels)
+                if len(ids) > max_length:
+                    counts.over += 1
+                    counts.cut_tokens += len(ids) - max_length
+                    log_once(
+                        logger,
+                        logging.WARNING,
+                        f"{name} dataset (streamed): samples longer than max_length={max_length} are {action} as "
+                        "they are read; the totals are logged at the end of training and kept in "
+                        "trainer.unpack_stats['truncation'].",
+                    )
+            if split:
+                for start in range(0, len(ids), max_length):
+                    out["input_ids"].append(ids[start : start + max_length])
+                    out["labels"].append(labels[start : start + max_length])
+            else:
+                window = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+                out["input_ids"].append(ids[window])
+                out["labels"].append(labels[window])
+        return out
+
+    def trained(example: dict[str, Any]) -> bool:
+        keep = any(label != -100 for label in example["labels"])
+        if streamed and not keep:
+            counts.masked_after_truncation += 1
+        return keep
+
+    remove = [c for c in (dataset.column_names or []) if c not in columns]
+    dataset = dataset.map(truncate, batched=True, remove_columns=remove or None)
+    if streamed:
+        return dataset.filter(trained), counts
+    before = len(dataset)
+    dataset = dataset.filter(trained)
+    counts.masked_after_truncation = before - len(dataset) - counts.masked_from_start
+    if counts.masked_from_start:
+        log_once(
+            logger,
+            logging.WARNING,
+            f"{name} dataset: dropped {counts.masked_from_start} sample(s) whose labels are all masked (-100): they "
+            "have no trained token (as padded training does).",
+        )
+    if counts.masked_after_truncation:
+        log_once(
+            logger,
+            logging.WARNING,
+            f"{name} dataset: dropped {counts.masked_after_truncation} sample(s) with no trained token left after "
+            f"truncation to max_length={max_length} (as padded training does).",
+        )
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{name} dataset: every sample was dropped ({counts.read} samples: {counts.masked_from_start} with every "
+            f"label masked, {counts.masked_after_truncation} with no trained token left after truncation to "
+            f"max_length={max_length}; {counts.over} longer than max_length). Raise max_length, use "
+            "truncation_mode='keep_end', or check the labels."
+        )
+    return dataset, counts
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def pack_dataset(
+    dataset: Dataset,
+    max_length: int,
+    *,
+    seed: int | None = None,
+    order: str = "decreasing",
+    max_samples_per_row: int | None = None,
+) -> Dataset:
+    """Pack a tokenized map-style dataset into rows of at most ``max_length`` tokens with a global packer.
+
+    Unlike TRL's ``pack_dataset`` (best-fit decreasing over windows of rows), the packer sees every sample at once
+    ([`~unpack_trainer.packing.best_fit_decreasing`] or [`~unpack_trainer.packing.shuffled_best_fit`]). A sample is
+    never cut: each goes whole into one row, and ``seq_lengths`` keeps the boundaries, so the packed collator can keep
+    every sample apart (positions restarting at 0, no attention across samples, no label across a boundary).
+
+    Args:
+        dataset: a ``datasets.Dataset`` with ``input_ids`` (lists of token ids; every sample 1 to ``max_length``
+            tokens: truncate first, e.g. with [`truncate_dataset`]) and optionally other per-token columns (a list as
+            long as ``input_ids`` in every row: ``labels``, ``completion_mask``, ...), concatenated the same way.
+            Other columns are dropped. Rows packed ahead (a ``seq_lengths`` column) are rejected: split them first
+            ([`split_packed_rows`]).
+        max_length: tokens per row.
+        seed: the rows come out in an order shuffled with this seed; with ``order="shuffled"`` it also seeds which
+            samples share a row (required then). ``None``: best-fit decreasing's creation order (fullest rows,
+            holding the longest samples, first).
+        order: which samples share a row. ``"decreasing"``: best-fit decreasing (fewest rows; a row holds samples of
+            similar rank: a long one topped up with short ones). ``"shuffled"``: samples placed in a seeded random
+            order with best fit, rows as full as best-fit decreasing (at least 99.5% full), lengths mixed at random.
+        max_samples_per_row: the most samples a row may hold (rows close once they reach it, so they may be less
+            full); implies the shuffled packer. ``None``: no bound.
+
+    Returns:
+        A ``datasets.Dataset`` of rows: ``input_ids`` and every other per-token column, each row's samples
+        concatenated (``large_list``), and ``seq_lengths`` (``large_list<int64>``): the lengths of the row's samples,
+        summing to ``len(input_ids)``.
+
+    Raises:
+        ValueError: ``max_length`` is not a positive integer, a sample is empty or longer than ``max_length`` (the
+            message names it), an unknown ``order``, ``order="shuffled"`` without a ``seed``, no ``input_ids``
+            column, or a ``seq_lengths`` column.
+
+    Example:
+        >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]],
+        ...                         "labels": [[-100, 2, 3], [-100, 5], [-100, 7, 8, 9], [-100]]})
+        >>> packed = pack_dataset(ds, max_length=5)   # lengths [3, 2, 4, 1] -> rows [[2, 3], [0, 1]]
+        >>> packed[:2]["input_ids"], packed[:2]["seq_lengths"]
+        ([[6, 7, 8, 9, 10], [1, 2, 3, 4, 5]], [[4, 1], [3, 2]])
+        >>> packed[:2]["labels"]
+        [[-100, 7, 8, 9, -100], [-100, 2, 3, -100, 5]]
+    """
+    max_length = check_positive_int(max_length, "max_length")
+    if order not in _ORDERS:
+        raise ValueError(f"Unknown packing order {order!r}; use one of {_ORDERS}.")
+    shuffled = order == "shuffled" or max_samples_per_row is not None
+    if shuffled and seed is None:
+        raise ValueError(
+            "`order='shuffled'` (or `max_samples_per_row`) needs a `seed`: it decides which samples share a row."
+        )
+    table = dataset.with_format("arrow")[:]
+    if "input_ids" not in table.column_names or "seq_lengths" in table.column_names:
+        raise ValueError(
+            f"pack_dataset needs an `input_ids` column and no `seq_lengths` column (rows packed ahead: split them "
+            f"first with split_packed_rows); got the columns {table.column_names}."
+        )
+    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+    if shuffled:
+        rows = shuffled_best_fit(lengths, max_length, seed=seed, max_samples_per_row=max_samples_per_row)
+    else:
+        rows = best_fit_decreasing(lengths, max_length, seed=seed)
+    sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
+    row_sizes = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    sample_offsets = np.concatenate(([0], np.cumsum(row_sizes)))
+    token_ends = np.concatenate(([0], np.cumsum(lengths[sample_order])))
+    row_offsets = pa.array(token_ends[sample_offsets], pa.int64())
+
+    def regroup(column: pa.ChunkedArray) -> pa.Array:
+        values = pc.list_flatten(column.take(pa.array(sample_order)))
+        return pa.LargeListArray.from_arrays(row_offsets, values.combine_chunks())
+
+    columns = {name: regroup(table[name]) for name in _token_columns(table, lengths)}
+    columns["seq_lengths"] = pa.LargeListArray.from_arrays(
+        pa.array(sample_offsets, pa.int64()), pa.array(lengths[sample_order], pa.int64())
+    )
+    return Dataset(pa.table(columns))
+
+
+def _token_columns(table: pa.Table, lengths: np.ndarray) -> list[str]:
+    """``input_ids`` and the other list columns of ``table`` as long as it in every row (``lengths``)."""
+    names = ["input_ids"]
+    for name in table.column_names:
+        if name == "input_ids" or not hasattr(table.schema.field(name).type, "value_type"):
+            continue
+        column_lengths = pc.list_value_length(table[name]).to_numpy(zero_copy_only=False)
+        if np.array_equal(column_lengths, lengths):
+            names.append(name)
+    return names
+
+
+def pack_iterable_dataset(
+    dataset: Iterable[Mapping[str, Any]],
+    max_length: int,
+    *,
+    buffer_size: int = 10_000,
+    seed: int | None = None,
+    overflow: Overflow = "error",
+    **kwargs: Any,
+) -> StreamingPacker:
+    """Pack a streamed data set of tokenized samples for training: what ``SFTTrainer`` does with an
+    ``IterableDataset`` and ``packing=True``.
+
+    Args:
+        dataset: a ``datasets.IterableDataset`` (or any iterable) of dicts with ``input_ids`` and optionally
+            ``labels`` / ``completion_mask`` / ``assistant_masks``.
+        max_length: tokens per row.
+        buffer_size: ``SFTConfig.packing_buffer_size``.
+        seed: shuffles the rows of each round (``None``: no shuffle).
+        overflow: ``"error"``, ``"truncate"`` or ``"split"``, as in [`StreamingPacker`].
+        **kwargs: the other [`StreamingPacker`] options.
+
+    Returns:
+        A ``torch.utils.data.IterableDataset`` of rows with ``input_ids``, ``seq_lengths`` and the samples' other
+        token fields, with ``state_dict`` / ``load_state_dict`` / ``set_epoch``.
+    """
+    return StreamingPacker(dataset, max_length, buffer_size=buffer_size, seed=seed, overflow=overflow, **kwargs)
