@@ -326,3 +326,15 @@ def test_concatenate_and_pack_masks_positions_labels_consistent(sequences):
 def test_position_ids_from_sample_index_batched():
     index = t([[1, 1, 2, 2, 2, 0], [1, 2, 3, 3, 0, 0]])
     assert position_ids_from_sample_index(index).tolist() == [[0, 1, 0, 1, 2, 0], [0, 0, 0, 1, 0, 1]]
+
+
+def test_concatenate_and_pack_names_its_parts_and_packed_masks_is_deprecated():
+    rows = concatenate_and_pack([[1, 2, 3], [4, 5]], None, None, max_length=6, pad_token_id=0)
+    assert len(rows) == 3 and rows.position_ids is None
+    assert rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 0]]
+    assert rows.labels.tolist() == [[-100, 2, 3, -100, 5, -100]]
+    assert rows.sample_index.tolist() == [[1, 1, 1, 2, 2, 0]]
+    with pytest.warns(FutureWarning, match=r"`packed_masks` is deprecated .* 0\.3; use `sample_index`"):
+        assert rows.packed_masks is rows.sample_index
+    with_positions = concatenate_and_pack([[1, 2, 3], [4, 5]], None, None, 6, 0, return_position_ids=True)
+    assert len(with_positions) == 4 and with_positions.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
