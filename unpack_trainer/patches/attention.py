@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
@@ -125,11 +126,11 @@ class _LastDerivedInfo:
     batch is not kept alive) and version, its keyword name and the batch shape."""
 
     def __init__(self) -> None:
-        self._source: weakref.ref[torch.Tensor] | None = None
+        self._source: weakref.ref[Tensor] | None = None
         self._key: tuple[str, int, int, int] | None = None
         self._info: PackedSeqInfo | None = None
 
-    def get(self, source_name: str, source: torch.Tensor, batch_size: int, seq_len: int) -> PackedSeqInfo | None:
+    def get(self, source_name: str, source: Tensor, batch_size: int, seq_len: int) -> PackedSeqInfo | None:
         """The metadata of ``source`` (``packed_seq_lengths``, ``cu_seq_lens_q`` or ``position_ids``), derived once."""
         key = (source_name, source._version, batch_size, seq_len)
         if self._source is not None and self._source() is source and self._key == key:
@@ -148,7 +149,7 @@ _last_derived = _LastDerivedInfo()
 
 
 def packed_info_from_kwargs(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: Any, kwargs: dict[str, Any]
+    query: Tensor, key: Tensor, attention_mask: Any, kwargs: dict[str, Any]
 ) -> PackedSeqInfo | None:
     """The packing metadata of this call, or ``None`` for an unpacked call.
 
@@ -185,13 +186,13 @@ def _optional(description: str, load: Callable[[], Any]) -> Any:
 
 
 @functools.cache
-def _flash_varlen_kernel() -> Callable[..., torch.Tensor] | None:
+def _flash_varlen_kernel() -> Callable[..., Tensor] | None:
     """``flash_attn.flash_attn_varlen_func`` when flash-attn imports, else ``None`` (imported on first use)."""
     return _optional("flash-attn", lambda: importlib.import_module("flash_attn").flash_attn_varlen_func)
 
 
 @functools.cache
-def _torch_varlen_kernel() -> Callable[..., torch.Tensor] | None:
+def _torch_varlen_kernel() -> Callable[..., Tensor] | None:
     """``torch.nn.attention.varlen.varlen_attn`` when this torch has it (2.10 and later), else ``None``."""
     return _optional(
         "torch.nn.attention.varlen", lambda: importlib.import_module("torch.nn.attention.varlen").varlen_attn
@@ -366,41 +367,51 @@ def choose_backend(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Backends. Every backend has the signature of _BackendFunction and the contract of packed_attention_forward:
-#   query (B, num_heads, T, head_dim), key (B, num_kv_heads, T, head_dim), value (B, num_kv_heads, T, head_dim_v), one
-#   float dtype, num_kv_heads dividing num_heads (query head h reads kv head h // (num_heads // num_kv_heads)); the
-#   samples of ``info`` tile the B * T tokens; the output is (B, T, num_heads, head_dim_v) in query's dtype.
-#   Attention is causal within each sample; a window w keeps keys j with i - w < j <= i (transformers' convention).
-#   Every query sees at least itself, so no row is ever fully masked.
-#   What a backend cannot apply (softcap, sinks, dropout: _CAPABILITIES) is refused before dispatch, never dropped.
-# Each backend caches what it derives from the samples on ``info`` through PackedSeqInfo.plan, under its own owner.
+# Backends: ``backend(query, key, value, info, options) -> attn_output`` (see _BackendFunction), each caching what it
+# derives from the samples on ``info`` through PackedSeqInfo.plan, under its own owner name.
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class _CallOptions(NamedTuple):
+    """What one packed attention call asks for besides q, k, v and the samples (checked by packed_attention_forward).
+
+    ``sliding_window``: ``None`` (causal) or ``w``: query ``i`` sees keys ``j`` with ``i - w < j <= i`` (transformers'
+    convention). ``softcap``: ``None`` or ``c``: scores become ``tanh(scores / c) * c``. ``sinks``: ``None`` or
+    ``(num_heads,)`` one logit per query head added to every softmax denominator (gpt_oss ``s_aux``). ``dropout``: a
+    probability (transformers passes 0.0 outside training). ``module``: the attention module (``training``).
+    """
+
+    scaling: float
+    dropout: float
+    sliding_window: int | None
+    softcap: float | None
+    sinks: Tensor | None
+    module: torch.nn.Module
+
+
 class _BackendFunction(Protocol):
+    """One backend: the contract of :func:`packed_attention_forward` on its inputs.
+
+    ``query`` ``(B, num_heads, T, head_dim)``, ``key`` ``(B, num_kv_heads, T, head_dim)``, ``value``
+    ``(B, num_kv_heads, T, head_dim_v)``, one float dtype, ``num_kv_heads`` dividing ``num_heads`` (query head ``h``
+    reads kv head ``h // (num_heads // num_kv_heads)``); ``info``: the samples, tiling the ``B * T`` tokens. Returns
+    ``(B, T, num_heads, head_dim_v)`` in query's dtype, causal attention within each sample. Every query sees at
+    least itself, so no row is ever fully masked. An option the backend cannot apply (``_CAPABILITIES``) is refused
+    before dispatch, so it arrives as ``None`` / 0.0.
+    """
+
     def __call__(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        info: PackedSeqInfo,
-        *,
-        scaling: float,
-        dropout: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
-        module: torch.nn.Module,
-    ) -> torch.Tensor: ...
+        self, query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions
+    ) -> Tensor: ...
 
 
-def _tokens_major(x: torch.Tensor) -> torch.Tensor:
+def _tokens_major(x: Tensor) -> Tensor:
     """(B, num_heads, T, head_dim) -> (total_tokens, num_heads, head_dim), total_tokens = B * T; a view when B == 1."""
     batch_size, num_heads, seq_len, head_dim = x.shape
     return x.transpose(1, 2).reshape(batch_size * seq_len, num_heads, head_dim)
 
 
-def _repeat_heads(x: torch.Tensor, heads_per_kv: int) -> torch.Tensor:
+def _repeat_heads(x: Tensor, heads_per_kv: int) -> Tensor:
     """(n, num_kv_heads, L, head_dim) -> (n, num_kv_heads * heads_per_kv, L, head_dim), each kv head repeated
     ``heads_per_kv`` times (transformers' repeat_kv)."""
     if heads_per_kv == 1:
@@ -424,12 +435,12 @@ class _SdpaPlan(NamedTuple):
 
     buckets: list[_Bucket]
     sizes: list[int]  # n * L slots per bucket
-    gather: torch.Tensor  # (num_slots,) int64: token read by each slot (padding repeats the sample's first token)
-    scatter: torch.Tensor  # (total_tokens,) int64: slot of each token
-    pad_slots: torch.Tensor  # (num_slots,) bool: True at padding slots
+    gather: Tensor  # (num_slots,) int64: token read by each slot (padding repeats the sample's first token)
+    scatter: Tensor  # (total_tokens,) int64: slot of each token
+    pad_slots: Tensor  # (num_slots,) bool: True at padding slots
 
 
-def _group_sorted_lengths(sorted_lengths: torch.Tensor) -> list[tuple[int, int]]:
+def _group_sorted_lengths(sorted_lengths: Tensor) -> list[tuple[int, int]]:
     """Split ascending lengths into contiguous ``[begin, end)`` groups minimising
     ``sum(_CALL_COST_PAIRS + (end - begin) * max_length**2)`` (dynamic programming over distinct lengths)."""
     longest = int(sorted_lengths[-1])
@@ -496,10 +507,10 @@ def _build_sdpa_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan:
     )
 
 
-def _band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: torch.device) -> torch.Tensor:
+def _band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: torch.device) -> Tensor:
     """``(L, L)`` bool on ``device``, True where query ``i`` may see key ``j``: ``i - sliding_window < j <= i``."""
 
-    def build() -> torch.Tensor:
+    def build() -> Tensor:
         i = torch.arange(length, device=device).unsqueeze(1)
         j = torch.arange(length, device=device).unsqueeze(0)
         return (j <= i) & (j > i - sliding_window)
@@ -509,11 +520,11 @@ def _band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: to
 
 def _additive_mask(
     info: PackedSeqInfo, length: int, sliding_window: int | None, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
+) -> Tensor:
     """``(L, L)`` ``dtype`` on ``device``: 0 where attention is allowed (causal, within the window),
     ``finfo(dtype).min`` elsewhere (finite, so even a fully masked row would give uniform weights, never NaN)."""
 
-    def build() -> torch.Tensor:
+    def build() -> Tensor:
         window = sliding_window if sliding_window is not None else length + 1
         allowed = _band_mask(info, length, window, device)
         zero = torch.zeros((), dtype=dtype, device=device)
@@ -542,12 +553,12 @@ class _GatherSlots(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, tokens: Tensor, gather: Tensor, scatter: Tensor) -> Tensor:
         ctx.save_for_backward(scatter)
         return tokens.index_select(0, gather)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: Tensor):
         (scatter,) = ctx.saved_tensors
         return grad.index_select(0, scatter), None, None
 
@@ -556,21 +567,19 @@ class _ScatterTokens(torch.autograd.Function):
     """``slots (S, ...) -> tokens (N, ...)``, ``tokens = slots[scatter]``; padding slots get a zero gradient."""
 
     @staticmethod
-    def forward(
-        ctx, slots: torch.Tensor, scatter: torch.Tensor, gather: torch.Tensor, pad_slots: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(ctx, slots: Tensor, scatter: Tensor, gather: Tensor, pad_slots: Tensor) -> Tensor:
         ctx.save_for_backward(gather, pad_slots)
         return slots.index_select(0, scatter)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: Tensor):
         gather, pad_slots = ctx.saved_tensors
         grad_slots = grad.index_select(0, gather)
         grad_slots.masked_fill_(pad_slots.view(-1, *([1] * (grad_slots.dim() - 1))), 0)
         return grad_slots, None, None, None
 
 
-def _bucketed(x_tokens: torch.Tensor, plan: _SdpaPlan) -> list[torch.Tensor]:
+def _bucketed(x_tokens: Tensor, plan: _SdpaPlan) -> list[Tensor]:
     """(total_tokens, num_heads, head_dim) tokens -> one (n, num_heads, L, head_dim) padded batch per bucket."""
     num_heads, head_dim = x_tokens.shape[1:]
     slots = _GatherSlots.apply(x_tokens, plan.gather, plan.scatter)
@@ -580,7 +589,7 @@ def _bucketed(x_tokens: torch.Tensor, plan: _SdpaPlan) -> list[torch.Tensor]:
     ]
 
 
-def _unbucketed(outputs: list[torch.Tensor], plan: _SdpaPlan, batch_size: int, seq_len: int) -> torch.Tensor:
+def _unbucketed(outputs: list[Tensor], plan: _SdpaPlan, batch_size: int, seq_len: int) -> Tensor:
     """One (n, num_heads, L, head_dim) output per bucket -> (B, T, num_heads, head_dim) in token order."""
     num_heads, head_dim = outputs[0].shape[1], outputs[0].shape[3]
     flat = [out.transpose(1, 2).reshape(-1, num_heads, head_dim) for out in outputs]
@@ -589,48 +598,29 @@ def _unbucketed(outputs: list[torch.Tensor], plan: _SdpaPlan, batch_size: int, s
     return out.view(batch_size, seq_len, num_heads, head_dim)
 
 
-def _sdpa_packed(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    info: PackedSeqInfo,
-    *,
-    scaling: float,
-    dropout: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    module: torch.nn.Module,
-) -> torch.Tensor:
+def _sdpa_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions) -> Tensor:
     """Per-sample causal attention through ``F.scaled_dot_product_attention``, one call per bucket of similar lengths.
 
-    Args:
-        query: ``(B, num_heads, T, head_dim)``, any float dtype SDPA takes on the device.
-        key: ``(B, num_kv_heads, T, head_dim)``; value: ``(B, num_kv_heads, T, head_dim_v)``, query's dtype.
-        info: the samples of the ``B * T`` tokens; its buckets are cached under ``"buckets"``.
-        scaling: softmax scale. dropout: attention dropout probability, applied by SDPA.
-        sliding_window: ``None`` (causal) or ``w``: keys ``i - w < j <= i``, an explicit ``(L, L)`` band mask per
-            bucket longer than ``w`` (a shorter bucket cannot reach the window and stays ``is_causal``).
-        softcap, sinks: not supported (refused before dispatch); must be ``None``.
-        module: unused.
+    Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
+    ``(B, num_kv_heads, T, head_dim_v)`` in any float dtype SDPA takes -> ``(B, T, num_heads, head_dim_v)``. Each
+    bucket is a padded ``(n, num_heads, L, head_dim)`` batch, padding after each sample's tokens where no real query
+    sees it (cached under ``"buckets"``).
 
-    Returns:
-        ``(B, T, num_heads, head_dim_v)`` in query's dtype.
-
-    GQA: ``enable_gqa`` when this torch has it and the bucket runs ``is_causal``; otherwise each kv head is repeated
-    ``num_heads // num_kv_heads`` times. Each bucket is a padded ``(n, num_heads, L, head_dim)`` batch with padding
-    after each sample's tokens, which no real query sees; no query row is fully masked (each sees itself).
+    GQA: ``enable_gqa`` where this torch has it and the bucket runs ``is_causal``, else each kv head repeated
+    ``num_heads // num_kv_heads`` times. Window ``w``: a ``(L, L)`` band mask ``i - w < j <= i`` on each bucket longer
+    than ``w`` (a shorter one stays ``is_causal``). Dropout: SDPA's ``dropout_p``. Softcap, sinks: refused. No query
+    row is fully masked (each sees itself, padded ones included).
     """
-    del softcap, sinks, module  # refused before dispatch (see _CAPABILITIES)
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
+    window = options.sliding_window
     plan = _sdpa_plan(info, query.device)
     qs, ks, vs = (_bucketed(_tokens_major(x), plan) for x in (query, key, value))
     outputs = []
     for bucket, q, k, v in zip(plan.buckets, qs, ks, vs):
         mask = None
-        if sliding_window is not None and bucket.length > sliding_window:
-            mask = _band_mask(info, bucket.length, sliding_window, query.device)
+        if window is not None and bucket.length > window:
+            mask = _band_mask(info, bucket.length, window, query.device)
         extra = {}
         if heads_per_kv > 1:
             if mask is None and _sdpa_supports_gqa():
@@ -639,60 +629,47 @@ def _sdpa_packed(
                 k, v = _repeat_heads(k, heads_per_kv), _repeat_heads(v, heads_per_kv)
         outputs.append(
             F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, **extra
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=options.dropout,
+                is_causal=mask is None,
+                scale=options.scaling,
+                **extra,
             )
         )
     return _unbucketed(outputs, plan, batch_size, seq_len)
 
 
-def _eager_packed(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    info: PackedSeqInfo,
-    *,
-    scaling: float,
-    dropout: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    module: torch.nn.Module,
-) -> torch.Tensor:
+def _eager_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions) -> Tensor:
     """``softmax(softcap(QK^T * scaling) + mask) V`` per bucket, as transformers' eager functions compute it: the
-    readable reference, and the backend for softcap together with sinks.
+    readable reference, and the one backend that applies sinks.
 
-    Args:
-        query: ``(B, num_heads, T, head_dim)``, any float dtype.
-        key: ``(B, num_kv_heads, T, head_dim)``; value: ``(B, num_kv_heads, T, head_dim_v)``, query's dtype.
-        info: the samples; the SDPA buckets (``"buckets"``) and the additive masks (``"additive_masks"``) it caches.
-        scaling: softmax scale.
-        dropout: attention dropout probability, applied to the weights only while ``module.training``.
-        sliding_window: ``None`` (causal) or ``w``: keys ``i - w < j <= i``.
-        softcap: ``None`` or ``c``: scores become ``tanh(scores / c) * c`` before the mask.
-        sinks: ``None`` or ``(num_heads,)`` (gpt_oss ``s_aux``): every query's softmax denominator also holds
-            ``exp(sinks[h])``: ``weights = exp(scores - logaddexp(logsumexp(scores), sinks[h]))``, the sink's own
-            weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column.
-        module: read for ``training``.
+    Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
+    ``(B, num_kv_heads, T, head_dim_v)`` in any float dtype -> ``(B, T, num_heads, head_dim_v)``; the softmax runs in
+    float32. The SDPA buckets (``"buckets"``), run in chunks of at most ``_EAGER_MAX_SCORE_ELEMENTS`` scores.
 
-    Returns:
-        ``(B, T, num_heads, head_dim_v)`` in query's dtype; the softmax runs in float32.
-
-    GQA: each kv head is repeated ``num_heads // num_kv_heads`` times. The mask is additive with ``finfo(dtype).min``
-    (no query row is fully masked: each sees itself). Buckets run in chunks of at most ``_EAGER_MAX_SCORE_ELEMENTS``
-    score elements.
+    GQA: each kv head repeated ``num_heads // num_kv_heads`` times. Window ``w``: keys ``i - w < j <= i``, through an
+    additive ``(L, L)`` mask of ``finfo(dtype).min`` (finite: never NaN; no query row is fully masked anyway).
+    Softcap ``c``: ``tanh(scores / c) * c`` before the mask. Sinks ``(num_heads,)``: every query's softmax denominator
+    also holds ``exp(sinks[h])``: ``weights = exp(scores - logaddexp(logsumexp(scores), sinks[h]))``, the sink's own
+    weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column. Dropout: on the
+    weights, only while ``options.module.training``.
     """
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
+    scaling, softcap = options.scaling, options.softcap
     plan = _sdpa_plan(info, query.device)
     qs, ks, vs = (_bucketed(_tokens_major(x), plan) for x in (query, key, value))
-    training = bool(getattr(module, "training", False))
+    dropout = options.dropout if getattr(options.module, "training", False) else 0.0
     sink_logits = None
-    if sinks is not None:
-        sink_logits = sinks.to(device=query.device, dtype=torch.float32).view(1, num_heads, 1, 1)
+    if options.sinks is not None:
+        sink_logits = options.sinks.to(device=query.device, dtype=torch.float32).view(1, num_heads, 1, 1)
     outputs = []
     for bucket, q_bucket, k_bucket, v_bucket in zip(plan.buckets, qs, ks, vs):
         length = bucket.length
-        mask = _additive_mask(info, length, sliding_window, query.dtype, query.device)
+        mask = _additive_mask(info, length, options.sliding_window, query.dtype, query.device)
         per_chunk = max(1, _EAGER_MAX_SCORE_ELEMENTS // (num_heads * length * length))
         chunks = []
         for q, k, v in zip(q_bucket.split(per_chunk), k_bucket.split(per_chunk), v_bucket.split(per_chunk)):
@@ -709,7 +686,7 @@ def _eager_packed(
                 logits = scores.float()
                 normaliser = torch.logaddexp(torch.logsumexp(logits, dim=-1, keepdim=True), sink_logits)
                 weights = torch.exp(logits - normaliser).to(query.dtype)
-            if dropout > 0 and training:
+            if dropout > 0:
                 weights = F.dropout(weights, p=dropout, training=True)
             chunks.append(torch.matmul(weights, v))
         outputs.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
@@ -724,7 +701,7 @@ class _FlashChunk(NamedTuple):
     begin: int  # token range [begin, end) of the chunk
     end: int
     max_seqlen: int
-    cu_seqlens: torch.Tensor | None  # (n + 1,) int32 on the device, zero-based; None when flash-attn cannot take it
+    cu_seqlens: Tensor | None  # (n + 1,) int32 on the device, zero-based; None when flash-attn cannot take it
     fallback: PackedSeqInfo | None  # the chunk's own metadata, for another backend
 
 
@@ -777,24 +754,20 @@ def _varlen_window(info: PackedSeqInfo, sliding_window: int | None) -> tuple[int
 
 # kernel_call(q, k, v, cu_seqlens, max_seqlen): q/k/v (tokens, num_heads or num_kv_heads, padded head_dim), cu_seqlens
 # (num_seqs + 1,) int32 on the device -> (tokens, num_heads, padded head_dim).
-_VarlenCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+_VarlenCall = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
 
 
 def _varlen_packed(
     kernel_call: _VarlenCall,
     kernel_name: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     info: PackedSeqInfo,
+    options: _CallOptions,
     *,
     head_dim_multiple: int,
-    scaling: float,
-    dropout: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    module: torch.nn.Module,
-) -> torch.Tensor:
+) -> Tensor:
     """Shared by flash-attn and torch's varlen_attn: ``(total_tokens, num_heads, head_dim)`` inputs with one head dim
     for q, k and v (zero-padded up to ``head_dim_multiple``), the samples' ``cu_seqlens`` and ``max_seqlen``, rows
     split into chunks (cached under ``"varlen_chunks"``) where the kernel's 32-bit offsets would overflow; a sample
@@ -811,7 +784,7 @@ def _varlen_packed(
     q_in, k_in = (F.pad(x, (0, padded - head_dim)) if padded != head_dim else x for x in (q_tokens, k_tokens))
     v_in = F.pad(v_tokens, (0, padded - head_dim_v)) if padded != head_dim_v else v_tokens
 
-    def crop(out: torch.Tensor) -> torch.Tensor:
+    def crop(out: Tensor) -> Tensor:
         return out[..., :head_dim_v] if padded != head_dim_v else out
 
     chunks = _flash_chunks(info, num_heads, padded, query.device)
@@ -830,147 +803,77 @@ def _varlen_packed(
         if chunk.cu_seqlens is not None:
             outputs.append(crop(kernel_call(q_in[part], k_in[part], v_in[part], chunk.cu_seqlens, chunk.max_seqlen)))
             continue
-        fallback = "eager" if softcap is not None else "sdpa"
+        fallback = "eager" if options.softcap is not None else "sdpa"
         log_once(
             logger,
             logging.WARNING,
             f"Packed sample {chunk.first_seq} ({chunk.end - chunk.begin} tokens) alone exceeds {kernel_name}'s 32-bit "
             f"offsets; it runs on {fallback} instead.",
         )
-        out = _BACKEND_FUNCTIONS[fallback](
-            *(x[part].transpose(0, 1).unsqueeze(0) for x in (q_tokens, k_tokens, v_tokens)),
-            chunk.fallback,
-            scaling=scaling,
-            dropout=dropout,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=None,
-            module=module,
-        )
+        q, k, v = (x[part].transpose(0, 1).unsqueeze(0) for x in (q_tokens, k_tokens, v_tokens))
+        out = _BACKEND_FUNCTIONS[fallback](q, k, v, chunk.fallback, options)
         outputs.append(out.reshape(chunk.end - chunk.begin, num_heads, head_dim_v))
     return torch.cat(outputs).view(batch_size, seq_len, num_heads, head_dim_v)
 
 
-def _flash_packed(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    info: PackedSeqInfo,
-    *,
-    scaling: float,
-    dropout: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    module: torch.nn.Module,
-) -> torch.Tensor:
-    """flash-attn's ``flash_attn_varlen_func`` over all samples at once (CUDA, float16 / bfloat16).
+def _flash_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions) -> Tensor:
+    """flash-attn's ``flash_attn_varlen_func`` over all samples at once.
 
-    Args:
-        query: ``(B, num_heads, T, head_dim)``; key: ``(B, num_kv_heads, T, head_dim)``; value:
-            ``(B, num_kv_heads, T, head_dim_v)``; float16 or bfloat16 on CUDA. flash-attn 2 takes one head dim up to
-            256: q, k and v are zero-padded to ``max(head_dim, head_dim_v)`` and the output cropped.
-        info: the samples; ``cu_seqlens`` ``(num_seqs + 1,)`` int32 and ``max_seqlen`` go to the kernel unchanged.
-        scaling: ``softmax_scale``. dropout: ``dropout_p`` (transformers passes 0.0 outside training).
-        sliding_window: ``None`` (causal) or ``w``: keys ``i - w < j <= i``, flash-attn's ``window_size=(w - 1, 0)``.
-        softcap: ``None`` or ``c``: flash-attn's ``softcap``, ``tanh(scores / c) * c``.
-        sinks: not supported (refused before dispatch); must be ``None``.
-        module: handed to the fallback of a sample too large for the kernel's 32-bit offsets.
+    Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
+    ``(B, num_kv_heads, T, head_dim_v)``, float16 or bfloat16 on CUDA -> ``(B, T, num_heads, head_dim_v)``. flash-attn
+    2 takes one head dim, at most 256: q, k and v are zero-padded to ``max(head_dim, head_dim_v)``, the output
+    cropped. The kernel gets ``cu_seqlens`` ``(num_seqs + 1,)`` int32 and ``max_seqlen`` as they are.
 
-    Returns:
-        ``(B, T, num_heads, head_dim_v)`` in query's dtype.
-
-    GQA: flash-attn takes ``num_kv_heads`` dividing ``num_heads`` as they are. No query row is fully masked.
+    GQA: the kernel takes ``num_kv_heads`` dividing ``num_heads`` as they are. Window ``w`` (keys
+    ``i - w < j <= i``): ``window_size=(w - 1, 0)``, inclusive on both sides, set only where a sample is longer than
+    ``w``. Softcap: the kernel's ``softcap``. Dropout: ``dropout_p``. Sinks: refused. No query row is fully masked.
     """
-    del sinks  # refused before dispatch
     kernel = _flash_varlen_kernel()
-    options: dict[str, Any] = {"dropout_p": dropout, "softmax_scale": scaling, "causal": True}
-    window = _varlen_window(info, sliding_window)
+    kernel_options: dict[str, Any] = {"dropout_p": options.dropout, "softmax_scale": options.scaling, "causal": True}
+    window = _varlen_window(info, options.sliding_window)
     if window is not None:
-        options["window_size"] = window
-    if softcap is not None:
-        options["softcap"] = softcap
+        kernel_options["window_size"] = window
+    if options.softcap is not None:
+        kernel_options["softcap"] = options.softcap
 
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
+    def call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         # flash-attn takes grouped kv heads as they are, and pads head dims to a multiple of 8 itself.
-        return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+        return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kernel_options)
 
-    return _varlen_packed(
-        call,
-        "flash-attn",
-        query,
-        key,
-        value,
-        info,
-        head_dim_multiple=1,
-        scaling=scaling,
-        dropout=dropout,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        module=module,
-    )
+    return _varlen_packed(call, "flash-attn", query, key, value, info, options, head_dim_multiple=1)
 
 
 def _torch_varlen_packed(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    info: PackedSeqInfo,
-    *,
-    scaling: float,
-    dropout: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    module: torch.nn.Module,
-) -> torch.Tensor:
-    """PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+, CUDA sm80+, float16 / bfloat16).
+    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions
+) -> Tensor:
+    """PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10 or later, CUDA sm80 or newer).
 
-    Args:
-        query: ``(B, num_heads, T, head_dim)``; key: ``(B, num_kv_heads, T, head_dim)``; value:
-            ``(B, num_kv_heads, T, head_dim_v)``; float16 or bfloat16 on CUDA. q, k and v are zero-padded to one
-            head dim, a multiple of 8 (torch's flash kernel asserts it), at most 256; the output is cropped.
-        info: the samples; ``cu_seqlens`` ``(num_seqs + 1,)`` int32 and ``max_seqlen`` go to the kernel unchanged.
-        scaling: ``scale``.
-        sliding_window: ``None`` (causal, ``window_size=(-1, 0)``) or ``w``: keys ``i - w < j <= i``,
-            ``window_size=(w - 1, 0)``.
-        dropout, softcap, sinks: not supported (refused before dispatch); must be 0.0 / ``None``.
-        module: handed to the fallback of a sample too large for the kernel's 32-bit offsets.
+    Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
+    ``(B, num_kv_heads, T, head_dim_v)``, float16 or bfloat16 on CUDA -> ``(B, T, num_heads, head_dim_v)``. q, k and
+    v are zero-padded to one head dim, a multiple of 8 (torch's flash kernel asserts it), at most 256; the output is
+    cropped. The kernel gets ``cu_seqlens`` ``(num_seqs + 1,)`` int32 and ``max_seqlen`` as they are.
 
-    Returns:
-        ``(B, T, num_heads, head_dim_v)`` in query's dtype.
-
-    GQA: ``enable_gqa=True`` where ``varlen_attn`` has that keyword, else each kv head is repeated
-    ``num_heads // num_kv_heads`` times. No query row is fully masked.
+    GQA: ``enable_gqa=True`` where ``varlen_attn`` has that keyword, else each kv head repeated
+    ``num_heads // num_kv_heads`` times. Window ``w`` (keys ``i - w < j <= i``): ``window_size=(w - 1, 0)``; causal
+    is ``(-1, 0)``. Softcap, sinks, dropout: refused (the kernel has none of them). No query row is fully masked.
     """
-    del softcap, sinks, dropout  # refused before dispatch: varlen_attn has none of them
     kernel = _torch_varlen_kernel()
     heads_per_kv = query.shape[1] // key.shape[1]
     grouped = heads_per_kv > 1 and _takes_enable_gqa(kernel)
-    window = _varlen_window(info, sliding_window) or (-1, 0)  # (-1, 0): causal
+    kernel_options: dict[str, Any] = {
+        "scale": options.scaling,
+        "window_size": _varlen_window(info, options.sliding_window) or (-1, 0),  # (-1, 0): causal
+    }
+    if grouped:
+        kernel_options["enable_gqa"] = True
 
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
-        options: dict[str, Any] = {"scale": scaling, "window_size": window}
-        if grouped:
-            options["enable_gqa"] = True
-        elif heads_per_kv > 1:
+    def call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        if heads_per_kv > 1 and not grouped:
             k, v = k.repeat_interleave(heads_per_kv, dim=1), v.repeat_interleave(heads_per_kv, dim=1)
-        return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+        return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kernel_options)
 
-    return _varlen_packed(
-        call,
-        "torch varlen_attn",
-        query,
-        key,
-        value,
-        info,
-        head_dim_multiple=8,  # torch's flash kernel asserts head_dim % 8 == 0 (flash-attn's Python wrapper pads)
-        scaling=scaling,
-        dropout=0.0,
-        sliding_window=sliding_window,
-        softcap=None,
-        module=module,
-    )
+    # torch's flash kernel asserts head_dim % 8 == 0 (flash-attn's Python wrapper pads for us).
+    return _varlen_packed(call, "torch varlen_attn", query, key, value, info, options, head_dim_multiple=8)
 
 
 # -- xformers: memory_efficient_attention with a block-diagonal causal bias ----------------------------------------
@@ -994,38 +897,17 @@ def _xformers_bias(info: PackedSeqInfo, sliding_window: int | None, device: torc
     return info.plan("xformers_bias", (sliding_window, str(device)), build)
 
 
-def _xformers_packed(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    info: PackedSeqInfo,
-    *,
-    scaling: float,
-    dropout: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    module: torch.nn.Module,
-) -> torch.Tensor:
-    """xformers' ``memory_efficient_attention`` over all samples at once with a ``BlockDiagonalCausalMask`` (CUDA,
-    float16 / bfloat16 / float32).
+def _xformers_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions) -> Tensor:
+    """xformers' ``memory_efficient_attention`` over all samples at once with a ``BlockDiagonalCausalMask``.
 
-    Args:
-        query: ``(B, num_heads, T, head_dim)``; key: ``(B, num_kv_heads, T, head_dim)``; value:
-            ``(B, num_kv_heads, T, head_dim_v)``, run as one ``(1, total_tokens, ...)`` batch.
-        info: the samples; the bias is cached under ``"xformers_bias"``.
-        scaling: ``scale``. dropout: ``p``.
-        sliding_window: ``None`` (causal) or ``w``: keys ``i - w < j <= i``, the bias's ``make_local_attention(w)``.
-        softcap, sinks: not supported (refused before dispatch); must be ``None``.
-        module: unused.
-
-    Returns:
-        ``(B, T, num_heads, head_dim_v)`` in query's dtype.
+    Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
+    ``(B, num_kv_heads, T, head_dim_v)``, float16 / bfloat16 / float32 on CUDA, run as one ``(1, total_tokens, ...)``
+    batch -> ``(B, T, num_heads, head_dim_v)``. The bias is cached under ``"xformers_bias"``.
 
     GQA: xformers' grouped layout ``(1, total_tokens, num_kv_heads, heads_per_kv, head_dim)``, kv heads broadcast
-    over the query heads of their group. No query row is fully masked.
+    over the query heads of their group. Window ``w`` (keys ``i - w < j <= i``): the bias's
+    ``make_local_attention(w)``. Dropout: ``p``. Softcap, sinks: refused. No query row is fully masked.
     """
-    del softcap, sinks, module  # refused before dispatch
     batch_size, num_heads, seq_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     heads_per_kv = num_heads // num_kv_heads
@@ -1036,8 +918,8 @@ def _xformers_packed(
         q = q.reshape(1, total_tokens, num_kv_heads, heads_per_kv, head_dim)
         k = k.unsqueeze(3).expand(1, total_tokens, num_kv_heads, heads_per_kv, head_dim)
         v = v.unsqueeze(3).expand(1, total_tokens, num_kv_heads, heads_per_kv, v.shape[-1])
-    bias = _xformers_bias(info, sliding_window, query.device)
-    out = fmha.memory_efficient_attention(q, k, v, attn_bias=bias, p=dropout, scale=scaling)
+    bias = _xformers_bias(info, options.sliding_window, query.device)
+    out = fmha.memory_efficient_attention(q, k, v, attn_bias=bias, p=options.dropout, scale=options.scaling)
     return out.reshape(batch_size, seq_len, num_heads, -1)
 
 
@@ -1053,8 +935,8 @@ _BACKEND_FUNCTIONS: dict[str, _BackendFunction] = {
 
 def _choice_for(
     info: PackedSeqInfo,
-    query: torch.Tensor,
-    value: torch.Tensor,
+    query: Tensor,
+    value: Tensor,
     original: str | None,
     *,
     softcap: bool,
@@ -1089,10 +971,10 @@ def _choice_for(
 
 def packed_attention_forward(
     module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
     *,
     scaling: float | None = None,
     dropout: float = 0.0,
@@ -1101,7 +983,7 @@ def packed_attention_forward(
     backend: str | None = None,
     original_implementation: str | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[Tensor, None]:
     """Attention over a packed batch in which no sample sees another; transformers' attention-function signature.
 
     Args:
@@ -1188,19 +1070,8 @@ def packed_attention_forward(
         reason = backend_unavailable_reason(backend, query.device, query.dtype)
         if reason is not None:
             raise ValueError(f"Packed attention backend={backend!r} cannot run here: {reason}.")
-    out = _BACKEND_FUNCTIONS[backend](
-        query,
-        key,
-        value,
-        info,
-        scaling=scaling,
-        dropout=dropout,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
-        module=module,
-    )
-    return out, None
+    options = _CallOptions(scaling, dropout, sliding_window, softcap, sinks, module)
+    return _BACKEND_FUNCTIONS[backend](query, key, value, info, options), None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1219,18 +1090,18 @@ def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
     return function
 
 
-def make_attention_function(original_implementation: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+def make_attention_function(original_implementation: str) -> Callable[..., tuple[Tensor, Any]]:
     """An ``AttentionInterface`` function: packed batches go to :func:`packed_attention_forward`, anything else to
     ``original_implementation`` ("sdpa", "eager", "flash_attention_2", ...) exactly as without the patch."""
 
     def unpack_attention_forward(
         module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
         **kwargs: Any,
-    ) -> tuple[torch.Tensor, Any]:
+    ) -> tuple[Tensor, Any]:
         info = packed_info_from_kwargs(query, key, attention_mask, kwargs)
         if info is not None:
             kwargs["packed_seq_info"] = info
