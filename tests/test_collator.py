@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from unpack_trainer import DataCollatorForPacking
+from unpack_trainer import PACKED_BATCH_KEYS, DataCollatorForPacking
 from unpack_trainer.collator import packed_metadata
 
 t = torch.tensor
@@ -23,6 +23,10 @@ def test_hand_example_padding_free():
         "max_length_k",
         "use_cache",
     ]
+    assert list(out) == [*PACKED_BATCH_KEYS, "use_cache"]
+    assert list(DataCollatorForPacking(pad_token_id=0, use_cache=None)([{"input_ids": [1]}])) == list(
+        PACKED_BATCH_KEYS
+    )
     assert out["use_cache"] is False  # safe for unpatched models (issue 10, item 22)
     assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5]]
     assert out["labels"].tolist() == [[-100, 2, 3, -100, 5]]

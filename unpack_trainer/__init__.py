@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "concatenate_and_pack": "unpack_trainer.packing",
     "position_ids_from_sample_index": "unpack_trainer.packing",
     "DataCollatorForPacking": "unpack_trainer.collator",
+    "PACKED_BATCH_KEYS": "unpack_trainer.collator",
     # attention / model patches
     "patch_model": "unpack_trainer.models",
     "unpatch_model": "unpack_trainer.models",
@@ -49,6 +50,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "DataCollatorForPacking",
+    "PACKED_BATCH_KEYS",
     "SFTConfig",
     "SFTTrainer",
     "StreamingPacker",
@@ -89,7 +91,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from unpack_trainer.collator import DataCollatorForPacking
+    from unpack_trainer.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
     from unpack_trainer.config import SFTConfig
     from unpack_trainer.data_utils import pack_dataset, pack_iterable_dataset, truncate_dataset
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model

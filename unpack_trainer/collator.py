@@ -26,8 +26,24 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer._validation import check_positive_int, check_seq_lengths, token_list
+from unpack_trainer.packed_seq_info import restart_positions, zero_prefixed_cumsum
+
+__all__ = ["IGNORE_INDEX", "PACKED_BATCH_KEYS", "DataCollatorForPacking", "packed_metadata"]
 
 IGNORE_INDEX = -100
+
+# The keys of every batch DataCollatorForPacking returns, in order; ``use_cache`` follows unless ``use_cache=None``.
+# ``input_ids`` and ``labels`` are the tokens; the rest is the packing metadata an unpatched model must be spared.
+PACKED_BATCH_KEYS: tuple[str, ...] = (
+    "input_ids",
+    "labels",
+    "position_ids",
+    "packed_seq_lengths",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
 
 
 def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]:
@@ -44,11 +60,8 @@ def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]
     lengths = torch.as_tensor(seq_lengths, dtype=torch.int32).reshape(-1)
     if lengths.numel() == 0 or bool((lengths <= 0).any()):
         raise ValueError(f"Every packed sample needs at least one token, got lengths {lengths.tolist()}.")
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
-    torch.cumsum(lengths, dim=0, out=cu_seqlens[1:])
-    total = int(cu_seqlens[-1])
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
-    position_ids = (torch.arange(total, dtype=torch.long) - starts).unsqueeze(0)
+    cu_seqlens = zero_prefixed_cumsum(lengths)
+    position_ids = restart_positions(lengths, cu_seqlens).unsqueeze(0)
     max_length = int(lengths.max())
     return {
         "position_ids": position_ids,
@@ -69,7 +82,7 @@ class DataCollatorForPacking(DataCollatorMixin):
     samples; their lengths must sum to ``len(input_ids)``). Without ``seq_lengths`` each example is one sample
     (padding-free batching).
 
-    Output keys: ``input_ids`` ``(1, T)`` int64; ``labels`` ``(1, T)`` int64 with ``-100`` at every sample's first
+    Output keys (:data:`PACKED_BATCH_KEYS`, then ``use_cache``): ``input_ids`` ``(1, T)`` int64; ``labels`` ``(1, T)`` int64 with ``-100`` at every sample's first
     token, wherever the example's labels are ``-100``, where ``assistant_masks == 0``, and where
     ``completion_mask == 0`` when ``completion_only_loss``; ``position_ids`` ``(1, T)`` int64; ``packed_seq_lengths``
     ``(num_samples,)`` int32 summing to ``T``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32; ``max_length_q`` /
@@ -157,7 +170,7 @@ class DataCollatorForPacking(DataCollatorMixin):
         output["input_ids"] = input_tensor
         label_tensor[0, output["cu_seq_lens_q"][:-1].long()] = IGNORE_INDEX
         output["labels"] = label_tensor
-        batch = {key: output[key] for key in _OUTPUT_ORDER}
+        batch = {key: output[key] for key in PACKED_BATCH_KEYS}
         if self.use_cache is not None:
             batch["use_cache"] = self.use_cache
         return batch
@@ -221,15 +234,3 @@ def _int64_row(values: list[int]) -> torch.Tensor | None:
     except (TypeError, OverflowError):
         return None
     return torch.frombuffer(buffer, dtype=torch.int64).clone().unsqueeze(0)
-
-
-_OUTPUT_ORDER = (
-    "input_ids",
-    "labels",
-    "position_ids",
-    "packed_seq_lengths",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-)

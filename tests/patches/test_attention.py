@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer import _logging
+from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import attention
 from unpack_trainer.patches.attention import (
     BackendChoice,
-    PackedSeqInfo,
     choose_backend,
     make_attention_function,
     packed_attention_forward,
@@ -113,58 +113,15 @@ def grads(tensors):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Metadata
+# SDPA buckets (PackedSeqInfo itself: tests/test_packed_seq_info.py)
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def test_hand_example():
-    info = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2]), batch_size=1, seq_len=5)
-    assert info.seq_lengths.dtype == torch.int32 and info.seq_lengths.tolist() == [3, 2]
-    assert info.cu_seqlens.dtype == torch.int32 and info.cu_seqlens.tolist() == [0, 3, 5]
-    assert info.max_seqlen == 3 and isinstance(info.max_seqlen, int)
-    assert info.num_seqs == 2 and info.total_tokens == 5
-    same = PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 2, 0, 1]]))
-    assert same.seq_lengths.tolist() == [3, 2]
-    from_cu = PackedSeqInfo.from_cu_seqlens(torch.tensor([0, 3, 5], dtype=torch.int32), batch_size=1, seq_len=5)
-    assert from_cu.seq_lengths.tolist() == [3, 2]
-
-
-def test_from_position_ids():
-    assert PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 2, 3]])) is None  # one sample: not packed
-    assert PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 2], [0, 1, 2]])) is None
-    info = PackedSeqInfo.from_position_ids(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]))
-    assert info.seq_lengths.tolist() == [2, 2, 4] and (info.batch_size, info.seq_len) == (2, 4)
-    # A row that does not start at 0 still starts a sample; a jump that is not +1 starts one too.
-    info = PackedSeqInfo.from_position_ids(torch.tensor([[5, 6, 0, 0, 1, 7]]))
-    assert info.seq_lengths.tolist() == [2, 1, 2, 1]
-
-
-@pytest.mark.parametrize(
-    ("lengths", "batch_size", "seq_len", "message"),
-    [
-        ([3, 0, 2], 1, 5, "Packed sample 1 has length 0"),
-        ([3, 2], 1, 6, "sum to 5 tokens but the batch has 1 row"),
-        ([3, 2, 3], 2, 4, "Packed sample 1 crosses the boundary between rows 0 and 1"),
-        ([], 1, 0, "no samples"),
-    ],
-)
-def test_bad_metadata_is_a_clear_error(lengths, batch_size, seq_len, message):
-    with pytest.raises(ValueError, match=message):
-        PackedSeqInfo.from_seq_lengths(
-            torch.tensor(lengths, dtype=torch.int32), batch_size=batch_size, seq_len=seq_len
-        )
-
-
-def test_bad_cu_seqlens():
-    with pytest.raises(ValueError, match="zero-prefixed"):
-        PackedSeqInfo.from_cu_seqlens(torch.tensor([1, 3, 5]), batch_size=1, seq_len=5)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=80))
 def test_sdpa_plan_places_every_token_once(lengths):
     info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=sum(lengths))
-    plan = info.sdpa_plan(torch.device("cpu"))
+    plan = attention._sdpa_plan(info, torch.device("cpu"))
     num_slots = sum(b.count * b.length for b in plan.buckets)
     assert plan.sizes == [b.count * b.length for b in plan.buckets]
     assert plan.gather.shape == plan.pad_slots.shape == (num_slots,)
@@ -193,7 +150,7 @@ def test_many_tiny_samples_need_few_calls():
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (1000,), generator=generator)
     info = PackedSeqInfo.from_seq_lengths(lengths, batch_size=1, seq_len=int(lengths.sum()))
-    assert len(info.sdpa_plan(torch.device("cpu")).buckets) <= 8
+    assert len(attention._sdpa_plan(info, torch.device("cpu")).buckets) <= 8
 
 
 @settings(max_examples=30, deadline=None)
@@ -201,7 +158,7 @@ def test_many_tiny_samples_need_few_calls():
 def test_bucketing_beats_the_trivial_plans(lengths):
     """The grouping is optimal for its cost model: no worse than one call per length, or one call for all."""
     info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=sum(lengths))
-    buckets = info.sdpa_plan(torch.device("cpu")).buckets
+    buckets = attention._sdpa_plan(info, torch.device("cpu")).buckets
     per_length = [attention._Bucket(n, lengths.count(n)) for n in set(lengths)]
     single = [attention._Bucket(max(lengths), len(lengths))]
     assert plan_cost(buckets) <= min(plan_cost(per_length), plan_cost(single))

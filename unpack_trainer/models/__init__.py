@@ -22,7 +22,7 @@ What a patch does:
   batches then take transformers' own exact path, which returns the weights), and a pickled patched model registers
   its implementation again when it is loaded;
 - adds a forward pre-hook on the decoder that decides once per forward whether the batch is packed and computes the
-  packing metadata (:class:`~unpack_trainer.patches.attention.PackedSeqInfo`), which reaches every layer as a keyword
+  packing metadata (:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`), which reaches every layer as a keyword
   argument (so it survives gradient checkpointing). Under ``torch.compile`` / ``torch.export`` a batch without packing
   metadata is left as it came;
 - with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
@@ -412,7 +412,8 @@ def _quiet_transformers():
 def _register_implementation(original: str | None) -> str:
     """Register ``unpack_<original>`` in transformers' attention and mask interfaces (idempotent); return the name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from unpack_trainer.patches.attention import make_attention_function
     from unpack_trainer.patches.masks import make_mask_function
@@ -420,9 +421,9 @@ def _register_implementation(original: str | None) -> str:
     _allow_output_attentions_on_unpack_eager()
     base = original or "sdpa"
     name = _UNPACK_PREFIX + base
-    if name not in AttentionInterface._global_mapping:
+    if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, make_attention_function(base))
-    if name not in AttentionMaskInterface._global_mapping:
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, make_mask_function(base))
     return name
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.patches.attention import PackedSeqInfo
+from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 __all__ = ["make_mask_function", "packed_forward_active", "packed_info_for_forward"]
 
@@ -82,11 +82,11 @@ def make_mask_function(original_implementation: str) -> Callable[..., Any]:
             return None
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-        mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-        if original_implementation not in mapping:
+        original = ALL_MASK_ATTENTION_FUNCTIONS.get(original_implementation)
+        if original is None:
             # transformers builds no mask for implementations without a mask function; neither do we.
             return None
-        return mapping[original_implementation](*args, **kwargs)
+        return original(*args, **kwargs)
 
     unpack_mask.original_implementation = original_implementation  # type: ignore[attr-defined]
     return unpack_mask
@@ -110,14 +110,6 @@ def _hides_nothing(attention_mask: Any) -> bool:
     if attention_mask is None:
         return True
     return _is_2d_mask(attention_mask) and bool(attention_mask.bool().all())
-
-
-def _restart_positions(info: PackedSeqInfo, device: torch.device) -> torch.Tensor:
-    """``(B, T)`` int64 positions restarting at 0 for every sample of ``info``."""
-    lengths = info.seq_lengths.to(torch.int64)
-    starts = torch.repeat_interleave(info.cu_seqlens[:-1].to(torch.int64), lengths)
-    positions = torch.arange(info.total_tokens, dtype=torch.int64) - starts
-    return positions.view(info.batch_size, info.seq_len).to(device)
 
 
 def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
@@ -177,7 +169,7 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
                 )
             kwargs["attention_mask"] = None
         if position_ids is None:
-            kwargs["position_ids"] = _restart_positions(info, reference.device)
+            kwargs["position_ids"] = info.position_ids(reference.device)
     elif position_ids is not None and seq_len > 1 and cached == 0 and _hides_nothing(attention_mask):
         if position_ids.shape[0] != batch_size:
             position_ids = position_ids.expand(batch_size, -1)
