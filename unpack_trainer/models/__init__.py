@@ -434,7 +434,7 @@ def _strip(implementation: str | None) -> str | None:
     return implementation
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _allow_output_attentions_on_unpack_eager() -> None:
     """Make transformers' ``config.output_attentions`` checks treat ``unpack_<impl>`` as ``<impl>``.
 
