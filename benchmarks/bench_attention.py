@@ -207,7 +207,8 @@ def attention_worker(arch: str, case: str, provider: str, repeats: int, device: 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from unpack_trainer.collator import packed_metadata
-    from unpack_trainer.packed_seq_info import PackedSeqInfo, packed_attention_forward
+    from unpack_trainer.packed_seq_info import PackedSeqInfo
+    from unpack_trainer.patches.attention import packed_attention_forward
 
     lengths = case_lengths(case)
     total = sum(lengths)
