@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, format_table  # noqa: E402
 
+from unpack_trainer.sft_comparison import checkpointing_off, held_out_loss  # noqa: E402
+
 _UNBALANCED = {"balance_samples_per_step": False}
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "padded": ("padded (trl default)", {"packing": False, "padding_free": False}),
@@ -109,29 +111,6 @@ class Run:
     real_tokens: int
     rows_fill: float | None
     long_share: float
-
-
-def held_out_loss(trainer: Any) -> float:
-    """Mean next-token loss over every trained token of the eval set (summed, then divided by the token count), so
-    it does not depend on how the samples are batched, padded or flattened."""
-    import torch
-    import torch.nn.functional as F
-
-    model = trainer.model
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in trainer.get_eval_dataloader():
-            labels = batch.pop("labels")
-            for key in ("completion_mask", "assistant_masks"):
-                batch.pop(key, None)
-            logits = model(**batch).logits[:, :-1].float()
-            targets = labels[:, 1:]
-            trained = targets != -100
-            total += float(F.cross_entropy(logits[trained], targets[trained], reduction="sum"))
-            count += int(trained.sum())
-    model.train()
-    return total / max(count, 1)
 
 
 class _Recorder:
@@ -221,7 +200,7 @@ def train_arm(
         seed=seed,
         data_seed=seed,
         **overrides,
-        **_checkpointing_off(SFTConfig),
+        **checkpointing_off(SFTConfig),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_model_config(tokenizer))
@@ -260,16 +239,6 @@ def train_arm(
         long_share=long_sample_weight_share(
             recorder.trained[: output.global_step], overrides.get("loss_normalization", "token")
         ),
-    )
-
-
-def _checkpointing_off(config_cls: type) -> dict[str, bool]:
-    """Activation checkpointing off under the name this transformers version uses."""
-    names = {field.name for field in dataclasses.fields(config_cls)}
-    return (
-        {"activation_checkpointing": False}
-        if "activation_checkpointing" in names
-        else {"gradient_checkpointing": False}
     )
 
 
