@@ -40,17 +40,6 @@ def streaming_example():
     return _load("streaming_packing")
 
 
-@pytest.fixture
-def one_thread():
-    """Torch on one thread for this test (the tiny model gains nothing from more on a shared machine)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _run(script: str, *argv: object, tmp_path: Path) -> str:
     env = ENV | {"HF_DATASETS_CACHE": str(tmp_path / "hf_datasets_cache")}
     proc = subprocess.run(
