@@ -1,5 +1,17 @@
+"""Fixtures shared by every test module: tiny models and the character tokenizer (built by
+:mod:`unpack_trainer.tiny`), the trainer tests' arguments and data, and the clean-up after each test and module.
+
+Test modules never import each other: what two of them share lives here.
+"""
+
+import gc
+import random
+
 import pytest
 import torch
+
+from unpack_trainer import tiny
+from unpack_trainer._logging import reset_log_once
 
 # The tests use tiny tensors: more than one intra-op thread only adds synchronisation, and on a shared 2-core machine
 # it turns milliseconds into seconds.
@@ -13,3 +25,146 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ---------------------------------------------------------------------------------------------------------- clean-up
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Torch on one CPU thread for every test (tiny tensors: one thread is faster than two, and far faster on a
+    machine shared with other jobs), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_once():
+    """Every test starts and ends with the package's log-once memory empty (``unpack_trainer._logging``)."""
+    reset_log_once()
+    yield
+    reset_log_once()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_patched_models():
+    """Collect each module's patched models at its end, so that the RoPE replacement does not outlive them (a patched
+    model restores the modeling module's RoPE function when it is garbage collected; see ``patch_model``)."""
+    yield
+    gc.collect()
+
+
+# ------------------------------------------------------------------------------------------ tiny models, a tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``tiny_model(model_type, *, seed=0, attn_implementation=None, **config_overrides)``: a tiny random causal LM
+    of any architecture (:func:`unpack_trainer.tiny.tiny_model`; an override of ``None`` takes the config class's
+    default)."""
+    return tiny.tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """``tiny_llama(vocab_size=128, seed=0, **config_overrides)``: the trainer tests' Llama (hidden 32, 2 layers, 4
+    heads, 2 key/value heads, 512 positions, pad/bos/eos ids 0/1/2, the usual 0.02 initializer range)."""
+
+    def build(vocab_size: int = 128, seed: int = 0, **overrides):
+        overrides = dict(max_position_embeddings=512, initializer_range=None) | overrides
+        return tiny.tiny_model("llama", seed=seed, vocab_size=vocab_size, **overrides)
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The character-level tokenizer (:func:`unpack_trainer.tiny.char_tokenizer`); a module that needs another one
+    defines its own ``tokenizer`` fixture."""
+    return tiny.char_tokenizer()
+
+
+# ------------------------------------------------------------------------------------- the trainer tests' set-up
+
+
+@pytest.fixture
+def sft_args():
+    """``sft_args(tmp_path, cls=SFTConfig, **overrides)``: one SGD step on the CPU, batch 64, ``max_length`` 48, no
+    saving, no reporting, seed 0."""
+    from unpack_trainer import SFTConfig
+
+    def build(tmp_path, cls=SFTConfig, **kwargs):
+        defaults = dict(
+            output_dir=str(tmp_path / "out"),
+            report_to="none",
+            bf16=False,
+            use_cpu=True,
+            max_length=48,
+            per_device_train_batch_size=64,
+            max_steps=1,
+            learning_rate=0.5,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            gradient_checkpointing=False,
+            save_strategy="no",
+            logging_steps=1,
+            dataloader_num_workers=0,
+            seed=0,
+            data_seed=0,
+        )
+        return cls(**(defaults | kwargs))
+
+    return build
+
+
+@pytest.fixture
+def prompt_completion():
+    """``prompt_completion(n=24, seed=0)``: a ``datasets.Dataset`` of ``n`` random prompt (1-20 letters) / completion
+    (1-40 letters) pairs over ``a``-``j``."""
+    from datasets import Dataset
+
+    def build(n=24, seed=0):
+        rng = random.Random(seed)
+        letters = "abcdefghij"
+        return Dataset.from_list(
+            [
+                {
+                    "prompt": "".join(rng.choice(letters) for _ in range(rng.randint(1, 20))),
+                    "completion": "".join(rng.choice(letters) for _ in range(rng.randint(1, 40))),
+                }
+                for _ in range(n)
+            ]
+        )
+
+    return build
+
+
+@pytest.fixture
+def sft_train(tiny_llama, prompt_completion):
+    """``sft_train(tokenizer, args, dataset=None, **trainer_kwargs) -> (trainer, train_output)``: our ``SFTTrainer``
+    on a fresh ``tiny_llama`` (vocabulary of ``tokenizer``), trained; ``dataset`` defaults to
+    ``prompt_completion()``."""
+    from unpack_trainer import SFTTrainer
+
+    def train(tokenizer, args, dataset=None, **kwargs):
+        model = tiny_llama(vocab_size=len(tokenizer))
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset or prompt_completion(), processing_class=tokenizer, **kwargs
+        )
+        result = trainer.train()
+        return trainer, result
+
+    return train
+
+
+@pytest.fixture
+def param_snapshot():
+    """``param_snapshot(model) -> {name: detached copy}`` of every named parameter."""
+
+    def snapshot(model):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    return snapshot

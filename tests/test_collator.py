@@ -161,12 +161,10 @@ def test_matches_trl_on_rows_packed_ahead(rows_of_samples):
     assert ours["packed_seq_lengths"].tolist() == [len(s) for row in rows_of_samples for s in row]
 
 
-def test_batches_are_exact_on_an_unpatched_model_by_default():
+def test_batches_are_exact_on_an_unpatched_model_by_default(tiny_llama):
     """Issue 10 item 22: with its default `use_cache=True`, an unpatched transformers model builds a KV cache and then
     ignores the packed `position_ids`, attending across samples (logit diff 0.09-0.31). The collator's batches carry
     `use_cache=False`, so they are exact on any model."""
-    from tiny import tiny_llama
-
     model = tiny_llama(vocab_size=64).eval()
     assert model.config.use_cache
     samples = [[3, 9, 4, 17, 5], [8, 2, 11], [21, 6, 30, 7, 12, 13, 1]]

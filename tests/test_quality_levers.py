@@ -9,19 +9,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_trainer import _args, _params, _prompt_completion, _train
-from tiny import char_tokenizer, tiny_llama
 
 from unpack_trainer import SFTConfig, SFTTrainer
 from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit
 from unpack_trainer.trainer import BalancedStepSampler, sample_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return char_tokenizer()
 
 
 def _assert_params_close(a, b, rtol=1e-5, atol=1e-6):
@@ -52,17 +45,19 @@ def _per_sample_reference(model, dataset) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
-def test_sample_loss_packed_equals_padded_and_the_per_sample_mean(tokenizer, tmp_path):
-    data = _prompt_completion()
+def test_sample_loss_packed_equals_padded_and_the_per_sample_mean(
+    tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama
+):
+    data = prompt_completion()
     packed = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True, loss_normalization="sample"),
+        args=sft_args(tmp_path, packing=True, loss_normalization="sample"),
         train_dataset=data,
         processing_class=tokenizer,
     )
     padded = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, padding_free=False, loss_normalization="sample"),
+        args=sft_args(tmp_path, padding_free=False, loss_normalization="sample"),
         train_dataset=data,
         processing_class=tokenizer,
     )
@@ -81,35 +76,37 @@ def test_sample_loss_packed_equals_padded_and_the_per_sample_mean(tokenizer, tmp
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_one_step_with_sample_loss_equals_padded(tokenizer, tmp_path, accumulation):
-    data = _prompt_completion()
+def test_one_step_with_sample_loss_equals_padded(
+    tokenizer, tmp_path, accumulation, param_snapshot, prompt_completion, sft_args, sft_train, tiny_llama
+):
+    data = prompt_completion()
     rows = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True),
+        args=sft_args(tmp_path, packing=True),
         train_dataset=data,
         processing_class=tokenizer,
     ).unpack_stats["rows"]
     # one optimizer step over every sample, split into `accumulation` micro-batches
     packed_args = dict(per_device_train_batch_size=-(-rows // accumulation), gradient_accumulation_steps=accumulation)
     padded_args = dict(per_device_train_batch_size=len(data) // accumulation, gradient_accumulation_steps=accumulation)
-    ours, ours_result = _train(
-        tokenizer, _args(tmp_path, packing=True, loss_normalization="sample", **packed_args), data
+    ours, ours_result = sft_train(
+        tokenizer, sft_args(tmp_path, packing=True, loss_normalization="sample", **packed_args), data
     )
-    padded, padded_result = _train(
-        tokenizer, _args(tmp_path, padding_free=False, loss_normalization="sample", **padded_args), data
+    padded, padded_result = sft_train(
+        tokenizer, sft_args(tmp_path, padding_free=False, loss_normalization="sample", **padded_args), data
     )
-    token, _ = _train(tokenizer, _args(tmp_path, padding_free=False, **padded_args), data)
+    token, _ = sft_train(tokenizer, sft_args(tmp_path, padding_free=False, **padded_args), data)
     assert ours_result.training_loss == pytest.approx(padded_result.training_loss, rel=1e-5)
-    _assert_params_close(_params(ours.model), _params(padded.model))
-    assert _max_param_diff(_params(ours.model), _params(token.model)) > 1e-4
+    _assert_params_close(param_snapshot(ours.model), param_snapshot(padded.model))
+    assert _max_param_diff(param_snapshot(ours.model), param_snapshot(token.model)) > 1e-4
 
 
-def test_sample_loss_rejects_what_it_cannot_do(tokenizer, tmp_path):
+def test_sample_loss_rejects_what_it_cannot_do(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
     with pytest.raises(ValueError, match="loss_normalization='sample'.*dft"):
         SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True, loss_normalization="sample", loss_type="dft"),
-            train_dataset=_prompt_completion(8),
+            args=sft_args(tmp_path, packing=True, loss_normalization="sample", loss_type="dft"),
+            train_dataset=prompt_completion(8),
             processing_class=tokenizer,
         )
     with pytest.raises(ValueError, match="loss_normalization"):
@@ -198,13 +195,13 @@ def test_balanced_steps_hold_similar_sample_counts():
         assert balanced.std() < 0.5 * shuffled.std()
 
 
-def test_trainer_uses_the_balanced_sampler(tokenizer, tmp_path):
+def test_trainer_uses_the_balanced_sampler(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(
+        args=sft_args(
             tmp_path, packing=True, max_length=32, per_device_train_batch_size=2, balance_samples_per_step=True
         ),
-        train_dataset=_prompt_completion(60),
+        train_dataset=prompt_completion(60),
         processing_class=tokenizer,
     )
     sampler = trainer._get_train_sampler()
@@ -216,22 +213,22 @@ def test_trainer_uses_the_balanced_sampler(tokenizer, tmp_path):
     assert list(sampler) != order
     plain = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(
+        args=sft_args(
             tmp_path, packing=True, max_length=32, per_device_train_batch_size=2, balance_samples_per_step=False
         ),
-        train_dataset=_prompt_completion(60),
+        train_dataset=prompt_completion(60),
         processing_class=tokenizer,
     )
     assert not isinstance(plain._get_train_sampler(), BalancedStepSampler)
 
 
-def test_packing_order_reaches_the_packer(tokenizer, tmp_path):
-    data = _prompt_completion(60)
+def test_packing_order_reaches_the_packer(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
+    data = prompt_completion(60)
     rows = {}
     for order in ("shuffled", "decreasing"):
         trainer = SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True, max_length=32, packing_order=order),
+            args=sft_args(tmp_path, packing=True, max_length=32, packing_order=order),
             train_dataset=data,
             processing_class=tokenizer,
         )

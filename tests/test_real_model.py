@@ -15,7 +15,6 @@ model is loaded once per module.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import json
 import os
@@ -52,12 +51,6 @@ def tokenizer(folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _collect():
-    yield
-    gc.collect()
 
 
 def _load(folder, backend="sdpa", dtype=torch.float32):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_llama
 from transformers import LlamaForCausalLM
 
 from unpack_trainer.selfcheck import check_uncontaminated
@@ -48,7 +47,7 @@ def _quant_snapshot(model):
     return out
 
 
-def test_selfcheck_leaves_a_4bit_model_and_its_gradients_unchanged(tmp_path):
+def test_selfcheck_leaves_a_4bit_model_and_its_gradients_unchanged(tmp_path, tiny_llama):
     """On AVX512-BF16 CPUs bitsandbytes converts 4-bit weights to an inference-only layout in an eval-mode no-grad
     forward; the probe must not leave that behind (training then got wrong gradients)."""
     pytest.importorskip("bitsandbytes")
@@ -84,9 +83,9 @@ class _Rewrites(torch.nn.Module):
     """A causal LM stand-in whose eval forward reassigns a weight's data, swaps a buffer and flips a submodule's
     mode: everything the probe must undo."""
 
-    def __init__(self):
+    def __init__(self, inner: torch.nn.Module):
         super().__init__()
-        self.inner = tiny_llama()
+        self.inner = inner
         self.config = self.inner.config
         self.register_buffer("counter", torch.zeros(1))
 
@@ -105,8 +104,8 @@ class _Rewrites(torch.nn.Module):
         return self.inner(**kwargs)
 
 
-def test_selfcheck_restores_reassigned_tensors_and_training_flags():
-    model = _Rewrites()
+def test_selfcheck_restores_reassigned_tensors_and_training_flags(tiny_llama):
+    model = _Rewrites(tiny_llama())
     model.train()
     model.inner.model.layers[0].eval()  # a mixed state, kept as is
     weight, pointer, counter = model.inner.lm_head.weight, model.inner.lm_head.weight.data_ptr(), model.counter

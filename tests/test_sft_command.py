@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict
-from tiny import char_tokenizer, tiny_llama
 
 from unpack_trainer.cli import main
 from unpack_trainer.sft_command import load_sft_dataset, make_parser, resolve_model_name
@@ -126,14 +125,13 @@ def test_sft_launches_like_trl_sft(monkeypatch, capsys):
     assert args.training_script_args == ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--use_cpu"]
 
 
-def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog):
+def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog, tokenizer, tiny_llama):
     """The launched script's body: a recipe, a local data file, packing, LoRA flags, our trainer, a saved adapter."""
     import torch
 
     from unpack_trainer import sft_command
 
     model_dir = tmp_path / "model"
-    tokenizer = char_tokenizer()
     tiny_llama(vocab_size=len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "train.jsonl"

@@ -9,77 +9,13 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from tiny import char_tokenizer, tiny_llama
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import unpack_trainer.trainer as trainer_module
-from unpack_trainer import DataCollatorForPacking, SFTConfig, SFTTrainer
-from unpack_trainer.decision import _logged
+from unpack_trainer import DataCollatorForPacking, SFTTrainer
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_log_once():
-    _logged.clear()
-    yield
-    _logged.clear()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return char_tokenizer()
-
-
-def _prompt_completion(n=24, seed=0):
-    rng = random.Random(seed)
-    letters = "abcdefghij"
-    return Dataset.from_list(
-        [
-            {
-                "prompt": "".join(rng.choice(letters) for _ in range(rng.randint(1, 20))),
-                "completion": "".join(rng.choice(letters) for _ in range(rng.randint(1, 40))),
-            }
-            for _ in range(n)
-        ]
-    )
-
-
-def _args(tmp_path, cls=SFTConfig, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        max_length=48,
-        per_device_train_batch_size=64,
-        max_steps=1,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        seed=0,
-        data_seed=0,
-    )
-    return cls(**(defaults | kwargs))
-
-
-def _train(tokenizer, args, dataset=None, **kwargs):
-    model = tiny_llama(vocab_size=len(tokenizer))
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset or _prompt_completion(), processing_class=tokenizer, **kwargs
-    )
-    result = trainer.train()
-    return trainer, result
-
-
-def _params(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _assert_same_params(a, b, rtol=1e-5, atol=1e-6):
@@ -91,11 +27,11 @@ def _assert_same_params(a, b, rtol=1e-5, atol=1e-6):
 # ------------------------------------------------------------------------------------------------ decision wiring
 
 
-def test_packing_wires_collator_patch_and_selfcheck(tokenizer, tmp_path):
+def test_packing_wires_collator_patch_and_selfcheck(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, packing=True),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     assert trainer.unpack_decision.mode == "pack"
@@ -116,19 +52,19 @@ def test_packing_wires_collator_patch_and_selfcheck(tokenizer, tmp_path):
     assert trainer.unpack_decision.reason.startswith("packing=True")
 
 
-def test_unpack_disable_is_stock_trl(tokenizer, tmp_path, monkeypatch):
+def test_unpack_disable_is_stock_trl(tokenizer, tmp_path, monkeypatch, prompt_completion, sft_args, tiny_llama):
     monkeypatch.setenv("UNPACK_DISABLE", "1")
-    args = _args(tmp_path, cls=trl.SFTConfig, packing=True)
+    args = sft_args(tmp_path, cls=trl.SFTConfig, packing=True)
     ours = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
         args=args,
-        train_dataset=_prompt_completion(),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     stock = trl.SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
         args=args,
-        train_dataset=_prompt_completion(),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     assert ours.unpack_decision.mode == "stock"
@@ -136,14 +72,16 @@ def test_unpack_disable_is_stock_trl(tokenizer, tmp_path, monkeypatch):
     assert ours.train_dataset[:] == stock.train_dataset[:]
 
 
-def test_custom_collator_falls_back_with_a_warning(tokenizer, tmp_path, caplog):
+def test_custom_collator_falls_back_with_a_warning(
+    tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama
+):
     collator = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
     with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
         trainer = SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True),
+            args=sft_args(tmp_path, packing=True),
             data_collator=collator,
-            train_dataset=_prompt_completion(),
+            train_dataset=prompt_completion(),
             processing_class=tokenizer,
         )
     assert trainer.unpack_decision.mode == "padded"
@@ -152,12 +90,14 @@ def test_custom_collator_falls_back_with_a_warning(tokenizer, tmp_path, caplog):
     trainer.train()
 
 
-def test_explicit_padding_free_enforces_max_length_instead_of_raising(tokenizer, tmp_path, caplog):
+def test_explicit_padding_free_enforces_max_length_instead_of_raising(
+    tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama
+):
     with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
         trainer = SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, padding_free=True, max_length=16),
-            train_dataset=_prompt_completion(),
+            args=sft_args(tmp_path, padding_free=True, max_length=16),
+            train_dataset=prompt_completion(),
             processing_class=tokenizer,
         )
     assert trainer.unpack_decision.mode == "padding_free"
@@ -165,11 +105,11 @@ def test_explicit_padding_free_enforces_max_length_instead_of_raising(tokenizer,
     assert "longer than max_length=16 and were truncated (keep_start)" in caplog.text
 
 
-def test_explicit_padding_free_false_is_kept(tokenizer, tmp_path):
+def test_explicit_padding_free_false_is_kept(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, padding_free=False),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, padding_free=False),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     assert trainer.unpack_decision.mode == "padded"
@@ -177,13 +117,15 @@ def test_explicit_padding_free_false_is_kept(tokenizer, tmp_path):
     assert trainer.unpack_selfcheck is None
 
 
-def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(tokenizer, tmp_path, monkeypatch, caplog):
+def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(
+    tokenizer, tmp_path, monkeypatch, caplog, prompt_completion, sft_args, tiny_llama
+):
     failing = ContaminationReport(False, 0.5, 1e-4, 0.5, torch.float32, 0.01)
     monkeypatch.setattr(trainer_module, "check_uncontaminated", lambda model, **kwargs: failing)
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, packing=True),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     assert trainer.unpack_decision.mode == "pack"
@@ -201,8 +143,8 @@ def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(tokenizer, 
     monkeypatch.setenv("UNPACK_STRICT", "1")
     strict = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, packing=True),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     with pytest.raises(RuntimeError, match="UNPACK_STRICT=1"):
@@ -235,7 +177,7 @@ class _DropsPackingMetadata(torch.nn.Module):
         return self.inner(input_ids=input_ids, **{k: v for k, v in kwargs.items() if k not in packing})
 
 
-def test_selfcheck_detects_real_contamination():
+def test_selfcheck_detects_real_contamination(tiny_llama):
     model = tiny_llama()
     assert check_uncontaminated(model).ok
     report = check_uncontaminated(_DropsPackingMetadata(model))
@@ -248,32 +190,34 @@ def test_selfcheck_detects_real_contamination():
 
 @pytest.mark.parametrize("mode", ["pack", "padding_free"])
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_one_step_equals_padded_training(tokenizer, tmp_path, mode, gradient_checkpointing):
+def test_one_step_equals_padded_training(
+    tokenizer, tmp_path, mode, gradient_checkpointing, param_snapshot, sft_args, sft_train
+):
     extra = {"packing": True} if mode == "pack" else {}
     common = dict(gradient_checkpointing=gradient_checkpointing)
-    ours, ours_result = _train(tokenizer, _args(tmp_path, **extra, **common))
-    padded, padded_result = _train(tokenizer, _args(tmp_path, padding_free=False, **common))
+    ours, ours_result = sft_train(tokenizer, sft_args(tmp_path, **extra, **common))
+    padded, padded_result = sft_train(tokenizer, sft_args(tmp_path, padding_free=False, **common))
     assert ours.unpack_decision.mode == mode and padded.unpack_decision.mode == "padded"
     assert ours_result.training_loss == pytest.approx(padded_result.training_loss, rel=1e-5)
-    _assert_same_params(_params(ours.model), _params(padded.model))
+    _assert_same_params(param_snapshot(ours.model), param_snapshot(padded.model))
 
 
-def test_gradient_accumulation_counts_boundary_tokens_once(tokenizer, tmp_path):
+def test_gradient_accumulation_counts_boundary_tokens_once(tokenizer, tmp_path, param_snapshot, sft_args, sft_train):
     common = dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, max_steps=2)
-    ours, ours_result = _train(tokenizer, _args(tmp_path, **common))
-    padded, padded_result = _train(tokenizer, _args(tmp_path, padding_free=False, **common))
+    ours, ours_result = sft_train(tokenizer, sft_args(tmp_path, **common))
+    padded, padded_result = sft_train(tokenizer, sft_args(tmp_path, padding_free=False, **common))
     assert ours.unpack_decision.mode == "padding_free"
     assert ours_result.training_loss == pytest.approx(padded_result.training_loss, rel=1e-5)
-    _assert_same_params(_params(ours.model), _params(padded.model))
+    _assert_same_params(param_snapshot(ours.model), param_snapshot(padded.model))
     batch = ours.data_collator([ours.train_dataset[i] for i in range(6)])
     trained = int((batch["labels"] != -100).sum())
     expected = sum(sum(1 for label in ours.train_dataset[i]["labels"][1:] if label != -100) for i in range(6))
     assert trained == expected
 
 
-def test_steps_per_epoch_follow_packed_rows(tokenizer, tmp_path):
-    trainer, result = _train(
-        tokenizer, _args(tmp_path, packing=True, per_device_train_batch_size=2, max_steps=-1, num_train_epochs=1)
+def test_steps_per_epoch_follow_packed_rows(tokenizer, tmp_path, sft_args, sft_train):
+    trainer, result = sft_train(
+        tokenizer, sft_args(tmp_path, packing=True, per_device_train_batch_size=2, max_steps=-1, num_train_epochs=1)
     )
     rows = trainer.unpack_stats["rows"]
     assert result.global_step == -(-rows // 2)
@@ -282,19 +226,19 @@ def test_steps_per_epoch_follow_packed_rows(tokenizer, tmp_path):
 # ------------------------------------------------------------------------------------------------ set-ups
 
 
-def test_lora(tokenizer, tmp_path):
+def test_lora(tokenizer, tmp_path, sft_args, sft_train):
     from peft import LoraConfig
 
-    trainer, result = _train(
+    trainer, result = sft_train(
         tokenizer,
-        _args(tmp_path, packing=True, max_steps=2, learning_rate=1e-2),
+        sft_args(tmp_path, packing=True, max_steps=2, learning_rate=1e-2),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
     assert trainer.unpack_decision.mode == "pack" and trainer.unpack_selfcheck.ok
     assert torch.isfinite(torch.tensor(result.training_loss))
 
 
-def test_qlora_4bit(tokenizer, tmp_path):
+def test_qlora_4bit(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -306,8 +250,8 @@ def test_qlora_4bit(tokenizer, tmp_path):
     )
     trainer = SFTTrainer(
         model=model,
-        args=_args(tmp_path, packing=True, max_steps=2, learning_rate=1e-2),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, packing=True, max_steps=2, learning_rate=1e-2),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
@@ -316,12 +260,12 @@ def test_qlora_4bit(tokenizer, tmp_path):
     assert torch.isfinite(torch.tensor(result.training_loss))
 
 
-def test_eval_packing(tokenizer, tmp_path):
+def test_eval_packing(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True, eval_packing=True, per_device_eval_batch_size=4),
-        train_dataset=_prompt_completion(),
-        eval_dataset=_prompt_completion(10, seed=1),
+        args=sft_args(tmp_path, packing=True, eval_packing=True, per_device_eval_batch_size=4),
+        train_dataset=prompt_completion(),
+        eval_dataset=prompt_completion(10, seed=1),
         processing_class=tokenizer,
     )
     assert "seq_lengths" in trainer.eval_dataset.column_names and len(trainer.eval_dataset) < 10
@@ -329,7 +273,7 @@ def test_eval_packing(tokenizer, tmp_path):
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
 
 
-def test_conversational_and_pretokenized_data(tokenizer, tmp_path):
+def test_conversational_and_pretokenized_data(tokenizer, tmp_path, sft_args, sft_train):
     messages = Dataset.from_list(
         [
             {
@@ -341,42 +285,44 @@ def test_conversational_and_pretokenized_data(tokenizer, tmp_path):
             for i in range(8)
         ]
     )
-    trainer, _ = _train(tokenizer, _args(tmp_path, packing=True, assistant_only_loss=True), dataset=messages)
+    trainer, _ = sft_train(tokenizer, sft_args(tmp_path, packing=True, assistant_only_loss=True), dataset=messages)
     labels = trainer.train_dataset[0]["labels"]
     assert any(label == -100 for label in labels) and any(label != -100 for label in labels)
     tokenized = Dataset.from_list([{"input_ids": list(range(3, 3 + n))} for n in (5, 9, 3, 12)])
-    trainer, _ = _train(tokenizer, _args(tmp_path), dataset=tokenized)
+    trainer, _ = sft_train(tokenizer, sft_args(tmp_path), dataset=tokenized)
     assert trainer.unpack_decision.mode == "padding_free"
 
 
-def test_resume_from_checkpoint_continues_with_identical_batches(tokenizer, tmp_path):
+def test_resume_from_checkpoint_continues_with_identical_batches(
+    tokenizer, tmp_path, param_snapshot, prompt_completion, sft_args, sft_train, tiny_llama
+):
     common = dict(packing=True, per_device_train_batch_size=2, max_steps=4, save_strategy="steps", save_steps=2)
-    full, _ = _train(tokenizer, _args(tmp_path / "full", **common))
+    full, _ = sft_train(tokenizer, sft_args(tmp_path / "full", **common))
     first = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path / "resumed", **(common | {"max_steps": 2})),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path / "resumed", **(common | {"max_steps": 2})),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     first.train()
     resumed = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path / "resumed", **common),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path / "resumed", **common),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "out" / "checkpoint-2"))
     assert resumed.train_dataset[:] == full.train_dataset[:]
-    _assert_same_params(_params(resumed.model), _params(full.model))
+    _assert_same_params(param_snapshot(resumed.model), param_snapshot(full.model))
 
 
-def test_streaming_dataset_packs_through_the_buffer(tokenizer, tmp_path):
+def test_streaming_dataset_packs_through_the_buffer(tokenizer, tmp_path, prompt_completion, sft_args, sft_train):
     from unpack_trainer.streaming import StreamingPacker
 
-    stream = _prompt_completion(40).to_iterable_dataset(num_shards=2)
-    trainer, result = _train(
+    stream = prompt_completion(40).to_iterable_dataset(num_shards=2)
+    trainer, result = sft_train(
         tokenizer,
-        _args(tmp_path, packing=True, max_steps=3, per_device_train_batch_size=2, packing_buffer_size=16),
+        sft_args(tmp_path, packing=True, max_steps=3, per_device_train_batch_size=2, packing_buffer_size=16),
         dataset=stream,
     )
     assert trainer.unpack_decision.mode == "pack"
@@ -386,12 +332,12 @@ def test_streaming_dataset_packs_through_the_buffer(tokenizer, tmp_path):
     assert all(sum(row["seq_lengths"]) == len(row["input_ids"]) <= 48 for row in rows)
 
 
-def test_text_data_and_model_given_as_a_path(tokenizer, tmp_path):
+def test_text_data_and_model_given_as_a_path(tokenizer, tmp_path, sft_args, tiny_llama):
     text = Dataset.from_list([{"text": "abc" * n} for n in (1, 4, 9, 2, 7, 3)])
     tiny_llama(vocab_size=len(tokenizer)).save_pretrained(tmp_path / "model")
     trainer = SFTTrainer(
         model=str(tmp_path / "model"),
-        args=_args(tmp_path, packing=True),
+        args=sft_args(tmp_path, packing=True),
         train_dataset=text,
         processing_class=tokenizer,
     )
@@ -400,11 +346,11 @@ def test_text_data_and_model_given_as_a_path(tokenizer, tmp_path):
     trainer.train()
 
 
-def test_completion_only_loss_masks_prompts_inside_packed_rows(tokenizer, tmp_path):
+def test_completion_only_loss_masks_prompts_inside_packed_rows(tokenizer, tmp_path, sft_args, tiny_llama):
     data = Dataset.from_list([{"prompt": "aaaa", "completion": "bb"}, {"prompt": "ccc", "completion": "ddd"}])
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True, completion_only_loss=True),
+        args=sft_args(tmp_path, packing=True, completion_only_loss=True),
         train_dataset=data,
         processing_class=tokenizer,
     )
@@ -427,11 +373,13 @@ def _tokenized(lengths, seed=0, **columns):
     )
 
 
-def test_neftune_keeps_automatic_padding_free_off_and_explains_packed_scale(tokenizer, tmp_path, caplog):
+def test_neftune_keeps_automatic_padding_free_off_and_explains_packed_scale(
+    tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama
+):
     auto = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, neftune_noise_alpha=5.0),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, neftune_noise_alpha=5.0),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     assert auto.unpack_decision.mode == "padded" and "neftune_noise_alpha is set" in auto.unpack_decision.reason
@@ -439,8 +387,8 @@ def test_neftune_keeps_automatic_padding_free_off_and_explains_packed_scale(toke
     with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
         packed = SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True, neftune_noise_alpha=5.0),
-            train_dataset=_prompt_completion(),
+            args=sft_args(tmp_path, packing=True, neftune_noise_alpha=5.0),
+            train_dataset=prompt_completion(),
             processing_class=tokenizer,
         )
     assert packed.unpack_decision.mode == "pack"
@@ -448,7 +396,9 @@ def test_neftune_keeps_automatic_padding_free_off_and_explains_packed_scale(toke
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_metrics_see_one_row_per_example_as_stock(tokenizer, tmp_path, packing):
+def test_metrics_see_one_row_per_example_as_stock(
+    tokenizer, tmp_path, packing, prompt_completion, sft_args, tiny_llama
+):
     def evaluate(**extra):
         seen = {}
 
@@ -463,9 +413,9 @@ def test_metrics_see_one_row_per_example_as_stock(tokenizer, tmp_path, packing):
 
         trainer = SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, per_device_eval_batch_size=4, **extra),
-            train_dataset=_prompt_completion(),
-            eval_dataset=_prompt_completion(10, seed=1),
+            args=sft_args(tmp_path, per_device_eval_batch_size=4, **extra),
+            train_dataset=prompt_completion(),
+            eval_dataset=prompt_completion(10, seed=1),
             processing_class=tokenizer,
             compute_metrics=compute_metrics,
             preprocess_logits_for_metrics=preprocess,
@@ -483,28 +433,30 @@ def test_metrics_see_one_row_per_example_as_stock(tokenizer, tmp_path, packing):
 
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("kind", ["iterable", "dict", "iterable_dict"])
-def test_iterable_eval_datasets_with_default_settings(tokenizer, tmp_path, packing, kind):
+def test_iterable_eval_datasets_with_default_settings(
+    tokenizer, tmp_path, packing, kind, prompt_completion, sft_args, tiny_llama
+):
     """accelerate dispatches batches of iterable data by default, slicing the 1-D packing metadata."""
     from datasets import IterableDatasetDict
 
     def eval_data():
-        stream = _prompt_completion(10, seed=1).to_iterable_dataset()
+        stream = prompt_completion(10, seed=1).to_iterable_dataset()
         if kind == "iterable":
             return stream
         if kind == "dict":
-            return {"a": stream, "b": _prompt_completion(6, seed=2).to_iterable_dataset()}
+            return {"a": stream, "b": prompt_completion(6, seed=2).to_iterable_dataset()}
         return IterableDatasetDict({"a": stream})
 
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(
+        args=sft_args(
             tmp_path,
             per_device_eval_batch_size=5,
             eval_strategy="steps",
             eval_steps=1,
             **({"packing": True} if packing else {}),
         ),
-        train_dataset=_prompt_completion(),
+        train_dataset=prompt_completion(),
         eval_dataset=eval_data(),
         processing_class=tokenizer,
     )
@@ -514,7 +466,7 @@ def test_iterable_eval_datasets_with_default_settings(tokenizer, tmp_path, packi
     losses = [value for key, value in metrics.items() if key.endswith("_loss")]
     assert losses and all(torch.isfinite(torch.tensor(loss)) for loss in losses)
     if kind == "iterable" and not packing:  # the same examples map-style: the same batches (no partial last one)
-        mapped = trainer.evaluate(_prompt_completion(10, seed=1))
+        mapped = trainer.evaluate(prompt_completion(10, seed=1))
         assert metrics["eval_loss"] == pytest.approx(mapped["eval_loss"], rel=1e-6)
 
 
@@ -531,11 +483,11 @@ def _packed_ahead_rows():
 
 
 @pytest.mark.parametrize("mode", ["pack", "padding_free", "padded"])
-def test_rows_packed_ahead_keep_their_boundaries(tokenizer, tmp_path, mode):
+def test_rows_packed_ahead_keep_their_boundaries(tokenizer, tmp_path, mode, sft_args, tiny_llama):
     extra = {"pack": {"packing": True}, "padding_free": {}, "padded": {"padding_free": False}}[mode]
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, max_length=16, per_device_train_batch_size=2, **extra),
+        args=sft_args(tmp_path, max_length=16, per_device_train_batch_size=2, **extra),
         train_dataset=_packed_ahead_rows(),
         processing_class=tokenizer,
     )
@@ -552,37 +504,41 @@ def test_rows_packed_ahead_keep_their_boundaries(tokenizer, tmp_path, mode):
     trainer.train()
 
 
-def test_rows_packed_ahead_longer_than_max_length_are_an_error(tokenizer, tmp_path):
+def test_rows_packed_ahead_longer_than_max_length_are_an_error(tokenizer, tmp_path, sft_args, tiny_llama):
     trainer_kwargs = dict(train_dataset=_packed_ahead_rows(), processing_class=tokenizer)
     with pytest.raises(ValueError, match=r"row 0 is a row packed ahead .* of 16 tokens, longer than max_length=15"):
-        SFTTrainer(model=tiny_llama(vocab_size=len(tokenizer)), args=_args(tmp_path, max_length=15), **trainer_kwargs)
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)), args=sft_args(tmp_path, max_length=15), **trainer_kwargs
+        )
 
 
 @pytest.mark.parametrize(
     ("seq_lengths", "message"),
     [([4, 4], r"Train dataset row 1 has 16 tokens but `seq_lengths` \[4, 4\]"), ([8, 8.0], "non-integer")],
 )
-def test_rows_packed_ahead_with_bad_seq_lengths_are_an_error(tokenizer, tmp_path, seq_lengths, message):
+def test_rows_packed_ahead_with_bad_seq_lengths_are_an_error(
+    tokenizer, tmp_path, seq_lengths, message, sft_args, tiny_llama
+):
     rows = _packed_ahead_rows().to_list()
     rows[1] = {"input_ids": rows[1]["input_ids"][:16], "seq_lengths": seq_lengths}
     with pytest.raises(ValueError, match=message):
         SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, max_length=16, packing=True),
+            args=sft_args(tmp_path, max_length=16, packing=True),
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
         )
 
 
 @pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning"])
-def test_peft_prompt_learning_is_blocked_up_front(tokenizer, tmp_path, kind, caplog):
+def test_peft_prompt_learning_is_blocked_up_front(tokenizer, tmp_path, kind, caplog, sft_args, sft_train):
     from peft import PrefixTuningConfig, PromptTuningConfig
 
     config_cls = PromptTuningConfig if kind == "prompt_tuning" else PrefixTuningConfig
     with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
-        trainer, result = _train(
+        trainer, result = sft_train(
             tokenizer,
-            _args(tmp_path, packing=True),
+            sft_args(tmp_path, packing=True),
             peft_config=config_cls(task_type="CAUSAL_LM", num_virtual_tokens=4),
         )
     assert trainer.unpack_decision.mode == "padded"
@@ -604,7 +560,9 @@ def _strip_packing(module, args, kwargs):
     return args, kwargs
 
 
-def test_selfcheck_runs_on_the_model_as_patched_at_train(tokenizer, tmp_path, monkeypatch, caplog):
+def test_selfcheck_runs_on_the_model_as_patched_at_train(
+    tokenizer, tmp_path, monkeypatch, caplog, prompt_completion, sft_args, tiny_llama
+):
     """A patch applied by ``train()`` itself (as liger's is) that breaks packing is measured and trained padded."""
     import transformers.trainer
 
@@ -617,8 +575,8 @@ def test_selfcheck_runs_on_the_model_as_patched_at_train(tokenizer, tmp_path, mo
     monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", fake_liger)
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True, use_liger_kernel=True),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, packing=True, use_liger_kernel=True),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     assert trainer.unpack_decision.mode == "pack" and not applied
@@ -631,11 +589,13 @@ def test_selfcheck_runs_on_the_model_as_patched_at_train(tokenizer, tmp_path, mo
     assert "seq_lengths" not in trainer.train_dataset.column_names
 
 
-def test_selfcheck_reports_a_raising_forward_as_such(tokenizer, tmp_path, caplog):
+def test_selfcheck_reports_a_raising_forward_as_such(
+    tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama
+):
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path, packing=True),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
 
@@ -652,25 +612,27 @@ def test_selfcheck_reports_a_raising_forward_as_such(tokenizer, tmp_path, caplog
     assert trainer.unpack_decision.mode == "padded"
 
 
-def test_impossible_forced_backend_raises_at_trainer_start(tokenizer, tmp_path, monkeypatch):
+def test_impossible_forced_backend_raises_at_trainer_start(
+    tokenizer, tmp_path, monkeypatch, prompt_completion, sft_args, tiny_llama
+):
     monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match="UNPACK_ATTENTION_BACKEND=flash"):
         SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True),
-            train_dataset=_prompt_completion(),
+            args=sft_args(tmp_path, packing=True),
+            train_dataset=prompt_completion(),
             processing_class=tokenizer,
         )
 
 
 @pytest.mark.parametrize("extra", [{}, {"packing": True}, {"padding_free": False}])
-def test_every_sample_dropped_or_empty_data_is_a_clear_error(tokenizer, tmp_path, extra):
+def test_every_sample_dropped_or_empty_data_is_a_clear_error(tokenizer, tmp_path, extra, sft_args, tiny_llama):
     long_prompts = Dataset.from_list([{"prompt": "a" * 30, "completion": "b"} for _ in range(4)])
     match = "every sample was dropped|all 4 examples were dropped"
     with pytest.raises(ValueError, match=match):
         SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, max_length=16, completion_only_loss=True, **extra),
+            args=sft_args(tmp_path, max_length=16, completion_only_loss=True, **extra),
             train_dataset=long_prompts,
             processing_class=tokenizer,
         )
@@ -678,25 +640,25 @@ def test_every_sample_dropped_or_empty_data_is_a_clear_error(tokenizer, tmp_path
     with pytest.raises(ValueError, match=r"every sample was dropped \(3 samples: 3 with every label masked|all 3"):
         SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, max_length=16, **extra),
+            args=sft_args(tmp_path, max_length=16, **extra),
             train_dataset=masked,
             processing_class=tokenizer,
         )
     with pytest.raises(ValueError, match=r"`train_dataset` is empty \(0 examples\)"):
         SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, **extra),
+            args=sft_args(tmp_path, **extra),
             train_dataset=Dataset.from_dict({"prompt": [], "completion": []}),
             processing_class=tokenizer,
         )
 
 
-def test_skip_prepare_dataset_declines_packing_with_the_reason(tokenizer, tmp_path, caplog):
+def test_skip_prepare_dataset_declines_packing_with_the_reason(tokenizer, tmp_path, caplog, sft_args, tiny_llama):
     data = _tokenized([60, 5, 9])
     with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
         trainer = SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True, max_length=16, dataset_kwargs={"skip_prepare_dataset": True}),
+            args=sft_args(tmp_path, packing=True, max_length=16, dataset_kwargs={"skip_prepare_dataset": True}),
             train_dataset=data,
             processing_class=tokenizer,
         )
@@ -705,25 +667,27 @@ def test_skip_prepare_dataset_declines_packing_with_the_reason(tokenizer, tmp_pa
     assert "neither packed nor truncated" in caplog.text and "mode=padding_free" in caplog.text
 
 
-def test_eval_split_named_train_does_not_overwrite_training_stats(tokenizer, tmp_path):
+def test_eval_split_named_train_does_not_overwrite_training_stats(
+    tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama
+):
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path, packing=True),
-        train_dataset=_prompt_completion(24),
-        eval_dataset={"train": _prompt_completion(5, seed=3), "other": _prompt_completion(7, seed=4)},
+        args=sft_args(tmp_path, packing=True),
+        train_dataset=prompt_completion(24),
+        eval_dataset={"train": prompt_completion(5, seed=3), "other": prompt_completion(7, seed=4)},
         processing_class=tokenizer,
     )
     assert trainer.unpack_stats["samples"] == 24 and len(trainer.train_dataset) == trainer.unpack_stats["rows"]
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_streamed_truncation_is_counted_and_logged(tokenizer, tmp_path, packing, caplog):
+def test_streamed_truncation_is_counted_and_logged(tokenizer, tmp_path, packing, caplog, sft_args, sft_train):
     lengths = [5] * 27 + [30] * 5
     stream = _tokenized(lengths).to_iterable_dataset()
     with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
-        trainer, _ = _train(
+        trainer, _ = sft_train(
             tokenizer,
-            _args(
+            sft_args(
                 tmp_path,
                 max_length=16,
                 max_steps=1,
@@ -740,14 +704,16 @@ def test_streamed_truncation_is_counted_and_logged(tokenizer, tmp_path, packing,
     assert "train dataset (streamed): 5 of 32 samples read were longer than max_length=16" in caplog.text
 
 
-def test_start_line_is_info_once_with_the_shared_speedup_estimate(tokenizer, tmp_path, caplog):
+def test_start_line_is_info_once_with_the_shared_speedup_estimate(
+    tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama
+):
     from unpack_trainer.estimate import estimated_speedup
 
     with caplog.at_level(logging.INFO, logger="unpack_trainer"):
         trainer = SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True, per_device_train_batch_size=2),
-            train_dataset=_prompt_completion(),
+            args=sft_args(tmp_path, packing=True, per_device_train_batch_size=2),
+            train_dataset=prompt_completion(),
             processing_class=tokenizer,
         )
         trainer.train()
@@ -759,8 +725,8 @@ def test_start_line_is_info_once_with_the_shared_speedup_estimate(tokenizer, tmp
     assert stats["padded_batch_size"] == pytest.approx(batch) and batch > 2
     unpacked = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
-        args=_args(tmp_path),
-        train_dataset=_prompt_completion(),
+        args=sft_args(tmp_path),
+        train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
     lengths = [len(ids) for ids in unpacked.train_dataset["input_ids"]]  # the same samples, in dataset order
@@ -772,9 +738,9 @@ def test_start_line_is_info_once_with_the_shared_speedup_estimate(tokenizer, tmp
     with caplog.at_level(logging.INFO, logger="unpack_trainer"):
         SFTTrainer(
             model=tiny_llama(vocab_size=len(tokenizer)),
-            args=_args(tmp_path, packing=True),
+            args=sft_args(tmp_path, packing=True),
             data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id),
-            train_dataset=_prompt_completion(),
+            train_dataset=prompt_completion(),
             processing_class=tokenizer,
         )
     overridden = [r for r in caplog.records if "mode=padded" in r.getMessage()]

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, Features, Sequence, Value
-from tiny import char_tokenizer, tiny_llama
 
 from unpack_trainer import (
     DataCollatorForPacking,
@@ -183,9 +182,8 @@ def test_dataset_column_check_names_the_sample():
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_trainer_rejects_float_token_ids(tmp_path, packing, caplog):
+def test_trainer_rejects_float_token_ids(tmp_path, packing, caplog, tokenizer, tiny_llama):
     """Float ids used to be truncated to ints and trained (pack and automatic padding-free); stock TRL crashes."""
-    tokenizer = char_tokenizer()
     ids = [[float(7 + (i + j) % 20) for j in range(3 + i % 5)] for i in range(8)]
     ids[3][1] = 9.5
     dataset = Dataset.from_dict({"input_ids": ids})
@@ -209,7 +207,7 @@ def test_trainer_rejects_float_token_ids(tmp_path, packing, caplog):
             )
 
 
-def test_selfcheck_probe_lengths_are_checked():
+def test_selfcheck_probe_lengths_are_checked(tiny_llama):
     from unpack_trainer import check_uncontaminated
 
     model = tiny_llama(vocab_size=32)

@@ -2,14 +2,13 @@
 refused with a named reason, or skipped with a reason. Nothing fails, nothing is silently dense.
 
 Each type builds a tiny model from its config class (2 layers, hidden size 32; see
-``unpack_trainer.models.coverage.tiny_config``) and runs ``check_model_type``: packed logits == each sample alone (fp32,
+``unpack_trainer.tiny.tiny_config``) and runs ``check_model_type``: packed logits == each sample alone (fp32,
 relative 1e-5), loss and every gradient == the padded batch, SDPA and eager, the packed helper in every attention layer
 and transformers' mask function never called for the packed batch (no (T, T) mask).
 """
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -21,22 +20,15 @@ from unpack_trainer.models.__main__ import README_END, README_START
 from unpack_trainer.models.coverage import (
     VERIFIED_MODEL_TYPES,
     VERIFIED_WITH,
-    _config_class,
     check_model_type,
     coverage_table,
     model_types,
-    tiny_config,
 )
+from unpack_trainer.tiny import config_class, tiny_config
 
 MODEL_TYPES = model_types()
 SAME_VERSION = transformers.__version__ == VERIFIED_WITH
 _outcomes: dict[str, object] = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_patched_models():
-    yield
-    gc.collect()
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -53,7 +45,7 @@ def test_model_type(model_type):
     assert model_type not in VERIFIED_MODEL_TYPES, f"{model_type} is listed as verified but {outcome.status}"
     if outcome.status == "refused" and outcome.kind in ("state", "alibi"):
         # The trainer's decision names the same reason before any forward (from the structure, on the meta device).
-        config = _config_class(model_type)() if outcome.source == "default" else tiny_config(model_type)
+        config = config_class(model_type)() if outcome.source == "default" else tiny_config(model_type)
         assert refusal_reason(config) == outcome.reason
         blocked = blocked_reason(
             model_config=config, data_collator=None, processing_class=None, dataset_sample=None, blocklist=BLOCKLIST

@@ -10,59 +10,33 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoModelForCausalLM
 
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
 from unpack_trainer.patches import attention as attention_module
 from unpack_trainer.patches.attention import PackedSeqInfo
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_patched_models():
-    """Collect this module's patched models, so that the RoPE replacement does not outlive them (see patch_model)."""
-    yield
-    gc.collect()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one CPU thread is faster than two, and far faster on a machine shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 VOCAB = 128
-_COMMON = dict(
+# On top of unpack_trainer.tiny's sizes (2 layers, 4 heads, 2 key/value heads, vocabulary 128, initializer range 0.1,
+# larger than the usual 0.02 so that attention patterns, and any contamination, move the logits visibly); None takes
+# the config class's default.
+SIZES = dict(
     hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     intermediate_size=128,
-    vocab_size=VOCAB,
     max_position_embeddings=512,
-    # Larger than the default 0.02 so that attention patterns, and any contamination, move the logits visibly.
-    initializer_range=0.1,
+    head_dim=None,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+    sliding_window=None,
+    use_sliding_window=None,
+    max_window_layers=None,
 )
 
-# model_type -> config factory. tests/models/test_registry.py checks this covers every registered architecture.
-ARCHITECTURES = {
-    "llama": lambda **kw: LlamaConfig(**{**_COMMON, **kw}),
-    "mistral": lambda **kw: MistralConfig(**{**_COMMON, **kw}),
-    "qwen2": lambda **kw: Qwen2Config(**{**_COMMON, **kw}),
-    "qwen3": lambda **kw: Qwen3Config(**{**_COMMON, "head_dim": 16, **kw}),
-}
+# model_type -> its sizes on top of SIZES. test_deep_tested_architectures_are_verified checks they are verified types.
+ARCHITECTURES = {"llama": {}, "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=16)}
 SLIDING = {
     "mistral": dict(sliding_window=16),
     "qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
@@ -72,10 +46,15 @@ BACKENDS = ["sdpa", "eager"]
 REL = 1e-5
 
 
-def build_model(arch: str, backend: str, **overrides) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(ARCHITECTURES[arch](**overrides), attn_implementation=backend)
-    return model.eval()
+@pytest.fixture(scope="module")
+def build_model(tiny_model):
+    """``build_model(arch, backend, **config_overrides)``: the architecture's tiny model, seed 0, in eval mode."""
+
+    def build(arch: str, backend: str, **overrides) -> torch.nn.Module:
+        sizes = {**SIZES, **ARCHITECTURES[arch], **overrides}
+        return tiny_model(arch, attn_implementation=backend, **sizes).eval()
+
+    return build
 
 
 def make_samples(lengths, seed: int = 1) -> list[torch.Tensor]:
@@ -215,7 +194,7 @@ ARCHS = pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 
 @ARCHS
 @MATRIX
-def test_packed_logits_match_each_sample_alone(arch, backend, backend_calls):
+def test_packed_logits_match_each_sample_alone(arch, backend, backend_calls, build_model):
     model = patch_model(build_model(arch, backend))
     samples = make_samples(LENGTHS)
     assert_samples_match(model, samples, packed_batch(samples, row_len=45))
@@ -225,7 +204,7 @@ def test_packed_logits_match_each_sample_alone(arch, backend, backend_calls):
 
 @ARCHS
 @MATRIX
-def test_position_ids_only_and_several_rows(arch, backend, backend_calls):
+def test_position_ids_only_and_several_rows(arch, backend, backend_calls, build_model):
     model = patch_model(build_model(arch, backend))
     samples = make_samples([6, 4, 1, 8, 3, 5], seed=2)
     batch = packed_batch(samples, rows=2, row_len=18)
@@ -240,7 +219,7 @@ def test_position_ids_only_and_several_rows(arch, backend, backend_calls):
 
 @ARCHS
 @MATRIX
-def test_packed_loss_and_grads_match_padded(arch, backend):
+def test_packed_loss_and_grads_match_padded(arch, backend, build_model):
     model = patch_model(build_model(arch, backend)).train()
     assert_loss_and_grads_match(model, make_samples(LENGTHS))
 
@@ -248,7 +227,7 @@ def test_packed_loss_and_grads_match_padded(arch, backend):
 @ARCHS
 @MATRIX
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing(arch, backend, reentrant, backend_calls):
+def test_gradient_checkpointing(arch, backend, reentrant, backend_calls, build_model):
     model = patch_model(build_model(arch, backend)).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert_loss_and_grads_match(model, make_samples(LENGTHS))
@@ -258,7 +237,7 @@ def test_gradient_checkpointing(arch, backend, reentrant, backend_calls):
 
 @ARCHS
 @MATRIX
-def test_peft_lora(arch, backend):
+def test_peft_lora(arch, backend, build_model):
     from peft import LoraConfig, get_peft_model
 
     model = patch_model(build_model(arch, backend))
@@ -268,7 +247,7 @@ def test_peft_lora(arch, backend):
 
 
 @pytest.fixture(scope="module")
-def saved_models(tmp_path_factory):
+def saved_models(tmp_path_factory, build_model):
     """Each architecture saved once, to reload 4-bit quantized."""
     paths = {}
     for arch in ARCHITECTURES:
@@ -297,7 +276,7 @@ def test_qlora_4bit(arch, backend, saved_models):
 
 
 @pytest.mark.parametrize(("forced", "loaded"), [("eager", "sdpa"), ("sdpa", "eager")])
-def test_environment_variable_forces_the_backend(forced, loaded, monkeypatch, backend_calls):
+def test_environment_variable_forces_the_backend(forced, loaded, monkeypatch, backend_calls, build_model):
     monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", forced)
     model = patch_model(build_model("qwen2", loaded, **SLIDING["qwen2"]))
     samples = make_samples([40, 23, 9], seed=8)
@@ -307,7 +286,7 @@ def test_environment_variable_forces_the_backend(forced, loaded, monkeypatch, ba
 
 @pytest.mark.parametrize("arch", sorted(SLIDING))
 @MATRIX
-def test_sliding_window_smaller_than_samples(arch, backend):
+def test_sliding_window_smaller_than_samples(arch, backend, build_model):
     model = patch_model(build_model(arch, backend, **SLIDING[arch]))
     samples = make_samples([40, 23, 40, 9, 17], seed=3)
     assert_samples_match(model, samples, packed_batch(samples))
@@ -317,7 +296,7 @@ def test_sliding_window_smaller_than_samples(arch, backend):
 
 @ARCHS
 @MATRIX
-def test_padded_batch_and_generate_unchanged(arch, backend):
+def test_padded_batch_and_generate_unchanged(arch, backend, build_model):
     samples = make_samples([9, 4, 13], seed=4)
     model = build_model(arch, backend)
     right, left = padded_batch(samples), padded_batch(samples, left=True)
@@ -337,7 +316,7 @@ def test_padded_batch_and_generate_unchanged(arch, backend):
 
 @ARCHS
 @MATRIX
-def test_length_one_samples_and_hundreds_of_samples(arch, backend):
+def test_length_one_samples_and_hundreds_of_samples(arch, backend, build_model):
     model = patch_model(build_model(arch, backend))
     ones = make_samples([1, 1, 6, 1, 1, 3, 1], seed=5)
     assert_samples_match(model, ones, packed_batch(ones))
@@ -347,7 +326,7 @@ def test_length_one_samples_and_hundreds_of_samples(arch, backend):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_no_dense_mask_for_packed_batches(arch, monkeypatch):
+def test_no_dense_mask_for_packed_batches(arch, monkeypatch, build_model):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     built = []
@@ -378,7 +357,7 @@ def test_no_dense_mask_for_packed_batches(arch, monkeypatch):
     assert built and built[0][-1] == 40
 
 
-def test_metadata_derived_once_per_forward(monkeypatch):
+def test_metadata_derived_once_per_forward(monkeypatch, build_model):
     calls = []
     original = PackedSeqInfo.from_position_ids.__func__
 
@@ -394,7 +373,7 @@ def test_metadata_derived_once_per_forward(monkeypatch):
     assert len(calls) == 1
 
 
-def test_packed_forward_with_use_cache_is_not_contaminated():
+def test_packed_forward_with_use_cache_is_not_contaminated(build_model):
     """transformers stops detecting packing when a cache is used; the patch does not."""
     samples = make_samples(LENGTHS)
     batch = packed_batch(samples)
@@ -411,7 +390,7 @@ def test_packed_forward_with_use_cache_is_not_contaminated():
         assert_rel_close(got, want)
 
 
-def test_packed_forward_builds_no_cache_unless_asked():
+def test_packed_forward_builds_no_cache_unless_asked(build_model):
     model = patch_model(build_model("llama", "sdpa"))
     batch = packed_batch(make_samples([4, 3]))
     with torch.no_grad():
@@ -420,7 +399,7 @@ def test_packed_forward_builds_no_cache_unless_asked():
         assert model(input_ids=batch["input_ids"]).past_key_values is not None  # unpacked: as without the patch
 
 
-def test_packed_batch_with_cached_tokens_is_an_error():
+def test_packed_batch_with_cached_tokens_is_an_error(build_model):
     model = patch_model(build_model("llama", "sdpa"))
     prompt = make_samples([5])[0][None]
     with torch.no_grad():
@@ -431,7 +410,7 @@ def test_packed_batch_with_cached_tokens_is_an_error():
             model(**batch, past_key_values=cache)
 
 
-def test_unpatch_restores_stock_behaviour():
+def test_unpatch_restores_stock_behaviour(build_model):
     samples = make_samples(LENGTHS)
     batch = {**packed_batch(samples), "use_cache": False}  # with a cache, stock transformers ignores the packing
     model = build_model("llama", "eager")

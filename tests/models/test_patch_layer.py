@@ -4,7 +4,6 @@ patching, and ``torch.save`` / ``torch.load`` of a patched model in a new proces
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -12,42 +11,37 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from unpack_trainer.models import is_patched, patch_model, unpatch_model
 from unpack_trainer.patches import attention as attention_module
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_patched_models():
-    yield
-    gc.collect()
+# On top of unpack_trainer.tiny's sizes (hidden 32, 2 layers, 4 heads, 2 key/value heads, initializer range 0.1,
+# pad id 0); None takes the config class's default.
+SIZES = dict(vocab_size=64, max_position_embeddings=128, head_dim=None, bos_token_id=None, eos_token_id=None)
 
 
-TINY = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    vocab_size=64,
-    max_position_embeddings=128,
-    initializer_range=0.1,
-    pad_token_id=0,
-)
+@pytest.fixture(scope="module")
+def qwen2(tiny_model):
+    """``qwen2(implementation="sdpa")``: Qwen2 with a sliding-window layer: ``config.layer_types`` = full, sliding (a
+    dict of masks in generation)."""
+
+    def build(implementation: str = "sdpa") -> torch.nn.Module:
+        return tiny_model(
+            "qwen2", attn_implementation=implementation, **SIZES, use_sliding_window=True, sliding_window=4
+        ).eval()
+
+    return build
 
 
-def tiny_qwen2(implementation: str = "sdpa") -> torch.nn.Module:
-    """Qwen2 with a sliding-window layer: ``config.layer_types`` = full, sliding (a dict of masks in generation)."""
-    torch.manual_seed(0)
-    config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    """``llama(implementation="sdpa")``: the tiny Llama, seed 0, in eval mode."""
 
+    def build(implementation: str = "sdpa") -> torch.nn.Module:
+        return tiny_model("llama", attn_implementation=implementation, **SIZES).eval()
 
-def tiny_llama(implementation: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation=implementation).eval()
+    return build
 
 
 def prompts() -> dict[str, torch.Tensor]:
@@ -70,9 +64,9 @@ def packed_row() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "cache_implementation", [c for c in ALL_CACHE_IMPLEMENTATIONS if c != "quantized" and "offloaded" not in c]
 )
-def test_generate_with_every_cache_implementation(cache_implementation):
+def test_generate_with_every_cache_implementation(cache_implementation, qwen2):
     """Issue 10 item 10: configs with ``layer_types`` hand the decoder a dict of masks under a static cache."""
-    model = tiny_qwen2()
+    model = qwen2()
     options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation)
     with torch.no_grad():
         expected = model.generate(**prompts(), **options)
@@ -81,9 +75,9 @@ def test_generate_with_every_cache_implementation(cache_implementation):
     assert torch.equal(generated, expected)
 
 
-def test_compile_fullgraph_of_a_patched_model():
+def test_compile_fullgraph_of_a_patched_model(qwen2):
     """Issue 10 item 11: dynamo traces a patched model's generation forward without a graph break."""
-    model = tiny_qwen2()
+    model = qwen2()
     inputs = prompts()
     with torch.no_grad():
         expected = model(**inputs).logits
@@ -102,11 +96,11 @@ def test_compile_fullgraph_of_a_patched_model():
     torch.testing.assert_close(packed, eager_packed, rtol=1e-5, atol=1e-6)
 
 
-def test_export_of_a_patched_model():
+def test_export_of_a_patched_model(llama):
     """Issue 10 item 11: ``torch.export`` of a patched model, with a mask and with a static cache."""
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-    model = patch_model(tiny_llama())
+    model = patch_model(llama())
     inputs = prompts()
     exported = torch.export.export(model, args=(), kwargs={**inputs, "use_cache": False})
     with torch.no_grad():
@@ -120,10 +114,10 @@ def test_export_of_a_patched_model():
     assert program.module()(input_ids=ids, cache_position=torch.arange(3)).shape == (1, 3, 64)
 
 
-def test_output_attentions_after_patching():
+def test_output_attentions_after_patching(llama):
     """Issue 10 item 12: ``config.output_attentions = True`` works on a patched eager model, as it does unpatched,
     and is refused on a patched SDPA model with transformers' own message about its own implementation."""
-    model = tiny_llama("eager")
+    model = llama("eager")
     inputs = prompts()
     with torch.no_grad():
         expected = model(**inputs, output_attentions=True).attentions
@@ -145,12 +139,12 @@ def test_output_attentions_after_patching():
     assert len(got) == len(expected) == 2
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
-    sdpa = patch_model(tiny_llama("sdpa"))
+    sdpa = patch_model(llama("sdpa"))
     with pytest.raises(ValueError, match="attn_implementation` set to sdpa"):
         sdpa.config.output_attentions = True
 
 
-def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch):
+def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch, llama):
     """Issue 10 item 12: switching the implementation after ``patch_model`` re-routes packed batches through the
     helper on the new implementation (and ``is_patched`` tells the truth)."""
     calls = []
@@ -161,7 +155,7 @@ def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch
             return _function(*args, **kwargs)
 
         monkeypatch.setitem(attention_module._BACKEND_FUNCTIONS, name, spy)
-    model = patch_model(tiny_llama("sdpa"))
+    model = patch_model(llama("sdpa"))
     model.set_attn_implementation("eager")
     assert is_patched(model)
     row = packed_row()
@@ -176,9 +170,9 @@ def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch
     assert model.config._attn_implementation == "eager" and not is_patched(model)
 
 
-def test_torch_save_and_load_in_a_new_process(tmp_path):
+def test_torch_save_and_load_in_a_new_process(tmp_path, qwen2):
     """Issue 10 item 13: a pickled patched model loads and runs in a fresh process (unpack_trainer installed)."""
-    model = patch_model(tiny_qwen2())
+    model = patch_model(qwen2())
     row = packed_row()
     with torch.no_grad():
         expected = model(**row).logits

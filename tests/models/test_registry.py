@@ -7,7 +7,7 @@ import pkgutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BloomConfig, GPTJConfig, LlamaConfig, MambaConfig
+from transformers import AutoModelForCausalLM, BloomConfig, GPTJConfig, MambaConfig
 from transformers.models.llama import modeling_llama
 
 import unpack_trainer
@@ -21,36 +21,29 @@ from unpack_trainer.models import (
 )
 from unpack_trainer.patches import attention, rope
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_patched_models():
-    """Collect this module's patched models, so that the RoPE replacement does not outlive them (see patch_model)."""
-    yield
-    gc.collect()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one CPU thread is faster than two, and far faster on a machine shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-TINY = dict(
-    hidden_size=32,
+# On top of unpack_trainer.tiny's sizes; None takes LlamaConfig's default.
+SIZES = dict(
     num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=1,
-    intermediate_size=64,
     vocab_size=64,
+    head_dim=None,
+    max_position_embeddings=None,
+    initializer_range=None,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 
-def tiny_llama(**kwargs):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**TINY), **kwargs)
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    """``llama(attn_implementation=None)``: a one-layer tiny Llama (hidden 32, 2 heads, 1 key/value head), seed 0."""
+
+    def build(**kwargs):
+        return tiny_model("llama", **kwargs, **SIZES)
+
+    return build
 
 
 def test_per_architecture_modules_hold_quirks_only():
@@ -67,8 +60,8 @@ def test_public_exports():
     )
 
 
-def test_discovery_finds_decoder_and_attention_from_the_model():
-    model = tiny_llama()
+def test_discovery_finds_decoder_and_attention_from_the_model(llama):
+    model = llama()
     model_type, decoders = models._discover(model)
     assert model_type == "llama" and [d.module for d in decoders] == [model.model]
     assert [type(m).__name__ for m in decoders[0].attention] == ["LlamaAttention"]
@@ -93,8 +86,8 @@ def test_refusals_name_the_reason(config, kind, fragment):
         patch_model(torch.nn.Linear(2, 2))
 
 
-def test_patch_is_idempotent_and_undone():
-    model = tiny_llama(attn_implementation="sdpa")
+def test_patch_is_idempotent_and_undone(llama):
+    model = llama(attn_implementation="sdpa")
     original_rope = modeling_llama.apply_rotary_pos_emb
     decoder = model.model
     assert patch_model(model) is model and patch_model(model) is model
@@ -109,8 +102,8 @@ def test_patch_is_idempotent_and_undone():
     assert modeling_llama.apply_rotary_pos_emb is original_rope
 
 
-def test_flags_and_repatching():
-    model = tiny_llama(attn_implementation="eager")
+def test_flags_and_repatching(llama):
+    model = llama(attn_implementation="eager")
     original_rope = modeling_llama.apply_rotary_pos_emb
     patch_model(model, rope=False)
     assert modeling_llama.apply_rotary_pos_emb is original_rope
@@ -122,8 +115,8 @@ def test_flags_and_repatching():
     assert modeling_llama.apply_rotary_pos_emb is original_rope
 
 
-def test_rope_restored_only_after_the_last_patched_model():
-    first, second = tiny_llama(), tiny_llama()
+def test_rope_restored_only_after_the_last_patched_model(llama):
+    first, second = llama(), llama()
     original_rope = modeling_llama.apply_rotary_pos_emb
     patch_model(first)
     patch_model(second)
@@ -133,10 +126,10 @@ def test_rope_restored_only_after_the_last_patched_model():
     assert modeling_llama.apply_rotary_pos_emb is original_rope
 
 
-def test_peft_wrapped_model_is_patched_in_place():
+def test_peft_wrapped_model_is_patched_in_place(llama):
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_llama()
+    model = llama()
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     patch_model(peft_model)
     assert is_patched(model) and model.config._attn_implementation == "unpack_sdpa"
@@ -146,14 +139,14 @@ def test_peft_wrapped_model_is_patched_in_place():
     assert not is_patched(model)
 
 
-def test_resolve_backend(monkeypatch):
+def test_resolve_backend(monkeypatch, llama):
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    model = tiny_llama(attn_implementation="sdpa")
+    model = llama(attn_implementation="sdpa")
     choice = resolve_backend(model)
     assert choice.name == "sdpa" and "flash" in choice.reason
     name, reason = resolve_backend(patch_model(model))
     assert name == "sdpa"
-    assert resolve_backend(tiny_llama(attn_implementation="eager")).name == "eager"
+    assert resolve_backend(llama(attn_implementation="eager")).name == "eager"
     monkeypatch.setenv(attention.ENV_BACKEND, "eager")
     assert tuple(resolve_backend(model)) == ("eager", "forced by UNPACK_ATTENTION_BACKEND")
     # The trainer's test seam: pretend flash-attn runs on this device.
@@ -163,8 +156,8 @@ def test_resolve_backend(monkeypatch):
     assert resolve_backend(model.to(torch.bfloat16)).name == "flash"
 
 
-def test_explicit_metadata_checks():
-    model = patch_model(tiny_llama())
+def test_explicit_metadata_checks(llama):
+    model = patch_model(llama())
     ids = torch.randint(0, 64, (1, 5))
     lengths = torch.tensor([3, 2], dtype=torch.int32)
     with torch.no_grad():
@@ -180,10 +173,10 @@ def test_explicit_metadata_checks():
     assert torch.equal(filled, explicit)
 
 
-def test_deep_copy_of_a_patched_model():
+def test_deep_copy_of_a_patched_model(llama):
     import copy
 
-    model = patch_model(tiny_llama())
+    model = patch_model(llama())
     clone = copy.deepcopy(model)
     assert is_patched(clone) and len(clone.model._forward_pre_hooks) == 1
     ids = torch.randint(0, 64, (1, 6))
@@ -199,13 +192,12 @@ def test_deep_copy_of_a_patched_model():
     assert not model.model._forward_pre_hooks
 
 
-def test_rope_released_when_the_last_patched_model_is_collected():
-    import gc
+def test_rope_released_when_the_last_patched_model_is_collected(llama):
 
     gc.collect()
     original_rope = modeling_llama.apply_rotary_pos_emb
     assert original_rope is not rope.apply_rotary_pos_emb  # no earlier test left a patched model alive
-    model = patch_model(tiny_llama())
+    model = patch_model(llama())
     assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
     del model
     gc.collect()
@@ -215,15 +207,11 @@ def test_rope_released_when_the_last_patched_model_is_collected():
 @pytest.mark.parametrize(
     ("model_type", "feature"), [("gemma2", "softcap"), ("gpt_oss", "sinks")], ids=["softcap", "sinks"]
 )
-def test_resolve_backend_sees_what_the_attention_applies(monkeypatch, model_type, feature):
+def test_resolve_backend_sees_what_the_attention_applies(monkeypatch, model_type, feature, tiny_model):
     """A forced backend that cannot apply what the model's attention applies (softcapping, sinks) is an error when
     the backend is resolved (the trainer's start), not at the first packed step."""
-    from unpack_trainer.models.coverage import tiny_config
-
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    config = tiny_config(model_type)
-    config._attn_implementation = "eager"  # both types support eager only
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_model(model_type, attn_implementation="eager")  # both types support eager only
     assert resolve_backend(model).name == "eager"
     monkeypatch.setenv(attention.ENV_BACKEND, "sdpa")
     with pytest.raises(ValueError, match=f"UNPACK_ATTENTION_BACKEND=sdpa cannot apply .*{feature[:4]}"):

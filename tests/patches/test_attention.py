@@ -28,15 +28,6 @@ from unpack_trainer.patches.attention import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one CPU thread is faster than two, and far faster on a machine shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class FakeModule(torch.nn.Module):
     """Stands in for a transformers attention module: only ``training`` and ``is_causal`` are read."""
 

@@ -8,12 +8,10 @@ import os
 import random
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from datasets import Dataset
 
-from datasets import Dataset  # noqa: E402
-from tiny import char_tokenizer, tiny_llama  # noqa: E402
-
-from unpack_trainer import SFTConfig, SFTTrainer  # noqa: E402
+from unpack_trainer import SFTConfig, SFTTrainer
+from unpack_trainer.tiny import char_tokenizer, tiny_model
 
 
 def main(output_dir: str) -> None:
@@ -42,7 +40,8 @@ def main(output_dir: str) -> None:
         seed=0,
     )
     trainer = SFTTrainer(
-        model=tiny_llama(vocab_size=len(tokenizer)),
+        # the trainer tests' tiny Llama (tests/conftest.py's `tiny_llama` fixture)
+        model=tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=None),
         args=args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,

@@ -1,0 +1,181 @@
+"""Tiny models of any architecture and a character-level tokenizer, built locally (no hub downloads).
+
+The one home for "a tiny model of architecture X": the coverage check (:mod:`unpack_trainer.models.coverage`), the
+default data's tiny Llama (:func:`unpack_trainer.default_data.tiny_model_config`), the tests (through the fixtures in
+``tests/conftest.py``) and the scripts they launch all build their models here.
+
+    >>> from unpack_trainer.tiny import char_tokenizer, tiny_config, tiny_model
+    >>> tiny_config("qwen3").hidden_size
+    32
+    >>> model = tiny_model("llama", vocab_size=len(char_tokenizer()), attn_implementation="eager")
+
+Nothing happens at import time: transformers, tokenizers and torch are imported by the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import string
+from typing import Any
+
+__all__ = ["TINY_SIZES", "char_tokenizer", "config_class", "tiny_config", "tiny_model"]
+
+# Tiny sizes, applied to every config attribute of that name the config class has (see tiny_config).
+TINY_SIZES: dict[str, Any] = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    vocab_size=128,
+    max_position_embeddings=64,
+    initializer_range=0.1,  # larger than the usual 0.02, so attention patterns (and contamination) move the logits
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    # mixture of experts
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    output_router_logits=True,  # the router's auxiliary loss is part of the loss compared with the padded batch
+    # multi-head latent attention
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    # windows smaller than the samples of the coverage check (5, 2 and 7 tokens)
+    sliding_window=3,
+    attention_chunk_size=3,
+)
+
+# Per model type: what the generic sizes do not fit. Values override TINY_SIZES (None removes a key).
+_TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen2": dict(use_sliding_window=True, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, max_window_layers=1),
+    # Their default configs are attention-only; the released models interleave short convolutions.
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # Its router logits are not collected by the model: stock transformers fails on output_router_logits=True.
+    "flint": dict(output_router_logits=None),
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}</s>{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' and this package's loggers at error level while throwaway configs and models are built."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    ours = logging.getLogger("unpack_trainer")
+    previous = ours.level
+    ours.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        ours.setLevel(previous)
+
+
+def config_class(model_type: str) -> type:
+    """The transformers config class of ``model_type`` (``CONFIG_MAPPING[model_type]``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """A tiny config of ``model_type``.
+
+    Every size in :data:`TINY_SIZES` the config class has (multi-head latent attention gets as many key/value heads
+    as query heads; a default ``layer_types`` mixing sliding and full attention becomes one layer of each), then the
+    type's own fixes, then ``overrides``. An override of ``None`` removes the key, so the config class's default
+    applies (``initializer_range=None`` gives the class's usual 0.02).
+
+    Args:
+        model_type: a ``config.model_type`` of transformers (``"llama"``, ``"qwen3"``, ...).
+        **overrides: config arguments replacing the tiny sizes (``vocab_size=len(tokenizer)``, ...).
+
+    Returns:
+        An instance of the model type's config class.
+    """
+    cls = config_class(model_type)
+    with _quiet():
+        default = cls()
+    present = set(default.to_dict()) | {name for name in TINY_SIZES if hasattr(default, name)}
+    values = {name: value for name, value in TINY_SIZES.items() if name in present}
+    if "kv_lora_rank" in values:  # multi-head latent attention: as many key/value heads as query heads
+        values["num_key_value_heads"] = values.get("num_attention_heads", 4)
+    layer_types = getattr(default, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and {"sliding_attention", "full_attention"} <= set(layer_types):
+        values["layer_types"] = ["sliding_attention", "full_attention"]
+    for name, value in {**_TYPE_OVERRIDES.get(model_type, {}), **overrides}.items():
+        if value is None:
+            values.pop(name, None)
+        else:
+            values[name] = value
+    with _quiet():
+        return cls(**values)
+
+
+def tiny_model(
+    model_type: str, *, seed: int = 0, attn_implementation: str | None = None, config: Any = None, **overrides: Any
+) -> Any:
+    """A causal LM with random weights drawn after ``torch.manual_seed(seed)``, in fp32 on the CPU.
+
+    Args:
+        model_type: a ``config.model_type`` of transformers; the config is ``tiny_config(model_type, **overrides)``.
+        seed: the seed set right before the weights are drawn (same seed, same config: same weights).
+        attn_implementation: ``"sdpa"``, ``"eager"``, ...; ``None`` lets transformers choose (SDPA where supported).
+        config: a config to build instead of ``tiny_config(model_type)`` (``overrides`` must then be empty).
+        **overrides: config arguments, see :func:`tiny_config`.
+
+    Returns:
+        An ``AutoModelForCausalLM`` model in training mode (call ``.eval()`` for inference).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if config is None:
+        config = tiny_config(model_type, **overrides)
+    elif overrides:
+        raise TypeError(f"tiny_model: pass either `config` or config overrides, not both (got {sorted(overrides)})")
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    torch.manual_seed(seed)
+    with _quiet():
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def char_tokenizer() -> Any:
+    """A character-level tokenizer over printable ASCII with ``<pad>`` (0), ``<s>`` (1), ``</s>`` (2), ``<unk>`` and
+    the role markers ``<|user|>``, ``<|assistant|>``, ``<|system|>``, and a chat template that marks the assistant's
+    turns with ``{% generation %}`` (for ``assistant_only_loss``). 107 tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {token: i for i, token in enumerate(specials + list(string.printable))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
