@@ -7,7 +7,8 @@ import trl
 from transformers import LlamaConfig, ProcessorMixin, T5Config
 
 from unpack_trainer import SFTConfig
-from unpack_trainer.decision import decide, env_flag, eval_batches, log_once, neftune_note, reset_log_once
+from unpack_trainer._logging import log_once, reset_log_once
+from unpack_trainer.decision import decide, env_flag, eval_batches, neftune_note
 
 BLOCKLIST = {"gemma2": "attention logit softcapping", "gpt_oss": "attention sinks"}
 SUPPORTED = frozenset({"llama", "qwen2", "qwen3", "mistral"})

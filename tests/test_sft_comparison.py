@@ -11,18 +11,7 @@ from unpack_trainer import sft_comparison as comparison
 from unpack_trainer.default_data import load_default_dataset, load_default_tokenizer
 
 
-@pytest.fixture
-def one_thread():
-    """Torch on one thread for this test (the tiny model gains nothing from more on a shared machine)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_held_out_loss_is_the_same_for_packed_padded_and_one_by_one_batches(tmp_path, one_thread):
+def test_held_out_loss_is_the_same_for_packed_padded_and_one_by_one_batches(tmp_path):
     """The table's held-out loss must not depend on how a run batches: packed rows, padded batches of 5, single
     samples (trainer.evaluate()'s mean of per-batch means would differ between these)."""
     import torch

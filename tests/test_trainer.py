@@ -166,14 +166,7 @@ class _DropsPackingMetadata(torch.nn.Module):
         return self.inner.get_output_embeddings()
 
     def forward(self, input_ids, **kwargs):
-        packing = {
-            "position_ids",
-            "packed_seq_lengths",
-            "cu_seq_lens_q",
-            "cu_seq_lens_k",
-            "max_length_q",
-            "max_length_k",
-        }
+        packing = set(PACKED_BATCH_KEYS) - {"input_ids", "labels"}
         return self.inner(input_ids=input_ids, **{k: v for k, v in kwargs.items() if k not in packing})
 
 
@@ -548,14 +541,7 @@ def test_peft_prompt_learning_is_blocked_up_front(tokenizer, tmp_path, kind, cap
 
 
 def _strip_packing(module, args, kwargs):
-    for key in (
-        "position_ids",
-        "packed_seq_lengths",
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-    ):
+    for key in set(PACKED_BATCH_KEYS) - {"input_ids", "labels"}:
         kwargs.pop(key, None)
     return args, kwargs
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from unpack_trainer._logging import _logged, is_main_process, log_once, reset_log_once  # noqa: F401
+from unpack_trainer._logging import is_main_process, log_once
 from unpack_trainer.config import SFTConfig
 
 Mode = Literal["stock", "pack", "padding_free", "padded"]

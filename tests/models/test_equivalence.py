@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
 from unpack_trainer.patches import attention as attention_module
-from unpack_trainer.patches.attention import PackedSeqInfo
+from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 VOCAB = 128
 # On top of unpack_trainer.tiny's sizes (2 layers, 4 heads, 2 key/value heads, vocabulary 128, initializer range 0.1,
@@ -331,14 +331,14 @@ def test_no_dense_mask_for_packed_batches(arch, monkeypatch, build_model):
 
     built = []
     for name in ("sdpa", "eager"):
-        original = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name]
+        original = ALL_MASK_ATTENTION_FUNCTIONS[name]
 
         def spy(*args, _original=original, **kwargs):
             mask = _original(*args, **kwargs)
             built.append(None if mask is None else tuple(mask.shape))
             return mask
 
-        monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name, spy)
+        monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS, name, spy)
     sdpa_masks = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
 
