@@ -19,7 +19,7 @@ Example::
     >>> for batch in streaming_dataset_reader("data/*.parquet", 512):   # doctest: +SKIP
     ...     texts = [row["text"] for row in batch]
 
-Nothing here imports ``datasets`` or ``pyarrow`` before it is needed.
+Nothing here imports ``datasets``, ``pyarrow`` or ``torch`` before it is needed.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
-
-from unpack_trainer._validation import check_positive_int
 
 __all__ = [
     "FORMATS",
@@ -301,6 +299,8 @@ class StreamingDatasetReader:
     """
 
     def __init__(self, files: Sequence[str], batch_size: int, columns: Sequence[str] | None = None) -> None:
+        from unpack_trainer._validation import check_positive_int  # imports torch: not at import time (the CLI's)
+
         self.files = list(files)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.columns = None if columns is None else list(columns)
