@@ -353,7 +353,7 @@ class StreamingDatasetReader:
 
 
 class StreamingRows:
-    """One row at a time from a [`StreamingDatasetReader`], resumable at any row (see ``StreamingDatasetReader.rows``)."""
+    """One row at a time from a [`StreamingDatasetReader`], resumable at any row (see its ``rows``)."""
 
     def __init__(self, reader: StreamingDatasetReader) -> None:
         self.reader = StreamingDatasetReader(reader.files, reader.batch_size, reader.columns)

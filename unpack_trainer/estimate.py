@@ -150,9 +150,9 @@ def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_
         ValueError: ``max_length`` or ``batch_size`` < 1, a negative length, or no non-empty sample.
 
     Example:
-        >>> a = analyze_lengths([100, 10, 10, 10], max_length=128, batch_size=2)
+        >>> a = analyze_lengths([100, 10, 10, 10], max_length=130, batch_size=2)
         >>> a.sorted_padded_tokens, len(a.rows), a.packed_tokens   # sorted batches [10, 10] [10, 100]: 20 + 200
-        (220, 1, 128)
+        (220, 1, 130)
     """
     from unpack_trainer.packing import best_fit_decreasing
 

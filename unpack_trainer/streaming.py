@@ -844,4 +844,8 @@ def pack_iterable_dataset(
 
 # The file reader moved to unpack_trainer/data_files.py (one reader for streaming, the CLI and the examples); its
 # public names stay importable from here.
-from unpack_trainer.data_files import StreamingDatasetReader, StreamingRows, streaming_dataset_reader  # noqa: E402, F401
+from unpack_trainer.data_files import (  # noqa: E402, F401
+    StreamingDatasetReader,
+    StreamingRows,
+    streaming_dataset_reader,
+)

@@ -102,7 +102,7 @@ def run_sft(argv: Sequence[str]) -> int:
 
 
 def add_sft_command(subparsers: argparse._SubParsersAction) -> None:
-    """List ``sft`` in ``unpack-trainer --help``; [`unpack_trainer.cli.main`] hands its arguments to [`run_sft`] unparsed."""
+    """List ``sft`` in ``unpack-trainer --help``; ``cli.main`` hands its arguments to [`run_sft`] unparsed."""
     subparsers.add_parser("sft", help="`trl sft` with unpack_trainer's SFTTrainer (same flags and YAML recipes)")
 
 
