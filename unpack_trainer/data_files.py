@@ -47,6 +47,7 @@ __all__ = [
     "open_text",
     "parse_json_line",
     "read_splits",
+    "resolve_files",
     "read_table",
     "streaming_dataset_reader",
 ]
@@ -66,8 +67,9 @@ FORMATS: dict[str, str] = {
 }
 """Data file suffix (after an optional ``.gz``) -> format, named as the ``datasets`` builder that reads it."""
 
-_STREAMED_FORMATS = ("json", "parquet", "arrow")  # what [`StreamingDatasetReader`] reads (gzip: JSON Lines only)
+_SUFFIXES = tuple(suffix + gz for suffix in FORMATS for gz in ("", ".gz"))  # what `datasets` reads
 _STREAMED_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".arrow", ".feather", ".ipc")
+"""What [`StreamingDatasetReader`] reads (gzip: JSON Lines only)."""
 
 
 def file_format(path: PathLike) -> str | None:
@@ -86,11 +88,6 @@ def file_format(path: PathLike) -> str | None:
 
 def _is_gzip(path: PathLike) -> bool:
     return os.fspath(path).lower().endswith(".gz")
-
-
-def _streamable(path: PathLike) -> bool:
-    kind = file_format(path)
-    return kind in _STREAMED_FORMATS and (kind == "json" or not _is_gzip(path))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -254,32 +251,43 @@ def arrow_columns_and_rows(path: PathLike) -> tuple[list[str], int]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_files(path: Paths) -> list[str]:
-    """The data files named by a file, a directory (searched recursively) or a glob pattern, sorted."""
+def resolve_files(path: Paths, *, suffixes: Sequence[str] = _STREAMED_SUFFIXES) -> list[str]:
+    """The data files named by a file, a directory (searched recursively, hidden files left out) or a glob pattern
+    (``**`` allowed), or a list of those; sorted within each entry.
+
+    Args:
+        path: what names the files.
+        suffixes: the accepted file name endings (default: what [`StreamingDatasetReader`] reads).
+
+    Raises:
+        FileNotFoundError: nothing exists at ``path`` and no file matches it as a pattern.
+        ValueError: a directory without any data file, or a file whose name ends with none of ``suffixes``.
+    """
     if isinstance(path, (list, tuple)):
-        return [file for entry in path for file in _resolve_files(entry)]
+        return [file for entry in path for file in resolve_files(entry, suffixes=suffixes)]
     path = os.fspath(path)
-    suffixes = ", ".join(_STREAMED_SUFFIXES)
+    suffixes = tuple(suffixes)
+    known = ", ".join(suffixes)
     if os.path.isdir(path):
         files = sorted(
             os.path.join(root, name)
             for root, _, names in os.walk(path)
             for name in names
-            if _streamable(name) and not name.startswith((".", "_"))
+            if name.lower().endswith(suffixes) and not name.startswith((".", "_"))
         )
         if not files:
-            raise ValueError(f"No JSONL, Parquet or Arrow file ({suffixes}) found under {path!r}.")
+            raise ValueError(f"No data file ({known}) found under {path!r}.")
         return files
     if os.path.isfile(path):
-        if not _streamable(path):
-            raise ValueError(f"Cannot tell the format of {path!r}; use one of the suffixes {suffixes}.")
+        if not path.lower().endswith(suffixes):
+            raise ValueError(f"Cannot tell the format of {path!r}; use one of the suffixes {known}.")
         return [path]
     files = sorted(file for file in glob.glob(path, recursive=True) if os.path.isfile(file))
     if not files:
         raise FileNotFoundError(f"No file matches {path!r}.")
-    unknown = [file for file in files if not _streamable(file)]
+    unknown = [file for file in files if not file.lower().endswith(suffixes)]
     if unknown:
-        raise ValueError(f"Cannot tell the format of {unknown[0]!r}; use one of the suffixes {suffixes}.")
+        raise ValueError(f"Cannot tell the format of {unknown[0]!r}; use one of the suffixes {known}.")
     return files
 
 
@@ -406,7 +414,7 @@ def streaming_dataset_reader(
         >>> for batch in reader:  # doctest: +SKIP
         ...     tokenized = tokenizer([row["text"] for row in batch])["input_ids"]
     """
-    return StreamingDatasetReader(_resolve_files(path), batch_size, columns)
+    return StreamingDatasetReader(resolve_files(path), batch_size, columns)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -446,35 +454,27 @@ def read_splits(path: Paths, *, streaming: bool = False):
 
     Args:
         path: a ``save_to_disk`` folder (a single saved ``Dataset`` becomes split ``"train"``), or data files of one
-            format (a file, a glob pattern or a list; [`FORMATS`], optionally ``.gz``), read with the ``datasets``
-            builder of that format as split ``"train"``.
+            format named as [`resolve_files`] takes them (a file, a directory searched recursively, a glob pattern,
+            or a list; suffixes of [`FORMATS`], optionally ``.gz``), read with the ``datasets`` builder of that
+            format as split ``"train"``.
         streaming: return iterable datasets (files are then read lazily by ``datasets``).
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        ValueError: a file whose suffix is not in [`FORMATS`], files of mixed formats, or a folder that is not a
-            ``save_to_disk`` folder; the message names the path and what would work.
+        ValueError: a file with an unknown suffix, files of mixed formats, a directory without any data file, or a
+            damaged ``save_to_disk`` folder; the message names the path and what would work.
     """
     from datasets import DatasetDict, load_dataset
 
-    if not isinstance(path, (list, tuple)) and Path(path).is_dir():
+    if not isinstance(path, (list, tuple)) and is_saved_dataset(path):
         dataset = load_saved(path)
         if not isinstance(dataset, DatasetDict):
             dataset = DatasetDict({"train": dataset})
         return iterable_splits(dataset) if streaming else dataset
-    entries = [os.fspath(entry) for entry in (path if isinstance(path, (list, tuple)) else [path])]
-    files = [file for entry in entries for file in (sorted(glob.glob(entry, recursive=True)) or [entry])]
-    missing = [file for file in files if not os.path.isfile(file)]
-    if missing:
-        raise FileNotFoundError(f"No such data file: {missing[0]}")
-    kinds = [file_format(file) for file in files]
-    if None in kinds:
-        raise ValueError(
-            f"{files[kinds.index(None)]}: cannot tell the format of this file from its extension; use one of "
-            f"{', '.join(FORMATS)} (optionally .gz), or a folder."
-        )
-    if len(set(kinds)) > 1:
-        raise ValueError(f"The data files mix the formats {sorted(set(kinds))}; give files of one format.")
+    files = resolve_files(path, suffixes=_SUFFIXES)
+    kinds = sorted({file_format(file) for file in files})
+    if len(kinds) > 1:
+        raise ValueError(f"The data files mix the formats {kinds}; give files of one format.")
     return load_dataset(kinds[0], data_files={"train": files}, streaming=streaming)
 
 
