@@ -75,7 +75,7 @@ def run_trainer_case(provider: str, max_length: int, steps: int, batch_size: int
     import torch
 
     from unpack_trainer import load_smollm2
-    from unpack_trainer.trainer_benchmark import time_training
+    from unpack_trainer.cli.trainer_comparison import time_training
 
     _quiet()
     torch.manual_seed(0)

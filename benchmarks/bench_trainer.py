@@ -10,10 +10,10 @@ spread (min-max) of tokens/s and of every ratio (paired within a round); a ratio
 
 Tiny Llama (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096), pre-tokenized data with lognormal lengths
 (median 180, clipped to [8, max_length]); same ``SFTConfig`` otherwise. The code lives in
-``unpack_trainer/trainer_benchmark.py`` so that the ``unpack-trainer bench`` command can run it too.
+``unpack_trainer/cli/trainer_comparison.py`` so that the ``unpack-trainer bench`` command can run it too.
 """
 
-from unpack_trainer.trainer_benchmark import main
+from unpack_trainer.cli.trainer_comparison import main
 
 if __name__ == "__main__":
     main()

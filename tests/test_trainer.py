@@ -12,7 +12,7 @@ from datasets import Dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import unpack_trainer.trainer as trainer_module
-from unpack_trainer import DataCollatorForPacking, SFTTrainer
+from unpack_trainer import PACKED_BATCH_KEYS, DataCollatorForPacking, SFTTrainer
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import unpack_trainer.trainer_benchmark as bench
+import unpack_trainer.cli.trainer_comparison as bench
 
 
 def test_providers_run_interleaved_and_ratios_crossing_one_are_flagged(monkeypatch):

@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from unpack_trainer._logging import is_main_process, log_once
 from unpack_trainer.config import SFTConfig
 
 Mode = Literal["stock", "pack", "padding_free", "padded"]

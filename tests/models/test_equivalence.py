@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
-from unpack_trainer.patches import attention as attention_module
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches import attention as attention_module
 
 VOCAB = 128
 # On top of unpack_trainer.tiny's sizes (2 layers, 4 heads, 2 key/value heads, vocabulary 128, initializer range 0.1,

@@ -1,32 +1,29 @@
-"""The ``unpack-trainer`` command line.
+"""``unpack-trainer analyze DATA --max-length N``: what packing does for a dataset, before any training.
 
-``unpack-trainer analyze DATA --max-length N`` shows what packing does for a dataset before any training: sample
-length statistics, the padding that padded batching would process, how many rows the global best-fit-decreasing
-packer needs, and the estimated speedup.
-
-Each subcommand is one ``_add_<name>_command(subparsers)`` function that builds its parser and sets
-``handler=<function(args) -> int>``; it is listed in ``_COMMANDS``. A handler reports a user error by raising
-[`CLIError`]: [`main`] prints it as one line on stderr and returns exit code 2 (no traceback).
+Sample length statistics, the padding that padded batching would process, how many rows the global
+best-fit-decreasing packer needs, and the estimated speedup ([`unpack_trainer.estimate`], the trainer's start line
+uses the same definition). Files are read with [`unpack_trainer.data_files`], the package's one reader.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CLIError", "PackingAnalysis", "analyze_lengths", "build_parser", "main"]
+from unpack_trainer import data_files
+from unpack_trainer.cli.commands import CLIError, add_command_parser, one_line, positive_int
+from unpack_trainer.estimate import PackingAnalysis, analyze_lengths
 
-PROG = "unpack-trainer"
-ERROR_EXIT_CODE = 2
+__all__ = ["add_command", "detect_layout", "format_report", "open_table", "read_lengths", "write_plot"]
+
 DEFAULT_DATASET = "default"
 LAYOUTS = {
     "input_ids": "pre-tokenized `input_ids`",
@@ -38,146 +35,11 @@ ACCEPTED_LAYOUTS = (
     "'input_ids' (pre-tokenized), 'prompt' + 'completion' (strings or message lists), "
     "'messages' (conversations), 'text'"
 )
-ACCEPTED_FORMATS = ".jsonl / .json (optionally .gz), .parquet, or a directory written by `Dataset.save_to_disk`"
+ACCEPTED_FORMATS = (
+    ".jsonl / .json (optionally .gz), .parquet, .arrow, or a directory written by `Dataset.save_to_disk`"
+)
 _READ_BATCH_SIZE = 1000
 _PROGRESS_MIN_ROWS = 10_000
-
-
-class CLIError(Exception):
-    """A user error: printed as ``unpack-trainer <command>: error: <message>``, exit code 2."""
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Length analysis (pure)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PackingAnalysis:
-    """What padded batching and packing cost for one set of sample lengths. All token counts are per epoch.
-
-    Attributes:
-        lengths: ``(num_samples,)`` int64 tokenized lengths, before truncation, empty samples excluded.
-        max_length: row capacity and truncation limit.
-        batch_size: samples per padded batch, and packed rows per packed batch.
-        num_empty: samples of length 0 (left out of everything else).
-        num_truncated: samples longer than ``max_length`` (TRL truncates them to ``max_length``).
-        truncated_tokens: tokens cut off by that truncation.
-        real_tokens: tokens left after truncation.
-        padded_tokens: tokens processed by padded batching of random batches (the trainer shuffles; seed 0), each
-            batch padded to its longest sample.
-        sorted_padded_tokens: the same with the samples sorted by length first (the best ``group_by_length`` can do).
-        num_batches: padded batches per epoch.
-        rows: packed rows (sample indices into ``lengths``) from the global best-fit-decreasing packer.
-        packed_tokens: ``len(rows) * max_length``: every packed row counted as full (an upper bound; padding-free
-            batching processes only ``real_tokens``).
-        batch_fill: ``(num_batches,)`` float64 real / padded tokens of each random padded batch.
-        row_fill: ``(len(rows),)`` float64 real tokens / ``max_length`` of each packed row.
-    """
-
-    lengths: np.ndarray
-    max_length: int
-    batch_size: int
-    num_empty: int
-    num_truncated: int
-    truncated_tokens: int
-    real_tokens: int
-    padded_tokens: int
-    sorted_padded_tokens: int
-    num_batches: int
-    rows: list[list[int]] = field(repr=False)
-    packed_tokens: int
-    batch_fill: np.ndarray = field(repr=False)
-    row_fill: np.ndarray = field(repr=False)
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.lengths.size)
-
-    @property
-    def packing_efficiency(self) -> float:
-        """Real tokens / (packed rows × max_length)."""
-        return self.real_tokens / self.packed_tokens
-
-    @property
-    def padding_waste(self) -> float:
-        """Fraction of the tokens processed by padded batching (dataset order) that are padding."""
-        return 1.0 - self.real_tokens / self.padded_tokens
-
-    @property
-    def sorted_padding_waste(self) -> float:
-        return 1.0 - self.real_tokens / self.sorted_padded_tokens
-
-    @property
-    def speedup(self) -> float:
-        """Token-count speedup estimate, [`unpack_trainer.estimate.estimated_speedup`]: padded tokens of random
-        batches / real tokens (what the trainer's start line reports)."""
-        return self.padded_tokens / self.real_tokens
-
-    @property
-    def sorted_speedup(self) -> float:
-        """The same against length-sorted padded batches: sorted padded tokens / real tokens."""
-        return self.sorted_padded_tokens / self.real_tokens
-
-
-def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_size: int) -> PackingAnalysis:
-    """Compare padded batching with packing for samples of the given token ``lengths``.
-
-    Samples longer than ``max_length`` are counted and truncated to ``max_length`` (what TRL's ``SFTTrainer`` does
-    with ``truncation_mode="keep_start"``) for both the padded and the packed estimate; empty samples are counted and
-    left out.
-
-    Args:
-        lengths: ``(num_samples,)`` non-negative integer token counts, in dataset order.
-        max_length: packed row capacity and truncation limit, ``>= 1``.
-        batch_size: samples per padded batch (and packed rows per packed batch), ``>= 1``.
-
-    Returns:
-        A [`PackingAnalysis`].
-
-    Raises:
-        ValueError: ``max_length`` or ``batch_size`` < 1, a negative length, or no non-empty sample.
-
-    Example:
-        >>> a = analyze_lengths([100, 10, 10, 10], max_length=128, batch_size=2)
-        >>> a.sorted_padded_tokens, len(a.rows), a.packed_tokens   # sorted batches [10, 10] [10, 100]: 20 + 200
-        (220, 1, 128)
-    """
-    from unpack_trainer.estimate import padded_batches
-    from unpack_trainer.packing import best_fit_decreasing
-
-    if max_length < 1:
-        raise ValueError(f"`max_length` must be at least 1, got {max_length}.")
-    if batch_size < 1:
-        raise ValueError(f"`batch_size` must be at least 1, got {batch_size}.")
-    array = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if array.size and array.min() < 0:
-        raise ValueError(f"Sample {int(np.argmin(array))} has a negative length {int(array.min())}.")
-    num_empty = int((array == 0).sum())
-    array = array[array > 0]
-    if array.size == 0:
-        raise ValueError("There is no non-empty sample to analyze.")
-    clipped = np.minimum(array, max_length)
-    real, padded = padded_batches(clipped, batch_size, seed=0)
-    _, sorted_padded = padded_batches(np.sort(clipped), batch_size, seed=None)
-    rows = best_fit_decreasing(clipped, max_length)
-    row_tokens = np.asarray([int(clipped[row].sum()) for row in rows], dtype=np.int64)
-    return PackingAnalysis(
-        lengths=array,
-        max_length=max_length,
-        batch_size=batch_size,
-        num_empty=num_empty,
-        num_truncated=int((array > max_length).sum()),
-        truncated_tokens=int((array - clipped).sum()),
-        real_tokens=int(clipped.sum()),
-        padded_tokens=int(padded.sum()),
-        sorted_padded_tokens=int(sorted_padded.sum()),
-        num_batches=int(padded.size),
-        rows=rows,
-        packed_tokens=len(rows) * max_length,
-        batch_fill=real / padded,
-        row_fill=row_tokens / max_length,
-    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -195,117 +57,79 @@ class _Table:
     batches: Callable[[list[str]], Iterator[dict[str, list[Any]]]]
 
 
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+def _columns(rows: list[dict[str, Any]], wanted: list[str]) -> dict[str, list[Any]]:
+    return {name: [row[name] for row in rows] for name in wanted}
 
 
-def _strip_gz(path: Path) -> str:
-    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+def _json_array_table(path: Path) -> _Table:
+    """A ``.json`` file holding one JSON array of objects (read whole)."""
+    with data_files.open_text(path) as stream:
+        try:
+            records = json.load(stream)
+        except json.JSONDecodeError as error:
+            raise CLIError(f"{path} is not valid JSON: {error}") from None
+    if not all(isinstance(record, dict) for record in records):
+        raise CLIError(f"{path} holds a JSON array whose items are not all objects.")
+
+    def batches(wanted: list[str]) -> Iterator[dict[str, list[Any]]]:
+        for start in range(0, len(records), _READ_BATCH_SIZE):
+            chunk = records[start : start + _READ_BATCH_SIZE]
+            yield _columns(
+                [_fields(record, wanted, f"row {start + i}", path) for i, record in enumerate(chunk)], wanted
+            )
+
+    return _Table(f"JSON array, {len(records):,} rows", list(records[0]) if records else [], len(records), batches)
 
 
-def _json_table(path: Path) -> _Table:
-    with _open_text(path) as stream:
-        first = stream.read(1)
-        while first.isspace():
-            first = stream.read(1)
-    if first == "[":  # one JSON array of objects
-        with _open_text(path) as stream:
-            try:
-                records = json.load(stream)
-            except json.JSONDecodeError as error:
-                raise CLIError(f"{path} is not valid JSON: {error}") from None
-        if not all(isinstance(record, dict) for record in records):
-            raise CLIError(f"{path} holds a JSON array whose items are not all objects.")
-        columns = list(records[0]) if records else []
-
-        def batches(wanted: list[str]) -> Iterator[dict[str, list[Any]]]:
-            for start in range(0, len(records), _READ_BATCH_SIZE):
-                chunk = records[start : start + _READ_BATCH_SIZE]
-                yield {
-                    name: [_field(record, name, start + i, path) for i, record in enumerate(chunk)] for name in wanted
-                }
-
-        return _Table(f"JSON array, {len(records):,} rows", columns, len(records), batches)
-
-    num_rows, columns = 0, []
-    with _open_text(path) as stream:
-        for line_number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            if num_rows == 0:
-                columns = list(_parse_line(line, line_number, path))
-            num_rows += 1
+def _json_lines_table(path: Path) -> _Table:
+    """A JSON Lines file, read line by line ([`unpack_trainer.data_files.iter_json_lines`])."""
+    first = next(data_files.iter_json_lines(path), (0, {}))[1]
+    num_rows = data_files.count_json_lines(path)
 
     def batches(wanted: list[str]) -> Iterator[dict[str, list[Any]]]:
         chunk: list[dict] = []
-        with _open_text(path) as stream:
-            for line_number, line in enumerate(stream, start=1):
-                if not line.strip():
-                    continue
-                record = _parse_line(line, line_number, path)
-                chunk.append({name: _field(record, name, line_number, path, "line") for name in wanted})
-                if len(chunk) == _READ_BATCH_SIZE:
-                    yield {name: [row[name] for row in chunk] for name in wanted}
-                    chunk = []
+        for line_number, record in data_files.iter_json_lines(path):
+            chunk.append(_fields(record, wanted, f"line {line_number}", path))
+            if len(chunk) == _READ_BATCH_SIZE:
+                yield _columns(chunk, wanted)
+                chunk = []
         if chunk:
-            yield {name: [row[name] for row in chunk] for name in wanted}
+            yield _columns(chunk, wanted)
 
-    return _Table(f"JSON lines, {num_rows:,} rows", columns, num_rows, batches)
+    return _Table(f"JSON lines, {num_rows:,} rows", list(first), num_rows, batches)
 
 
-def _parse_line(line: str, line_number: int, path: Path) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise CLIError(f"line {line_number} of {path} is not valid JSON: {error}") from None
-    if not isinstance(record, dict):
-        raise CLIError(f"line {line_number} of {path} is a JSON {type(record).__name__}, not an object.")
+def _fields(record: dict, wanted: list[str], where: str, path: Path) -> dict:
+    for name in wanted:
+        if name not in record:
+            fields = ", ".join(map(repr, record))
+            raise CLIError(f"{where} of {path} has no {name!r} field (its fields: {fields}).")
     return record
 
 
-def _field(record: dict, name: str, index: int, path: Path, what: str = "row") -> Any:
-    if name not in record:
-        raise CLIError(f"{what} {index} of {path} has no {name!r} field (its fields: {', '.join(map(repr, record))}).")
-    return record[name]
-
-
-def _parquet_table(path: Path) -> _Table:
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ... for a corrupt file
-        raise CLIError(f"{path} is not a readable Parquet file: {_one_line(error)}") from None
-    num_rows = parquet.metadata.num_rows
+def _arrow_table(path: Path, kind: str) -> _Table:
+    """A Parquet or Arrow file, read in record batches ([`unpack_trainer.data_files.StreamingDatasetReader`])."""
+    columns, num_rows = data_files.arrow_columns_and_rows(path)
 
     def batches(wanted: list[str]) -> Iterator[dict[str, list[Any]]]:
-        for batch in parquet.iter_batches(batch_size=_READ_BATCH_SIZE, columns=wanted):
-            yield batch.to_pydict()
+        for rows in data_files.StreamingDatasetReader([str(path)], _READ_BATCH_SIZE, wanted):
+            yield _columns(rows, wanted)
 
-    return _Table(f"Parquet, {num_rows:,} rows", list(parquet.schema_arrow.names), num_rows, batches)
+    return _Table(f"{kind}, {num_rows:,} rows", columns, num_rows, batches)
 
 
 def _saved_dataset_table(path: Path, split: str | None) -> _Table:
-    from datasets import DatasetDict, load_from_disk
+    from datasets import DatasetDict
 
-    if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+    if not data_files.is_saved_dataset(path):
         raise CLIError(
             f"{path} is a directory but not a dataset written by `Dataset.save_to_disk` (it has no state.json or "
             f"dataset_dict.json); pass {ACCEPTED_FORMATS}."
         )
-    try:
-        dataset = load_from_disk(str(path))
-    except Exception as error:  # datasets raises FileNotFoundError, ValueError, ... for a damaged directory
-        raise CLIError(f"could not load the saved dataset {path}: {_one_line(error)}") from None
+    dataset = data_files.load_saved(path)
     description = "saved dataset"
     if isinstance(dataset, DatasetDict):
-        splits = list(dataset)
-        if split is None:
-            if "train" not in dataset and len(splits) != 1:
-                raise CLIError(f"{path} holds the splits {splits}; choose one with --split.")
-            split = "train" if "train" in dataset else splits[0]
-        if split not in dataset:
-            raise CLIError(f"{path} has no split {split!r}; its splits are {splits}.")
+        split = data_files.choose_split(list(dataset), split, str(path), option="--split")
         dataset, description = dataset[split], f"saved dataset, split {split!r}"
     elif split is not None:
         raise CLIError(f"--split {split!r} was given but {path} holds a single dataset with no splits.")
@@ -334,7 +158,29 @@ def _default_table(split: str | None) -> _Table:
 
 
 def open_table(data: str, split: str | None = None) -> _Table:
-    """Open ``data`` (a path, or ``"default"`` for the embedded dataset) for reading; ``CLIError`` if unusable."""
+    """Open ``data`` (a path, or ``"default"`` for the embedded dataset) for reading; ``CLIError`` if unusable.
+
+    A reader's ``ValueError`` (a bad JSON line, an unreadable file, a missing split) becomes a ``CLIError``, here or
+    when the table's batches are read.
+    """
+    try:
+        table = _open_table(data, split)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    return _Table(table.description, table.columns, table.num_rows, _user_errors(table.batches))
+
+
+def _user_errors(batches: Callable[[list[str]], Iterator[dict[str, list[Any]]]]):
+    def read(wanted: list[str]) -> Iterator[dict[str, list[Any]]]:
+        try:
+            yield from batches(wanted)
+        except ValueError as error:
+            raise CLIError(str(error)) from None
+
+    return read
+
+
+def _open_table(data: str, split: str | None) -> _Table:
     if data == DEFAULT_DATASET and not Path(data).exists():
         return _default_table(split)
     path = Path(data)
@@ -344,10 +190,15 @@ def open_table(data: str, split: str | None = None) -> _Table:
         return _saved_dataset_table(path, split)
     if split is not None:
         raise CLIError(f"--split only applies to saved datasets with splits, not to the file {path}.")
-    if _strip_gz(path) in (".jsonl", ".json"):
-        return _json_table(path)
-    if path.suffix == ".parquet":
-        return _parquet_table(path)
+    kind = data_files.file_format(path)
+    if kind == "json":
+        with data_files.open_text(path) as stream:
+            first = stream.read(1)
+            while first.isspace():
+                first = stream.read(1)
+        return _json_array_table(path) if first == "[" else _json_lines_table(path)
+    if kind in ("parquet", "arrow") and path.suffix != ".gz":
+        return _arrow_table(path, "Parquet" if kind == "parquet" else "Arrow")
     raise CLIError(
         f"cannot read {path}: unsupported file type {''.join(path.suffixes) or '(none)'}; pass {ACCEPTED_FORMATS}."
     )
@@ -372,11 +223,6 @@ def detect_layout(columns: Sequence[str]) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
 def load_tokenizer(path: str | None) -> tuple[Any, str]:
     """The tokenizer at ``path`` (a directory or a ``tokenizer.json``), or the embedded default; and a description."""
     if path is None:
@@ -397,7 +243,7 @@ def load_tokenizer(path: str | None) -> tuple[Any, str]:
             directory = location if location.is_dir() else location.parent
             tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as error:  # transformers raises OSError, ValueError, Exception from the Rust side, ...
-        raise CLIError(f"could not load a tokenizer from {path}: {_one_line(error)}") from None
+        raise CLIError(f"could not load a tokenizer from {path}: {one_line(error)}") from None
     return tokenizer, f"{path}"
 
 
@@ -478,7 +324,7 @@ class _Counter:
         except Exception as error:  # jinja2 errors raised by the user's template
             raise CLIError(
                 f"the chat template of {self.tokenizer_name} failed on rows {self.row}-"
-                f"{self.row + len(conversations) - 1}: {_one_line(error)}"
+                f"{self.row + len(conversations) - 1}: {one_line(error)}"
             ) from None
         return self._texts(texts, add_special_tokens=False)
 
@@ -667,22 +513,12 @@ def write_plot(analysis: PackingAnalysis, path: Path, *, title: str = "") -> Non
     try:
         figure.savefig(path, dpi=100)
     except (OSError, ValueError) as error:  # a missing directory, an unknown extension
-        raise CLIError(f"could not write the plot {path}: {_one_line(error)}") from None
+        raise CLIError(f"could not write the plot {path}: {one_line(error)}") from None
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Commands
+# The command
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 _ANALYZE_DESCRIPTION = """\
@@ -690,7 +526,7 @@ Show what sample packing does for a dataset, before training: token length stati
 batching processes at a batch size, the rows the global best-fit-decreasing packer needs at --max-length, and the
 estimated speedup of packing. Nothing is trained and nothing is downloaded.
 
-DATA is a .jsonl or .json file (optionally gzipped), a .parquet file, or a directory written by
+DATA is a .jsonl or .json file (optionally gzipped), a .parquet or .arrow file, or a directory written by
 `Dataset.save_to_disk` (use --split for a DatasetDict). Rows are read the way TRL's SFTTrainer reads them, in this
 order of precedence:
   input_ids             pre-tokenized ids (no tokenizer needed)
@@ -712,13 +548,14 @@ exit status: 0 on success, 2 on a usage or data error (the message says what to 
 """
 
 
-def _add_analyze_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``analyze`` to the ``unpack-trainer`` subcommands."""
+    parser = add_command_parser(
+        subparsers,
         "analyze",
         help="show length statistics, padding waste and the packing speedup for a dataset",
         description=_ANALYZE_DESCRIPTION,
         epilog=_ANALYZE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "data",
@@ -729,14 +566,14 @@ def _add_analyze_command(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dataset", dest="dataset_option", metavar="DATA", help="same as the DATA argument")
     parser.add_argument(
         "--max-length",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         metavar="N",
         help="row length for packing and truncation limit, as SFTConfig.max_length (default: %(default)s, TRL's)",
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         metavar="B",
         help="samples per padded batch, as per_device_train_batch_size (default: %(default)s, TRL's)",
@@ -782,124 +619,3 @@ def _run_analyze(args: argparse.Namespace) -> int:
         write_plot(analysis, args.plot, title=f"{Path(data).name}, max_length {args.max_length:,}")
         print(f"\nplot written to {args.plot}")
     return 0
-
-
-_BENCH_DESCRIPTION = """\
-Time training on the embedded default dataset (or lognormal random data with --data lognormal) four ways, each in its
-own process, and print real (non-pad) tokens per second with ratios:
-  (a) trl.SFTTrainer, padded                  (c) unpack_trainer.SFTTrainer, packing=True
-  (b) trl.SFTTrainer, packing=True            (d) unpack_trainer.SFTTrainer, automatic padding-free
-Same tiny model, same data, same SFTConfig otherwise. The first step of each case is a warm-up and is not timed.
-Absolute times on shared machines are noisy: compare the ratios. This is what benchmarks/bench_trainer.py runs.
-"""
-
-_BENCH_EPILOG = """\
-examples:
-  unpack-trainer bench                                  # max_length 2048 and 8192 on the embedded data
-  unpack-trainer bench --max-lengths 1024 --steps 2     # quicker
-  unpack-trainer bench --providers trl_packing unpack_packing
-"""
-
-
-def _add_bench_command(subparsers: argparse._SubParsersAction) -> None:
-    from unpack_trainer.trainer_benchmark import add_arguments
-
-    parser = subparsers.add_parser(
-        "bench",
-        help="compare training throughput: stock TRL padded / packed vs unpack_trainer",
-        description=_BENCH_DESCRIPTION,
-        epilog=_BENCH_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser, default_data="default")
-    parser.set_defaults(handler=_run_bench)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from unpack_trainer.trainer_benchmark import compare
-
-    if args.steps < 1:
-        raise CLIError(f"--steps must be at least 1, got {args.steps}.")
-    if args.batch_size < 1:
-        raise CLIError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    bad = [length for length in args.max_lengths if length < 1]
-    if bad:
-        raise CLIError(f"--max-lengths must be positive token counts, got {bad[0]}.")
-    try:
-        report = compare(
-            max_lengths=args.max_lengths,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            providers=args.providers,
-            data=args.data,
-            repeats=args.repeats,
-            threads=args.threads,
-        )
-    except (RuntimeError, ValueError) as error:
-        raise CLIError(str(error)) from None
-    print(report)
-    return 0
-
-
-def _add_sft_command(subparsers: argparse._SubParsersAction) -> None:
-    from unpack_trainer.sft_command import add_sft_command
-
-    add_sft_command(subparsers)
-
-
-def _add_smollm2_command(subparsers: argparse._SubParsersAction) -> None:
-    from unpack_trainer.sft_command import add_smollm2_command
-
-    add_smollm2_command(subparsers)
-
-
-_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_analyze_command,
-    _add_bench_command,
-    _add_sft_command,
-    _add_smollm2_command,
-]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``unpack-trainer`` parser with every subcommand of ``_COMMANDS``."""
-    from unpack_trainer import __version__
-
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Tools for sample packing with Hugging Face TRL. Run `unpack-trainer COMMAND --help` for details.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add_command in _COMMANDS:
-        add_command(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``unpack-trainer`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code.
-
-    0 on success; 2 on a usage error (argparse's message) or a data error (one line on stderr, no traceback).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sft"]:  # `trl sft`'s own parser takes every argument after `sft`
-        from unpack_trainer.sft_command import run_sft
-
-        return run_sft(argv[1:])
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help, --version, or a usage error already printed by argparse
-        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else ERROR_EXIT_CODE)
-    try:
-        return args.handler(args)
-    except CLIError as error:
-        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
-        return ERROR_EXIT_CODE
-    except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

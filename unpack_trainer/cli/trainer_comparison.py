@@ -1,6 +1,7 @@
 """Trainer throughput: stock TRL (padded, packing=True) vs unpack_trainer (packing=True, automatic padding-free).
 
-Used by ``benchmarks/bench_trainer.py`` (lognormal data) and ``unpack-trainer bench`` (the embedded default data).
+Run by ``unpack-trainer bench`` (the embedded default data) and ``benchmarks/bench_trainer.py`` (lognormal data);
+also the shared set-up of ``benchmarks/`` (tiny model, length distributions, environment, table, subprocess runs).
 Same model, same ``SFTConfig`` otherwise, same data for every provider; every case runs in its own process, the
 providers interleaved (A B C D A B C D ...) for several rounds. Throughput is real (non-pad) tokens per second over
 the timed steps (the first step is a warm-up and not timed); the report gives the median and spread over the rounds.
@@ -19,6 +20,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+__all__ = [
+    "PROVIDERS",
+    "add_arguments",
+    "compare",
+    "compare_from_args",
+    "environment",
+    "environment_line",
+    "format_table",
+    "lognormal_lengths",
+    "lognormal_lengths_with_mean",
+    "main",
+    "ratio_cell",
+    "run_case",
+    "run_in_subprocess",
+    "time_training",
+    "tiny_llama_config",
+]
 
 PROVIDERS = {
     "trl_padded": "(a) trl.SFTTrainer, padded",
@@ -40,8 +59,19 @@ def lognormal_lengths(
     return np.clip(np.rint(lengths), low, high).astype(np.int64)
 
 
+def lognormal_lengths_with_mean(
+    n: int, *, mean: float, sigma: float = 0.8, low: int = 8, high: int = 2048, seed: int = 0
+) -> np.ndarray:
+    """Lognormal lengths whose (unclipped) mean is ``mean``: median = mean * exp(-sigma**2 / 2)."""
+    return lognormal_lengths(n, median=mean * np.exp(-(sigma**2) / 2), sigma=sigma, low=low, high=high, seed=seed)
+
+
 def tiny_llama_config(**overrides: Any):
-    """The benchmark model: hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096 (about 3.6M parameters)."""
+    """The benchmark model: hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096 (about 3.6M parameters).
+
+    DESIGN's benchmark size, built without a tokenizer; [`unpack_trainer.default_data.tiny_model_config`] is a
+    different, smaller model (0.4M parameters) sized from the embedded tokenizer for CPU fine-tuning.
+    """
     from transformers import LlamaConfig
 
     kwargs: dict[str, Any] = dict(
@@ -182,44 +212,63 @@ def time_training(
     return result
 
 
-def _environment() -> str:
-    import torch
-    import transformers
+def environment() -> dict[str, str]:
+    """Versions and device, recorded next to every table."""
+    info = {"python": platform.python_version(), "machine": platform.machine(), "cpus": str(os.cpu_count())}
+    for name in ("torch", "transformers", "trl", "numpy"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = "not installed"
+    try:
+        import torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return (
-        f"python {platform.python_version()}, {os.cpu_count()} cpus, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, trl {__import__('trl').__version__}, device {device}"
-    )
+        info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        pass
+    return info
+
+
+def environment_line() -> str:
+    """[`environment`] as one line: ``python 3.12.3, machine x86_64, cpus 2, torch ..., device cpu``."""
+    return ", ".join(f"{name} {value}" for name, value in environment().items())
+
+
+def run_in_subprocess(module_args: Sequence[str], *, timeout: float = 1800) -> dict:
+    """Run ``python <args>`` in a fresh process that prints one JSON object on its last stdout line; return it.
+
+    Each measured case runs in its own process so that peak memory (ru_maxrss) belongs to that case alone.
+    """
+    proc = subprocess.run([sys.executable, *module_args], capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark case {list(module_args)} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _run_in_subprocess(
     provider: str, max_length: int, steps: int, batch_size: int, data: str, threads: int | None = None
 ) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "unpack_trainer.trainer_benchmark",
-        "--case",
-        f"{provider}:{max_length}",
-        "--steps",
-        str(steps),
-        "--batch-size",
-        str(batch_size),
-        "--data",
-        data,
-    ]
+    """One case of [`compare`] (``python -m unpack_trainer.cli.trainer_comparison --case ...``)."""
+    command = ["-m", __name__, "--case", f"{provider}:{max_length}", "--steps", str(steps)]
+    command += ["--batch-size", str(batch_size), "--data", data]
     if threads is not None:
         command += ["--threads", str(threads)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark case {provider} @ {max_length} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_subprocess(command, timeout=3600)
 
 
-def _format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-flavoured markdown table; floats are printed with 3 significant decimals, ints with separators."""
+
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def _spread(values: Sequence[float], fmt: str) -> str:
@@ -296,7 +345,7 @@ def compare(
             ]
             table.append(
                 [
-                    max_length,
+                    str(max_length),
                     PROVIDERS[provider],
                     _spread(tokens, ",.0f"),
                     f"{np.median([r['seconds_per_step'] for r in runs]):.2f}",
@@ -316,7 +365,7 @@ def compare(
         f"Trainer throughput, real (non-pad) tokens/s, data={data}, {steps} timed steps, batch {batch_size}, "
         f"{repeats} interleaved repeats" + (f", torch threads {threads}" if threads is not None else "")
     )
-    return "\n".join([f"## {title}", "", _environment(), "", _format_table(headers, table), "", *notes])
+    return "\n".join([f"## {title}", "", environment_line(), "", format_table(headers, table), "", *notes])
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, default_data: str) -> None:
@@ -336,7 +385,28 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_data: str) -> None
     )
 
 
+def compare_from_args(args: argparse.Namespace) -> str:
+    """[`compare`] with the options of [`add_arguments`]; ``ValueError`` naming the option if one is out of range."""
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}.")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    bad = [length for length in args.max_lengths if length < 1]
+    if bad:
+        raise ValueError(f"--max-lengths must be positive token counts, got {bad[0]}.")
+    return compare(
+        max_lengths=args.max_lengths,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        providers=args.providers,
+        data=args.data,
+        repeats=args.repeats,
+        threads=args.threads,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
+    """``benchmarks/bench_trainer.py`` (lognormal data by default), and one case in its own process (``--case``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser, default_data="lognormal")
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -345,17 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         provider, max_length = args.case.split(":")
         print(json.dumps(run_case(provider, int(max_length), args.steps, args.batch_size, args.data, args.threads)))
         return
-    print(
-        compare(
-            max_lengths=args.max_lengths,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            providers=args.providers,
-            data=args.data,
-            repeats=args.repeats,
-            threads=args.threads,
-        )
-    )
+    print(compare_from_args(args))
 
 
 if __name__ == "__main__":

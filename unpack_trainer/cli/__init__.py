@@ -1,0 +1,8 @@
+"""The ``unpack-trainer`` command line, laid out as TRL's ``trl/cli``: [`main`] in ``main.py`` and one module per
+subcommand in ``commands/`` (``analyze``, ``bench``, ``sft``); the trainer comparison that ``bench`` runs is
+``trainer_comparison.py``. ``python -m unpack_trainer.cli`` is the same as the ``unpack-trainer`` console script.
+"""
+
+from unpack_trainer.cli.main import CLIError, build_parser, main
+
+__all__ = ["CLIError", "build_parser", "main"]

@@ -1,0 +1,44 @@
+"""The ``unpack-trainer`` subcommands, one module each (``analyze``, ``bench``, ``sft`` + ``smollm2``), and what they
+share.
+
+Each command module has ``add_command(subparsers)`` (``sft`` has two: ``add_sft_command`` and
+``add_smollm2_command``), which builds its parser and sets ``handler=<function(args) -> int>``. A handler reports a
+user error by raising [`CLIError`]: [`unpack_trainer.cli.main`] prints it as one line on stderr and returns exit
+code 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["CLIError", "add_command_parser", "one_line", "positive_int"]
+
+
+class CLIError(Exception):
+    """A user error: printed as ``unpack-trainer <command>: error: <message>``, exit code 2."""
+
+
+def add_command_parser(
+    subparsers: argparse._SubParsersAction, name: str, *, help: str, description: str, epilog: str
+) -> argparse.ArgumentParser:
+    """A subcommand's parser whose description and epilog keep their line breaks."""
+    return subparsers.add_parser(
+        name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer ``>= 1``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def one_line(error: BaseException) -> str:
+    """``"<ExceptionType>: <first line of the message>"``, for one-line error messages."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
