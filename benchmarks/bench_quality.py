@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, format_table  # noqa: E402
 
-from unpack_trainer.sft_comparison import checkpointing_off, held_out_loss  # noqa: E402
+from unpack_trainer.cli.sft_comparison import checkpointing_off, held_out_loss  # noqa: E402
 
 _UNBALANCED = {"balance_samples_per_step": False}
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {

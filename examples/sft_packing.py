@@ -49,15 +49,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from unpack_trainer.sft_comparison import (
+from unpack_trainer.cli.sft_comparison import (
     RunResult,
     comparison_lines,
     format_table,
     train_once,
     write_plot,
 )
+from unpack_trainer.data_files import file_format, is_saved_dataset, read_splits
 
-DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet"}
+DATASET_FORMATS = ("json", "parquet")
 COLUMN_LAYOUTS = ("'prompt' + 'completion'", "'messages'", "'text'", "'input_ids' (pre-tokenized)")
 MAX_EVAL_SAMPLES = 200
 QUICK_STEPS = 4
@@ -131,9 +132,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.dataset is not None:
         if not args.dataset.exists():
             parser.error(f"--dataset {args.dataset}: no such file or directory")
-        if args.dataset.is_file() and _dataset_format(args.dataset) is None:
+        if args.dataset.is_file() and file_format(args.dataset) not in DATASET_FORMATS:
             parser.error(
-                f"--dataset {args.dataset}: unknown file type; expected one of {', '.join(DATASET_SUFFIXES)} "
+                f"--dataset {args.dataset}: unknown file type; expected .jsonl/.json/.parquet (optionally .gz) "
                 "or a directory written by Dataset.save_to_disk"
             )
     for name in ("max_length", "batch_size", "logging_steps", "max_steps", "padded_batch_size", "threads"):
@@ -147,14 +148,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 # --------------------------------------------------------------------------------------------------------------------
 # Data and model
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _dataset_format(path: Path) -> str | None:
-    name = path.name.lower()
-    for suffix, builder in DATASET_SUFFIXES.items():
-        if name.endswith(suffix):
-            return builder
-    return None
 
 
 def _check_layout(columns: Sequence[str], path: Path) -> None:
@@ -172,27 +165,21 @@ def load_data(path: Path | None, *, seed: int) -> tuple[Any, Any, str]:
     The embedded dataset has its own held-out split. A local dataset directory with a ``validation`` or ``test``
     split uses it; otherwise ``min(200, 5%)`` samples are held out with ``seed``.
     """
-    import datasets
 
     if path is None:
         from unpack_trainer.default_data import load_default_dataset
 
         return load_default_dataset("train"), load_default_dataset("eval"), "embedded instruction dataset"
-    held_out = None
-    if path.is_dir():
-        try:
-            loaded = datasets.load_from_disk(str(path))
-        except FileNotFoundError as error:
-            raise SystemExit(
-                f"error: --dataset {path}: not a directory written by Dataset.save_to_disk ({error})"
-            ) from None
-        if isinstance(loaded, datasets.DatasetDict):
-            if "train" not in loaded:
-                raise SystemExit(f"error: --dataset {path}: no 'train' split (splits: {sorted(loaded)})")
-            held_out = next((loaded[name] for name in ("validation", "test") if name in loaded), None)
-            loaded = loaded["train"]
-    else:
-        loaded = datasets.load_dataset(_dataset_format(path), data_files=str(path), split="train")
+    if path.is_dir() and not is_saved_dataset(path):
+        raise SystemExit(f"error: --dataset {path}: not a directory written by Dataset.save_to_disk")
+    try:
+        splits = read_splits(path)
+    except ValueError as error:
+        raise SystemExit(f"error: --dataset {path}: {error}") from None
+    if "train" not in splits:
+        raise SystemExit(f"error: --dataset {path}: no 'train' split (splits: {sorted(splits)})")
+    loaded = splits["train"]
+    held_out = next((splits[name] for name in ("validation", "test") if name in splits), None)
     _check_layout(loaded.column_names, path)
     if held_out is None:
         if len(loaded) < 2:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from unpack_trainer import sft_comparison as comparison
+from unpack_trainer.cli import sft_comparison as comparison
 from unpack_trainer.default_data import load_default_dataset, load_default_tokenizer
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-QUALITY_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS_quality.json"
+QUALITY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "RESULTS_quality.json"
 # Measured by benchmarks/bench_quality.py (the README's table); used when its results file is not at hand.
 BENCHMARK_SEED_NOISE = {
     "command": "python benchmarks/bench_quality.py --jobs 3",
