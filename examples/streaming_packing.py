@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import logging
 import os
 import tempfile
@@ -29,7 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-FORMATS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet"}
+from unpack_trainer.data_files import file_format, resolve_files
+
+SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,29 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_data_files(data: str) -> tuple[list[str], str]:
     """The files named by ``data`` (a file, a directory searched recursively, or a glob) and their ``datasets``
-    builder (``"json"`` or ``"parquet"``). Raises ``SystemExit`` with one clear line when there are none, or when
-    they mix formats."""
-    path = Path(data)
-    if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder(p.name) and p.name[0] not in "._")
-    elif path.is_file():
-        files = [str(path)]
-    else:
-        files = sorted(glob.glob(data, recursive=True))
-        if not files:
-            raise SystemExit(f"error: --data {data}: no such file or directory, and no file matches it as a pattern")
-    builders = {_builder(name) for name in files}
-    if None in builders or not files:
-        unknown = [name for name in files if _builder(name) is None][:3]
-        raise SystemExit(f"error: --data {data}: expected {', '.join(FORMATS)} files, got {unknown or 'no data file'}")
+    builder (``"json"`` or ``"parquet"``), through the package's one reader (``unpack_trainer.data_files``). Raises
+    ``SystemExit`` with one clear line when there are none, or when they mix formats."""
+    try:
+        files = resolve_files(data, suffixes=SUFFIXES)
+    except FileNotFoundError:
+        raise SystemExit(
+            f"error: --data {data}: no such file or directory, and no file matches it as a pattern"
+        ) from None
+    except ValueError as error:
+        raise SystemExit(f"error: --data {data}: {error}") from None
+    builders = {file_format(name) for name in files}
     if len(builders) > 1:
         raise SystemExit(f"error: --data {data}: mixes JSON and Parquet files; stream one format at a time")
     return files, builders.pop()
-
-
-def _builder(name: str) -> str | None:
-    lower = name.lower()
-    return next((builder for suffix, builder in FORMATS.items() if lower.endswith(suffix)), None)
 
 
 def write_default_shards(directory: Path, *, file_format: str, num_shards: int) -> list[str]:
