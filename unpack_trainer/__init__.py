@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "pack_iterable_dataset": "unpack_trainer.data_utils",
     # streaming
     "StreamingPacker": "unpack_trainer.streaming",
-    "streaming_dataset_reader": "unpack_trainer.streaming",
+    "streaming_dataset_reader": "unpack_trainer.data_files",
     # a real pretrained model (the `real` extra)
     "load_smollm2": "unpack_trainer.real_model",
     "smollm2_path": "unpack_trainer.real_model",
@@ -93,6 +93,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
     from unpack_trainer.config import SFTConfig
+    from unpack_trainer.data_files import streaming_dataset_reader
     from unpack_trainer.data_utils import pack_dataset, pack_iterable_dataset, truncate_dataset
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
     from unpack_trainer.packing import (
@@ -108,5 +109,5 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated
-    from unpack_trainer.streaming import StreamingPacker, streaming_dataset_reader
+    from unpack_trainer.streaming import StreamingPacker
     from unpack_trainer.trainer import SFTTrainer
