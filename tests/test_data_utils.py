@@ -112,6 +112,22 @@ def test_truncate_dataset_counts_a_stream_as_it_is_read():
     assert "2 of 3 samples read were longer than max_length=2 and were truncated (keep_start)" in counts.summary()
 
 
+@pytest.mark.parametrize(
+    ("options", "kept"),
+    [({}, [[1, 2]]), ({"truncation_mode": "keep_end"}, [[3, 4], [8, 9]]), ({"split": True}, [[1, 2], [3, 4], [9]])],
+)
+def test_a_stream_counts_what_the_map_style_path_counts(options, kept):
+    """A sample masked from the start is counted once, as such, not again as 'no trained token left after
+    truncation' (the stream's filter sees it too)."""
+    _, expected = truncate_dataset(_long_and_masked(), 2, **options)
+    stream, counts = truncate_dataset(_long_and_masked().to_iterable_dataset(), 2, **options)
+    assert [row["input_ids"] for row in stream] == kept
+    assert (counts.masked_from_start, counts.masked_after_truncation) == (
+        expected.masked_from_start,
+        expected.masked_after_truncation,
+    )
+
+
 def test_truncate_dataset_errors():
     with pytest.raises(ValueError, match="Unsupported truncation mode: middle"):
         truncate_dataset(_long_and_masked(), 2, truncation_mode="middle")

@@ -252,7 +252,6 @@ def truncate_dataset(
         for ids, labels in zip(batch["input_ids"], batch["labels"]):
             if streamed:
                 counts.read += 1
-                counts.masked_from_start += not any(label != -100 for label in labels)
                 if len(ids) > max_length:
                     counts.over += 1
                     counts.cut_tokens += len(ids) - max_length
@@ -263,6 +262,10 @@ def truncate_dataset(
                         "they are read; the totals are logged at the end of training and kept in "
                         "trainer.unpack_stats['truncation'].",
                     )
+                if not any(label != -100 for label in labels):
+                    # dropped here, so that the filter below counts only the samples truncation left untrained
+                    counts.masked_from_start += 1
+                    continue
             if split:
                 for start in range(0, len(ids), max_length):
                     out["input_ids"].append(ids[start : start + max_length])
