@@ -28,6 +28,8 @@ Arms (``--arms``):
 - ``packed_shuffled_balanced``: shuffled rows, each step composed of rows with balanced sample counts.
 - ``packed_shuffled_cap``: shuffled rows of at most ``2 x`` the mean samples per row.
 - ``padded_sample``: padded with ``loss_normalization="sample"``.
+- ``padding_free``: the padded arm's random batches flattened into one row (``padding_free=True``): the padded arm's
+  step composition through the packed attention path, a control for the packed kernels' numerics in training.
 
 The arm whose settings are ``unpack_trainer.SFTConfig``'s defaults is marked "(default)" in the table.
 """
@@ -76,6 +78,10 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "padded_sample": (
         "padded, per-sample loss",
         {"packing": False, "padding_free": False, "loss_normalization": "sample"},
+    ),
+    "padding_free": (
+        "padding-free (the padded batches, flattened)",
+        {"packing": False, "padding_free": True},
     ),
 }
 DEFAULT_ARMS = ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_balanced", "packed_shuffled_sample")
@@ -195,6 +201,7 @@ def train_arm(
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,  # fp32, as the main job on a CPU (TRL's SFTConfig defaults to bf16, which autocasts on CPUs too)
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=seed,
@@ -462,6 +469,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS))
     parser.add_argument("--max-length", type=int, default=512, help="tokens per packed row (and truncation length)")
     parser.add_argument("--rows-per-step", type=int, default=2, help="packed rows per optimizer step")
+    parser.add_argument(
+        "--padded-batch-size",
+        type=int,
+        help="samples per step of the padded and padding-free arms; default: the packed arms' mean samples per step",
+    )
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument(
@@ -508,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     # as many samples as the packed arms' steps on average.
     lengths, _ = prepared_samples(train_dataset, tokenizer, args.max_length)
     per_row = len(lengths) / len(best_fit_decreasing(lengths, args.max_length))
-    padded_batch_size = max(1, round(per_row * args.rows_per_step))
+    padded_batch_size = args.padded_batch_size or max(1, round(per_row * args.rows_per_step))
     max_samples_per_row = max(1, math.ceil(2 * per_row))
     print(
         f"{len(lengths):,} samples, {per_row:.2f} per packed row of {args.max_length}: padded batch "

@@ -89,11 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
         "'messages', 'text' or 'input_ids' columns; default: the embedded instruction dataset",
     )
     parser.add_argument(
-        "--max-length", type=int, default=1024, help="tokens per packed row; longer samples are truncated"
+        "--max-length", type=int, default=512, help="tokens per packed row; longer samples are truncated"
     )
     parser.add_argument("--epochs", type=float, default=1.0, help="training epochs of each run")
     parser.add_argument("--max-steps", type=int, help="optimizer steps of each run (overrides --epochs)")
-    parser.add_argument("--batch-size", type=int, default=1, help="packed rows per device and optimizer step")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=2,
+        help="packed rows per device and optimizer step (two or more let each step balance rows of few long samples "
+        "with rows of many short ones)",
+    )
     parser.add_argument(
         "--padded-batch-size",
         type=int,
