@@ -15,21 +15,21 @@ epochs:
 
 It ends with a table (training wall-clock, real tokens per second, final training loss and the loss per token on
 held-out samples, computed the same way for both runs), one line saying whether the packed run's held-out loss is
-within the seed noise that ``benchmarks/bench_quality.py`` measured (the standard deviation of the padded run's
-held-out loss over seeds, read from ``benchmarks/RESULTS_quality.json``), and a PNG plot of the training loss
-against wall-clock time (which run is faster) and against samples trained on (whether the same samples teach as
-much). Measured with the defaults of the time on a 2-core CPU (torch 2.13, transformers 5.23, TRL 1.16; 3 min 44 s
-for the whole script), when packing used best-fit decreasing (now ``packing_order="decreasing"``)::
+within the seed noise that ``benchmarks/bench_quality.py`` measured in this same configuration (the standard
+deviation of the padded run's held-out loss over 15 seeds, read from ``benchmarks/RESULTS_quality_full.json``), and
+a PNG plot of the training loss against wall-clock time (which run is faster) and against samples trained on
+(whether the same samples teach as much). The defaults are the benchmark's configuration: rows of 512 tokens, two
+per optimizer step (about 10 samples), one epoch. With them on a 2-core CPU (torch 2.13, transformers 5.23, TRL
+1.16, seed 0, the machine shared)::
 
     run    | steps | samples/step | train wall-clock (s) | real tokens | padding | real tokens/s | final train loss | held-out loss/token
-    packed |   434 |          9.2 |                 41.3 |     443,447 |    0.0% |        10,738 |            2.786 |               2.567
-    padded |   444 |          9.0 |                166.2 |     443,447 |   71.2% |         2,668 |            2.533 |               2.425
+    packed |   382 |         10.3 |                 35.7 |     388,980 |    0.0% |        10,892 |            2.813 |               2.557
+    padded |   395 |         10.0 |                109.8 |     388,980 |   68.8% |         3,543 |            2.640 |               2.493
 
-Packing computed no padding where padded batches were 71% padding, and trained on the same tokens 4.0x faster. At
-equal epochs the padded run ended lower (held-out 2.43 vs 2.57, and lower in seeds 1 and 2 too): best-fit decreasing
-composes steps of one or two long samples and steps of fifty short ones. The README's quality section measures the
-cause over seeds and what closes it; the computation of a packed row itself is exact (its loss and gradients equal
-those of its samples in a padded batch).
+Packing computed no padding where padded batches were 69% padding, and trained on the same tokens 3.1x faster. The
+packed run's held-out loss is higher; the README's quality section measures that gap over seeds, and what was
+tried to close it. The computation of a packed row itself is exact (its loss and gradients equal those of its
+samples in a padded batch).
 
 Your own model and data (a local directory from ``save_pretrained`` and a local file or ``save_to_disk``
 directory with ``prompt``/``completion``, ``messages``, ``text`` or ``input_ids`` columns)::
