@@ -26,6 +26,8 @@ Arms (``--arms``):
 - ``packed_shuffled``: ``packing_order="shuffled"``: rows mix lengths at random, as full as best-fit decreasing.
 - ``packed_bfd_sample``, ``packed_shuffled_sample``: the same with ``loss_normalization="sample"``.
 - ``packed_shuffled_balanced``: shuffled rows, each step composed of rows with balanced sample counts.
+- ``packed_windowed_balanced``: ``packing_order="windowed"``: rows of samples that follow each other in a seeded
+  random order (best fit over the last 4 open rows), balanced steps.
 - ``packed_shuffled_cap``: shuffled rows of at most ``2 x`` the mean samples per row.
 - ``padded_sample``: padded with ``loss_normalization="sample"``.
 - ``padding_free``: the padded arm's random batches flattened into one row (``padding_free=True``): the padded arm's
@@ -70,6 +72,10 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "packed_shuffled_balanced": (
         "packed, shuffled, balanced steps",
         {"packing": True, "packing_order": "shuffled", "balance_samples_per_step": True},
+    ),
+    "packed_windowed_balanced": (
+        "packed, windowed, balanced steps",
+        {"packing": True, "packing_order": "windowed", "balance_samples_per_step": True},
     ),
     "packed_shuffled_cap": (
         "packed, shuffled, <= 2x mean samples/row",

@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "first_fit": "unpack_trainer.packing",
     "shuffle_rows": "unpack_trainer.packing",
     "shuffled_best_fit": "unpack_trainer.packing",
+    "windowed_best_fit": "unpack_trainer.packing",
     "balanced_step_order": "unpack_trainer.packing",
     "packing_efficiency": "unpack_trainer.packing",
     "pack_sequences": "unpack_trainer.packing",
@@ -73,6 +74,7 @@ __all__ = [
     "supported_model_types",
     "truncate_dataset",
     "unpatch_model",
+    "windowed_best_fit",
     "__version__",
 ]
 
@@ -106,6 +108,7 @@ if TYPE_CHECKING:  # pragma: no cover
         position_ids_from_sample_index,
         shuffle_rows,
         shuffled_best_fit,
+        windowed_best_fit,
     )
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated

@@ -30,7 +30,7 @@ from datasets import Dataset, IterableDataset
 
 from unpack_trainer._logging import log_once
 from unpack_trainer._validation import Overflow, check_positive_int, check_seq_lengths
-from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit
+from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, windowed_best_fit
 from unpack_trainer.streaming import StreamingPacker
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ORDERS = ("decreasing", "shuffled")
+_ORDERS = ("windowed", "shuffled", "decreasing")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -329,7 +329,8 @@ def pack_dataset(
     """Pack a tokenized map-style dataset into rows of at most ``max_length`` tokens with a global packer.
 
     Unlike TRL's ``pack_dataset`` (best-fit decreasing over windows of rows), the packer sees every sample at once
-    ([`~unpack_trainer.packing.best_fit_decreasing`] or [`~unpack_trainer.packing.shuffled_best_fit`]). A sample is
+    ([`~unpack_trainer.packing.best_fit_decreasing`], [`~unpack_trainer.packing.shuffled_best_fit`] or
+    [`~unpack_trainer.packing.windowed_best_fit`]). A sample is
     never cut: each goes whole into one row, and ``seq_lengths`` keeps the boundaries, so the packed collator can keep
     every sample apart (positions restarting at 0, no attention across samples, no label across a boundary).
 
@@ -340,12 +341,15 @@ def pack_dataset(
             Other columns are dropped. Rows packed ahead (a ``seq_lengths`` column) are rejected: split them first
             ([`split_packed_rows`]).
         max_length: tokens per row.
-        seed: the rows come out in an order shuffled with this seed; with ``order="shuffled"`` it also seeds which
-            samples share a row (required then). ``None``: best-fit decreasing's creation order (fullest rows,
+        seed: the rows come out in an order shuffled with this seed; with ``order="shuffled"`` or ``"windowed"`` it
+            also seeds which samples share a row (required then). ``None``: best-fit decreasing's creation order (fullest rows,
             holding the longest samples, first).
         order: which samples share a row. ``"decreasing"``: best-fit decreasing (fewest rows; a row holds samples of
             similar rank: a long one topped up with short ones). ``"shuffled"``: samples placed in a seeded random
             order with best fit, rows as full as best-fit decreasing (at least 99.5% full), lengths mixed at random.
+            ``"windowed"``: samples taken in a seeded random order, each into the best-fitting of the last 4 open rows,
+            so a row holds samples that follow each other in that order, as a random batch would (about 99% full);
+            what `SFTTrainer` uses by default (`SFTConfig.packing_order`).
         max_samples_per_row: the most samples a row may hold (rows close once they reach it, so they may be less
             full); implies the shuffled packer. ``None``: no bound.
 
@@ -356,7 +360,8 @@ def pack_dataset(
 
     Raises:
         ValueError: ``max_length`` is not a positive integer, a sample is empty or longer than ``max_length`` (the
-            message names it), an unknown ``order``, ``order="shuffled"`` without a ``seed``, no ``input_ids``
+            message names it), an unknown ``order``, ``"shuffled"`` or ``"windowed"`` without a ``seed``,
+            ``max_samples_per_row`` with ``"windowed"``, no ``input_ids``
             column, or a ``seq_lengths`` column.
 
     Example:
@@ -371,10 +376,12 @@ def pack_dataset(
     max_length = check_positive_int(max_length, "max_length")
     if order not in _ORDERS:
         raise ValueError(f"Unknown packing order {order!r}; use one of {_ORDERS}.")
+    if max_samples_per_row is not None and order == "windowed":
+        raise ValueError("`max_samples_per_row` needs `order='shuffled'`; the windowed packer has no bound.")
     shuffled = order == "shuffled" or max_samples_per_row is not None
-    if shuffled and seed is None:
+    if (shuffled or order == "windowed") and seed is None:
         raise ValueError(
-            "`order='shuffled'` (or `max_samples_per_row`) needs a `seed`: it decides which samples share a row."
+            f"`order={order!r}` (or `max_samples_per_row`) needs a `seed`: it decides which samples share a row."
         )
     table = dataset.with_format("arrow")[:]
     if "input_ids" not in table.column_names or "seq_lengths" in table.column_names:
@@ -383,7 +390,9 @@ def pack_dataset(
             f"first with split_packed_rows); got the columns {table.column_names}."
         )
     lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
-    if shuffled:
+    if order == "windowed" and max_samples_per_row is None:
+        rows = windowed_best_fit(lengths, max_length, seed=seed)
+    elif shuffled:
         rows = shuffled_best_fit(lengths, max_length, seed=seed, max_samples_per_row=max_samples_per_row)
     else:
         rows = best_fit_decreasing(lengths, max_length, seed=seed)

@@ -358,6 +358,67 @@ def shuffled_best_fit(
     return shuffle_rows(rows, int(rng.integers(2**63 - 1)))
 
 
+def windowed_best_fit(
+    lengths: Sequence[int] | np.ndarray,
+    capacity: int,
+    *,
+    seed: int,
+    window: int = 4,
+) -> list[list[int]]:
+    """Pack samples into rows of samples that follow each other in a seeded random order, as a random batch holds.
+
+    The samples are taken in an order shuffled with ``numpy.random.default_rng(seed)``; each goes with best fit into
+    one of at most ``window`` open rows (the one with the least free space that fits). When none fits, the fullest
+    open row closes if ``window`` rows are open, and a new row opens; a row that is exactly full closes at once. So a
+    row holds samples that are close in the random order, whatever their lengths, and the window fills the gaps:
+    ``window=1`` is next fit (rows of consecutive samples, about 82% full on the embedded data at rows of 512),
+    ``window=4`` about 99% full. Unlike [`shuffled_best_fit`] and [`best_fit_decreasing`], no sample is chosen for
+    its length (a long sample is not systematically paired with the shortest ones): on the quality benchmark this
+    is what brings the packed held-out loss to the padded one (README, "Quality").
+
+    Args:
+        lengths: ``(num_samples,)`` integer lengths, each in ``[1, capacity]``.
+        capacity: tokens per row (``max_length``).
+        seed: seed of the sample order and of the row order; the same seed gives the same rows.
+        window: the most rows open at once (``>= 1``).
+
+    Returns:
+        Rows as lists of sample indices, each list ascending, rows in an order shuffled with ``seed``. Every index
+        appears once.
+
+    Raises:
+        ValueError: a length is not a positive integer or exceeds ``capacity``, or ``window < 1``.
+
+    Example:
+        >>> windowed_best_fit([5, 3, 2, 4, 4, 2], capacity=10, seed=0, window=1)  # next fit in the order 3 2 5 4 0 1
+        [[2, 3, 5], [0, 4], [1]]
+    """
+    array = _as_lengths(lengths, capacity)
+    capacity = int(capacity)
+    window = check_positive_int(window, "window")
+    rng = np.random.default_rng(seed)
+    values = array.tolist()
+    rows: list[list[int]] = []
+    open_rows: list[list[int]] = []  # [free space, row id]
+    for i in rng.permutation(array.size).tolist():
+        length = values[i]
+        best = None
+        for entry in open_rows:
+            if entry[0] >= length and (best is None or entry[0] < best[0]):
+                best = entry
+        if best is None:
+            if len(open_rows) >= window:
+                open_rows.remove(min(open_rows, key=lambda entry: entry[0]))
+            best = [capacity, len(rows)]
+            rows.append([])
+            open_rows.append(best)
+        best[0] -= length
+        rows[best[1]].append(i)
+        if best[0] == 0:
+            open_rows.remove(best)
+    return [sorted(rows[r]) for r in rng.permutation(len(rows)).tolist()]
+
+
 def balanced_step_order(samples_per_row: Sequence[int] | np.ndarray, rows_per_step: int, *, seed: int) -> list[int]:
     """An order of the rows in which every ``rows_per_step`` consecutive rows (one optimizer step) hold about the same
     number of samples.
