@@ -16,7 +16,7 @@ epochs:
 It ends with a table (training wall-clock, real tokens per second, final training loss and the loss per token on
 held-out samples, computed the same way for both runs), one line saying whether the packed run's held-out loss is
 within the seed noise that ``benchmarks/bench_quality.py`` measured in this same configuration (the standard
-deviation of the padded run's held-out loss over 15 seeds, read from ``benchmarks/RESULTS_quality_full.json``), and
+deviation of the padded run's held-out loss over 15 seeds, read from ``benchmarks/RESULTS_quality.json``), and
 a PNG plot of the training loss against wall-clock time (which run is faster) and against samples trained on
 (whether the same samples teach as much). The defaults are the benchmark's configuration: rows of 512 tokens, two
 per optimizer step (about 10 samples), one epoch. With them on a 2-core CPU (torch 2.13, transformers 5.23, TRL

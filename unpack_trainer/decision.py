@@ -205,7 +205,11 @@ def decide(
                 overridden_request=True,
             )
         return PackingDecision(
-            "pack", "packing=True: global best-fit-decreasing packing" + probe_note, patch=registered, probe=True
+            "pack",
+            f"packing=True: global best-fit packing (packing_order={getattr(config, 'packing_order', 'decreasing')!r})"
+            + probe_note,
+            patch=registered,
+            probe=True,
         )
     if explicit_padding_free:
         if reason is not None:

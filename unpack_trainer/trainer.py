@@ -103,8 +103,8 @@ def _keep_batches_whole(trl_args: Any, args: Any) -> None:
 class SFTTrainer(trl.SFTTrainer):
     """Drop-in for [`trl.SFTTrainer`]: ``from unpack_trainer import SFTTrainer`` and nothing else changes.
 
-    With ``packing=True`` the whole training set is packed with global best-fit decreasing into rows of
-    ``max_length`` tokens; with packing off and ``padding_free`` not set, each batch is flattened into one row
+    With ``packing=True`` the whole training set is packed into rows of ``max_length`` tokens (``packing_order``:
+    by default rows of samples that follow each other in a seeded random order, see [`SFTConfig`]); with packing off and ``padding_free`` not set, each batch is flattened into one row
     (padding-free). Either way positions restart per sample, no label crosses a sample boundary, and attention never
     crosses a sample: the model's attention is patched for registered architectures, and a contamination probe runs
     on the actual model before training. Every decision is logged once with its reason; see
