@@ -350,7 +350,7 @@ def analyze(
     """
     import numpy as np
 
-    from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit
+    from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit, windowed_best_fit
 
     lengths, trained = prepared_samples(train_dataset, tokenizer, max_length)
     lengths_array, trained_array = np.asarray(lengths), np.asarray(trained)
@@ -365,7 +365,8 @@ def analyze(
         "per-sample loss",
     ]
     table = []
-    for arm in ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_balanced", "packed_shuffled_cap"):
+    arms = ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_balanced", "packed_shuffled_cap")
+    for arm in (*arms, "packed_windowed_balanced"):
         stats: dict[str, list[float]] = {}
         for seed in seeds:
             rng = np.random.default_rng(seed)
@@ -376,10 +377,12 @@ def analyze(
             else:
                 if arm == "packed_bfd":
                     rows = best_fit_decreasing(lengths_array, max_length, seed=seed)
+                elif arm == "packed_windowed_balanced":
+                    rows = windowed_best_fit(lengths_array, max_length, seed=seed)
                 else:
                     bound = max_per_row if arm == "packed_shuffled_cap" else None
                     rows = shuffled_best_fit(lengths_array, max_length, seed=seed, max_samples_per_row=bound)
-                if arm == "packed_shuffled_balanced":
+                if arm in ("packed_shuffled_balanced", "packed_windowed_balanced"):
                     order = balanced_step_order([len(r) for r in rows], rows_per_step, seed=seed)
                 else:
                     order = rng.permutation(len(rows)).tolist()
