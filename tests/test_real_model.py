@@ -25,6 +25,8 @@ import textwrap
 import pytest
 import torch
 
+from unpack_trainer.tiny import packed_batch, padded_batch
+
 pytestmark = [
     pytest.mark.real,
     pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning"),
@@ -77,32 +79,6 @@ def chat_samples(tokenizer, n=NUM_SAMPLES, max_tokens=MAX_SAMPLE_TOKENS) -> list
 @pytest.fixture(scope="module")
 def samples(tokenizer):
     return chat_samples(tokenizer)
-
-
-def packed_batch(samples) -> dict:
-    """One row holding every sample, in the collator's contract (no attention mask, restarting positions)."""
-    from unpack_trainer.collator import packed_metadata
-
-    ids = torch.cat(samples)[None]
-    labels = ids.clone()
-    start = 0
-    for sample in samples:
-        labels[0, start] = -100
-        start += len(sample)
-    metadata = packed_metadata([len(s) for s in samples])
-    return {"input_ids": ids, "labels": labels, **metadata, "position_ids": metadata["position_ids"].view(1, -1)}
-
-
-def padded_batch(samples, pad_token_id: int) -> dict:
-    longest = max(len(s) for s in samples)
-    ids = torch.full((len(samples), longest), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids[row, : len(sample)] = sample
-        mask[row, : len(sample)] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 @torch.no_grad()
@@ -238,7 +214,7 @@ def test_lora_loss_and_grads_packed_match_padded(folder, samples, tokenizer):
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
     model = patch_model(get_peft_model(_load(folder), lora)).train()
-    padded_loss, padded = _loss_and_lora_grads(model, padded_batch(samples, tokenizer.pad_token_id))
+    padded_loss, padded = _loss_and_lora_grads(model, padded_batch(samples, pad_token_id=tokenizer.pad_token_id))
     packed_loss, packed = _loss_and_lora_grads(model, packed_batch(samples))
     assert abs(float(packed_loss - padded_loss)) <= FP32_REL * abs(float(padded_loss))
     assert len(padded) == 30 * 4 * 2 and padded.keys() == packed.keys()

@@ -1,6 +1,7 @@
 """Tiny models of any architecture and a character-level tokenizer, built locally (no hub downloads).
 
-The one home for "a tiny model of architecture X": the coverage check (:mod:`unpack_trainer.models.coverage`), the
+The one home for "a tiny model of architecture X", and for the two batches every equivalence check compares (the same
+samples packed in one row, and padded): the coverage check (:mod:`unpack_trainer.models.coverage`), the
 default data's tiny Llama (:func:`unpack_trainer.default_data.tiny_model_config`), the tests (through the fixtures in
 ``tests/conftest.py``) and the scripts they launch all build their models here.
 
@@ -19,7 +20,7 @@ import logging
 import string
 from typing import Any
 
-__all__ = ["TINY_SIZES", "char_tokenizer", "config_class", "tiny_config", "tiny_model"]
+__all__ = ["TINY_SIZES", "char_tokenizer", "config_class", "packed_batch", "padded_batch", "tiny_config", "tiny_model"]
 
 # Tiny sizes, applied to every config attribute of that name the config class has (see tiny_config).
 TINY_SIZES: dict[str, Any] = dict(
@@ -179,3 +180,48 @@ def char_tokenizer() -> Any:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def packed_batch(samples: list[Any]) -> dict[str, Any]:
+    """The samples in one packed row, in the collator's contract: ``input_ids`` / ``labels`` ``(1, total_tokens)``
+    int64 with ``-100`` at each sample's first label, no ``attention_mask``, and
+    [`unpack_trainer.collator.packed_metadata`] (restarting ``position_ids`` ``(1, total_tokens)``,
+    ``packed_seq_lengths``, ``cu_seq_lens_*``, ``max_length_*``).
+
+    Args:
+        samples: 1-D int64 tensors of token ids.
+    """
+    import torch
+
+    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
+
+    ids = torch.cat(samples).unsqueeze(0)
+    labels = ids.clone()
+    start = 0
+    for sample in samples:
+        labels[0, start] = IGNORE_INDEX
+        start += len(sample)
+    return {"input_ids": ids, "labels": labels, **packed_metadata([len(s) for s in samples])}
+
+
+def padded_batch(samples: list[Any], *, pad_token_id: int = 0, left: bool = False) -> dict[str, Any]:
+    """The samples as one padded batch: ``input_ids`` / ``attention_mask`` / ``labels`` ``(num_samples, longest)``
+    int64, padding ``pad_token_id`` on the right (``left=True``: on the left), labels ``-100`` on padding and on each
+    sample's first token, as in a packed row.
+
+    Args:
+        samples: 1-D int64 tensors of token ids.
+    """
+    import torch
+
+    longest = max(len(s) for s in samples)
+    ids = torch.full((len(samples), longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        span = slice(longest - len(sample), longest) if left else slice(0, len(sample))
+        ids[row, span] = sample
+        mask[row, span] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    for row, sample in enumerate(samples):
+        labels[row, longest - len(sample) if left else 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

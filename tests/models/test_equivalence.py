@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import attention as attention_module
+from unpack_trainer.tiny import padded_batch
 
 VOCAB = 128
 # On top of unpack_trainer.tiny's sizes (2 layers, 4 heads, 2 key/value heads, vocabulary 128, initializer range 0.1,
@@ -98,20 +99,6 @@ def packed_batch(samples, *, row_len: int | None = None, rows: int = 1) -> dict:
         "max_length_q": int(seq_lengths.max()),
         "max_length_k": int(seq_lengths.max()),
     }
-
-
-def padded_batch(samples, *, left: bool = False) -> dict:
-    longest = max(len(s) for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        span = slice(longest - len(sample), longest) if left else slice(0, len(sample))
-        ids[row, span] = sample
-        mask[row, span] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    for row, sample in enumerate(samples):
-        labels[row, longest - len(sample) if left else 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def logits_alone(model, samples) -> list[torch.Tensor]:

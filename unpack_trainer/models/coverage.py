@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.tiny import TINY_SIZES, _quiet, config_class, tiny_config, tiny_model
+from unpack_trainer.tiny import TINY_SIZES, _quiet, config_class, packed_batch, padded_batch, tiny_config, tiny_model
 
 __all__ = ["VERIFIED_MODEL_TYPES", "Outcome", "check_model_type", "coverage_table", "run_coverage"]
 
@@ -191,30 +191,6 @@ def _samples(lengths: tuple[int, ...] = SAMPLE_LENGTHS, seed: int = 1) -> list[t
     return [torch.randint(3, VOCAB, (length,), generator=generator) for length in lengths]
 
 
-def _packed_batch(samples: list[torch.Tensor]) -> dict[str, Any]:
-    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
-
-    ids = torch.cat(samples).unsqueeze(0)
-    labels = ids.clone()
-    start = 0
-    for sample in samples:
-        labels[0, start] = IGNORE_INDEX
-        start += len(sample)
-    return {"input_ids": ids, "labels": labels, **packed_metadata([len(s) for s in samples])}
-
-
-def _padded_batch(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    longest = max(len(s) for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids[row, : len(sample)] = sample
-        mask[row, : len(sample)] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 # Absolute floor of the comparison: gradients that are zero in exact arithmetic (the bias of the key projection:
 # softmax does not change when a constant is added to every score of a query) come out as rounding noise ~1e-10.
 ZERO = 1e-8
@@ -295,10 +271,10 @@ def _verify(model_type: str, config: Any, implementation: str, attention_layers:
     samples = _samples()
     with torch.no_grad():
         alone = [model(input_ids=sample.unsqueeze(0), use_cache=False).logits[0] for sample in samples]
-    padded_loss, padded_grads = _loss_and_grads(model, _padded_batch(samples))
+    padded_loss, padded_grads = _loss_and_grads(model, padded_batch(samples))
     patch_model(model)
     try:
-        packed = _packed_batch(samples)
+        packed = packed_batch(samples)
         spies = _Spies()
         with spies.active(), torch.no_grad():
             logits = model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
