@@ -1033,10 +1033,8 @@ def test_family_quirks_on_a_forced_backend_that_cannot(model_type, backend, monk
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa", "eager"])
-@pytest.mark.parametrize("window", [None, 16])
-def test_real_kernels_on_cuda(backend, window, monkeypatch):
+def _force_available_backend(backend, monkeypatch):
+    """Skip unless ``backend``'s kernel is installed, then force it through the environment variable."""
     if backend == "flash":
         pytest.importorskip("flash_attn")
     if backend == "xformers":
@@ -1044,6 +1042,13 @@ def test_real_kernels_on_cuda(backend, window, monkeypatch):
     if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
         pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa", "eager"])
+@pytest.mark.parametrize("window", [None, 16])
+def test_real_kernels_on_cuda(backend, window, monkeypatch):
+    _force_available_backend(backend, monkeypatch)
     lengths = [40, 1, 97, 3, 64, 11]
     q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16, device="cuda")
     out, _ = packed_attention_forward(
@@ -1067,13 +1072,7 @@ def test_real_kernels_on_cuda(backend, window, monkeypatch):
 @pytest.mark.parametrize(("dim", "v_dim"), [(192, 128), (20, 12)])
 def test_real_kernels_value_head_dim_on_cuda(backend, dim, v_dim, monkeypatch):
     """MLA shapes (deepseek_v3: 192 / 128) and head dims that are not a multiple of 8, on the real kernels."""
-    if backend == "flash":
-        pytest.importorskip("flash_attn")
-    if backend == "xformers":
-        pytest.importorskip("xformers")
-    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
-        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
-    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    _force_available_backend(backend, monkeypatch)
     lengths = [40, 1, 97, 3, 64, 11]
     q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, dtype=torch.bfloat16, device="cuda")
     out, _ = packed_attention_forward(
