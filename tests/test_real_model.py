@@ -25,7 +25,7 @@ import textwrap
 import pytest
 import torch
 
-from unpack_trainer.tiny import packed_batch, padded_batch
+from unpack_trainer.tiny import loss_and_grads, packed_batch, padded_batch
 
 pytestmark = [
     pytest.mark.real,
@@ -198,15 +198,6 @@ def test_selfcheck_is_conclusive_and_passes(folder):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _loss_and_lora_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 def test_lora_loss_and_grads_packed_match_padded(folder, samples, tokenizer):
     from peft import LoraConfig, get_peft_model
 
@@ -214,8 +205,8 @@ def test_lora_loss_and_grads_packed_match_padded(folder, samples, tokenizer):
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
     model = patch_model(get_peft_model(_load(folder), lora)).train()
-    padded_loss, padded = _loss_and_lora_grads(model, padded_batch(samples, pad_token_id=tokenizer.pad_token_id))
-    packed_loss, packed = _loss_and_lora_grads(model, packed_batch(samples))
+    padded_loss, padded = loss_and_grads(model, padded_batch(samples, pad_token_id=tokenizer.pad_token_id))
+    packed_loss, packed = loss_and_grads(model, packed_batch(samples))
     assert abs(float(packed_loss - padded_loss)) <= FP32_REL * abs(float(padded_loss))
     assert len(padded) == 30 * 4 * 2 and padded.keys() == packed.keys()
     for name, grad in padded.items():

@@ -20,7 +20,16 @@ import logging
 import string
 from typing import Any
 
-__all__ = ["TINY_SIZES", "char_tokenizer", "config_class", "packed_batch", "padded_batch", "tiny_config", "tiny_model"]
+__all__ = [
+    "TINY_SIZES",
+    "char_tokenizer",
+    "config_class",
+    "loss_and_grads",
+    "packed_batch",
+    "padded_batch",
+    "tiny_config",
+    "tiny_model",
+]
 
 # Tiny sizes, applied to every config attribute of that name the config class has (see tiny_config).
 TINY_SIZES: dict[str, Any] = dict(
@@ -225,3 +234,28 @@ def padded_batch(samples: list[Any], *, pad_token_id: int = 0, left: bool = Fals
     for row, sample in enumerate(samples):
         labels[row, longest - len(sample) if left else 0] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def loss_and_grads(
+    model: Any, batch: dict[str, Any], *, skip_unused: bool = False, **forward: Any
+) -> tuple[Any, dict]:
+    """The loss of one forward of ``batch`` (plus ``forward`` keyword arguments) and the gradient of every trainable
+    parameter, cloned; the model's gradients are cleared before and after.
+
+    Args:
+        skip_unused: leave out parameters that got no gradient (a mixture of experts may route no token to an
+            expert); by default every trainable parameter must have one.
+
+    Returns:
+        ``(loss, {parameter name: gradient})``, detached.
+    """
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, **forward).loss
+    loss.backward()
+    grads = {
+        name: p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad and not (skip_unused and p.grad is None)
+    }
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import attention as attention_module
-from unpack_trainer.tiny import padded_batch
+from unpack_trainer.tiny import loss_and_grads, padded_batch
 
 VOCAB = 128
 # On top of unpack_trainer.tiny's sizes (2 layers, 4 heads, 2 key/value heads, vocabulary 128, initializer range 0.1,
@@ -139,15 +139,6 @@ def assert_samples_match(model, samples, batch, rows: int = 1, rel: float = REL)
         zip(packed_logits_per_sample(packed, samples, rows), logits_alone(model, samples))
     ):
         assert_rel_close(got, want, rel, f"sample {index} (length {len(samples[index])})")
-
-
-def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def assert_loss_and_grads_match(model, samples, rel: float = REL) -> None:

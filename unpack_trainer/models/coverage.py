@@ -25,7 +25,16 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.tiny import TINY_SIZES, _quiet, config_class, packed_batch, padded_batch, tiny_config, tiny_model
+from unpack_trainer.tiny import (
+    TINY_SIZES,
+    _quiet,
+    config_class,
+    loss_and_grads,
+    packed_batch,
+    padded_batch,
+    tiny_config,
+    tiny_model,
+)
 
 __all__ = ["VERIFIED_MODEL_TYPES", "Outcome", "check_model_type", "coverage_table", "run_coverage"]
 
@@ -204,15 +213,6 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> str | Non
     return None
 
 
-def _loss_and_grads(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 class _Spies:
     """Counts packed-helper backend calls and calls of transformers' own mask functions while active."""
 
@@ -271,7 +271,7 @@ def _verify(model_type: str, config: Any, implementation: str, attention_layers:
     samples = _samples()
     with torch.no_grad():
         alone = [model(input_ids=sample.unsqueeze(0), use_cache=False).logits[0] for sample in samples]
-    padded_loss, padded_grads = _loss_and_grads(model, padded_batch(samples))
+    padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
     patch_model(model)
     try:
         packed = packed_batch(samples)
@@ -291,7 +291,7 @@ def _verify(model_type: str, config: Any, implementation: str, attention_layers:
             if problem:
                 return problem
             start += len(sample)
-        packed_loss, packed_grads = _loss_and_grads(model, packed)
+        packed_loss, packed_grads = loss_and_grads(model, packed, skip_unused=True, use_cache=False)
         problem = _close(packed_loss, padded_loss, f"{implementation}: loss")
         if problem:
             return problem
