@@ -11,7 +11,7 @@ import trl
 from datasets import Dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-import unpack_trainer.trainer as trainer_module
+import unpack_trainer.trainers._packed as trainer_module
 from unpack_trainer import PACKED_BATCH_KEYS, DataCollatorForPacking, SFTTrainer
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
