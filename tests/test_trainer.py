@@ -195,6 +195,17 @@ def test_one_step_equals_padded_training(
     _assert_same_params(param_snapshot(ours.model), param_snapshot(padded.model))
 
 
+@pytest.mark.parametrize("mode", ["pack", "padding_free"])
+def test_trained_model_can_be_saved_whole(tokenizer, tmp_path, mode, sft_args, sft_train):
+    """Issue 20 item 3: ``torch.save(trainer.model)`` failed after a packed or padding-free run (the self-check left
+    transformers' output-capturing hooks, local functions, on the model)."""
+    import io
+
+    trainer, _ = sft_train(tokenizer, sft_args(tmp_path, packing=mode == "pack"))
+    assert trainer.unpack_decision.mode == mode and trainer.unpack_selfcheck.ok
+    torch.save(trainer.model, io.BytesIO())
+
+
 def test_gradient_accumulation_counts_boundary_tokens_once(tokenizer, tmp_path, param_snapshot, sft_args, sft_train):
     common = dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, max_steps=2)
     ours, ours_result = sft_train(tokenizer, sft_args(tmp_path, **common))
