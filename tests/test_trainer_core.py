@@ -4,14 +4,17 @@ and the hooks a trainer built on the core implements."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import trl
+from datasets import Dataset, Features, IterableDataset, Value
 
 from unpack_trainer import SFTConfig, SFTTrainer, _trl_compat
 from unpack_trainer.config import convert_config
 from unpack_trainer.sampler import BalancedStepSampler
 from unpack_trainer.trainers import PackedTrainerMixin
+from unpack_trainer.trainers._packed import _first_example
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -105,3 +108,55 @@ def test_sft_trainer_is_the_core_in_front_of_trls_trainer():
     from unpack_trainer import trainer
 
     assert trainer.SFTTrainer is SFTTrainer  # the former module stays importable
+
+
+# ------------------------------------------------------------------------------------------------ what the core reads
+
+_STREAM: list = []  # the one-shot source of _one_shot_rows (a module-level function: datasets hashes it by reference)
+_FEATURES = Features({"prompt": Value("string"), "completion": Value("string")})
+
+
+def _one_shot_rows():
+    yield from _STREAM[0]
+
+
+def _one_shot_stream(n: int) -> IterableDataset:
+    _STREAM[:] = [iter([{"prompt": f"ab{'a' * i}", "completion": "ba"} for i in range(n)])]
+    return IterableDataset.from_generator(_one_shot_rows, features=_FEATURES)
+
+
+def test_the_decision_reads_no_example_of_a_one_shot_stream():
+    """Issue 20 item 7: ``_first_example`` consumed the first example of a one-shot iterable training set."""
+    stream = _one_shot_stream(3)
+    assert set(_first_example(stream)) == {"prompt", "completion"}
+    assert next(iter(stream))["prompt"] == "ab"  # still the first example
+    rows = Dataset.from_list([{"prompt": "x", "completion": "y"}, {"prompt": "z", "completion": "w"}])
+    assert _first_example(rows) == {"prompt": "x", "completion": "y"}
+
+
+def test_an_empty_declared_stream_is_the_clear_empty_error(tokenizer, tmp_path, sft_args, tiny_llama):
+    with pytest.raises(ValueError, match=r"`train_dataset` is empty \(0 examples\)"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True, max_steps=1),
+            train_dataset=_one_shot_stream(0),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize("padding_free", [False, None])
+def test_packing_says_once_that_its_rows_are_padding_free(
+    tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama, padding_free
+):
+    """Issue 20 item 9: ``packing=True, padding_free=False`` packed padding-free rows without a word."""
+    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True, padding_free=padding_free),
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )
+    assert trainer.unpack_decision.mode == "pack"
+    said = [r for r in caplog.records if "padding_free=False has no effect with packing=True" in r.getMessage()]
+    assert len(said) == (1 if padding_free is False else 0)
+    assert all(r.levelno == logging.WARNING for r in said)

@@ -56,13 +56,31 @@ def _model_config(model: Any, args: Any) -> Any:
 
 
 def _first_example(dataset: Any) -> dict[str, Any] | None:
-    """The training set's first example; ``ValueError`` for an empty one (nothing to train on)."""
+    """What the decision reads of the training set, consuming nothing from it where it can.
+
+    A map-style dataset: ``dataset[0]``. An ``IterableDataset`` whose features are declared: its columns (values
+    ``None``), so nothing is read and a one-shot stream keeps its first example. Any other iterable: its first example
+    (TRL's ``__init__`` reads it too). ``ValueError`` for an empty dataset (nothing to train on).
+    """
     if dataset is None:
         return None
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        if len(dataset) == 0:
+            raise empty_train_dataset_error()
+        return dataset[0]
+    features = getattr(dataset, "features", None)
+    if features is not None:
+        return dict.fromkeys(features)
     try:
         return next(iter(dataset))
     except StopIteration:
-        raise ValueError("`train_dataset` is empty (0 examples); training needs at least one example.") from None
+        raise empty_train_dataset_error() from None
+
+
+def empty_train_dataset_error() -> ValueError:
+    """The error for a training set with no example (raise it where TRL's ``__init__`` hits the end of an empty
+    stream: ``StopIteration``)."""
+    return ValueError("`train_dataset` is empty (0 examples); training needs at least one example.")
 
 
 def _registry() -> tuple[frozenset[str], dict[str, str]]:
@@ -224,7 +242,17 @@ class PackedTrainerMixin:
                 "check the labels."
             )
         decision = self.unpack_decision
-        note = neftune_note(self._unpack_args, decision)
+        args = self._unpack_args
+        if decision.mode == "pack" and args.padding_free is False:
+            log_once(
+                logger,
+                logging.WARNING,
+                "padding_free=False has no effect with packing=True: packed rows are always padding-free (samples "
+                "share a row without padding between them, positions restart per sample and attention stays inside "
+                "each sample). Set packing=False to train on padded batches, or leave padding_free unset to silence "
+                "this.",
+            )
+        note = neftune_note(args, decision)
         if note is not None:
             log_once(logger, logging.WARNING, note)
         if self._unpack_eval_note is not None and eval_dataset is not None:

@@ -33,7 +33,7 @@ from unpack_trainer.data_utils import (
 )
 from unpack_trainer.estimate import estimated_speedup
 from unpack_trainer.loss import sample_weights
-from unpack_trainer.trainers._packed import PackedTrainerMixin
+from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
 
 
 class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
@@ -88,7 +88,12 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
                 kwargs.get(name) is not None for name in ("compute_metrics", "preprocess_logits_for_metrics")
             ),
         )
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        try:
+            super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        except StopIteration:  # TRL reads the first example of the training set: an empty stream
+            if self._unpack_disabled:
+                raise
+            raise empty_train_dataset_error() from None
         self._unpack_after_init(train_dataset, eval_dataset)
 
     # ------------------------------------------------------------------------------------------------ hooks
