@@ -22,6 +22,8 @@ TRAINER_METHODS: tuple[str, ...] = (
     "get_eval_dataloader",
     "get_test_dataloader",
     "get_tp_size",
+    "evaluation_loop",  # eval_loss weighed by what each batch holds (streamed sets, per-sample loss)
+    "prediction_step",
 )
 # Attributes transformers' Trainer sets in ``__init__`` or per step that the core reads or writes.
 TRAINER_ATTRIBUTES: tuple[str, ...] = ("loss_is_scaled_for_ga", "label_smoother", "compute_loss_func", "accelerator")

@@ -21,7 +21,8 @@ class SFTConfig(trl.SFTConfig):
             Whether to flatten each batch into one row without padding (positions restart per example, no example
             attends to another). `None` lets the trainer decide: it turns padding-free on when the model, collator and
             data allow it and logs why (set `UNPACK_DISABLE_AUTO_PADDING_FREE=1` to keep padded batches). `False` is
-            never overridden. With `packing=True`, rows are always padding-free. Unlike stock TRL, `max_length` is
+            never overridden. With `packing=True`, rows are always padding-free (`False` then has no effect, which a
+            warning says once). Unlike stock TRL, `max_length` is
             enforced (truncation exactly as padded training does), on every attention backend. The automatic choice
             stays off with `neftune_noise_alpha` (its noise scale depends on the row length), and evaluation stays
             padded when `compute_metrics` / `preprocess_logits_for_metrics` is set (unless `eval_packing=True` or
@@ -54,7 +55,8 @@ class SFTConfig(trl.SFTConfig):
             trained token of the step (all gradient-accumulation micro-batches and processes), so a sample weighs
             as much as its number of trained tokens. `"sample"`: the mean over the step's samples of each sample's
             mean token loss, so every sample weighs the same whatever its length; a packed row counts each of its
-            samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss.
+            samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss
+            (`eval_loss`: the mean over the evaluation set's samples, each evaluation batch weighed by its samples).
             Not supported with `loss_type="dft"`, label smoothing or a custom `compute_loss_func`. On the quality
             benchmark's first, 2,000-sample run (README), `"sample"` raised the packed held-out loss per token by 0.12
             against padded training.

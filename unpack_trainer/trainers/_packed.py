@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 from transformers import AutoConfig
+from transformers.trainer_utils import has_length
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
@@ -118,6 +119,22 @@ def _attention_backend(model: Any, patched: bool) -> str:
     return f"{implementation} (transformers' own packed-position path, unpatched)"
 
 
+EVAL_ITEMS_KEY = "unpack_eval_items"  # an evaluation batch's number of dataset items (int), read and removed
+
+
+class _ItemCountingCollator:
+    """``collator``'s batch plus how many dataset items it was built from (``EVAL_ITEMS_KEY``, a Python int), so
+    that evaluation can weigh each batch by what it holds (see [`PackedTrainerMixin.evaluation_loop`])."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collator(features)
+        batch[EVAL_ITEMS_KEY] = len(features)
+        return batch
+
+
 class PackedTrainerMixin:
     """The packed-trainer core, in front of a TRL trainer class; see the module docstring for the hooks.
 
@@ -187,6 +204,8 @@ class PackedTrainerMixin:
         self._unpack_user_collator = data_collator is not None
         self._unpack_counts: list[TruncationCounts] = []
         self._unpack_sample_loss = False
+        self._unpack_batches_whole = False
+        self._unpack_eval_weights: list[tuple[torch.Tensor, int]] | None = None
         self._unpack_raw = {"train": train_dataset, "eval": eval_dataset}
         if args is not None:
             args = convert_config(args, self.unpack_config_class)
@@ -219,6 +238,7 @@ class PackedTrainerMixin:
         trl_args.packing = bool(args.packing) and decision.mode in ("pack", "stock")
         if decision.packed:
             _keep_batches_whole(trl_args, args)
+            self._unpack_batches_whole = True
         self._unpack_mode = decision.mode
         return trl_args
 
@@ -280,25 +300,73 @@ class PackedTrainerMixin:
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         self._unpack_check_before_first_batch()
-        with self._unpack_eval_collator():
+        if eval_dataset is None or isinstance(eval_dataset, str):
+            named = self.eval_dataset
+            dataset = named[eval_dataset] if isinstance(eval_dataset, str) and isinstance(named, dict) else named
+        else:
+            dataset = eval_dataset
+        with self._unpack_eval_collator(dataset):
             return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         self._unpack_check_before_first_batch()
-        with self._unpack_eval_collator():
+        with self._unpack_eval_collator(test_dataset):
             return super().get_test_dataloader(test_dataset)
 
     @contextlib.contextmanager
-    def _unpack_eval_collator(self) -> Iterator[None]:
-        """Evaluation batches padded (one row per example) when [`eval_batches`] said so, flattened otherwise."""
-        if not self.unpack_decision.packed or self._unpack_eval_flattened:
-            yield
-            return
-        collator, self.data_collator = self.data_collator, self._padded_collator()
+    def _unpack_eval_collator(self, dataset: Any) -> Iterator[None]:
+        """Evaluation batches padded (one row per example) when [`eval_batches`] said so, flattened otherwise; and
+        counted (each batch carries its number of dataset items) when transformers would weigh them wrongly: a
+        dataset without a length read without batch dispatching (accelerate cannot know the short last batch), or
+        ``loss_normalization="sample"`` (a batch weighs its samples, not its rows)."""
+        collator = self.data_collator
+        if self.unpack_decision.packed and not self._unpack_eval_flattened:
+            self.data_collator = self._padded_collator()
+        streamed = self._unpack_batches_whole and not has_length(dataset)
+        if streamed or self._unpack_sample_loss:
+            self.data_collator = _ItemCountingCollator(self.data_collator)
         try:
             yield
         finally:
             self.data_collator = collator
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, with ``eval_loss`` the mean of the batch losses weighed by what each batch holds when its
+        batches were counted ([`_unpack_eval_collator`]): its dataset items (what transformers weighs by, but it
+        counts a short last batch of a stream as full), or with ``loss_normalization="sample"`` its samples with a
+        trained token (a packed row holds several). Non-finite batch losses are left out as transformers does
+        (``logging_nan_inf_filter``). Across processes, the sums are added up."""
+        self._unpack_eval_weights = []
+        try:
+            output = super().evaluation_loop(*args, **kwargs)
+            recorded = self._unpack_eval_weights
+        finally:
+            self._unpack_eval_weights = None
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        key = f"{prefix}_loss"
+        if recorded and key in output.metrics:
+            losses = torch.stack([loss for loss, _ in recorded]).double()
+            weights = torch.tensor([weight for _, weight in recorded], dtype=torch.float64, device=losses.device)
+            finite = torch.isfinite(losses)
+            if self.args.logging_nan_inf_filter and bool(finite.any()):
+                losses, weights = losses[finite], weights[finite]
+            totals = torch.stack([(losses * weights).sum(), weights.sum()]).to(self.args.device)
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals, reduction="sum")
+            output.metrics[key] = float(totals[0] / totals[1].clamp(min=1))
+        return output
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> Any:
+        """The parent's, after taking the batch's item count off ``inputs`` (see [`evaluation_loop`])."""
+        items = inputs.pop(EVAL_ITEMS_KEY, None)
+        output = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        loss = output[0]
+        if items is not None and loss is not None and self._unpack_eval_weights is not None:
+            weight = self._count_samples(inputs) if self._unpack_sample_loss else items
+            self._unpack_eval_weights.append((loss.detach().float().mean(), weight))
+        return output
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
