@@ -22,7 +22,12 @@ and implements the hooks below (they are what differs between SFT, DPO, ...):
 
 Class attributes: ``unpack_config_class`` (our config class, e.g. [`unpack_trainer.SFTConfig`]; any other
 ``TrainingArguments`` is converted to it), ``unpack_trl_class`` (the TRL trainer class behind the mixin, whose private
-names [`unpack_trainer._trl_compat`] checks) and ``unpack_name`` (the start line's prefix).
+names [`unpack_trainer._trl_compat`] checks) and ``unpack_name`` (the start line's prefix). The config class has
+TRL's fields the decision reads (``packing``, ``padding_free``, ``max_length``, ...) and ours the core reads
+(``loss_normalization``, ``balance_samples_per_step``; see [`unpack_trainer.SFTConfig`] for their meaning).
+
+Evaluation: ``eval_loss`` is recomputed from batch weights (see [`PackedTrainerMixin.evaluation_loop`]) when
+transformers would weigh the batches wrongly; the hooks above are all it needs.
 """
 
 from __future__ import annotations
