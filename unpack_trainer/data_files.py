@@ -261,8 +261,17 @@ def resolve_files(path: Paths, *, suffixes: Sequence[str] = _STREAMED_SUFFIXES) 
 
     Raises:
         FileNotFoundError: nothing exists at ``path`` and no file matches it as a pattern.
-        ValueError: a directory without any data file, or a file whose name ends with none of ``suffixes``.
+        ValueError: an empty path (``""``) or an empty list, a directory without any data file, or a file whose
+            name ends with none of ``suffixes``.
     """
+    entries = list(path) if isinstance(path, (list, tuple)) else [path]
+    if not entries:
+        raise ValueError("The list of data paths is empty; pass at least one file, directory or glob pattern.")
+    for entry in entries:
+        if not os.fspath(entry).strip():
+            raise ValueError(
+                f"A data path is empty ({os.fspath(entry)!r}); pass a file, a directory or a glob pattern."
+            )
     if isinstance(path, (list, tuple)):
         return [file for entry in path for file in resolve_files(entry, suffixes=suffixes)]
     path = os.fspath(path)
