@@ -160,8 +160,10 @@ def check_split(dataset: Any, *, source: str, split: str, text_field: str = "tex
     TRL's ``SFTTrainer`` reads, or a row whose column is null (a JSON Lines row without the field, or with
     ``null``). The message names the file and line (JSON Lines) or the row, and the field.
 
-    A streamed split (``IterableDataset``) is not read here: the trainer checks its rows as they come.
+    A streamed split (``IterableDataset``, ``--dataset_streaming``) is not read here: that would read the stream
+    before training (an empty local file is still caught when it is opened).
     """
+    import pyarrow.compute as pc
     from datasets import Dataset
 
     if not isinstance(dataset, Dataset):
@@ -176,8 +178,6 @@ def check_split(dataset: Any, *, source: str, split: str, text_field: str = "tex
         values = table[column]
         if not values.null_count:
             continue
-        import pyarrow.compute as pc
-
         row = int(pc.index(pc.is_null(values), True).as_py())
         located = _json_lines_record(Path(source).expanduser(), row)
         if located is not None:
