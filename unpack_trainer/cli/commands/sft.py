@@ -39,7 +39,9 @@ passed on, as `trl sft` does). What differs from `trl sft`:
     folder written by Dataset.save_to_disk;
   * offline names: --model_name_or_path unpack_trainer:smollm2 (SmolLM2-135M-Instruct from the `real` extra,
     converted once into ~/.cache/unpack_trainer; `unpack-trainer smollm2` prints its folder) and --dataset_name
-    unpack_trainer:chat (the embedded instruction data, conversational; unpack_trainer:default: plain strings).
+    unpack_trainer:chat (the embedded instruction data, conversational; unpack_trainer:default: plain strings);
+  * a bad input (--max_length below 1, a model or data path that does not exist, an empty data file, a missing
+    split, a row without its field or with it null) is one line on stderr and exit status 2, not a traceback.
 """
 
 EPILOG = """\
