@@ -15,8 +15,8 @@ epochs:
 
 It ends with a table (training wall-clock, real tokens per second, final training loss and the loss per token on
 held-out samples, computed the same way for both runs), one line saying whether the packed run's held-out loss is
-within the seed noise that ``benchmarks/bench_quality.py`` measured in this same configuration (the standard
-deviation over 15 seeds of the packed - padded difference, read from ``benchmarks/RESULTS_quality.json``), and
+within the seed noise that ``benchmarks/bench_quality.py`` measured in this same configuration (within two standard
+deviations over 15 seeds of the packed - padded difference, read from ``benchmarks/RESULTS_quality.json``), and
 a PNG plot of the training loss against wall-clock time (which run is faster) and against samples trained on
 (whether the same samples teach as much). The defaults are the benchmark's configuration: rows of 512 tokens, two
 per optimizer step (about 10 samples), one epoch. With them on a 2-core CPU (torch 2.13, transformers 5.23, TRL
@@ -28,8 +28,8 @@ per optimizer step (about 10 samples), one epoch. With them on a 2-core CPU (tor
 
 Packing computed no padding where padded batches were 69% padding, and trained on the same tokens 3.5x faster. Over
 15 seeds (``benchmarks/bench_quality.py``) the packed held-out loss is the padded one (2.517 vs 2.510 ± 0.027); seed
-0 is one of the seeds where packing ends higher, and the verdict line says whether a run's difference is within the
-spread of that difference over seeds. The computation of a packed row itself is exact (its loss and gradients equal
+0 is one of the seeds where packing ends higher (+0.057, 1.1 standard deviations of that difference over seeds), and
+the verdict line calls it within the seed noise (it would take more than 2). The computation of a packed row itself is exact (its loss and gradients equal
 those of its samples in a padded batch).
 
 Your own model and data (a local directory from ``save_pretrained`` and a local file or ``save_to_disk``

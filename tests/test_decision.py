@@ -49,7 +49,8 @@ def _prefix_model_configs():
 
 
 CASES = [
-    # id, config kwargs, config class, decide kwargs, env, expected (mode, patch, probe, automatic, overridden, reason fragment)
+    # id, config kwargs, config class, decide kwargs, env,
+    # expected (mode, patch, self-check runs (decision.packed), automatic, overridden, reason fragment)
     (
         "disabled",
         {"packing": True},
@@ -58,7 +59,7 @@ CASES = [
         {"UNPACK_DISABLE": "1"},
         ("stock", False, False, False, False, "UNPACK_DISABLE"),
     ),
-    ("pack", {"packing": True}, SFTConfig, {}, {}, ("pack", True, True, False, False, "global best-fit")),
+    ("pack", {"packing": True}, SFTConfig, {}, {}, ("pack", True, True, False, False, "windowed best fit")),
     (
         "pack unregistered",
         {"packing": True},
@@ -250,7 +251,7 @@ CASES = [
         SFTConfig,
         {},
         {},
-        ("pack", True, True, False, False, "global best-fit"),
+        ("pack", True, True, False, False, "windowed best fit"),
     ),
     (
         "pack skip prepare",
@@ -300,7 +301,7 @@ def test_decision_table(case):
     } | decide_kwargs
     decision = decide(_config(config_cls, **config_kwargs), **kwargs)
     mode, patch, probe, automatic, overridden, fragment = expected
-    assert (decision.mode, decision.patch, decision.probe, decision.automatic, decision.overridden_request) == (
+    assert (decision.mode, decision.patch, decision.packed, decision.automatic, decision.overridden_request) == (
         mode,
         patch,
         probe,
@@ -386,3 +387,30 @@ def test_log_once_logs_once_and_only_on_the_main_process(monkeypatch, caplog):
         log_once(logger, logging.INFO, "everywhere", main_process_only=False)
     assert [r.message for r in caplog.records] == ["hello", "everywhere"]
     reset_log_once()
+
+
+@pytest.mark.parametrize(
+    "order, packer",
+    [("windowed", "windowed best fit"), ("shuffled", "shuffled best fit"), ("decreasing", "best-fit decreasing")],
+)
+def test_pack_reason_names_the_packer_that_packing_order_chooses(order, packer):
+    """The start line names the packer that runs: the default, windowed, is not a global best fit."""
+    decision = decide(
+        _config(packing=True, packing_order=order),
+        model_config=LlamaConfig(),
+        dataset_sample=TEXT,
+        supported_model_types=SUPPORTED,
+        blocklist=BLOCKLIST,
+        env={},
+    )
+    assert decision.mode == "pack" and packer in decision.reason
+    assert ("global" in decision.reason) == (order != "windowed")
+
+
+def test_packing_decision_has_no_unread_self_check_flag():
+    """The self-check runs exactly when rows are packed or flattened (``decision.packed``): no second flag for it."""
+    from dataclasses import fields
+
+    from unpack_trainer.decision import PackingDecision
+
+    assert "probe" not in {field.name for field in fields(PackingDecision)}

@@ -708,6 +708,14 @@ def test_reader_is_lazy_and_names_bad_lines(tmp_path):
         streaming_dataset_reader(tmp_path / "missing-*.parquet")
 
 
+
+@pytest.mark.parametrize("path", ["", "   ", [], ["data.jsonl", ""]])
+def test_reader_rejects_an_empty_path(path):
+    """An empty path (or an empty list of paths) is a bad argument, not a missing file."""
+    with pytest.raises(ValueError, match=r"empty") as error:
+        streaming_dataset_reader(path)
+    assert not isinstance(error.value, FileNotFoundError)
+
 def test_reader_resumes_at_a_row_and_at_a_batch(data_files):
     root, rows = data_files
     for cut in (0, 3, 10, 12, 20, 23):

@@ -261,8 +261,17 @@ def resolve_files(path: Paths, *, suffixes: Sequence[str] = _STREAMED_SUFFIXES) 
 
     Raises:
         FileNotFoundError: nothing exists at ``path`` and no file matches it as a pattern.
-        ValueError: a directory without any data file, or a file whose name ends with none of ``suffixes``.
+        ValueError: an empty path (``""``) or an empty list, a directory without any data file, or a file whose
+            name ends with none of ``suffixes``.
     """
+    entries = list(path) if isinstance(path, (list, tuple)) else [path]
+    if not entries:
+        raise ValueError("The list of data paths is empty; pass at least one file, directory or glob pattern.")
+    for entry in entries:
+        if not os.fspath(entry).strip():
+            raise ValueError(
+                f"A data path is empty ({os.fspath(entry)!r}); pass a file, a directory or a glob pattern."
+            )
     if isinstance(path, (list, tuple)):
         return [file for entry in path for file in resolve_files(entry, suffixes=suffixes)]
     path = os.fspath(path)
@@ -461,8 +470,8 @@ def read_splits(path: Paths, *, streaming: bool = False):
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        ValueError: a file with an unknown suffix, files of mixed formats, a directory without any data file, or a
-            damaged ``save_to_disk`` folder; the message names the path and what would work.
+        ValueError: a file with an unknown suffix, files of mixed formats, an empty file, a directory without any data
+            file, or a damaged ``save_to_disk`` folder; the message names the path and what would work.
     """
     from datasets import DatasetDict, load_dataset
 
@@ -475,7 +484,18 @@ def read_splits(path: Paths, *, streaming: bool = False):
     kinds = sorted({file_format(file) for file in files})
     if len(kinds) > 1:
         raise ValueError(f"The data files mix the formats {kinds}; give files of one format.")
+    for file in files:
+        _check_not_empty(file)
     return load_dataset(kinds[0], data_files={"train": files}, streaming=streaming)
+
+
+def _check_not_empty(path: str) -> None:
+    """``ValueError`` naming ``path`` if it holds nothing (no byte, or for a text format only blank lines): the
+    ``datasets`` builders fail on such a file with a bare ``StopIteration`` or a parser error."""
+    if os.path.getsize(path) == 0 or (
+        file_format(path) in ("json", "csv", "text") and next(_numbered_lines(path), None) is None
+    ):
+        raise ValueError(f"{path} is empty: it has no rows.")
 
 
 def iterable_splits(splits):

@@ -18,6 +18,7 @@ The walk of a training set through ``SFTTrainer`` with ``packing=True``::
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from datasets import Dataset, IterableDataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from unpack_trainer._logging import log_once
 from unpack_trainer._validation import Overflow, check_positive_int, check_seq_lengths
@@ -184,47 +185,141 @@ class TruncationCounts:
 
 
 def truncate_dataset(
-    dataset: Dataset | IterableDataset,
+    dataset: Any,
     max_length: int,
+    map_kwargs: dict[str, Any] | None = None,
     *,
-    truncation_mode: str = "keep_start",
-    split: bool = False,
-    name: str = "train",
-) -> tuple[Dataset | IterableDataset, TruncationCounts]:
-    """Truncate (or, with ``split``, cut into chunks) samples longer than ``max_length``, exactly as TRL's padded path
-    truncates, then drop the samples without any trained token (every label ``-100``), as padded training does.
+    truncation_mode: str | None = None,
+    split: bool | None = None,
+    name: str | None = None,
+) -> Any:
+    """Truncate the samples of a tokenized dataset to ``max_length`` tokens: TRL's ``truncate_dataset`` when called
+    as TRL calls it, the trainer's counted truncation when called with any of its options.
 
-    Every count is logged (once, ``name`` naming the dataset): up front for a map-style dataset; for a stream, the
-    first truncation when it is read, the totals accumulating in the returned counts as it is read (the trainer logs
-    them at the end of training).
+    **TRL's call**, ``truncate_dataset(dataset, max_length, map_kwargs=None)`` (``trl.experimental.utils``): every
+    list column is cut to its first ``max_length`` items; the other columns, the row count and the dataset's format
+    (``with_format``: numpy, torch, ...) are kept; a ``Dataset``, ``IterableDataset`` or a dict of them is returned.
+    Unlike TRL's, the number of samples cut is logged once (map-style datasets; streams: once, when the first is).
+
+    **The trainer's call**, with ``truncation_mode``, ``split`` or ``name``: truncate (or, with ``split``, cut into
+    chunks) samples longer than ``max_length`` exactly as TRL's padded path truncates, then drop the samples without
+    any trained token (every label ``-100``), as padded training does, and return ``(dataset, counts)``. Every count
+    is logged (once, ``name`` naming the dataset): up front for a map-style dataset; for a stream, the first
+    truncation when it is read, the totals accumulating in the returned counts as it is read (the trainer logs them
+    at the end of training).
 
     Args:
-        dataset: a tokenized ``datasets.Dataset`` or ``IterableDataset`` with ``input_ids`` and ``labels`` (lists of
-            integer ids, of equal length in each sample). Other columns are removed.
+        dataset: a tokenized ``datasets.Dataset`` or ``IterableDataset``. TRL's call: any list columns (and a
+            ``DatasetDict`` / ``IterableDatasetDict``). The trainer's call: ``input_ids`` and ``labels`` (lists of
+            integer ids, of equal length in each sample); other columns are removed.
         max_length: the most tokens a sample keeps.
-        truncation_mode: ``"keep_start"`` keeps a long sample's first ``max_length`` tokens, ``"keep_end"`` its last
-            ones (``SFTConfig.truncation_mode``).
+        map_kwargs: keyword arguments for ``dataset.map`` (``num_proc``, ``desc``, ``batch_size``, ...).
+        truncation_mode: ``"keep_start"`` (default) keeps a long sample's first ``max_length`` tokens, ``"keep_end"``
+            its last ones (``SFTConfig.truncation_mode``).
         split: cut a long sample into consecutive chunks of ``max_length`` tokens (the last one shorter) instead of
             truncating it (``packing_strategy="bfd_split"``); each chunk is a sample of its own.
-        name: the dataset's name in the log lines and errors (``"train"``, ``"eval"``).
+        name: the dataset's name in the log lines and errors (default ``"train"``).
 
     Returns:
-        ``(dataset, counts)``: the dataset with ``input_ids`` and ``labels`` only, and its [`TruncationCounts`]
-        (complete for a map-style dataset; filled as a stream is read).
+        TRL's call: the truncated dataset. The trainer's call: ``(dataset, counts)``, the dataset with ``input_ids``
+        and ``labels`` only and its [`TruncationCounts`] (complete for a map-style dataset; filled as a stream is
+        read).
 
     Raises:
-        ValueError: ``max_length`` is not a positive integer, an unknown ``truncation_mode``, or a map-style dataset
-            with no sample left (the message gives the counts).
+        ValueError: ``max_length`` is not a positive integer, an unknown ``truncation_mode``, or (the trainer's call)
+            a map-style dataset with no sample left (the message gives the counts).
 
     Example:
         >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6], [7, 8, 9]],
         ...                         "labels": [[-100, 2, 3, 4], [-100, -100], [-100, -100, 9]]})
-        >>> truncated, counts = truncate_dataset(ds, 2)   # [5, 6] and [7, 8] have no trained token: dropped
+        >>> truncate_dataset(ds, 2)[:]   # TRL's call: every list column cut, nothing dropped
+        {'input_ids': [[1, 2], [5, 6], [7, 8]], 'labels': [[-100, 2], [-100, -100], [-100, -100]]}
+        >>> truncated, counts = truncate_dataset(ds, 2, name="train")   # the trainer's: [5, 6], [7, 8] untrained
         >>> truncated[:]
         {'input_ids': [[1, 2]], 'labels': [[-100, 2]]}
         >>> counts.over, counts.cut_tokens, counts.masked_from_start, counts.masked_after_truncation
         (2, 3, 1, 1)
     """
+    if truncation_mode is None and split is None and name is None:
+        return _truncate_list_columns(dataset, max_length, map_kwargs or {})
+    return _truncate_and_count(
+        dataset,
+        max_length,
+        map_kwargs or {},
+        truncation_mode=truncation_mode or "keep_start",
+        split=bool(split),
+        name=name or "train",
+    )
+
+
+def _dataset_format(dataset: Any) -> dict[str, Any]:
+    """The ``with_format`` arguments that restore ``dataset``'s format (TRL's ``_get_dataset_format``): a map-style
+    dataset's ``format`` flattened; a stream's format type (``IterableDataset._formatting``)."""
+    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+        dataset = dataset[next(iter(dataset))]
+    if isinstance(dataset, Dataset):
+        format = dict(dataset.format)
+    else:
+        formatting = getattr(dataset, "_formatting", None)
+        format = {"type": formatting.format_type if formatting is not None else None}
+    format.update(format.pop("format_kwargs", None) or {})
+    return format
+
+
+def _is_list(data_type: pa.DataType) -> bool:
+    return pa.types.is_list(data_type) or pa.types.is_large_list(data_type)
+
+
+def _truncate_list_columns(dataset: Any, max_length: int, map_kwargs: dict[str, Any]) -> Any:
+    """TRL's ``truncate_dataset``: every list column cut to ``max_length`` items, the format kept; the count logged."""
+    max_length = check_positive_int(max_length, "max_length")
+    format = _dataset_format(dataset)
+    if isinstance(dataset, Dataset):
+        table = dataset.with_format("arrow")[:]
+        lists = [column for column in table.column_names if _is_list(table.schema.field(column).type)]
+        if lists:
+            lengths = pc.list_value_length(table[lists[0]]).to_numpy(zero_copy_only=False)
+            over = lengths > max_length
+            if over.any():
+                log_once(
+                    logger,
+                    logging.WARNING,
+                    f"truncate_dataset: {int(over.sum())} of {lengths.size} samples are longer than "
+                    f"max_length={max_length} and were truncated, dropping {int((lengths[over] - max_length).sum()):,} "
+                    f"tokens of {lists[0]!r}.",
+                )
+
+    def truncate(batch: pa.Table) -> pa.Table:
+        columns = []
+        for column in batch.columns:
+            if _is_list(column.type):
+                if (
+                    not isinstance(dataset, Dataset)
+                    and pc.any(pc.greater(pc.list_value_length(column), max_length)).as_py()
+                ):
+                    log_once(
+                        logger,
+                        logging.WARNING,
+                        f"truncate_dataset: samples longer than max_length={max_length} are truncated as they are read.",
+                    )
+                column = pc.list_slice(column, 0, max_length)
+            columns.append(column)
+        return pa.Table.from_arrays(columns, names=batch.column_names)
+
+    truncated = dataset.with_format("arrow").map(truncate, batched=True, **map_kwargs)
+    return truncated.with_format(**format)
+
+
+def _truncate_and_count(
+    dataset: Dataset | IterableDataset,
+    max_length: int,
+    map_kwargs: dict[str, Any],
+    *,
+    truncation_mode: str,
+    split: bool,
+    name: str,
+) -> tuple[Dataset | IterableDataset, TruncationCounts]:
+    """The trainer's call of [`truncate_dataset`]: truncate or split, drop what has no trained token, count."""
     check_positive_int(max_length, "max_length")
     if truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"Unsupported truncation mode: {truncation_mode}, expected 'keep_start' or 'keep_end'")
@@ -283,7 +378,7 @@ def truncate_dataset(
         return keep
 
     remove = [c for c in (dataset.column_names or []) if c not in columns]
-    dataset = dataset.map(truncate, batched=True, remove_columns=remove or None)
+    dataset = dataset.map(truncate, batched=True, remove_columns=remove or None, **map_kwargs)
     if streamed:
         return dataset.filter(trained), counts
     before = len(dataset)
@@ -318,32 +413,60 @@ def truncate_dataset(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+
+
 def pack_dataset(
-    dataset: Dataset,
-    max_length: int,
+    dataset: Any,
+    seq_length: int | None = None,
+    strategy: str | None = None,
+    map_kwargs: dict[str, Any] | None = None,
     *,
+    max_length: int | None = None,
     seed: int | None = None,
     order: str = "decreasing",
     max_samples_per_row: int | None = None,
-) -> Dataset:
-    """Pack a tokenized map-style dataset into rows of at most ``max_length`` tokens with a global packer.
+) -> Any:
+    """Pack a tokenized dataset into rows of at most ``seq_length`` tokens; a drop-in for TRL's ``pack_dataset``.
 
-    Unlike TRL's ``pack_dataset`` (best-fit decreasing over windows of rows), the packer sees every sample at once
+    A map-style dataset is packed with a global packer: unlike TRL's ``pack_dataset`` (best-fit decreasing over
+    windows of 1,000 rows, one ``dataset.map`` batch each), the packer sees every sample at once
     ([`~unpack_trainer.packing.best_fit_decreasing`], [`~unpack_trainer.packing.shuffled_best_fit`] or
-    [`~unpack_trainer.packing.windowed_best_fit`]). A sample is
-    never cut: each goes whole into one row, and ``seq_lengths`` keeps the boundaries, so the packed collator can keep
-    every sample apart (positions restarting at 0, no attention across samples, no label across a boundary).
+    [`~unpack_trainer.packing.windowed_best_fit`]). A stream (``IterableDataset``) is packed as TRL packs it, one
+    ``map`` batch at a time, with the same packer. A sample is never cut across rows: each goes whole into one row,
+    and ``seq_lengths`` keeps the boundaries, so the packed collator can keep every sample apart (positions restarting
+    at 0, no attention across samples, no label across a boundary).
+
+    TRL's call, ``pack_dataset(dataset, seq_length, strategy="bfd", map_kwargs=None)``, is accepted: ``strategy``
+    ``"bfd"`` truncates samples longer than ``seq_length``, ``"bfd_split"`` cuts them into chunks of ``seq_length``
+    (the last shorter), both drop empty samples, and ``"wrapped"`` concatenates and cuts rows at ``seq_length``
+    regardless of sample boundaries (no ``seq_lengths``; as TRL, per ``map`` batch). The dataset's format
+    (``with_format``: numpy, torch, ...) is kept, with ``seq_lengths`` added to its columns. Where ours differs from
+    TRL's, deliberately:
+
+    - without ``strategy`` (ours), a sample longer than ``seq_length`` or empty is an error naming it, not cut or
+      dropped; with ``"bfd"`` / ``"bfd_split"`` what is cut or dropped is logged once (TRL says nothing);
+    - the samples in a row are in dataset order (TRL: longest first), e.g. ``[6, 7, 5, 12]`` in TRL is
+      ``[5, 6, 7, 12]`` here; the rows themselves hold the same samples;
+    - a map-style dataset is packed globally (fewer rows, samples from anywhere in the dataset share a row);
+      ``map_kwargs`` then has no ``map`` to go to and is only used for streams and ``"wrapped"`` (logged once);
+    - columns that are not per-token lists (e.g. a ``source`` string) are dropped with a warning (TRL raises), and
+      the packed list columns are ``large_list``, ``seq_lengths`` ``large_list<int64>`` (TRL: ``list<int32>``).
 
     Args:
-        dataset: a ``datasets.Dataset`` with ``input_ids`` (lists of token ids; every sample 1 to ``max_length``
-            tokens: truncate first, e.g. with [`truncate_dataset`]) and optionally other per-token columns (a list as
-            long as ``input_ids`` in every row: ``labels``, ``completion_mask``, ...), concatenated the same way.
-            Other columns are dropped. Rows packed ahead (a ``seq_lengths`` column) are rejected: split them first
-            ([`split_packed_rows`]).
-        max_length: tokens per row.
+        dataset: a ``datasets.Dataset`` or ``IterableDataset`` (or a dict of them) with ``input_ids`` (lists of token
+            ids; without ``strategy`` every sample 1 to ``seq_length`` tokens: truncate first, e.g. with
+            [`truncate_dataset`]) and optionally other per-token columns (a list as long as ``input_ids`` in every
+            row: ``labels``, ``completion_mask``, ...), concatenated the same way. With a ``strategy`` and no
+            ``input_ids`` column, the first column gives the lengths, as in TRL. Rows packed ahead (a ``seq_lengths``
+            column) are rejected: split them first ([`split_packed_rows`]).
+        seq_length: tokens per row (TRL's name; ``max_length`` is the same, by keyword).
+        strategy: ``None`` (ours: every sample must fit), or TRL's ``"bfd"``, ``"bfd_split"`` or ``"wrapped"``.
+        map_kwargs: keyword arguments for ``dataset.map`` where packing runs through it (streams, ``"wrapped"``).
+        max_length: ``seq_length`` by its other name.
         seed: the rows come out in an order shuffled with this seed; with ``order="shuffled"`` or ``"windowed"`` it
-            also seeds which samples share a row (required then). ``None``: best-fit decreasing's creation order (fullest rows,
-            holding the longest samples, first).
+            also seeds which samples share a row (required then). ``None``: best-fit decreasing's creation order
+            (fullest rows, holding the longest samples, first).
         order: which samples share a row. ``"decreasing"``: best-fit decreasing (fewest rows; a row holds samples of
             similar rank: a long one topped up with short ones). ``"shuffled"``: samples placed in a seeded random
             order with best fit, rows as full as best-fit decreasing (at least 99.5% full), lengths mixed at random.
@@ -354,48 +477,125 @@ def pack_dataset(
             full); implies the shuffled packer. ``None``: no bound.
 
     Returns:
-        A ``datasets.Dataset`` of rows: ``input_ids`` and every other per-token column, each row's samples
-        concatenated (``large_list``), and ``seq_lengths`` (``large_list<int64>``): the lengths of the row's samples,
-        summing to ``len(input_ids)``.
+        The same kind of dataset, of rows: every per-token column, each row's samples concatenated, and
+        ``seq_lengths``: the lengths of the row's samples, summing to ``len(input_ids)`` (not with ``"wrapped"``).
 
     Raises:
-        ValueError: ``max_length`` is not a positive integer, a sample is empty or longer than ``max_length`` (the
-            message names it), an unknown ``order``, ``"shuffled"`` or ``"windowed"`` without a ``seed``,
-            ``max_samples_per_row`` with ``"windowed"``, no ``input_ids``
-            column, or a ``seq_lengths`` column.
+        ValueError: no ``seq_length`` (or both names), ``seq_length`` is not a positive integer, an unknown
+            ``strategy``, without a ``strategy`` a sample that is empty or longer than ``seq_length`` (the message
+            names it), an unknown ``order``, ``"shuffled"`` or ``"windowed"`` without a ``seed``,
+            ``max_samples_per_row`` with ``"windowed"``, no ``input_ids`` column (without a ``strategy``), or a
+            ``seq_lengths`` column.
 
     Example:
         >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]],
         ...                         "labels": [[-100, 2, 3], [-100, 5], [-100, 7, 8, 9], [-100]]})
-        >>> packed = pack_dataset(ds, max_length=5)   # lengths [3, 2, 4, 1] -> rows [[2, 3], [0, 1]]
+        >>> packed = pack_dataset(ds, 5)   # lengths [3, 2, 4, 1] -> rows [[2, 3], [0, 1]]
         >>> packed[:2]["input_ids"], packed[:2]["seq_lengths"]
         ([[6, 7, 8, 9, 10], [1, 2, 3, 4, 5]], [[4, 1], [3, 2]])
         >>> packed[:2]["labels"]
         [[-100, 7, 8, 9, -100], [-100, 2, 3, -100, 5]]
+        >>> pack_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8]]}), 4, "bfd")[:]["input_ids"]
+        [[1, 2, 3, 4], [6, 7, 8]]
     """
-    max_length = check_positive_int(max_length, "max_length")
+    if seq_length is not None and max_length is not None:
+        raise ValueError("pack_dataset got both `seq_length` and `max_length`; they are one value: give one.")
+    seq_length = check_positive_int(seq_length if max_length is None else max_length, "max_length")
+    if strategy is not None and strategy not in _STRATEGIES:
+        raise ValueError(f"Invalid packing strategy {strategy!r}, must be one of {_STRATEGIES} (or None).")
     if order not in _ORDERS:
         raise ValueError(f"Unknown packing order {order!r}; use one of {_ORDERS}.")
     if max_samples_per_row is not None and order == "windowed":
         raise ValueError("`max_samples_per_row` needs `order='shuffled'`; the windowed packer has no bound.")
-    shuffled = order == "shuffled" or max_samples_per_row is not None
-    if (shuffled or order == "windowed") and seed is None:
+    if (order in ("shuffled", "windowed") or max_samples_per_row is not None) and seed is None:
         raise ValueError(
             f"`order={order!r}` (or `max_samples_per_row`) needs a `seed`: it decides which samples share a row."
         )
-    table = dataset.with_format("arrow")[:]
-    if "input_ids" not in table.column_names or "seq_lengths" in table.column_names:
+    map_kwargs = dict(map_kwargs or {})
+    format = _dataset_format(dataset)
+    pack = functools.partial(
+        _pack_table,
+        seq_length=seq_length,
+        strategy=strategy,
+        seed=seed,
+        order=order,
+        max_samples_per_row=max_samples_per_row,
+    )
+    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+        return type(dataset)(
+            {
+                split: pack_dataset(
+                    part,
+                    seq_length,
+                    strategy,
+                    map_kwargs,
+                    seed=seed,
+                    order=order,
+                    max_samples_per_row=max_samples_per_row,
+                )
+                for split, part in dataset.items()
+            }
+        )
+    if isinstance(dataset, Dataset) and strategy != "wrapped":
+        if map_kwargs:
+            log_once(
+                logger,
+                logging.WARNING,
+                f"pack_dataset: map_kwargs {sorted(map_kwargs)} not used: a map-style dataset is packed globally, in "
+                "one pass, not with dataset.map.",
+            )
+        packed = Dataset(pack(dataset.with_format("arrow")[:]))
+    else:
+        packed = dataset.with_format("arrow").map(pack, batched=True, **map_kwargs)
+    if isinstance(packed, Dataset) and format.get("columns") is not None:
+        names = packed.column_names
+        format["columns"] = [name for name in format["columns"] if name in names] + [
+            name for name in ("seq_lengths",) if name in names and name not in format["columns"]
+        ]
+    return packed.with_format(**format)
+
+
+def _pack_table(
+    table: pa.Table,
+    *,
+    seq_length: int,
+    strategy: str | None,
+    seed: int | None,
+    order: str,
+    max_samples_per_row: int | None,
+) -> pa.Table:
+    """[`pack_dataset`] on one Arrow table (the whole map-style dataset, or one ``map`` batch of a stream)."""
+    if "seq_lengths" in table.column_names or not table.column_names:
         raise ValueError(
             f"pack_dataset needs an `input_ids` column and no `seq_lengths` column (rows packed ahead: split them "
             f"first with split_packed_rows); got the columns {table.column_names}."
         )
-    lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+    key = "input_ids" if "input_ids" in table.column_names or strategy is None else table.column_names[0]
+    if key not in table.column_names or not _is_list(table.schema.field(key).type):
+        raise ValueError(
+            f"pack_dataset needs an `input_ids` column of token lists; got the columns {table.column_names}."
+        )
+    if strategy == "wrapped":
+        return _wrap_table(table, seq_length)
+    lengths = pc.list_value_length(table[key]).to_numpy(zero_copy_only=False).astype(np.int64)
+    names = _token_columns(table, lengths, key)
+    dropped = [name for name in table.column_names if name not in names]
+    if dropped:
+        log_once(
+            logger,
+            logging.WARNING,
+            f"pack_dataset: the column(s) {dropped} are not per-token lists (as long as {key!r} in every row) and "
+            "are not in the packed rows.",
+        )
+    table = table.select(names)
+    if strategy is not None:
+        table, lengths = _fit_samples(table, lengths, seq_length, split=strategy == "bfd_split")
     if order == "windowed" and max_samples_per_row is None:
-        rows = windowed_best_fit(lengths, max_length, seed=seed)
-    elif shuffled:
-        rows = shuffled_best_fit(lengths, max_length, seed=seed, max_samples_per_row=max_samples_per_row)
+        rows = windowed_best_fit(lengths, seq_length, seed=seed)
+    elif order == "shuffled" or max_samples_per_row is not None:
+        rows = shuffled_best_fit(lengths, seq_length, seed=seed, max_samples_per_row=max_samples_per_row)
     else:
-        rows = best_fit_decreasing(lengths, max_length, seed=seed)
+        rows = best_fit_decreasing(lengths, seq_length, seed=seed)
     sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
     row_sizes = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     sample_offsets = np.concatenate(([0], np.cumsum(row_sizes)))
@@ -404,20 +604,77 @@ def pack_dataset(
 
     def regroup(column: pa.ChunkedArray) -> pa.Array:
         values = pc.list_flatten(column.take(pa.array(sample_order)))
-        return pa.LargeListArray.from_arrays(row_offsets, values.combine_chunks())
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        return pa.LargeListArray.from_arrays(row_offsets, values)
 
-    columns = {name: regroup(table[name]) for name in _token_columns(table, lengths)}
+    columns = {name: regroup(table[name]) for name in names}
     columns["seq_lengths"] = pa.LargeListArray.from_arrays(
         pa.array(sample_offsets, pa.int64()), pa.array(lengths[sample_order], pa.int64())
     )
-    return Dataset(pa.table(columns))
+    return pa.table(columns)
 
 
-def _token_columns(table: pa.Table, lengths: np.ndarray) -> list[str]:
-    """``input_ids`` and the other list columns of ``table`` as long as it in every row (``lengths``)."""
-    names = ["input_ids"]
+def _fit_samples(table: pa.Table, lengths: np.ndarray, seq_length: int, *, split: bool) -> tuple[pa.Table, np.ndarray]:
+    """TRL's ``"bfd"`` / ``"bfd_split"`` preparation, logged: empty samples dropped, longer ones truncated (keep the
+    start) or cut into chunks of ``seq_length`` (the last shorter). Returns the table and its new lengths."""
+    empty = lengths == 0
+    if empty.any():
+        log_once(
+            logger,
+            logging.WARNING,
+            f"pack_dataset: {int(empty.sum())} empty sample(s) dropped (strategy={'bfd_split' if split else 'bfd'!r}).",
+        )
+        table, lengths = table.filter(pa.array(~empty)), lengths[~empty]
+    over = lengths > seq_length
+    if not over.any():
+        return table, lengths
+    strategy = "bfd_split" if split else "bfd"
+    action = "split into chunks of seq_length" if split else "truncated"
+    cut = "" if split else f", dropping {int((lengths[over] - seq_length).sum()):,} token(s)"
+    log_once(
+        logger,
+        logging.WARNING,
+        f"pack_dataset: {int(over.sum())} of {lengths.size} samples are longer than seq_length={seq_length} and "
+        f"were {action} (strategy={strategy!r}){cut}.",
+    )
+    if not split:
+        columns = [pc.list_slice(table[name], 0, seq_length) for name in table.column_names]
+        return pa.table(dict(zip(table.column_names, columns))), np.minimum(lengths, seq_length)
+    pieces = -(-lengths // seq_length)  # chunks per sample
+    sample = np.repeat(np.arange(lengths.size), pieces)
+    first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+    start = (np.arange(sample.size) - first[sample]) * seq_length
+    chunk_lengths = np.minimum(lengths[sample] - start, seq_length)
+    offsets = np.concatenate(([0], np.cumsum(chunk_lengths)))
+    columns = {}
     for name in table.column_names:
-        if name == "input_ids" or not hasattr(table.schema.field(name).type, "value_type"):
+        values = pc.list_flatten(table[name])
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        columns[name] = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values)
+    return pa.table(columns), chunk_lengths.astype(np.int64)
+
+
+def _wrap_table(table: pa.Table, seq_length: int) -> pa.Table:
+    """TRL's ``"wrapped"`` strategy: every column's tokens concatenated and cut into rows of ``seq_length``."""
+    columns = {}
+    for name in table.column_names:
+        if not _is_list(table.schema.field(name).type):
+            raise TypeError(f"pack_dataset(strategy='wrapped') needs every column to be lists; {name!r} is not.")
+        values = pc.list_flatten(table[name])
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        offsets = np.append(np.arange(0, len(values), seq_length), len(values))
+        columns[name] = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values)
+    return pa.table(columns)
+
+
+def _token_columns(table: pa.Table, lengths: np.ndarray, key: str = "input_ids") -> list[str]:
+    """``key`` and the other list columns of ``table`` as long as it in every row (``lengths``)."""
+    names = [key]
+    for name in table.column_names:
+        if name == key or not _is_list(table.schema.field(name).type):
             continue
         column_lengths = pc.list_value_length(table[name]).to_numpy(zero_copy_only=False)
         if np.array_equal(column_lengths, lengths):

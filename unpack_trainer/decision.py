@@ -3,12 +3,15 @@
 | request                                  | not blocked                     | blocked (reason)                         |
 |------------------------------------------|---------------------------------|------------------------------------------|
 | ``UNPACK_DISABLE=1``                     | stock ``trl.SFTTrainer``        | stock ``trl.SFTTrainer``                 |
-| ``packing=True``                         | pack (global BFD, padding-free) | padded, warning "packing=True ignored"   |
+| ``packing=True``                         | pack (windowed*, padding-free)  | padded, warning "packing=True ignored"   |
 | ``packing=True, packing_strategy="wrapped"`` | stock TRL (user's choice)   | stock TRL                                |
 | ``padding_free=True``                    | padding-free                    | padded, warning "padding_free=True ignored" |
 | ``padding_free=None`` (not set)          | padding-free (auto, logged)     | padded (info, logged)                    |
 | ``padding_free=None`` + ``UNPACK_DISABLE_AUTO_PADDING_FREE=1`` | padded    | padded                                   |
 | ``padding_free=False``                   | padded (never overridden)       | padded                                   |
+
+(*) The packer is ``packing_order``'s ([`PACKERS`]): windowed best fit by default, global best fit with
+``"shuffled"`` or ``"decreasing"``.
 
 Blocked means: a custom ``data_collator``; a ``ProcessorMixin`` processing class; a vision-language model or a vision
 dataset; an encoder-decoder model; a model whose structure cannot be packed exactly
@@ -40,6 +43,13 @@ Mode = Literal["stock", "pack", "padding_free", "padded"]
 
 _TRUE = {"1", "true", "yes", "on"}
 
+PACKERS = {
+    "windowed": "windowed best fit (a seeded random order, each sample into the best-fitting of the last open rows)",
+    "shuffled": "shuffled best fit (global, a seeded random order)",
+    "decreasing": "global best-fit decreasing",
+}
+"""``SFTConfig.packing_order`` -> the packer it chooses (``unpack_trainer.packing``), as the start line names it."""
+
 
 def env_flag(env: Mapping[str, str], name: str) -> bool:
     """Whether environment variable ``name`` is set to a true value (1/true/yes/on, any case)."""
@@ -64,8 +74,9 @@ class PackingDecision:
     Attributes:
         mode: ``"stock"`` (behave exactly like ``trl.SFTTrainer``), ``"pack"``, ``"padding_free"`` or ``"padded"``.
         reason: the real reason, for the log line.
-        patch: apply our attention patch (the model type is registered).
-        probe: run the contamination self-check on the user's model before training.
+        patch: apply our attention patch (the model type is verified: in
+            [`unpack_trainer.models.supported_model_types`]). Whenever rows are packed or flattened (``packed``), the
+            contamination self-check runs on the user's model before training, patched or not.
         automatic: the mode was chosen by us, not requested (auto padding-free, or an automatic disable).
         overridden_request: the user asked for packing / padding-free and it was ignored (logged as a warning).
     """
@@ -73,7 +84,6 @@ class PackingDecision:
     mode: Mode
     reason: str
     patch: bool = False
-    probe: bool = False
     automatic: bool = False
     overridden_request: bool = False
 
@@ -169,7 +179,7 @@ def decide(
         data_collator: the collator the user passed, or ``None``.
         processing_class: the tokenizer or processor.
         dataset_sample: the first training example, or ``None``.
-        supported_model_types: model types with a registered patch.
+        supported_model_types: the verified model types (``unpack_trainer.models.supported_model_types()``).
         blocklist: ``model_type -> reason`` for types that must never be packed.
         env: environment variables (defaults to ``os.environ``).
         peft_config: the ``peft_config`` passed to the trainer, or the model's (``PeftModel.peft_config``), or
@@ -200,8 +210,8 @@ def decide(
         peft_config=peft_config,
     )
     model_type = getattr(model_config, "model_type", None)
-    registered = model_type in supported_model_types
-    probe_note = "" if registered else f" (model type {model_type!r} has no patch: the self-check decides)"
+    verified = model_type in supported_model_types
+    probe_note = "" if verified else f" (model type {model_type!r} is not verified: the self-check decides)"
 
     dataset_kwargs = getattr(config, "dataset_kwargs", None) or {}
     skip_prepare = bool(dataset_kwargs.get("skip_prepare_dataset", False))
@@ -216,24 +226,22 @@ def decide(
                 "packing=True ignored (dataset_kwargs={'skip_prepare_dataset': True}: the dataset is used as "
                 "prepared, so it is neither packed nor truncated to max_length); each batch is flattened into one "
                 "row, as TRL does" + probe_note,
-                patch=registered,
-                probe=True,
+                patch=verified,
                 automatic=True,
                 overridden_request=True,
             )
+        packing_order = getattr(config, "packing_order", "decreasing")
         return PackingDecision(
             "pack",
-            f"packing=True: global best-fit packing (packing_order={getattr(config, 'packing_order', 'decreasing')!r})"
-            + probe_note,
-            patch=registered,
-            probe=True,
+            f"packing=True, packing_order={packing_order!r}: {PACKERS.get(packing_order, 'best fit')}" + probe_note,
+            patch=verified,
         )
     if explicit_padding_free:
         if reason is not None:
             return PackingDecision(
                 "padded", f"padding_free=True ignored ({reason})", automatic=True, overridden_request=True
             )
-        return PackingDecision("padding_free", "padding_free=True" + probe_note, patch=registered, probe=True)
+        return PackingDecision("padding_free", "padding_free=True" + probe_note, patch=verified)
     if explicit_off:
         return PackingDecision("padded", "padding_free=False was set")
     if env_flag(env, "UNPACK_DISABLE_AUTO_PADDING_FREE"):
@@ -250,8 +258,7 @@ def decide(
     return PackingDecision(
         "padding_free",
         "automatic padding-free: each batch is flattened into one row, no cross-example packing" + probe_note,
-        patch=registered,
-        probe=True,
+        patch=verified,
         automatic=True,
     )
 

@@ -29,6 +29,9 @@ BENCHMARK_SEED_NOISE = {
     "diff_mean": 0.0066,
     "diff_std": 0.0519,
 }
+NOISE_STDS = 2.0
+"""How many standard deviations of the seed noise [`quality_verdict`] still calls "within the seed noise": two-sided,
+about 95% of the differences that seeds alone give."""
 
 
 @dataclasses.dataclass
@@ -353,7 +356,17 @@ def quality_verdict(packed_loss: float, padded_loss: float, noise: dict[str, Any
     One packed run and one padded run from the same seed differ by their packing as well as by chance, and that
     difference varies over seeds more than either run does: the yardstick is the standard deviation over seeds of
     the paired difference, packed - padded (``noise["diff_std"]``), or, without it, ``sqrt(2)`` times the padded
-    run's standard deviation (two independent runs).
+    run's standard deviation (two independent runs). A difference within [`NOISE_STDS`] (2) of those standard
+    deviations of zero is what seeds alone give about 95% of the time (a two-sided test at the 5% level, the
+    differences being roughly normal): "WITHIN the seed noise"; beyond it, "BETTER" or "WORSE". The number of
+    standard deviations is printed either way.
+
+    Example (the README's seed-0 run of ``examples/sft_packing.py``)::
+
+        >>> noise = {"command": "python benchmarks/bench_quality.py", "padded_std": 0.027, "diff_mean": 0.007,
+        ...          "diff_std": 0.052}
+        >>> quality_verdict(2.550, 2.493, noise).split(" -> ")[1]
+        'the difference is WITHIN the seed noise (1.1 std, within 2): as good as padded'
     """
     difference = packed_loss - padded_loss
     padded_std = float(noise["padded_std"])
@@ -367,13 +380,16 @@ def quality_verdict(packed_loss: float, padded_loss: float, noise: dict[str, Any
         head += f", packed - padded over seeds {noise['diff_mean']:+.3f} ± {std:.3f}"
     else:
         std = math.sqrt(2) * padded_std
-    if abs(difference) <= std:
-        return head + " -> the difference is WITHIN the seed noise: as good as padded"
     if std <= 0:
+        if difference == 0:
+            return head + " -> the difference is WITHIN the seed noise: as good as padded"
         return head + " -> no seed noise measured: run the benchmark to judge the difference"
-    if difference < 0:
-        return head + f" -> packed is BETTER by more than the seed noise ({-difference / std:.1f} std)"
-    return head + f" -> packed is WORSE by more than the seed noise ({difference / std:.1f} std)"
+    stds = abs(difference) / std
+    if stds <= NOISE_STDS:
+        verdict = f"the difference is WITHIN the seed noise ({stds:.1f} std, within {NOISE_STDS:g}): as good as padded"
+        return f"{head} -> {verdict}"
+    better_or_worse = "BETTER" if difference < 0 else "WORSE"
+    return head + f" -> packed is {better_or_worse} by more than the seed noise ({stds:.1f} std, over {NOISE_STDS:g})"
 
 
 def comparison_lines(packed: RunResult, padded: RunResult, noise: dict[str, Any] | None = None) -> list[str]:

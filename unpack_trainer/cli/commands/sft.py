@@ -15,6 +15,7 @@ is said there and in ``DESCRIPTION``.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from unpack_trainer.cli.commands import CLIError
 __all__ = ["add_smollm2_command", "add_sft_command", "make_parser", "run_sft"]
 
 PROG = "unpack-trainer sft"
+ERROR_EXIT_CODE = 2  # a user error, as `unpack-trainer analyze` and argparse
 SCRIPT = "unpack_trainer.sft_command"  # the module `accelerate launch` runs
 
 DESCRIPTION = """\
@@ -37,7 +39,9 @@ passed on, as `trl sft` does). What differs from `trl sft`:
     folder written by Dataset.save_to_disk;
   * offline names: --model_name_or_path unpack_trainer:smollm2 (SmolLM2-135M-Instruct from the `real` extra,
     converted once into ~/.cache/unpack_trainer; `unpack-trainer smollm2` prints its folder) and --dataset_name
-    unpack_trainer:chat (the embedded instruction data, conversational; unpack_trainer:default: plain strings).
+    unpack_trainer:chat (the embedded instruction data, conversational; unpack_trainer:default: plain strings);
+  * a bad input (--max_length below 1, a model or data path that does not exist, an empty data file, a missing
+    split, a row without its field or with it null) is one line on stderr and exit status 2, not a traceback.
 """
 
 EPILOG = """\
@@ -78,24 +82,40 @@ def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]
 
 
 def run_sft(argv: Sequence[str]) -> int:
-    """``unpack-trainer sft ARGS``: parse as ``trl sft`` does (``--help`` exits here), then ``accelerate launch`` this
-    module with the script's arguments; the arguments the parser does not know go to ``accelerate launch``."""
+    """``unpack-trainer sft ARGS``: parse as ``trl sft`` does (``--help`` exits here), check what needs no data or
+    model ([`unpack_trainer.sft_command.check_arguments`]), then ``accelerate launch`` this module with the script's
+    arguments; the arguments the parser does not know go to ``accelerate launch``.
+
+    Returns the exit status: 0; 2 on a user error (one line on stderr, here or from the training script, which
+    reports its own the same way); the training script's status if it failed otherwise (its traceback is its own).
+    """
+    import subprocess
+
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    from unpack_trainer.sft_command import check_arguments
 
     all_args = list(argv)
     parser = make_parser()
     try:
-        *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+        *parsed, config_remaining, cli_remaining = parser.parse_args_and_config(
             all_args, return_remaining_strings=True, separate_remaining_strings=True
         )
     except SystemExit as exit_:  # --help, or a usage error argparse already printed
         return exit_.code if isinstance(exit_.code, int) else 0
+    try:
+        check_arguments(*parsed)
+    except CLIError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return ERROR_EXIT_CODE
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     script_args = _subtract_subsequence(all_args, cli_remaining)
     launch = launch_command_parser().parse_args([*launch_args, "--module", SCRIPT, *script_args])
     try:
         launch_command(launch)
+    except subprocess.CalledProcessError as failed:  # the script said why on stderr (one line for a user error)
+        return failed.returncode
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 1
     return 0
