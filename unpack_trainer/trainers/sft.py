@@ -43,7 +43,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     by default rows of samples that follow each other in a seeded random order, see [`SFTConfig`]); with packing off
     and ``padding_free`` not set, each batch is flattened into one row (padding-free). Either way positions restart
     per sample, no label crosses a sample boundary, and attention never crosses a sample: the model's attention is
-    patched for registered architectures, and a contamination probe runs on the actual model before training. Every
+    patched for verified architectures, and a contamination probe runs on the actual model before training. Every
     decision is logged once with its reason; see [`unpack_trainer.decision`] for the full table. ``UNPACK_DISABLE=1``
     makes this class behave exactly like ``trl.SFTTrainer``.
 
