@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unpack_trainer.patches.mixers import MixerUnit, MixerUnsupported, find_mixers, patch_mixers, unpatch_mixers
+
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
 
@@ -86,6 +88,8 @@ _STATE_MIXER_NAMES = re.compile(
 )
 # Parameters only state-space layers have.
 _STATE_PARAMETERS = ("A_log", "dt_bias")
+# Layer types (config.layer_types) of layers that mix no tokens: an MLP or mixture of experts alone.
+_PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
 
 
 class PatchRefused(ValueError):
@@ -230,6 +234,7 @@ def _pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
 class _Decoder:
     module: torch.nn.Module
     attention: list[torch.nn.Module]
+    mixers: list[MixerUnit] = field(default_factory=list)
 
 
 def _layers_of(decoder: torch.nn.Module) -> list[torch.nn.Module]:
@@ -310,13 +315,18 @@ def _discover(model: torch.nn.Module) -> tuple[str, list[_Decoder]]:
     for candidate in builders:
         if any(other is not candidate and other in set(candidate.modules()) for other in builders):
             continue  # not the innermost (e.g. the multimodal wrapper around the text model)
-        reason = _state_mixer_reason(candidate)
-        if reason is not None:
-            raise PatchRefused(model_type, reason, "state")
+        try:
+            mixers = find_mixers(candidate, _layers_of(candidate), lambda m: type(m) in attention_classes)
+        except MixerUnsupported as unsupported:
+            raise PatchRefused(model_type, unsupported.reason, "state") from None
         attention = [m for m in candidate.modules() if type(m) in attention_classes]
         if not attention:
             continue
+        mixer_layers = {id(unit.layer) for unit in mixers}
+        layer_types = getattr(candidate.config, "layer_types", None)
         for index, layer in enumerate(_layers_of(candidate)):
+            if id(layer) in mixer_layers or (layer_types and layer_types[index] in _PER_TOKEN_LAYER_TYPES):
+                continue
             if not any(type(m) in attention_classes for m in layer.modules()):
                 raise PatchRefused(
                     model_type,
@@ -327,7 +337,7 @@ def _discover(model: torch.nn.Module) -> tuple[str, list[_Decoder]]:
         reason = _unsupported_reason(pretrained.config, candidate, attention)
         if reason is not None:
             raise PatchRefused(model_type, reason, "unsupported")
-        decoders.append(_Decoder(candidate, attention))
+        decoders.append(_Decoder(candidate, attention, mixers))
     if decoders:
         return model_type, decoders
     if not builders:
@@ -662,6 +672,7 @@ def _patch_decoder(model_type: str, decoder: _Decoder, *, attention: bool, rope:
         state.hook_ids.append(module.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True).id)
         post_hook = module.register_forward_hook(_decoder_post_hook, with_kwargs=True, always_call=True)
         state.hook_ids.append(post_hook.id)
+        patch_mixers(decoder.mixers)
     if rope:
         state.rope_modules = _patch_rope(decoder)
     setattr(module, _STATE_ATTRIBUTE, state)
@@ -673,6 +684,7 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
         return
     for hook_id in state.hook_ids:
         _remove_hook(module, hook_id)
+    unpatch_mixers(module)
     current = module.config._attn_implementation
     if state.attention and (current is None or current.startswith(_UNPACK_PREFIX)):
         module.config._attn_implementation = _strip(current) if current else state.original_implementation

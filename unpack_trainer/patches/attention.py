@@ -440,23 +440,27 @@ class _SdpaPlan(NamedTuple):
     pad_slots: Tensor  # (num_slots,) bool: True at padding slots
 
 
-def _group_sorted_lengths(sorted_lengths: Tensor) -> list[tuple[int, int]]:
+def _group_sorted_lengths(
+    sorted_lengths: Tensor, *, call_cost: float = _CALL_COST_PAIRS, power: int = 2
+) -> list[tuple[int, int]]:
     """Split ascending lengths into contiguous ``[begin, end)`` groups minimising
-    ``sum(_CALL_COST_PAIRS + (end - begin) * max_length**2)`` (dynamic programming over distinct lengths)."""
+    ``sum(call_cost + (end - begin) * max_length**power)`` (dynamic programming over distinct lengths): ``power=2``
+    for attention (cost per sample quadratic in its padded length), ``power=1`` for the token mixers of
+    :mod:`unpack_trainer.patches.mixers` (linear)."""
     longest = int(sorted_lengths[-1])
     step = -(-longest // _MAX_DISTINCT_LENGTHS)
     keys = (sorted_lengths + step - 1) // step * step if step > 1 else sorted_lengths
     distinct, counts = torch.unique_consecutive(keys, return_counts=True)
     prefix = torch.zeros(distinct.numel() + 1, dtype=torch.float64)
     torch.cumsum(counts.to(torch.float64), dim=0, out=prefix[1:])
-    squares = distinct.to(torch.float64) ** 2
+    squares = distinct.to(torch.float64) ** power
     best = torch.zeros(distinct.numel() + 1, dtype=torch.float64)
     split = [0] * (distinct.numel() + 1)
     for end in range(1, distinct.numel() + 1):
         # A group covering distinct lengths [begin, end) pays its call plus its samples padded to distinct[end - 1].
         candidates = best[:end] - prefix[:end] * squares[end - 1]
         begin = int(torch.argmin(candidates))
-        best[end] = candidates[begin] + prefix[end] * squares[end - 1] + _CALL_COST_PAIRS
+        best[end] = candidates[begin] + prefix[end] * squares[end - 1] + call_cost
         split[end] = begin
     bounds, end = [], distinct.numel()
     while end > 0:
@@ -472,11 +476,13 @@ def _sdpa_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan:
     return info.plan("buckets", str(device), lambda: _build_sdpa_plan(info, device))
 
 
-def _build_sdpa_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan:
+def _build_sdpa_plan(
+    info: PackedSeqInfo, device: torch.device, *, call_cost: float = _CALL_COST_PAIRS, power: int = 2
+) -> _SdpaPlan:
     lengths = info.seq_lengths.to(torch.int64)
     starts = info.cu_seqlens[:-1].to(torch.int64)
     order = torch.argsort(lengths, stable=True)
-    groups = _group_sorted_lengths(lengths[order])
+    groups = _group_sorted_lengths(lengths[order], call_cost=call_cost, power=power)
 
     buckets: list[_Bucket] = []
     gathers, pads = [], []

@@ -1,0 +1,494 @@
+"""Token mixers other than attention on packed rows: convolutions and recurrent scans restart at every sample.
+
+A packed row holds several samples back to back. Attention is made per-sample by the attention helper; a token mixer
+that carries state along the sequence (a short causal convolution, a gated delta rule, Mamba's selective scan or SSD,
+linear / lightning attention, RG-LRU, RWKV, ...) would carry it from one sample into the next. This module finds those
+mixers in a decoder from its structure and makes each one exact on packed rows:
+
+- **padded** (any causal mixer, the exact torch path): the mixer module runs on the row's samples as right-padded
+  batches, samples bucketed by length so the padding stays small (the bucket plan of the SDPA backend with a linear
+  cost), and its outputs are scattered back to the packed row. A causal mixer's outputs at a sample's real tokens do
+  not depend on the padding after them, and its state starts from zero at every sample's first token, as when the
+  sample runs alone. The layers around it (attention, MLP, norms) still run packed. Worked example, samples of
+  lengths ``[3, 1, 2]`` in one row of 6 tokens, one bucket::
+
+      row      a0 a1 a2 b0 c0 c1          (1, 6, hidden)
+      buckets  a0 a1 a2                   (3, 3, hidden): padding slots are zeros
+               b0 .  .
+               c0 c1 .
+      mixer    runs on (3, 3, hidden) with no cache; outputs at the padding slots are dropped
+
+- **conv** (a bare depthwise ``nn.Conv1d`` with causal padding, e.g. inside an attention module): vectorised over the
+  row, every tap that would read across a sample boundary is masked to zero: ``y[t] = b + sum_s w[k-1-s] x[t-s]`` over
+  the taps ``s <= position[t]``.
+
+The mixers are found from the model: a module whose class names a state-carrying mixer (Mamba, SSM, ShortConv,
+DeltaNet, LinearAttention, Lightning, RG-LRU, RWKV, LSTM, ...), owns state-space parameters (``A_log``, ``dt_bias``),
+or is a 1-D convolution. Per decoder layer, the unit that is re-batched is the layer's child that holds the mixer,
+when that child holds no attention module; inside an attention module, the mixer itself (so attention keeps running
+packed through the attention helper). A mixer the padded path cannot take is refused with the reason
+(:class:`MixerUnsupported`).
+
+Only packed forwards change: the packing metadata comes from the ``packed_seq_info`` keyword the model hook hands every
+decoder layer (so it survives gradient checkpointing), read by a pre-hook on each decoder layer that holds a mixer.
+Any other forward (a padded batch, generation with a cache, a compiled forward without metadata) runs the mixer's own
+forward unchanged. A packed forward with a cache is refused: the cache of a packed row would mix samples.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+
+__all__ = [
+    "MixerUnit",
+    "MixerUnsupported",
+    "find_mixers",
+    "mixer_kind",
+    "packed_conv1d",
+    "patch_mixers",
+    "unpatch_mixers",
+]
+
+# Token mixers that carry state along the sequence, by class name.
+STATE_MIXER_NAMES = re.compile(
+    r"Mamba|SSM|Ssm(?![a-z])|ShortConv|Recurren|RGLRU|Rglru|Rwkv|RWKV|LSTM|Lstm|DeltaNet|LinearAttention|Lightning"
+    r"|Retention|Hyena"
+)
+# Parameters only state-space layers have.
+STATE_PARAMETERS = ("A_log", "dt_bias")
+# Keyword arguments that describe the packed row: not passed to a mixer that runs on a padded batch.
+PACKING_KEYS = (
+    "packed_seq_info",
+    "packed_seq_lengths",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
+# Arguments that carry a cache or a recurrent state between calls.
+CACHE_ARGUMENTS = ("cache_params", "past_key_values", "past_key_value", "cache", "state")
+# Cost of one more mixer call (forward + backward) in units of one padded token, for the bucket plan (power 1).
+_MIXER_CALL_COST_TOKENS = 512
+
+_FORWARD_ATTRIBUTE = "forward"
+_LAYER_HOOKS_ATTRIBUTE = "_unpack_mixer_hooks"
+
+
+class MixerUnsupported(ValueError):
+    """A token mixer that the packed path cannot make exact; ``reason`` says what is missing."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+def mixer_kind(module: torch.nn.Module) -> str | None:
+    """``"convolution"`` or ``"recurrent / state-space"`` when ``module`` is a token mixer that carries state along the
+    sequence (found from its class name, its own parameters, or its type), else ``None``."""
+    from transformers import PreTrainedModel
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, not a convolution
+
+    if isinstance(module, PreTrainedModel):
+        return None  # the model classes are named after the family (MambaModel), their mixers after what they do
+    convolution = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and not isinstance(
+        module, Conv1D
+    )
+    name = type(module).__name__
+    own = {p for p, _ in module.named_parameters(recurse=False)}
+    if convolution or STATE_MIXER_NAMES.search(name) or own & set(STATE_PARAMETERS):
+        return "convolution" if convolution or "Conv" in name else "recurrent / state-space"
+    return None
+
+
+@dataclass(frozen=True)
+class MixerUnit:
+    """One module that runs per sample on packed rows.
+
+    Attributes:
+        name: its path under the decoder.
+        module: the module whose ``forward`` is replaced.
+        layer: the decoder layer that holds it (its pre-hook hands the packing metadata down).
+        path: ``"padded"`` (re-batched by length) or ``"conv"`` (masked taps of a depthwise causal ``nn.Conv1d``).
+    """
+
+    name: str
+    module: torch.nn.Module
+    layer: torch.nn.Module
+    path: str
+
+
+def _conv_problem(module: torch.nn.Module) -> str | None:
+    """Why a bare convolution cannot take the masked-taps path, or ``None``."""
+    if not isinstance(module, torch.nn.Conv1d):
+        return f"it is a {type(module).__name__}, not a 1-D convolution"
+    (k,) = module.kernel_size
+    depthwise = module.groups == module.in_channels == module.out_channels
+    causal = module.padding == (k - 1,) and module.stride == (1,) and module.dilation == (1,)
+    if not depthwise or not causal or module.padding_mode != "zeros":
+        return (
+            f"it is not a depthwise causal convolution (groups={module.groups}, in/out channels "
+            f"{module.in_channels}/{module.out_channels}, kernel {k}, padding {module.padding}, stride {module.stride}, "
+            f"dilation {module.dilation}, padding_mode {module.padding_mode!r})"
+        )
+    return None
+
+
+def find_mixers(
+    decoder: torch.nn.Module, layers: Sequence[torch.nn.Module], is_attention: Callable[[torch.nn.Module], bool]
+) -> list[MixerUnit]:
+    """The token mixers of ``decoder`` that carry state along the sequence, as the units the packed path re-batches.
+
+    Args:
+        decoder: the decoder model (holds the layers).
+        layers: its decoder layers, in order.
+        is_attention: whether a module computes attention through transformers' attention interface (those run
+            packed through the attention helper and must not be re-batched).
+
+    Returns:
+        One :class:`MixerUnit` per mixer, in module order; empty for a decoder of attention only.
+
+    Raises:
+        MixerUnsupported: a mixer outside the decoder layers, or a bare convolution inside an attention module that is
+            not a depthwise causal ``nn.Conv1d``.
+    """
+    names = {id(module): name for name, module in decoder.named_modules()}
+    units: list[MixerUnit] = []
+    covered: set[int] = set()
+    layer_ids = {id(layer) for layer in layers}
+    for layer in layers:
+        holds_attention = {id(m): any(is_attention(x) for x in m.modules()) for m in layer.modules()}
+        for child_name, child in layer.named_children():
+            found = [m for m in child.modules() if mixer_kind(m) is not None]
+            if not found:
+                continue
+            if not holds_attention[id(child)]:
+                units.append(MixerUnit(names[id(child)], child, layer, "padded"))
+                continue
+            for name, module in child.named_modules():
+                if id(module) in covered or mixer_kind(module) is None or holds_attention[id(module)]:
+                    continue
+                covered.update(id(m) for m in module.modules())
+                full_name = names[id(module)]
+                if isinstance(module, torch.nn.modules.conv._ConvNd):
+                    problem = _conv_problem(module)
+                    if problem is not None:
+                        raise MixerUnsupported(
+                            f"its convolution token mixer {type(module).__name__} ({full_name}) inside the attention "
+                            f"module {type(child).__name__} cannot be masked per sample: {problem}"
+                        )
+                    units.append(MixerUnit(full_name, module, layer, "conv"))
+                else:
+                    units.append(MixerUnit(full_name, module, layer, "padded"))
+        if mixer_kind(layer) is not None and not any(unit.layer is layer for unit in units):
+            if holds_attention[id(layer)]:
+                raise MixerUnsupported(
+                    f"its decoder layer {type(layer).__name__} ({names[id(layer)]}) is itself a state-carrying token "
+                    "mixer around its attention: no part of it can run per sample while attention runs packed"
+                )
+            units.append(MixerUnit(names[id(layer)], layer, layer, "padded"))
+    in_units = {id(m) for unit in units for m in unit.module.modules()}
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    for name, module in decoder.named_modules():
+        if mixer_kind(module) is not None and id(module) not in in_layers and id(module) not in layer_ids:
+            raise MixerUnsupported(
+                f"its {mixer_kind(module)} token mixer {type(module).__name__} ({name}) sits outside the decoder "
+                "layers, where the packed path does not reach it"
+            )
+        del name
+    del in_units
+    return units
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packing metadata of the running layer
+# --------------------------------------------------------------------------------------------------------------------
+
+# Per thread: the `packed_seq_info` each decoder layer now running received (innermost last); _ABSENT when the layer
+# got no such keyword (a decoder that does not hand it down: the model hook's per-forward state decides then).
+_layer_state = threading.local()
+_ABSENT = object()
+
+
+def _layer_stack() -> list[Any]:
+    stack = getattr(_layer_state, "stack", None)
+    if stack is None:
+        stack = _layer_state.stack = []
+    return stack
+
+
+def _layer_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    _layer_stack().append(kwargs.get("packed_seq_info", _ABSENT))
+
+
+def _layer_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    stack = _layer_stack()
+    if stack:
+        stack.pop()
+
+
+def _current_info(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+    """The packing metadata of the mixer call now running, or ``None`` (not packed)."""
+    if "packed_seq_info" in kwargs:
+        return kwargs["packed_seq_info"]
+    stack = getattr(_layer_state, "stack", None)
+    if stack and stack[-1] is not _ABSENT:
+        return stack[-1]
+    from unpack_trainer.patches.masks import current_packed_info
+
+    return current_packed_info()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The padded path
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _bucket_plan(info: PackedSeqInfo, device: torch.device) -> Any:
+    """The samples of ``info`` bucketed by length with a linear cost per padded token (built once per batch)."""
+    from unpack_trainer.patches.attention import _build_sdpa_plan
+
+    return info.plan(
+        "mixer_buckets",
+        str(device),
+        lambda: _build_sdpa_plan(info, device, call_cost=_MIXER_CALL_COST_TOKENS, power=1),
+    )
+
+
+def _is_sequence(x: Any, info: PackedSeqInfo) -> bool:
+    return (
+        isinstance(x, Tensor)
+        and x.dim() >= 2
+        and x.shape[1] == info.seq_len
+        and x.shape[0] in (info.batch_size, 1)
+    )
+
+
+def _to_buckets(x: Tensor, plan: Any, info: PackedSeqInfo) -> list[Tensor]:
+    """``(B, T, *rest)`` (or ``(1, T, *rest)``) -> one ``(n, L, *rest)`` right-padded batch per bucket, zeros at the
+    padding slots."""
+    from unpack_trainer.patches.attention import _GatherSlots
+
+    rest = x.shape[2:]
+    if x.shape[0] != info.batch_size:
+        x = x.expand(info.batch_size, *x.shape[1:])
+    tokens = x.reshape(info.total_tokens, *rest)
+    slots = _GatherSlots.apply(tokens, plan.gather, plan.scatter)
+    slots = slots.masked_fill(plan.pad_slots.view(-1, *([1] * len(rest))), 0)
+    return [
+        part.view(bucket.count, bucket.length, *rest) for part, bucket in zip(slots.split(plan.sizes), plan.buckets)
+    ]
+
+
+def _split(value: Any, plan: Any, info: PackedSeqInfo) -> list[Any]:
+    """``value`` (an argument of the mixer) for each bucket: sequence tensors re-batched, tuples / lists element-wise,
+    anything else as is."""
+    count = len(plan.buckets)
+    if _is_sequence(value, info):
+        return _to_buckets(value, plan, info)
+    if isinstance(value, (tuple, list)) and value:
+        parts = [_split(item, plan, info) for item in value]
+        return [type(value)(part[i] for part in parts) for i in range(count)]
+    return [value] * count
+
+
+def _merge(outputs: list[Any], plan: Any, info: PackedSeqInfo, owner: str) -> Any:
+    """Bucket outputs -> the packed row's: ``(n, L, *rest)`` tensors scattered back to ``(B, T, *rest)``."""
+    from unpack_trainer.patches.attention import _ScatterTokens
+
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, Tensor):
+        if any(
+            o.dim() < 2 or tuple(o.shape[:2]) != (b.count, b.length) for o, b in zip(outputs, plan.buckets)
+        ):
+            raise TypeError(
+                f"unpack_trainer: the token mixer {owner} returned a tensor of shape {tuple(first.shape)} that is not "
+                "per token, so its packed outputs cannot be put back in place."
+            )
+        rest = first.shape[2:]
+        flat = [o.reshape(-1, *rest) for o in outputs]
+        slots = flat[0] if len(flat) == 1 else torch.cat(flat)
+        tokens = _ScatterTokens.apply(slots, plan.scatter, plan.gather, plan.pad_slots)
+        return tokens.view(info.batch_size, info.seq_len, *rest)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_merge([o[i] for o in outputs], plan, info, owner) for i in range(len(first)))
+    raise TypeError(
+        f"unpack_trainer: the token mixer {owner} returned a {type(first).__name__}; the packed path only puts back "
+        "tensors per token (and tuples of them)."
+    )
+
+
+def _refuse_cache(owner: str, kwargs: dict[str, Any], args: tuple, parameters: Sequence[str]) -> None:
+    bound = dict(zip(parameters, args))
+    bound.update(kwargs)
+    for name in CACHE_ARGUMENTS:
+        if bound.get(name) is not None:
+            raise ValueError(
+                f"A packed batch reached the token mixer {owner} with a cache (`{name}`): the cache of a packed row "
+                "would carry one sample's state into the next. Run packed training batches with `use_cache=False` "
+                "and no `past_key_values`."
+            )
+
+
+def _positional_names(module: torch.nn.Module) -> list[str]:
+    import inspect
+
+    try:
+        signature = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return []
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[1:]  # self
+
+
+def run_padded(
+    forward: Callable[..., Any], owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any]
+) -> Any:
+    """``forward(*args, **kwargs)`` run on the samples of the packed row ``info`` as right-padded batches.
+
+    Every argument that is a sequence tensor ``(B, T, *rest)`` (or ``(1, T, *rest)``, broadcast over the rows; also
+    inside tuples, e.g. ``position_embeddings``) is re-batched to ``(n, L, *rest)`` per bucket of similar lengths, with
+    zeros at the padding slots; the packing keywords (:data:`PACKING_KEYS`) are dropped; ``forward`` runs once per
+    bucket, and every per-token output is scattered back to ``(B, T, *rest)`` (padding slots get a zero gradient).
+    Exact for a causal ``forward``: a real token's output reads only its own sample's earlier tokens.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if k not in PACKING_KEYS}
+    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
+    if reference is None:
+        raise TypeError(
+            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor to split per sample."
+        )
+    plan = _bucket_plan(info, reference.device)
+    count = len(plan.buckets)
+    split_args = [_split(arg, plan, info) for arg in args]
+    split_kwargs = {key: _split(value, plan, info) for key, value in kwargs.items()}
+    outputs = [
+        forward(*(arg[i] for arg in split_args), **{key: value[i] for key, value in split_kwargs.items()})
+        for i in range(count)
+    ]
+    return _merge(outputs, plan, info, owner)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The conv path
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _tap_masks(info: PackedSeqInfo, kernel_size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``(kernel_size, B, 1, T)`` ``dtype``: 1 where tap ``s`` (reading ``x[t - s]``) stays in ``t``'s sample."""
+
+    def build() -> Tensor:
+        positions = info.position_ids().unsqueeze(1)  # (B, 1, T)
+        taps = torch.arange(kernel_size, dtype=torch.int64).view(-1, 1, 1, 1)
+        return (positions.unsqueeze(0) >= taps).to(device=device, dtype=dtype, non_blocking=True)
+
+    return info.plan("mixer_conv_taps", (kernel_size, dtype, str(device)), build)
+
+
+def packed_conv1d(module: torch.nn.Conv1d, x: Tensor, info: PackedSeqInfo) -> Tensor:
+    """A depthwise causal ``nn.Conv1d`` (padding ``k - 1``) on packed rows, no tap crossing a sample boundary.
+
+    Args:
+        module: the convolution (``groups == in_channels == out_channels``, kernel ``k``, padding ``k - 1``).
+        x: ``(B, C, T)`` the packed rows, channels first, any floating dtype.
+        info: the packing metadata of the rows.
+
+    Returns:
+        ``(B, C, T + k - 1)`` as the module returns it: the first ``T`` outputs are each sample's causal convolution
+        (``y[t] = bias + sum_{s <= position[t]} w[k - 1 - s] * x[t - s]``); the last ``k - 1`` (outputs past the row,
+        which causal callers slice off) are zeros.
+    """
+    (k,) = module.kernel_size
+    if x.dim() != 3 or x.shape[0] != info.batch_size or x.shape[-1] != info.seq_len:
+        raise ValueError(
+            f"unpack_trainer: packed convolution input of shape {tuple(x.shape)}; expected (batch={info.batch_size}, "
+            f"channels, {info.seq_len})."
+        )
+    weight = module.weight[:, 0, :].unsqueeze(-1)  # (C, k, 1)
+    masks = _tap_masks(info, k, x.dtype, x.device)
+    seq_len = x.shape[-1]
+    out = x * weight[:, k - 1]
+    for s in range(1, min(k, seq_len)):
+        shifted = torch.nn.functional.pad(x[..., : seq_len - s], (s, 0))
+        out = out + shifted * masks[s] * weight[:, k - 1 - s]
+    if module.bias is not None:
+        out = out + module.bias.unsqueeze(-1)
+    return torch.nn.functional.pad(out, (0, k - 1))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Patch and unpatch
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _PackedMixerForward:
+    """Installed as ``module.forward`` (an instance attribute, removed by :func:`unpatch_mixers`): the module's own
+    forward, except on packed forwards, where it runs per sample (``path``: ``"padded"`` or ``"conv"``)."""
+
+    def __init__(self, module: torch.nn.Module, path: str, name: str) -> None:
+        self.module, self.path, self.name = module, path, name
+        self.parameters = _positional_names(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = type(module).forward
+        info = _current_info(kwargs)
+        if info is None:
+            return forward(module, *args, **kwargs)
+        owner = f"{type(module).__name__} ({self.name})"
+        if self.path == "conv":
+            (x,) = args if args else tuple(kwargs.values())
+            return packed_conv1d(module, x, info)
+        _refuse_cache(owner, kwargs, args, self.parameters)
+        return run_padded(lambda *a, **k: forward(module, *a, **k), owner, info, args, kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module, "path": self.path, "name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.module, self.path, self.name = state["module"], state["path"], state["name"]
+        self.parameters = _positional_names(self.module)
+
+
+def patch_mixers(units: Sequence[MixerUnit]) -> None:
+    """Make every unit run per sample on packed forwards (idempotent); undo with :func:`unpatch_mixers`."""
+    layers: dict[int, torch.nn.Module] = {}
+    for unit in units:
+        current = unit.module.__dict__.get(_FORWARD_ATTRIBUTE)
+        if isinstance(current, _PackedMixerForward):
+            continue
+        unit.module.__dict__[_FORWARD_ATTRIBUTE] = _PackedMixerForward(unit.module, unit.path, unit.name)
+        layers[id(unit.layer)] = unit.layer
+    for layer in layers.values():
+        if layer.__dict__.get(_LAYER_HOOKS_ATTRIBUTE):
+            continue
+        pre = layer.register_forward_pre_hook(_layer_pre_hook, with_kwargs=True)
+        post = layer.register_forward_hook(_layer_post_hook, with_kwargs=True, always_call=True)
+        layer.__dict__[_LAYER_HOOKS_ATTRIBUTE] = [pre.id, post.id]
+
+
+def unpatch_mixers(root: torch.nn.Module) -> None:
+    """Undo :func:`patch_mixers` on every module under ``root`` (a no-op where nothing is patched)."""
+    from unpack_trainer.models import _remove_hook
+
+    for module in root.modules():
+        if isinstance(module.__dict__.get(_FORWARD_ATTRIBUTE), _PackedMixerForward):
+            del module.__dict__[_FORWARD_ATTRIBUTE]
+        hook_ids = module.__dict__.pop(_LAYER_HOOKS_ATTRIBUTE, None)
+        for hook_id in hook_ids or ():
+            _remove_hook(module, hook_id)
+
+
+def is_mixer_patched(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is replaced by the packed mixer path."""
+    return isinstance(module.__dict__.get(_FORWARD_ATTRIBUTE), _PackedMixerForward)
