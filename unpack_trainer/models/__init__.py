@@ -49,7 +49,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unpack_trainer.patches.mixers import MixerUnit, MixerUnsupported, find_mixers, patch_mixers, unpatch_mixers
+from unpack_trainer.patches.mixers import (
+    MixerUnit,
+    MixerUnsupported,
+    find_mixers,
+    mixer_kind,
+    patch_mixers,
+    unpatch_mixers,
+)
 
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
@@ -341,6 +348,9 @@ def _discover(model: torch.nn.Module) -> tuple[str, list[_Decoder]]:
     if decoders:
         return model_type, decoders
     if not builders:
+        decoder = _mixer_only_decoder(modules)
+        if decoder is not None:
+            return model_type, [decoder]
         reason = _state_mixer_reason(model)
         if reason is not None:
             raise PatchRefused(model_type, reason, "state")
@@ -357,6 +367,27 @@ def _discover(model: torch.nn.Module) -> tuple[str, list[_Decoder]]:
         "packed helper cannot reach it",
         "unreachable",
     )
+
+
+def _mixer_only_decoder(modules: list[torch.nn.Module]) -> _Decoder | None:
+    """A decoder without attention (Mamba, RWKV, xLSTM, ...): the innermost module whose decoder layers each hold a
+    token mixer the packed path handles; ``None`` when there is none.
+
+    Raises:
+        PatchRefused: a mixer the packed path cannot make exact.
+    """
+    top = _pretrained_model(modules[0])
+    for candidate in reversed(modules):  # innermost first
+        layers = _layers_of(candidate)
+        if not layers or not all(any(mixer_kind(sub) for sub in layer.modules()) for layer in layers):
+            continue
+        try:
+            mixers = find_mixers(candidate, layers, lambda m: False)
+        except MixerUnsupported as unsupported:
+            raise PatchRefused(_model_type(top), unsupported.reason, "state") from None
+        # The hook goes on the model that receives the batch: these models do not hand the packing keywords down.
+        return _Decoder(top, [], mixers)
+    return None
 
 
 def refusal_reason(model_config: Any, *, blocking_only: bool = True) -> str | None:

@@ -63,6 +63,8 @@ STATE_MIXER_NAMES = re.compile(
     r"Mamba|SSM|Ssm(?![a-z])|ShortConv|Recurren|RGLRU|Rglru|Rwkv|RWKV|LSTM|Lstm|DeltaNet|LinearAttention|Lightning"
     r"|Retention|Hyena"
 )
+# Classes whose names say they are per-token parts of a mixer family (RecurrentGemmaRMSNorm, MambaRMSNorm, ...).
+PER_TOKEN_NAMES = re.compile(r"Norm|Mlp|MLP|Embedding|Rotary")
 # Parameters only state-space layers have.
 STATE_PARAMETERS = ("A_log", "dt_bias")
 # Keyword arguments that describe the packed row: not passed to a mixer that runs on a padded batch.
@@ -104,7 +106,8 @@ def mixer_kind(module: torch.nn.Module) -> str | None:
     )
     name = type(module).__name__
     own = {p for p, _ in module.named_parameters(recurse=False)}
-    if convolution or STATE_MIXER_NAMES.search(name) or own & set(STATE_PARAMETERS):
+    named = STATE_MIXER_NAMES.search(name) and not PER_TOKEN_NAMES.search(name)
+    if convolution or named or own & set(STATE_PARAMETERS):
         return "convolution" if convolution or "Conv" in name else "recurrent / state-space"
     return None
 
@@ -142,6 +145,17 @@ def _conv_problem(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _outermost_without_attention(module: torch.nn.Module, holds_attention: dict[int, bool]) -> list[torch.nn.Module]:
+    """The highest descendants of ``module`` (which holds attention) that hold no attention module, in module order."""
+    found = []
+    for child in module.children():
+        if holds_attention[id(child)]:
+            found.extend(_outermost_without_attention(child, holds_attention))
+        else:
+            found.append(child)
+    return found
+
+
 def find_mixers(
     decoder: torch.nn.Module, layers: Sequence[torch.nn.Module], is_attention: Callable[[torch.nn.Module], bool]
 ) -> list[MixerUnit]:
@@ -162,49 +176,45 @@ def find_mixers(
     """
     names = {id(module): name for name, module in decoder.named_modules()}
     units: list[MixerUnit] = []
-    covered: set[int] = set()
-    layer_ids = {id(layer) for layer in layers}
     for layer in layers:
         holds_attention = {id(m): any(is_attention(x) for x in m.modules()) for m in layer.modules()}
-        for child_name, child in layer.named_children():
-            found = [m for m in child.modules() if mixer_kind(m) is not None]
-            if not found:
+        for child in layer.children():
+            if not any(mixer_kind(m) is not None for m in child.modules()):
                 continue
             if not holds_attention[id(child)]:
                 units.append(MixerUnit(names[id(child)], child, layer, "padded"))
                 continue
-            for name, module in child.named_modules():
-                if id(module) in covered or mixer_kind(module) is None or holds_attention[id(module)]:
+            # Inside an attention module: each mixer's outermost ancestor that holds no attention (the attention's
+            # own child that holds it, e.g. a projection with its convolutions, or the mixer itself).
+            covered: set[int] = set()
+            for module in _outermost_without_attention(child, holds_attention):
+                if id(module) in covered or not any(mixer_kind(m) is not None for m in module.modules()):
                     continue
                 covered.update(id(m) for m in module.modules())
-                full_name = names[id(module)]
-                if isinstance(module, torch.nn.modules.conv._ConvNd):
-                    problem = _conv_problem(module)
-                    if problem is not None:
-                        raise MixerUnsupported(
-                            f"its convolution token mixer {type(module).__name__} ({full_name}) inside the attention "
-                            f"module {type(child).__name__} cannot be masked per sample: {problem}"
-                        )
-                    units.append(MixerUnit(full_name, module, layer, "conv"))
-                else:
-                    units.append(MixerUnit(full_name, module, layer, "padded"))
-        if mixer_kind(layer) is not None and not any(unit.layer is layer for unit in units):
-            if holds_attention[id(layer)]:
-                raise MixerUnsupported(
-                    f"its decoder layer {type(layer).__name__} ({names[id(layer)]}) is itself a state-carrying token "
-                    "mixer around its attention: no part of it can run per sample while attention runs packed"
-                )
-            units.append(MixerUnit(names[id(layer)], layer, layer, "padded"))
-    in_units = {id(m) for unit in units for m in unit.module.modules()}
+                name = names[id(module)]
+                if not isinstance(module, torch.nn.modules.conv._ConvNd):
+                    units.append(MixerUnit(name, module, layer, "padded"))
+                    continue
+                problem = _conv_problem(module)
+                if problem is not None:
+                    raise MixerUnsupported(
+                        f"its convolution token mixer {type(module).__name__} ({name}) inside the attention module "
+                        f"{type(child).__name__} cannot be masked per sample: {problem}"
+                    )
+                units.append(MixerUnit(name, module, layer, "conv"))
+        if mixer_kind(layer) is not None and not holds_attention[id(layer)]:
+            if not any(unit.layer is layer for unit in units):
+                # A layer named after its mixer family with no mixer child (e.g. the mixer is written into the
+                # layer's own forward): the whole layer runs per sample.
+                units.append(MixerUnit(names[id(layer)], layer, layer, "padded"))
     in_layers = {id(m) for layer in layers for m in layer.modules()}
     for name, module in decoder.named_modules():
-        if mixer_kind(module) is not None and id(module) not in in_layers and id(module) not in layer_ids:
+        kind = mixer_kind(module)
+        if kind is not None and id(module) not in in_layers:
             raise MixerUnsupported(
-                f"its {mixer_kind(module)} token mixer {type(module).__name__} ({name}) sits outside the decoder "
-                "layers, where the packed path does not reach it"
+                f"its {kind} token mixer {type(module).__name__} ({name}) sits outside the decoder layers, where the "
+                "packed path does not reach it"
             )
-        del name
-    del in_units
     return units
 
 
@@ -212,10 +222,12 @@ def find_mixers(
 # Packing metadata of the running layer
 # --------------------------------------------------------------------------------------------------------------------
 
-# Per thread: the `packed_seq_info` each decoder layer now running received (innermost last); _ABSENT when the layer
-# got no such keyword (a decoder that does not hand it down: the model hook's per-forward state decides then).
+# Per thread: the packing metadata of each decoder layer now running (innermost last): the `packed_seq_info` keyword
+# the layer received, else the packed forward the model hook published (a decoder that does not hand the keyword down,
+# e.g. Mamba's), else, in a recomputation during the backward (gradient checkpointing, after the forward's state is
+# gone), what the same layer used in its last forward.
 _layer_state = threading.local()
-_ABSENT = object()
+_LAST_INFO_ATTRIBUTE = "_unpack_mixer_last_info"
 
 
 def _layer_stack() -> list[Any]:
@@ -225,8 +237,23 @@ def _layer_stack() -> list[Any]:
     return stack
 
 
+def _in_backward() -> bool:
+    """Whether the code now running is part of a backward pass (where checkpointed layers recompute their forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _layer_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    _layer_stack().append(kwargs.get("packed_seq_info", _ABSENT))
+    from unpack_trainer.patches.masks import current_packed_info
+
+    if "packed_seq_info" in kwargs:
+        info = kwargs["packed_seq_info"]
+    elif _in_backward():
+        info = module.__dict__.get(_LAST_INFO_ATTRIBUTE)
+    else:
+        info = current_packed_info()
+    if not _in_backward():
+        module.__dict__[_LAST_INFO_ATTRIBUTE] = info
+    _layer_stack().append(info)
 
 
 def _layer_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -240,11 +267,7 @@ def _current_info(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     if "packed_seq_info" in kwargs:
         return kwargs["packed_seq_info"]
     stack = getattr(_layer_state, "stack", None)
-    if stack and stack[-1] is not _ABSENT:
-        return stack[-1]
-    from unpack_trainer.patches.masks import current_packed_info
-
-    return current_packed_info()
+    return stack[-1] if stack else None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -301,20 +324,18 @@ def _split(value: Any, plan: Any, info: PackedSeqInfo) -> list[Any]:
 
 
 def _merge(outputs: list[Any], plan: Any, info: PackedSeqInfo, owner: str) -> Any:
-    """Bucket outputs -> the packed row's: ``(n, L, *rest)`` tensors scattered back to ``(B, T, *rest)``."""
+    """Bucket outputs -> the packed row's: ``(n, L, *rest)`` tensors scattered back to ``(B, T, *rest)``; a tensor
+    that is not per token (a final state per sample) becomes ``None``."""
     from unpack_trainer.patches.attention import _ScatterTokens
 
     first = outputs[0]
     if first is None:
         return None
     if isinstance(first, Tensor):
-        if any(
-            o.dim() < 2 or tuple(o.shape[:2]) != (b.count, b.length) for o, b in zip(outputs, plan.buckets)
-        ):
-            raise TypeError(
-                f"unpack_trainer: the token mixer {owner} returned a tensor of shape {tuple(first.shape)} that is not "
-                "per token, so its packed outputs cannot be put back in place."
-            )
+        if any(o.dim() < 2 or tuple(o.shape[:2]) != (b.count, b.length) for o, b in zip(outputs, plan.buckets)):
+            # Not per token (e.g. the final recurrent state of each padded sample): meaningless for the packed row.
+            # None, so a caller that uses it fails loudly instead of reading a state of the wrong samples.
+            return None
         rest = first.shape[2:]
         flat = [o.reshape(-1, *rest) for o in outputs]
         slots = flat[0] if len(flat) == 1 else torch.cat(flat)
@@ -484,6 +505,7 @@ def unpatch_mixers(root: torch.nn.Module) -> None:
     for module in root.modules():
         if isinstance(module.__dict__.get(_FORWARD_ATTRIBUTE), _PackedMixerForward):
             del module.__dict__[_FORWARD_ATTRIBUTE]
+        module.__dict__.pop(_LAST_INFO_ATTRIBUTE, None)
         hook_ids = module.__dict__.pop(_LAYER_HOOKS_ATTRIBUTE, None)
         for hook_id in hook_ids or ():
             _remove_hook(module, hook_id)
