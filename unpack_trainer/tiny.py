@@ -81,6 +81,10 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen4_exp_text": dict(
+        layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
+    ),
     "lfm3": dict(layer_types=["conv", "full_attention"]),
     "granitemoehybrid": dict(
         layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4
@@ -93,7 +97,9 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_dt_rank=8,
         use_mamba_kernels=False,
     ),
-    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_dt_rank=8, use_mamba_kernels=False),
+    "zamba": dict(
+        num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"], mamba_dt_rank=8, use_mamba_kernels=False
+    ),
     "zamba2": dict(
         layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1], mamba_headdim=16, n_mamba_heads=4,
         attention_head_dim=8, use_mamba_kernels=False, chunk_size=4,

@@ -40,7 +40,6 @@ import functools
 import importlib
 import inspect
 import logging
-import re
 import sys
 import types
 import weakref
@@ -88,13 +87,6 @@ _MASK_BUILDERS = (
     "create_chunked_causal_mask",
     "create_masks_for_generate",
 )
-# Token mixers that carry state along the sequence, by class name (checked on the decoder's own submodules).
-_STATE_MIXER_NAMES = re.compile(
-    r"Mamba|SSM|Ssm(?![a-z])|ShortConv|Recurren|RGLRU|Rglru|Rwkv|RWKV|LSTM|Lstm|DeltaNet|LinearAttention|Lightning"
-    r"|Retention|Hyena"
-)
-# Parameters only state-space layers have.
-_STATE_PARAMETERS = ("A_log", "dt_bias")
 # Layer types (config.layer_types) of layers that mix no tokens: an MLP or mixture of experts alone.
 _PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
 
@@ -264,22 +256,31 @@ def _alibi_reason(config: Any, classes: list[type]) -> str | None:
     return None
 
 
-def _state_mixer_reason(decoder: torch.nn.Module) -> str | None:
-    from transformers import PreTrainedModel
-    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, not a convolution
+def _row_position_bias_reason(attention_classes: list[type]) -> str | None:
+    """Why an attention class that hands the attention function a ``position_bias`` of its own (relative position
+    logits over the row's token offsets, e.g. Inkling's) cannot be packed; ALiBi is :func:`_alibi_reason`'s."""
+    for cls in attention_classes:
+        if _mentions_alibi(cls):
+            continue
+        for klass in cls.__mro__:
+            if not klass.__module__.startswith("transformers.models."):
+                continue
+            code = getattr(vars(klass).get("forward"), "__code__", None)
+            if code is not None and "position_bias" in code.co_varnames:
+                return (
+                    f"its attention ({cls.__name__}) adds a position bias (position_bias) computed from token offsets "
+                    "along the whole row, which the packed attention helper does not apply per sample"
+                )
+    return None
 
+
+def _state_mixer_reason(decoder: torch.nn.Module) -> str | None:
     for name, module in decoder.named_modules():
-        cls = type(module)
-        if isinstance(module, PreTrainedModel):
-            continue  # the model classes are named after the family (MambaModel), their mixers after what they do
-        convolution = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and not isinstance(
-            module, Conv1D
-        )
-        own = {p for p, _ in module.named_parameters(recurse=False)}
-        if convolution or _STATE_MIXER_NAMES.search(cls.__name__) or own & set(_STATE_PARAMETERS):
-            what = "convolution" if convolution or "Conv" in cls.__name__ else "recurrent / state-space"
+        what = mixer_kind(module)
+        if what is not None:
             return (
-                f"its {what} token mixer {cls.__name__} ({name}) carries state along the row, across sample boundaries"
+                f"its {what} token mixer {type(module).__name__} ({name}) carries state along the row, across sample "
+                "boundaries"
             )
     return None
 
@@ -317,6 +318,9 @@ def _discover(model: torch.nn.Module) -> tuple[str, list[_Decoder]]:
     if reason is not None:
         raise PatchRefused(model_type, reason, "alibi")
     attention_classes = [cls for cls in classes if _uses_attention_interface(cls)]
+    reason = _row_position_bias_reason(attention_classes)
+    if reason is not None:
+        raise PatchRefused(model_type, reason, "alibi")
     builders = [m for m in modules if _builds_mask_with_transformers(type(m))]
     decoders = []
     for candidate in builders:
@@ -327,7 +331,7 @@ def _discover(model: torch.nn.Module) -> tuple[str, list[_Decoder]]:
         except MixerUnsupported as unsupported:
             raise PatchRefused(model_type, unsupported.reason, "state") from None
         attention = [m for m in candidate.modules() if type(m) in attention_classes]
-        if not attention:
+        if not attention and not mixers:
             continue
         mixer_layers = {id(unit.layer) for unit in mixers}
         layer_types = getattr(candidate.config, "layer_types", None)
