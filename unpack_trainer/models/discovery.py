@@ -1,0 +1,293 @@
+"""What a transformers model is made of, found from the model itself (no list of architectures).
+
+- **The decoder**: the innermost module whose class builds its attention mask through transformers' mask functions
+  (:data:`MASK_BUILDERS`) and holds attention modules.
+- **The attention modules**: modules of the decoder whose class looks its attention function up in
+  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``).
+- **The decoder layers**: the longest ``ModuleList`` directly under the decoder.
+- **The token mixers** (:func:`find_token_mixers`): modules other than attention that mix tokens along the row and
+  carry state from one token to the next (recurrent / state-space scans, causal convolutions). Whether one can be
+  packed exactly is :mod:`unpack_trainer.models.mixers`'s question, whether that refuses the model
+  :mod:`unpack_trainer.models.refusals`'.
+
+Everything here only reads the model (it also works on a model built on the ``meta`` device) and raises nothing but
+``TypeError`` for an object that holds no transformers model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Decoder", "ModelStructure", "TokenMixer", "discover", "find_token_mixers", "pretrained_model"]
+
+# Mask builders of transformers.masking_utils a patchable decoder calls (the mask interface is what we replace).
+MASK_BUILDERS = (
+    "create_causal_mask",
+    "create_sliding_window_causal_mask",
+    "create_chunked_causal_mask",
+    "create_masks_for_generate",
+)
+# Token mixers that carry state along the sequence, by class name (checked on the decoder's own submodules).
+_STATE_MIXER_NAMES = re.compile(
+    r"Mamba|SSM|Ssm(?![a-z])|ShortConv|Recurren|RGLRU|Rglru|Rwkv|RWKV|LSTM|Lstm|DeltaNet|LinearAttention|Lightning"
+    r"|Retention|Hyena"
+)
+# Parameters only state-space layers have.
+_STATE_PARAMETERS = ("A_log", "dt_bias")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a class refers to
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _function_references(function: Any, seen: set[int]) -> dict[str, Any]:
+    """Global names ``function`` uses -> their objects, following module-level helpers of transformers' models."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None or id(code) in seen:
+        return {}
+    seen.add(id(code))
+    namespace = getattr(function, "__globals__", {})
+    found: dict[str, Any] = {}
+    for name in _code_names(code):
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        found[name] = value
+        if isinstance(value, types.FunctionType) and value.__module__.startswith("transformers.models."):
+            found.update(_function_references(value, seen))
+    return found
+
+
+@functools.cache
+def class_references(cls: type) -> dict[str, Any]:
+    """Global names used by the methods ``cls`` defines or inherits from transformers' modeling code."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            if callable(value):
+                found.update(_function_references(value, seen))
+    return found
+
+
+def mentions(cls: type, attribute: str) -> bool:
+    """Whether a method of ``cls`` (from transformers' modeling code) reads an attribute named ``attribute``."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for value in vars(klass).values():
+            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+            if code is not None and attribute in _code_names(code):
+                return True
+    return False
+
+
+def uses_attention_interface(cls: type) -> bool:
+    """Whether ``cls`` looks its attention function up in transformers' ``ALL_ATTENTION_FUNCTIONS``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return any(value is ALL_ATTENTION_FUNCTIONS for value in class_references(cls).values())
+
+
+def builds_mask_with_transformers(cls: type) -> bool:
+    """Whether ``cls`` builds its attention mask with one of transformers' :data:`MASK_BUILDERS`."""
+    from transformers import masking_utils
+
+    builders = {id(getattr(masking_utils, name)) for name in MASK_BUILDERS if hasattr(masking_utils, name)}
+    return any(id(value) in builders for value in class_references(cls).values())
+
+
+def mentions_alibi(cls: type) -> bool:
+    """Whether ``cls``'s code uses a global whose name mentions ALiBi (``build_alibi_tensor``, ...)."""
+    return any("alibi" in name.lower() for name in class_references(cls))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model, its decoders, layers, attention modules and token mixers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers ``PreTrainedModel`` inside ``model`` (itself, or the model a ``PeftModel`` wraps).
+
+    Raises:
+        TypeError: ``model`` is no ``torch.nn.Module`` or holds no ``PreTrainedModel``.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"patch_model expects a torch.nn.Module, got {type(model).__name__}.")
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(
+        f"patch_model expects a transformers PreTrainedModel (or a PeftModel wrapping one), got {type(model).__name__}."
+    )
+
+
+def model_type_of(pretrained: torch.nn.Module) -> str:
+    """``config.model_type``, or the class name where the config has none."""
+    return getattr(pretrained.config, "model_type", None) or type(pretrained).__name__
+
+
+def layers_of(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: the longest ``ModuleList`` directly under the decoder."""
+    lists = [child for child in decoder.children() if isinstance(child, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+@dataclass
+class TokenMixer:
+    """A module other than attention that mixes tokens and carries state along the row.
+
+    Attributes:
+        name: its qualified name under the module it was searched in (``"layers.0.conv"``).
+        module: the module.
+        what: ``"convolution"`` or ``"recurrent / state-space"``.
+    """
+
+    name: str
+    module: torch.nn.Module
+    what: str
+
+    def describe(self) -> str:
+        """``"convolution token mixer ShortConv (layers.0.conv)"``."""
+        return f"{self.what} token mixer {type(self.module).__name__} ({self.name})"
+
+
+def _is_token_mixer(module: torch.nn.Module) -> str | None:
+    """What kind of token mixer ``module`` is (see :class:`TokenMixer`), or ``None``."""
+    from transformers import PreTrainedModel
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, not a convolution
+
+    if isinstance(module, PreTrainedModel):
+        return None  # the model classes are named after the family (MambaModel), their mixers after what they do
+    cls = type(module)
+    convolution = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and not isinstance(
+        module, Conv1D
+    )
+    own = {name for name, _ in module.named_parameters(recurse=False)}
+    if convolution or _STATE_MIXER_NAMES.search(cls.__name__) or own & set(_STATE_PARAMETERS):
+        return "convolution" if convolution or "Conv" in cls.__name__ else "recurrent / state-space"
+    return None
+
+
+def find_token_mixers(scope: torch.nn.Module) -> list[TokenMixer]:
+    """The token mixers under ``scope`` in module order, outermost only (a convolution inside a Mamba mixer is part
+    of that mixer): by class name (Mamba, SSM, ShortConv, DeltaNet, LinearAttention, ...), by being a
+    ``torch.nn.ConvNd``, or by owning state-space parameters (``A_log``, ``dt_bias``)."""
+    mixers: list[TokenMixer] = []
+    inside: set[int] = set()
+    for name, module in scope.named_modules():
+        if id(module) in inside:
+            continue
+        what = _is_token_mixer(module)
+        if what is None:
+            continue
+        mixers.append(TokenMixer(name, module, what))
+        inside.update(id(sub) for sub in module.modules())
+    return mixers
+
+
+@dataclass
+class Decoder:
+    """A patchable decoder: the innermost module that builds its mask through transformers and holds attention.
+
+    Attributes:
+        module: the decoder module (``LlamaModel``, the text model of a multimodal model, ...).
+        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS``), in module order.
+        layers: its decoder layers (:func:`layers_of`).
+        mixers: its token mixers (:func:`find_token_mixers`).
+    """
+
+    module: torch.nn.Module
+    attention: list[torch.nn.Module]
+    layers: list[torch.nn.Module] = field(default_factory=list)
+    mixers: list[TokenMixer] = field(default_factory=list)
+
+
+@dataclass
+class ModelStructure:
+    """What :func:`discover` found in a model.
+
+    Attributes:
+        pretrained: the ``PreTrainedModel``.
+        model_type: ``config.model_type``.
+        classes: every module class of the model, once each, in module order.
+        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS``.
+        mask_builders: the innermost modules that build their mask through transformers' :data:`MASK_BUILDERS`.
+        mixer_scopes: where token mixers count: the mask builders, or the whole model when there is none.
+        mixers: the token mixers found in ``mixer_scopes``.
+        decoders: the mask builders that hold attention modules, as :class:`Decoder`.
+    """
+
+    pretrained: torch.nn.Module
+    model_type: str
+    classes: list[type]
+    attention_classes: list[type]
+    mask_builders: list[torch.nn.Module]
+    mixer_scopes: list[torch.nn.Module]
+    mixers: list[TokenMixer]
+    decoders: list[Decoder]
+
+    @property
+    def config(self) -> Any:
+        return self.pretrained.config
+
+
+def discover(model: torch.nn.Module) -> ModelStructure:
+    """What ``model`` (a ``PreTrainedModel``, or a ``PeftModel`` wrapping one) is made of; see the module docstring.
+
+    Raises:
+        TypeError: ``model`` holds no transformers ``PreTrainedModel``.
+    """
+    pretrained = pretrained_model(model)
+    modules = list(model.modules())
+    classes = list(dict.fromkeys(type(module) for module in modules))
+    attention_classes = [cls for cls in classes if uses_attention_interface(cls)]
+    builders = [m for m in modules if builds_mask_with_transformers(type(m))]
+    innermost = [
+        candidate
+        for candidate in builders
+        # not the innermost (e.g. the multimodal wrapper around the text model)
+        if not any(other is not candidate and other in set(candidate.modules()) for other in builders)
+    ]
+    scopes = innermost or [model]
+    decoders = []
+    for candidate in innermost:
+        attention = [m for m in candidate.modules() if type(m) in attention_classes]
+        if attention:
+            decoders.append(Decoder(candidate, attention, layers_of(candidate), find_token_mixers(candidate)))
+    return ModelStructure(
+        pretrained=pretrained,
+        model_type=model_type_of(pretrained),
+        classes=classes,
+        attention_classes=attention_classes,
+        mask_builders=innermost,
+        mixer_scopes=scopes,
+        mixers=[mixer for scope in scopes for mixer in find_token_mixers(scope)],
+        decoders=decoders,
+    )
