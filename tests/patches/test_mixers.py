@@ -13,18 +13,15 @@ import pickle
 import pytest
 import torch
 
-from unpack_trainer.models import is_patched, patch_model, unpatch_model
+from unpack_trainer.models import PatchRefused, RefusalKind, is_patched, patch_model, unpatch_model
+from unpack_trainer.models.discovery import find_token_mixers
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.mixers import (
-    MixerUnit,
-    MixerUnsupported,
-    find_mixers,
+    PerSampleMixers,
     is_mixer_patched,
     mixer_kind,
     packed_conv1d,
-    patch_mixers,
     run_padded,
-    unpatch_mixers,
 )
 from unpack_trainer.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
 
@@ -128,15 +125,16 @@ def test_run_padded_buckets_by_length():
 
 def test_packed_mixer_with_a_cache_is_refused():
     scan = _Scan()
-    unit = MixerUnit("scan", scan, scan, "padded")
-    patch_mixers([unit])
+    handler = PerSampleMixers()
+    handler.patch(scan)
+    handler.patch(scan)  # idempotent
     try:
         with pytest.raises(ValueError, match=r"cache \(`cache_params`\).*use_cache=False"):
             scan(torch.randn(1, 11, 6), cache_params=object(), packed_seq_info=_info())
         scan(torch.randn(1, 11, 6), cache_params=object())  # unpacked: the module's own forward
     finally:
-        unpatch_mixers(scan)
-    assert not is_mixer_patched(scan)
+        handler.unpatch(scan)
+    assert not is_mixer_patched(scan) and "forward" not in scan.__dict__
 
 
 def test_mixer_kind_from_the_structure():
@@ -147,7 +145,7 @@ def test_mixer_kind_from_the_structure():
     assert mixer_kind(Conv1D(2, 2)) is None  # GPT-2's linear layer
 
 
-def test_a_conv_in_attention_that_is_not_depthwise_causal_is_refused():
+def test_a_conv_in_attention_that_is_not_depthwise_causal_is_not_handled():
     class Attention(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -160,8 +158,21 @@ def test_a_conv_in_attention_that_is_not_depthwise_causal_is_refused():
 
     decoder = torch.nn.Module()
     decoder.layers = torch.nn.ModuleList([Layer()])
-    with pytest.raises(MixerUnsupported, match=r"Conv1d \(layers\.0\.self_attn\.conv\).*not a depthwise causal"):
-        find_mixers(decoder, list(decoder.layers), lambda m: isinstance(m, Attention))
+    (mixer,) = find_token_mixers(decoder, list(decoder.layers), [Attention])
+    assert mixer.name == "layers.0.self_attn.conv" and not PerSampleMixers().handles(mixer)
+    assert "inside the attention module Attention, it is not a depthwise causal convolution" in mixer.problem
+
+
+def test_a_mixer_outside_the_layers_is_refused_with_its_reason():
+    """An attention-free model whose layers hold no mixer while one sits outside them: refused, naming it."""
+    from unpack_trainer.models.refusals import check_model
+
+    model = tiny_model("mamba")
+    model.backbone.extra = torch.nn.Conv1d(4, 4, 2)
+    model.backbone.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(PatchRefused, match=r"Conv1d \(backbone\.extra\).*outside the decoder layers") as refused:
+        check_model(model)
+    assert refused.value.kind is RefusalKind.STATE
 
 
 @pytest.mark.parametrize(
@@ -184,8 +195,7 @@ def test_mixer_units_found_from_the_structure(model_type, expected):
         assert found == expected
     finally:
         unpatch_model(model)
-    assert not any(is_mixer_patched(module) for module in model.modules())
-    assert not any("_unpack_mixer_hooks" in module.__dict__ for module in model.modules())
+    assert not any(is_mixer_patched(module) or "forward" in module.__dict__ for module in model.modules())
 
 
 def _samples(lengths=(5, 2, 7), seed=1):

@@ -319,7 +319,7 @@ def check_model_type(model_type: str) -> Outcome:
     """Build a tiny ``model_type`` model and decide its :class:`Outcome` (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from unpack_trainer.models import PatchRefused, _discover
+    from unpack_trainer.models.refusals import PatchRefused, check_model
 
     started = time.perf_counter()
 
@@ -339,7 +339,7 @@ def check_model_type(model_type: str) -> Outcome:
         # The structure at full size first (on the meta device: no memory), as the trainer's decision sees it: a tiny
         # config could drop the layers that refuse (e.g. the convolution layers of a hybrid pattern).
         with torch.device("meta"), _quiet():
-            _discover(AutoModelForCausalLM.from_config(default))
+            check_model(AutoModelForCausalLM.from_config(default))
     except PatchRefused as refused:
         return outcome("refused", refused.reason, kind=refused.kind, source="default")
     except Exception:  # noqa: BLE001 - some default configs are incomplete: the tiny model below decides
@@ -353,7 +353,7 @@ def check_model_type(model_type: str) -> Outcome:
     if reason is not None:
         return outcome("skipped", reason)
     try:
-        _, decoders = _discover(model)
+        decoders = check_model(model).decoders
     except PatchRefused as refused:
         return outcome("refused", refused.reason, kind=refused.kind)
     attention_layers = sum(len(decoder.attention) for decoder in decoders)

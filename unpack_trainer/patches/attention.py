@@ -61,6 +61,7 @@ from torch import Tensor
 
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.masks import detect_packed
 
 __all__ = [
     "BACKENDS",
@@ -131,16 +132,12 @@ class _LastDerivedInfo:
         self._info: PackedSeqInfo | None = None
 
     def get(self, source_name: str, source: Tensor, batch_size: int, seq_len: int) -> PackedSeqInfo | None:
-        """The metadata of ``source`` (``packed_seq_lengths``, ``cu_seq_lens_q`` or ``position_ids``), derived once."""
+        """The metadata of ``source`` (``packed_seq_lengths``, ``cu_seq_lens_q`` or ``position_ids``), derived once
+        by the one detector, :func:`unpack_trainer.patches.masks.detect_packed`."""
         key = (source_name, source._version, batch_size, seq_len)
         if self._source is not None and self._source() is source and self._key == key:
             return self._info
-        if source_name == "packed_seq_lengths":
-            info = PackedSeqInfo.from_seq_lengths(source, batch_size=batch_size, seq_len=seq_len)
-        elif source_name == "cu_seq_lens_q":
-            info = PackedSeqInfo.from_cu_seqlens(source, batch_size=batch_size, seq_len=seq_len)
-        else:
-            info = PackedSeqInfo.from_position_ids(source.expand(batch_size, -1) if source.shape[0] == 1 else source)
+        info = detect_packed(batch_size, seq_len, **{source_name: source})
         self._source, self._key, self._info = weakref.ref(source), key, info
         return info
 
@@ -153,9 +150,10 @@ def packed_info_from_kwargs(
 ) -> PackedSeqInfo | None:
     """The packing metadata of this call, or ``None`` for an unpacked call.
 
-    Precedence: ``packed_seq_info`` (set by the model hook, ``None`` meaning "not packed"), then
-    ``packed_seq_lengths``, then ``cu_seq_lens_q``, then ``position_ids`` (only without an attention mask and with
-    as many keys as queries, i.e. no KV cache).
+    ``packed_seq_info`` (set by the model hook, ``None`` meaning "not packed") when present; else, for a direct call
+    without the hook, what :func:`unpack_trainer.patches.masks.detect_packed` decides from ``packed_seq_lengths``,
+    ``cu_seq_lens_q`` or ``position_ids`` (the latter only without an attention mask and with as many keys as
+    queries, i.e. no KV cache).
     """
     if "packed_seq_info" in kwargs:
         return kwargs["packed_seq_info"]
@@ -165,7 +163,7 @@ def packed_info_from_kwargs(
         if source is not None:
             return _last_derived.get(name, source, batch_size, seq_len)
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None and attention_mask is None and key.shape[2] == seq_len and seq_len > 1:
+    if position_ids is not None and attention_mask is None and key.shape[2] == seq_len:
         return _last_derived.get("position_ids", position_ids, batch_size, seq_len)
     return None
 

@@ -22,17 +22,17 @@ mixers in a decoder from its structure and makes each one exact on packed rows:
   row, every tap that would read across a sample boundary is masked to zero: ``y[t] = b + sum_s w[k-1-s] x[t-s]`` over
   the taps ``s <= position[t]``.
 
-The mixers are found from the model: a module whose class names a state-carrying mixer (Mamba, SSM, ShortConv,
-DeltaNet, LinearAttention, Lightning, RG-LRU, RWKV, LSTM, ...), owns state-space parameters (``A_log``, ``dt_bias``),
-or is a 1-D convolution. Per decoder layer, the unit that is re-batched is the layer's child that holds the mixer,
-when that child holds no attention module; inside an attention module, the mixer itself (so attention keeps running
-packed through the attention helper). A mixer the padded path cannot take is refused with the reason
-(:class:`MixerUnsupported`).
+Which modules run per sample is found from the model's structure
+(:func:`unpack_trainer.models.discovery.find_token_mixers`); :class:`PerSampleMixers` is the handler that
+:mod:`unpack_trainer.models.mixers` offers them to, and it owns every one it can make exact (a bare convolution that
+is not depthwise causal, or a mixer outside the decoder layers, stays refused with the reason).
 
-Only packed forwards change: the packing metadata comes from the ``packed_seq_info`` keyword the model hook hands every
-decoder layer (so it survives gradient checkpointing), read by a pre-hook on each decoder layer that holds a mixer.
-Any other forward (a padded batch, generation with a cache, a compiled forward without metadata) runs the mixer's own
-forward unchanged. A packed forward with a cache is refused: the cache of a packed row would mix samples.
+Only packed forwards change: the model hook publishes the packing metadata for the decoder's forward
+(:func:`publish_packed_forward`; the layers' ``packed_seq_info`` keyword where the mixer receives it), and a mixer
+recomputed in the backward (gradient checkpointing, after that forward ended) uses what it used in its forward. Any
+other forward (a padded batch, generation with a cache, a compiled forward without metadata) runs the mixer's own
+forward unchanged. A packed forward that reaches a mixer with a cache is refused: the cache of a packed row would carry
+one sample's state into the next.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,13 +48,14 @@ from torch import Tensor
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 __all__ = [
-    "MixerUnit",
-    "MixerUnsupported",
-    "find_mixers",
+    "PerSampleMixers",
+    "conv_problem",
+    "end_packed_forward",
+    "is_mixer_patched",
     "mixer_kind",
     "packed_conv1d",
-    "patch_mixers",
-    "unpatch_mixers",
+    "publish_packed_forward",
+    "run_padded",
 ]
 
 # Token mixers that carry state along the sequence, by class name.
@@ -82,15 +82,6 @@ CACHE_ARGUMENTS = ("cache_params", "past_key_values", "past_key_value", "cache",
 _MIXER_CALL_COST_TOKENS = 512
 
 _FORWARD_ATTRIBUTE = "forward"
-_LAYER_HOOKS_ATTRIBUTE = "_unpack_mixer_hooks"
-
-
-class MixerUnsupported(ValueError):
-    """A token mixer that the packed path cannot make exact; ``reason`` says what is missing."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(reason)
 
 
 def mixer_kind(module: torch.nn.Module) -> str | None:
@@ -112,24 +103,7 @@ def mixer_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class MixerUnit:
-    """One module that runs per sample on packed rows.
-
-    Attributes:
-        name: its path under the decoder.
-        module: the module whose ``forward`` is replaced.
-        layer: the decoder layer that holds it (its pre-hook hands the packing metadata down).
-        path: ``"padded"`` (re-batched by length) or ``"conv"`` (masked taps of a depthwise causal ``nn.Conv1d``).
-    """
-
-    name: str
-    module: torch.nn.Module
-    layer: torch.nn.Module
-    path: str
-
-
-def _conv_problem(module: torch.nn.Module) -> str | None:
+def conv_problem(module: torch.nn.Module) -> str | None:
     """Why a bare convolution cannot take the masked-taps path, or ``None``."""
     if not isinstance(module, torch.nn.Conv1d):
         return f"it is a {type(module).__name__}, not a 1-D convolution"
@@ -145,96 +119,37 @@ def _conv_problem(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _outermost_without_attention(module: torch.nn.Module, holds_attention: dict[int, bool]) -> list[torch.nn.Module]:
-    """The highest descendants of ``module`` (which holds attention) that hold no attention module, in module order."""
-    found = []
-    for child in module.children():
-        if holds_attention[id(child)]:
-            found.extend(_outermost_without_attention(child, holds_attention))
-        else:
-            found.append(child)
-    return found
-
-
-def find_mixers(
-    decoder: torch.nn.Module, layers: Sequence[torch.nn.Module], is_attention: Callable[[torch.nn.Module], bool]
-) -> list[MixerUnit]:
-    """The token mixers of ``decoder`` that carry state along the sequence, as the units the packed path re-batches.
-
-    Args:
-        decoder: the decoder model (holds the layers).
-        layers: its decoder layers, in order.
-        is_attention: whether a module computes attention through transformers' attention interface (those run
-            packed through the attention helper and must not be re-batched).
-
-    Returns:
-        One :class:`MixerUnit` per mixer, in module order; empty for a decoder of attention only.
-
-    Raises:
-        MixerUnsupported: a mixer outside the decoder layers, or a bare convolution inside an attention module that is
-            not a depthwise causal ``nn.Conv1d``.
-    """
-    names = {id(module): name for name, module in decoder.named_modules()}
-    units: list[MixerUnit] = []
-    for layer in layers:
-        holds_attention = {id(m): any(is_attention(x) for x in m.modules()) for m in layer.modules()}
-        for child in layer.children():
-            if not any(mixer_kind(m) is not None for m in child.modules()):
-                continue
-            if not holds_attention[id(child)]:
-                units.append(MixerUnit(names[id(child)], child, layer, "padded"))
-                continue
-            # Inside an attention module: each mixer's outermost ancestor that holds no attention (the attention's
-            # own child that holds it, e.g. a projection with its convolutions, or the mixer itself).
-            covered: set[int] = set()
-            for module in _outermost_without_attention(child, holds_attention):
-                if id(module) in covered or not any(mixer_kind(m) is not None for m in module.modules()):
-                    continue
-                covered.update(id(m) for m in module.modules())
-                name = names[id(module)]
-                if not isinstance(module, torch.nn.modules.conv._ConvNd):
-                    units.append(MixerUnit(name, module, layer, "padded"))
-                    continue
-                problem = _conv_problem(module)
-                if problem is not None:
-                    raise MixerUnsupported(
-                        f"its convolution token mixer {type(module).__name__} ({name}) inside the attention module "
-                        f"{type(child).__name__} cannot be masked per sample: {problem}"
-                    )
-                units.append(MixerUnit(name, module, layer, "conv"))
-        if mixer_kind(layer) is not None and not holds_attention[id(layer)]:
-            if not any(unit.layer is layer for unit in units):
-                # A layer named after its mixer family with no mixer child (e.g. the mixer is written into the
-                # layer's own forward): the whole layer runs per sample.
-                units.append(MixerUnit(names[id(layer)], layer, layer, "padded"))
-    in_layers = {id(m) for layer in layers for m in layer.modules()}
-    for name, module in decoder.named_modules():
-        kind = mixer_kind(module)
-        if kind is not None and id(module) not in in_layers:
-            raise MixerUnsupported(
-                f"its {kind} token mixer {type(module).__name__} ({name}) sits outside the decoder layers, where the "
-                "packed path does not reach it"
-            )
-    return units
-
-
 # --------------------------------------------------------------------------------------------------------------------
-# Packing metadata of the running layer
+# Packing metadata of the running forward
 # --------------------------------------------------------------------------------------------------------------------
 
-# Per thread: the packing metadata of each decoder layer now running (innermost last): the `packed_seq_info` keyword
-# the layer received, else the packed forward the model hook published (a decoder that does not hand the keyword down,
-# e.g. Mamba's), else, in a recomputation during the backward (gradient checkpointing, after the forward's state is
-# gone), what the same layer used in its last forward.
-_layer_state = threading.local()
+# Per thread: (decoder, PackedSeqInfo) of the packed forwards now running, innermost last. Published by the model
+# hook for decoders with token mixers, also where attention takes transformers' own dense path (output_attentions).
+_published = threading.local()
+# On a patched mixer: the packing metadata of its last forward, for its recomputation in the backward (gradient
+# checkpointing recomputes a layer after the forward's published state is gone).
 _LAST_INFO_ATTRIBUTE = "_unpack_mixer_last_info"
 
 
-def _layer_stack() -> list[Any]:
-    stack = getattr(_layer_state, "stack", None)
+def _stack() -> list[tuple[Any, PackedSeqInfo]]:
+    stack = getattr(_published, "stack", None)
     if stack is None:
-        stack = _layer_state.stack = []
+        stack = _published.stack = []
     return stack
+
+
+def publish_packed_forward(decoder: Any, info: PackedSeqInfo) -> None:
+    """Tell the token mixers of ``decoder`` that its forward now starting is packed with ``info``; undo with
+    :func:`end_packed_forward`."""
+    end_packed_forward(decoder)  # an entry a failed forward left behind
+    _stack().append((decoder, info))
+
+
+def end_packed_forward(decoder: Any) -> None:
+    """End the packed forward of ``decoder`` (no-op when none is published)."""
+    stack = _stack()
+    if any(entry[0] is decoder for entry in stack):
+        stack[:] = [entry for entry in stack if entry[0] is not decoder]
 
 
 def _in_backward() -> bool:
@@ -242,32 +157,18 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _layer_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    from unpack_trainer.patches.masks import current_packed_info
-
-    if "packed_seq_info" in kwargs:
-        info = kwargs["packed_seq_info"]
-    elif _in_backward():
-        info = module.__dict__.get(_LAST_INFO_ATTRIBUTE)
-    else:
-        info = current_packed_info()
-    if not _in_backward():
-        module.__dict__[_LAST_INFO_ATTRIBUTE] = info
-    _layer_stack().append(info)
-
-
-def _layer_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    stack = _layer_stack()
-    if stack:
-        stack.pop()
-
-
-def _current_info(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
-    """The packing metadata of the mixer call now running, or ``None`` (not packed)."""
-    if "packed_seq_info" in kwargs:
-        return kwargs["packed_seq_info"]
-    stack = getattr(_layer_state, "stack", None)
-    return stack[-1] if stack else None
+def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+    """The packing metadata of the mixer call now running, or ``None`` (not packed): the ``packed_seq_info`` keyword
+    when the layer handed it down, else the packed forward published for the decoder, else, in a recomputation during
+    the backward, what this mixer used in its last forward."""
+    info = kwargs.get("packed_seq_info")
+    if info is None:
+        stack = getattr(_published, "stack", None)
+        info = stack[-1][1] if stack else None
+    if _in_backward():
+        return info if info is not None else module.__dict__.get(_LAST_INFO_ATTRIBUTE)
+    module.__dict__[_LAST_INFO_ATTRIBUTE] = info
+    return info
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -453,20 +354,21 @@ def packed_conv1d(module: torch.nn.Conv1d, x: Tensor, info: PackedSeqInfo) -> Te
 
 
 class _PackedMixerForward:
-    """Installed as ``module.forward`` (an instance attribute, removed by :func:`unpatch_mixers`): the module's own
-    forward, except on packed forwards, where it runs per sample (``path``: ``"padded"`` or ``"conv"``)."""
+    """Installed as ``module.forward`` (an instance attribute, removed by :meth:`PerSampleMixers.unpatch`): the
+    module's own forward, except on packed forwards, where it runs per sample (``path``: ``"padded"`` or ``"conv"``)."""
 
-    def __init__(self, module: torch.nn.Module, path: str, name: str) -> None:
-        self.module, self.path, self.name = module, path, name
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.path = "conv" if isinstance(module, torch.nn.Conv1d) else "padded"
         self.parameters = _positional_names(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         forward = type(module).forward
-        info = _current_info(kwargs)
+        info = _current_info(module, kwargs)
         if info is None:
             return forward(module, *args, **kwargs)
-        owner = f"{type(module).__name__} ({self.name})"
+        owner = type(module).__name__
         if self.path == "conv":
             (x,) = args if args else tuple(kwargs.values())
             return packed_conv1d(module, x, info)
@@ -474,43 +376,35 @@ class _PackedMixerForward:
         return run_padded(lambda *a, **k: forward(module, *a, **k), owner, info, args, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"module": self.module, "path": self.path, "name": self.name}
+        return {"module": self.module}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.module, self.path, self.name = state["module"], state["path"], state["name"]
-        self.parameters = _positional_names(self.module)
+        self.__init__(state["module"])
 
 
-def patch_mixers(units: Sequence[MixerUnit]) -> None:
-    """Make every unit run per sample on packed forwards (idempotent); undo with :func:`unpatch_mixers`."""
-    layers: dict[int, torch.nn.Module] = {}
-    for unit in units:
-        current = unit.module.__dict__.get(_FORWARD_ATTRIBUTE)
-        if isinstance(current, _PackedMixerForward):
-            continue
-        unit.module.__dict__[_FORWARD_ATTRIBUTE] = _PackedMixerForward(unit.module, unit.path, unit.name)
-        layers[id(unit.layer)] = unit.layer
-    for layer in layers.values():
-        if layer.__dict__.get(_LAYER_HOOKS_ATTRIBUTE):
-            continue
-        pre = layer.register_forward_pre_hook(_layer_pre_hook, with_kwargs=True)
-        post = layer.register_forward_hook(_layer_post_hook, with_kwargs=True, always_call=True)
-        layer.__dict__[_LAYER_HOOKS_ATTRIBUTE] = [pre.id, post.id]
+class PerSampleMixers:
+    """The mixer handler (:mod:`unpack_trainer.models.mixers`) of every causal token mixer the model's structure
+    shows (:func:`unpack_trainer.models.discovery.find_token_mixers`): a bare depthwise causal ``nn.Conv1d`` gets the
+    masked taps, anything else the padded buckets (see the module docstring)."""
 
+    name = "per_sample"
 
-def unpatch_mixers(root: torch.nn.Module) -> None:
-    """Undo :func:`patch_mixers` on every module under ``root`` (a no-op where nothing is patched)."""
-    from unpack_trainer.models import _remove_hook
+    def handles(self, mixer: Any) -> bool:
+        """Whether ``mixer`` (a :class:`~unpack_trainer.models.discovery.TokenMixer`) can run per sample."""
+        return mixer.problem is None and mixer.layer is not None
 
-    for module in root.modules():
-        if isinstance(module.__dict__.get(_FORWARD_ATTRIBUTE), _PackedMixerForward):
+    def patch(self, module: torch.nn.Module) -> None:
+        """Replace ``module.forward`` by the per-sample path on packed forwards (idempotent)."""
+        if not is_mixer_patched(module):
+            module.__dict__[_FORWARD_ATTRIBUTE] = _PackedMixerForward(module)
+
+    def unpatch(self, module: torch.nn.Module) -> None:
+        """Give ``module`` its own forward back (a no-op when it is not patched)."""
+        if is_mixer_patched(module):
             del module.__dict__[_FORWARD_ATTRIBUTE]
         module.__dict__.pop(_LAST_INFO_ATTRIBUTE, None)
-        hook_ids = module.__dict__.pop(_LAYER_HOOKS_ATTRIBUTE, None)
-        for hook_id in hook_ids or ():
-            _remove_hook(module, hook_id)
 
 
 def is_mixer_patched(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward is replaced by the packed mixer path."""
+    """Whether ``module``'s forward is replaced by the per-sample path."""
     return isinstance(module.__dict__.get(_FORWARD_ATTRIBUTE), _PackedMixerForward)

@@ -1,0 +1,469 @@
+"""The patch itself: what :func:`patch_model` installs on a model, and how :func:`unpatch_model` takes it off.
+
+The model is first checked (:func:`unpack_trainer.models.refusals.check_model`: what it is made of, and whether it can
+be packed exactly). Then, on each decoder:
+
+- registers ``unpack_<impl>`` in transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (``<impl>`` is the
+  model's attention implementation: "sdpa", "eager", "flash_attention_2", ...) and sets the model's
+  ``config._attn_implementation`` to it. Packed batches go to :mod:`unpack_trainer.patches.attention` with no
+  ``(T, T)`` mask built; every other batch (a padded batch with ``attention_mask``, generation with any KV cache) runs
+  ``<impl>`` exactly as before. ``model.set_attn_implementation(...)`` after patching is followed (the next forward
+  re-routes through ``unpack_<new impl>``), ``config.output_attentions = True`` works where it works unpatched (packed
+  batches then take transformers' own exact path, which returns the weights), and a pickled patched model registers
+  its implementation again when it is loaded;
+- adds a forward pre-hook on the decoder that decides once per forward whether the batch is packed
+  (:func:`unpack_trainer.patches.masks.packed_info_for_forward`, the one detector) and computes the packing metadata
+  (:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`), which reaches every layer as a keyword argument (so it
+  survives gradient checkpointing) and token mixers through :func:`unpack_trainer.patches.masks.current_packed_info`.
+  Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left as it came;
+- patches each token mixer with the handler that owns it (:mod:`unpack_trainer.models.mixers`);
+- with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
+  :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
+  model of that module is unpatched or collected);
+- where the decoder applies ``config.sliding_window`` through its mask only, tells its attention modules the window.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unpack_trainer.models.discovery import Decoder, class_references, mentions, pretrained_model
+from unpack_trainer.models.mixers import handler_for, handler_named
+from unpack_trainer.models.refusals import check_model
+
+if TYPE_CHECKING:
+    from unpack_trainer.patches.attention import BackendChoice
+
+__all__ = ["is_patched", "patch_model", "resolve_backend", "supported_model_types", "unpatch_model"]
+
+logger = logging.getLogger("unpack_trainer.models")
+
+_UNPACK_PREFIX = "unpack_"
+_STATE_ATTRIBUTE = "_unpack_trainer_patch"
+
+
+@dataclass
+class _PatchState:
+    model_type: str
+    original_implementation: str | None
+    attention: bool
+    rope: bool
+    rope_modules: tuple[str, ...] = ()
+    hook_ids: list[int] = field(default_factory=list)  # ids, not handles: a deep copy of the model keeps the ids
+    # (qualified name under the decoder, handler name) of each patched token mixer: names, so a copy finds its own.
+    mixers: list[tuple[str, str]] = field(default_factory=list)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled in a new process (torch.load of a patched model): the attention implementation the config names
+        # must be registered there too, or every forward fails on an unknown implementation.
+        self.__dict__.update(state)
+        if self.attention:
+            _register_implementation(self.original_implementation)
+
+
+# modeling module -> original RoPE function, and the decoders currently using the replacement.
+_rope_originals: dict[str, Any] = {}
+_rope_users: dict[str, weakref.WeakSet] = {}
+
+
+def supported_model_types() -> list[str]:
+    """The ``config.model_type`` values verified on the fast packed path, sorted.
+
+    Each one passed the generated coverage check (``tests/models/test_coverage.py``): a tiny model of that type is
+    patched, its packed logits equal each sample run alone and its loss and every gradient equal a padded batch, on
+    SDPA and eager, with no ``(T, T)`` mask built. Other types may still patch (the patch is generic); the trainer's
+    self-check guards them.
+    """
+    from unpack_trainer.models.coverage import VERIFIED_MODEL_TYPES
+
+    return sorted(VERIFIED_MODEL_TYPES)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Registration, hooks, RoPE
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _register_implementation(original: str | None) -> str:
+    """Register ``unpack_<original>`` in transformers' attention and mask interfaces (idempotent); return the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from unpack_trainer.patches.attention import make_attention_function
+    from unpack_trainer.patches.masks import make_mask_function
+
+    _allow_output_attentions_on_unpack_eager()
+    base = original or "sdpa"
+    name = _UNPACK_PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, make_attention_function(base))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, make_mask_function(base))
+    return name
+
+
+def _strip(implementation: str | None) -> str | None:
+    if isinstance(implementation, str) and implementation.startswith(_UNPACK_PREFIX):
+        return implementation[len(_UNPACK_PREFIX) :]
+    return implementation
+
+
+@functools.cache
+def _allow_output_attentions_on_unpack_eager() -> None:
+    """Make transformers' ``config.output_attentions`` checks treat ``unpack_<impl>`` as ``<impl>``.
+
+    transformers refuses ``output_attentions=True`` unless the implementation is named "eager"; a patched eager model
+    is named "unpack_eager" and returns the same weights (packed batches with ``output_attentions`` take
+    transformers' own path). Installed once, on the first patch; for every other implementation name the checks
+    behave exactly as before.
+    """
+    from transformers import PretrainedConfig
+
+    original = PretrainedConfig.__dict__["output_attentions"]
+    validate = PretrainedConfig.__dict__.get("validate_output_attentions")
+
+    def setter(self: Any, value: bool) -> None:
+        implementation = self._attn_implementation
+        unpacked = _strip(implementation)
+        if unpacked != implementation and unpacked == "eager":
+            self._output_attentions = value
+            return
+        if value and unpacked != implementation:
+            raise ValueError(
+                "The `output_attentions` attribute is not supported when using the `attn_implementation` set to "
+                f"{unpacked}. Please set it to 'eager' instead."
+            )
+        original.fset(self, value)
+
+    PretrainedConfig.output_attentions = property(original.fget, setter, original.fdel, original.__doc__)
+    if validate is not None:
+
+        def validate_output_attentions(self: Any) -> None:
+            if _strip(self._attn_implementation) == "eager":
+                return
+            validate(self)
+
+        PretrainedConfig.validate_output_attentions = validate_output_attentions
+
+
+_forward_parameters: dict[type, list[str]] = {}
+
+
+def _wants_attention_weights(module: torch.nn.Module, kwargs: dict) -> bool:
+    requested = kwargs.get("output_attentions")
+    if requested is None:
+        requested = getattr(module.config, "output_attentions", False)
+    return bool(requested)
+
+
+def _follow_implementation_change(module: torch.nn.Module, state: _PatchState) -> None:
+    """Re-route through ``unpack_<impl>`` after ``model.set_attn_implementation(impl)`` changed the config."""
+    current = module.config._attn_implementation
+    if current is None or current.startswith(_UNPACK_PREFIX):
+        return
+    state.original_implementation = current
+    module.config._attn_implementation = _register_implementation(current)
+    logger.warning(
+        "unpack_trainer: the attention implementation of this patched model was changed to %r; packed batches now "
+        "use the packed helper on %r (unpatch_model restores %r).",
+        current,
+        current,
+        current,
+    )
+
+
+def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    from unpack_trainer.patches.masks import packed_forward_active, packed_info_for_forward
+
+    state: _PatchState | None = module.__dict__.get(_STATE_ATTRIBUTE)
+    if state is not None and state.attention:
+        _follow_implementation_change(module, state)
+    if args:
+        names = _forward_parameters.get(type(module))
+        if names is None:
+            names = [
+                p.name
+                for p in inspect.signature(module.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            _forward_parameters[type(module)] = names
+        kwargs = {**dict(zip(names, args)), **kwargs}
+        args = ()
+    info = packed_info_for_forward(kwargs)
+    if info is None:
+        return args, kwargs
+    if state is not None and state.mixers:
+        from unpack_trainer.patches.mixers import publish_packed_forward
+
+        publish_packed_forward(module, info)
+    if _wants_attention_weights(module, kwargs):
+        # The packed helper returns no weights: transformers' own packed path (a dense block mask from the restarting
+        # position_ids, which the metadata filled in) computes the same outputs and returns them.
+        from unpack_trainer._logging import log_once
+        from unpack_trainer.patches.attention import logger as attention_logger
+
+        log_once(
+            attention_logger,
+            logging.INFO,
+            "unpack_trainer: output_attentions=True: packed batches take transformers' dense-mask path, which "
+            "returns the attention weights.",
+        )
+        kwargs["packed_seq_info"] = None
+        return args, kwargs
+    packed_forward_active(module, info)
+    return args, kwargs
+
+
+def _decoder_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    from unpack_trainer.patches.masks import reset_packed_forward
+    from unpack_trainer.patches.mixers import end_packed_forward
+
+    reset_packed_forward(module)
+    end_packed_forward(module)
+
+
+def _same_code(a: Any, b: Any) -> bool:
+    a, b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if a is None or b is None:
+        return False
+
+    def key(code: types.CodeType) -> tuple:
+        consts = tuple(c for c in code.co_consts if not isinstance(c, (str, types.CodeType)))
+        return code.co_code, code.co_names, code.co_varnames, consts
+
+    return key(a) == key(b)
+
+
+def _llama_rope_module(modeling: types.ModuleType) -> bool:
+    """Whether ``modeling`` applies RoPE exactly as Llama does (``apply_rotary_pos_emb`` and ``rotate_half``)."""
+    from transformers.models.llama import modeling_llama as llama
+
+    function = _rope_originals.get(modeling.__name__, getattr(modeling, "apply_rotary_pos_emb", None))
+    reference = _rope_originals.get(llama.__name__, llama.apply_rotary_pos_emb)  # Llama's own may be replaced now
+    return _same_code(function, reference) and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
+
+
+def _patch_rope(decoder: Decoder) -> tuple[str, ...]:
+    from unpack_trainer.patches.rope import apply_rotary_pos_emb
+
+    patched = []
+    for name in dict.fromkeys(type(m).__module__ for m in decoder.attention):
+        modeling = sys.modules.get(name)
+        if modeling is None or not _llama_rope_module(modeling):
+            continue
+        if name not in _rope_originals:
+            _rope_originals[name] = modeling.apply_rotary_pos_emb
+            modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+        _rope_users.setdefault(name, weakref.WeakSet()).add(decoder.module)
+        # A patched model that is garbage collected without unpatch_model releases the RoPE function too.
+        weakref.finalize(decoder.module, _release_rope, name)
+        patched.append(name)
+    return tuple(patched)
+
+
+def _release_rope(modeling_module: str) -> None:
+    """Restore the modeling module's RoPE function once no live patched decoder uses the replacement."""
+    users = _rope_users.get(modeling_module)
+    if users is not None and next(iter(users), None) is not None:  # iterating skips decoders being collected
+        return
+    if modeling_module in _rope_originals:
+        importlib.import_module(modeling_module).apply_rotary_pos_emb = _rope_originals.pop(modeling_module)
+
+
+def _unpatch_rope(modules: tuple[str, ...], decoder: torch.nn.Module) -> None:
+    for name in modules:
+        users = _rope_users.get(name)
+        if users is not None:
+            users.discard(decoder)
+        _release_rope(name)
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _remove_hook(module: torch.nn.Module, hook_id: int) -> None:
+    """What ``RemovableHandle.remove`` does, on ``module``'s own hook dicts (a handle of the original model would
+    point at the original's dicts after ``copy.deepcopy``)."""
+    for name in _HOOK_DICTS:
+        getattr(module, name, {}).pop(hook_id, None)
+
+
+_WINDOW_ATTRIBUTE = "_unpack_sliding_window"
+
+
+def _window_not_passed(decoder: Decoder) -> int | None:
+    """``config.sliding_window`` when the decoder builds a sliding-window mask but its attention modules never pass
+    ``sliding_window`` to the attention function (e.g. Phimoe: stock SDPA/eager get the window from the mask only)."""
+    from transformers import masking_utils
+
+    window = getattr(decoder.module.config, "sliding_window", None)
+    if not window or getattr(decoder.module.config, "layer_types", None) is not None:
+        return None
+    builders = class_references(type(decoder.module)).values()
+    if not any(value is masking_utils.create_sliding_window_causal_mask for value in builders):
+        return None
+    if any(
+        "sliding_window" in class_references(type(m)) or mentions(type(m), "sliding_window") for m in decoder.attention
+    ):
+        return None
+    return int(window)
+
+
+def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: bool) -> None:
+    module = decoder.module
+    config = module.config
+    window = _window_not_passed(decoder)
+    for layer in decoder.attention:
+        if window is not None:
+            setattr(layer, _WINDOW_ATTRIBUTE, window)
+    original = _strip(config._attn_implementation)  # a deep copy of a patched model carries the prefix
+    state = _PatchState(model_type, original, attention, rope)
+    if attention:
+        config._attn_implementation = _register_implementation(original)
+    for mixer in decoder.mixers:
+        handler = handler_for(mixer)  # every mixer has one: check_model refused the model otherwise
+        handler.patch(mixer.module)
+        state.mixers.append((mixer.name, handler.name))
+    if attention or state.mixers:
+        # The mixers read the packing metadata the hook publishes, so they need it even with attention=False.
+        state.hook_ids.append(module.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True).id)
+        post_hook = module.register_forward_hook(_decoder_post_hook, with_kwargs=True, always_call=True)
+        state.hook_ids.append(post_hook.id)
+    if rope:
+        state.rope_modules = _patch_rope(decoder)
+    setattr(module, _STATE_ATTRIBUTE, state)
+
+
+def _unpatch_decoder(module: torch.nn.Module) -> None:
+    state: _PatchState | None = getattr(module, _STATE_ATTRIBUTE, None)
+    if state is None:
+        return
+    for hook_id in state.hook_ids:
+        _remove_hook(module, hook_id)
+    current = module.config._attn_implementation
+    if state.attention and (current is None or current.startswith(_UNPACK_PREFIX)):
+        module.config._attn_implementation = _strip(current) if current else state.original_implementation
+    for name, handler_name in state.mixers:
+        handler_named(handler_name).unpatch(module.get_submodule(name))
+    if state.rope:
+        _unpatch_rope(state.rope_modules, module)
+    for layer in module.modules():
+        layer.__dict__.pop(_WINDOW_ATTRIBUTE, None)
+    delattr(module, _STATE_ATTRIBUTE)
+
+
+def _patched_decoders(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [module for module in model.modules() if getattr(module, _STATE_ATTRIBUTE, None) is not None]
+
+
+def patch_model(model: torch.nn.Module, *, attention: bool = True, rope: bool = True) -> torch.nn.Module:
+    """Make packed batches attend per sample in ``model``; return ``model`` (patched in place).
+
+    Works on any decoder-only transformers model whose attention goes through transformers' attention interface and
+    whose decoder builds its mask with transformers' mask functions (found from the model, see :mod:`unpack_trainer.models.discovery`),
+    on a ``PeftModel`` wrapping one, and on bitsandbytes-quantized models. Calling it again with the same flags does
+    nothing; with other flags it re-patches. A packed batch is ``model(**batch)`` with the collator's keys
+    (``input_ids``, ``position_ids``, ``labels``, ``packed_seq_lengths``, ``cu_seq_lens_q/k``, ``max_length_q/k``,
+    no ``attention_mask``) or just ``position_ids`` restarting at 0 per sample.
+
+    Args:
+        model: the model to patch.
+        attention: route packed batches to the per-sample attention helper (no ``(T, T)`` mask).
+        rope: use :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` where the model applies Llama's RoPE.
+
+    Raises:
+        PatchRefused: (a ``ValueError``) the model cannot be packed exactly; the message gives the reason.
+        TypeError: ``model`` holds no transformers ``PreTrainedModel``.
+    """
+    structure = check_model(model)
+    model_type, decoders = structure.model_type, structure.decoders
+    if model_type not in supported_model_types():
+        logger.info(
+            "unpack_trainer: model_type %r is patched by the generic patch but is not among the verified types; "
+            "the trainer's self-check guards it.",
+            model_type,
+        )
+    for decoder in decoders:
+        state: _PatchState | None = getattr(decoder.module, _STATE_ATTRIBUTE, None)
+        if state is not None and (state.attention, state.rope) == (attention, rope):
+            continue
+        if state is not None:
+            _unpatch_decoder(decoder.module)
+        _patch_decoder(model_type, decoder, attention=attention, rope=rope)
+    return model
+
+
+def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch_model` (a no-op on a model that is not patched); return ``model``.
+
+    An implementation chosen with ``set_attn_implementation`` after patching is kept.
+    """
+    pretrained_model(model)
+    for module in _patched_decoders(model):
+        _unpatch_decoder(module)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether :func:`patch_model` is in effect on ``model`` (after ``set_attn_implementation`` too: the next forward
+    re-routes through the new implementation)."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    return bool(_patched_decoders(model))
+
+
+def resolve_backend(model: torch.nn.Module) -> BackendChoice:
+    """The attention backend packed batches of ``model`` will use, and why: a ``(name, reason)`` named tuple.
+
+    ``name`` is one of :data:`unpack_trainer.patches.attention.BACKENDS`. Decided from the device and floating
+    dtype of the model's parameters, its attention implementation, what its attention applies (logit softcapping from
+    ``config.attn_logit_softcapping``, attention sinks from a ``sinks`` parameter of an attention module, the
+    largest query / value head dim), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
+    choice raises ``ValueError``). Dropout is left out: it only applies in training and every backend but
+    ``torch_varlen`` applies it (which then hands over per call, logged once). The model need not be patched.
+    """
+    from unpack_trainer.patches.attention import choose_backend
+
+    pretrained = pretrained_model(model)
+    implementation = _strip(pretrained.config._attn_implementation)
+    parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    dtype = parameter.dtype if parameter is not None else torch.float32
+    compute_dtype = getattr(getattr(pretrained.config, "quantization_config", None), "bnb_4bit_compute_dtype", None)
+    if isinstance(compute_dtype, torch.dtype):
+        dtype = compute_dtype
+    config = pretrained.config.get_text_config()
+    head_dims = [
+        getattr(module, "head_dim", None)
+        for module in model.modules()
+        if isinstance(getattr(module, "head_dim", None), int)
+    ]
+    for name in ("v_head_dim", "qk_head_dim"):
+        if isinstance(getattr(config, name, None), int):
+            head_dims.append(getattr(config, name))
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+    return choose_backend(
+        device,
+        dtype,
+        implementation,
+        softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+        sinks=sinks,
+        head_dim=max(head_dims) if head_dims else None,
+    )
