@@ -149,3 +149,28 @@ def test_generation_with_cache_and_padded_batches_unchanged(model_type):
         unpatch_model(model)
     assert torch.equal(patched, stock)
     assert torch.equal(patched_logits, stock_logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"])
+def test_packed_row_on_cuda_in_bf16_with_the_installed_kernels(model_type):
+    """On CUDA the mixers run the model's own forward per bucket, with whatever kernels are installed
+    (flash-linear-attention, causal-conv1d, mamba-ssm from the `gpu` extra): packed == each sample alone, within a
+    small multiple of the bf16 error the same model makes against its fp32 self."""
+    samples = [s.cuda() for s in _samples()]
+    model = tiny_model(model_type).eval().cuda()
+    with torch.no_grad():
+        reference = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
+        model.to(torch.bfloat16)
+        alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
+        patch_model(model)
+        try:
+            batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _two_rows(samples).items()}
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        finally:
+            unpatch_model(model)
+    packed = torch.cat(list(logits)).split([5, 3, 1, 7])
+    for index, (piece, single, exact) in enumerate(zip(packed, alone, reference)):
+        bf16_error = float((single - exact).abs().max())
+        error = float((piece - exact).abs().max())
+        assert error <= 4 * bf16_error + 1e-2, f"sample {index}: {error:.3e} vs bf16 error {bf16_error:.3e}"
