@@ -174,3 +174,22 @@ def test_packed_row_on_cuda_in_bf16_with_the_installed_kernels(model_type):
         bf16_error = float((single - exact).abs().max())
         error = float((piece - exact).abs().max())
         assert error <= 4 * bf16_error + 1e-2, f"sample {index}: {error:.3e} vs bf16 error {bf16_error:.3e}"
+
+
+@pytest.mark.parametrize("model_type", ["lfm2"])
+def test_the_trainer_packs_a_hybrid_by_default(model_type, tmp_path, tokenizer, sft_args, prompt_completion):
+    """Only the import swapped: a hybrid model is packed and patched like any other type, and the self-check passes."""
+    from unpack_trainer import SFTTrainer
+    from unpack_trainer.models import is_patched
+
+    model = tiny_model(model_type, vocab_size=len(tokenizer))
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_args(tmp_path, packing=True),
+        train_dataset=prompt_completion(),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert trainer.unpack_decision.packed and trainer.unpack_decision.patch, trainer.unpack_decision
+    assert is_patched(trainer.model)
+    assert trainer.unpack_selfcheck is not None and trainer.unpack_selfcheck.ok, trainer.unpack_selfcheck
