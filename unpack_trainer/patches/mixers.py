@@ -161,10 +161,14 @@ def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqI
     """The packing metadata of the mixer call now running, or ``None`` (not packed): the ``packed_seq_info`` keyword
     when the layer handed it down, else the packed forward published for the decoder, else, in a recomputation during
     the backward, what this mixer used in its last forward."""
+    from unpack_trainer.patches.masks import is_tracing
+
     info = kwargs.get("packed_seq_info")
     if info is None:
         stack = getattr(_published, "stack", None)
         info = stack[-1][1] if stack else None
+    if is_tracing():
+        return info  # a compiled / exported forward: no state kept on the module, no backward recomputation here
     if _in_backward():
         return info if info is not None else module.__dict__.get(_LAST_INFO_ATTRIBUTE)
     module.__dict__[_LAST_INFO_ATTRIBUTE] = info
