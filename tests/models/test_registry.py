@@ -152,7 +152,7 @@ def test_patch_is_idempotent_and_undone(llama):
     decoder = model.model
     assert patch_model(model) is model and patch_model(model) is model
     assert is_patched(model)
-    assert model.config._attn_implementation == "unpack_sdpa"
+    assert model.config._attn_implementation == "sdpa"  # transformers' own name (issue 20 item 12)
     assert len(decoder._forward_pre_hooks) == 1 and len(decoder._forward_hooks) == 1
     assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
     assert unpatch_model(model) is model and unpatch_model(model) is model
@@ -167,7 +167,7 @@ def test_flags_and_repatching(llama):
     original_rope = modeling_llama.apply_rotary_pos_emb
     patch_model(model, rope=False)
     assert modeling_llama.apply_rotary_pos_emb is original_rope
-    assert model.config._attn_implementation == "unpack_eager"
+    assert model.config._attn_implementation == "eager"
     patch_model(model, attention=False)  # other flags: re-patch
     assert model.config._attn_implementation == "eager" and not model.model._forward_pre_hooks
     assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
@@ -192,7 +192,7 @@ def test_peft_wrapped_model_is_patched_in_place(llama):
     model = llama()
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     patch_model(peft_model)
-    assert is_patched(model) and model.config._attn_implementation == "unpack_sdpa"
+    assert is_patched(model) and model.config._attn_implementation == "sdpa"
     patch_model(model)  # the same decoder: still one hook
     assert len(model.model._forward_pre_hooks) == 1
     unpatch_model(peft_model)

@@ -472,7 +472,8 @@ def test_unpacked_calls_run_the_original_implementation():
     assert torch.equal(got, sdpa_attention_forward(module, q, k, v, None, scaling=0.2)[0])
 
 
-def test_registered_function_derives_metadata_once_per_tensor(monkeypatch):
+def test_direct_calls_derive_metadata_once_per_tensor(monkeypatch):
+    """The helper called directly (no model hook) derives the metadata of one ``cu_seq_lens_q`` tensor once."""
     calls = []
     original = PackedSeqInfo.from_cu_seqlens.__func__
 
@@ -484,12 +485,31 @@ def test_registered_function_derives_metadata_once_per_tensor(monkeypatch):
     lengths = [3, 5, 2]
     q, k, v = random_qkv(lengths)
     cu = info_kwargs(lengths)["cu_seq_lens_q"]
-    function = make_attention_function("sdpa")
     with torch.no_grad():
-        first, _ = function(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-        second, _ = function(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        first, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu)
+        second, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu)
     assert len(calls) == 1 and torch.equal(first, second)
     assert_close_to_reference(first, reference(q, k, v, lengths, scaling=0.5).detach())
+
+
+def test_registered_function_routes_only_what_this_package_marks():
+    """Issue 20 item 12: the registered function stands under transformers' own name for every model, so only the
+    package's own marks (``packed_seq_info``, ``packed_seq_lengths``) reroute a call; keys transformers passes itself
+    (``cu_seq_lens_q``) run the stock function exactly, as for an unpatched model."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    lengths = [3, 5, 2]
+    q, k, v = random_qkv(lengths)
+    kwargs = info_kwargs(lengths)
+    function = make_attention_function("sdpa")
+    module = FakeModule()
+    module.num_key_value_groups = q.shape[1] // k.shape[1]
+    with torch.no_grad():
+        stock, _ = function(module, q, k, v, None, scaling=0.5, cu_seq_lens_q=kwargs["cu_seq_lens_q"])
+        assert torch.equal(stock, sdpa_attention_forward(module, q, k, v, None, scaling=0.5)[0])
+        lengths_tensor = torch.tensor(lengths, dtype=torch.int32)
+        packed, _ = function(FakeModule(), q, k, v, None, scaling=0.5, packed_seq_lengths=lengths_tensor)
+    assert_close_to_reference(packed, reference(q, k, v, lengths, scaling=0.5).detach())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

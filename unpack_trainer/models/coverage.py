@@ -246,18 +246,14 @@ class _Spies:
 
     @contextlib.contextmanager
     def active(self):
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
         from unpack_trainer.patches import attention
 
         backends = dict(attention._BACKEND_FUNCTIONS)
-        # transformers' own mask functions (ours, `unpack_*`, call them when they do not skip the mask), through the
-        # public GeneralInterface API: lookup, valid_keys and register; the originals are registered back afterwards.
-        masks = {
-            name: ALL_MASK_ATTENTION_FUNCTIONS[name]
-            for name in ALL_MASK_ATTENTION_FUNCTIONS.valid_keys()
-            if not name.startswith("unpack_")
-        }
+        # transformers' own mask functions: the class-wide registry (a patched model's routing, in the per-instance
+        # mapping, calls them when it does not skip the mask); the originals are registered back afterwards.
+        masks = dict(AttentionMaskInterface._global_mapping)
 
         def backend_spy(function):
             def spy(*args, **kwargs):

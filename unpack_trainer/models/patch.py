@@ -25,7 +25,6 @@ be packed exactly). Then, on each decoder:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import logging
@@ -48,27 +47,28 @@ __all__ = ["is_patched", "patch_model", "resolve_backend", "supported_model_type
 
 logger = logging.getLogger("unpack_trainer.models")
 
-_UNPACK_PREFIX = "unpack_"
 _STATE_ATTRIBUTE = "_unpack_trainer_patch"
 
 
 @dataclass
 class _PatchState:
     model_type: str
-    original_implementation: str | None
+    implementation: str  # the attention implementation whose registered name routes this decoder's packed batches
     attention: bool
     rope: bool
     rope_modules: tuple[str, ...] = ()
     hook_ids: list[int] = field(default_factory=list)  # ids, not handles: a deep copy of the model keeps the ids
     # (qualified name under the decoder, handler name) of each patched token mixer: names, so a copy finds its own.
     mixers: list[tuple[str, str]] = field(default_factory=list)
+    routed: bool = True  # False for a copy (deep copy, unpickled): its first forward adds it to the routed decoders
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Unpickled in a new process (torch.load of a patched model): the attention implementation the config names
-        # must be registered there too, or every forward fails on an unknown implementation.
+        # A deep copy or an unpickled model (torch.load, maybe in a new process): the packed routing of its
+        # implementation must be in place before its first forward (the decoder hook registers the copy itself).
         self.__dict__.update(state)
+        self.routed = False
         if self.attention:
-            _register_implementation(self.original_implementation)
+            _route(self.implementation, None)
 
 
 # modeling module -> original RoPE function, and the decoders currently using the replacement.
@@ -94,67 +94,66 @@ def supported_model_types() -> list[str]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _register_implementation(original: str | None) -> str:
-    """Register ``unpack_<original>`` in transformers' attention and mask interfaces (idempotent); return the name."""
-    from transformers import AttentionInterface
+# implementation name -> the live patched decoders that use its routing, and what the routing replaced.
+_route_users: dict[str, weakref.WeakSet] = {}
+_routed: dict[str, tuple[Any, Any]] = {}
+
+
+def _route(implementation: str, decoder: torch.nn.Module | None) -> None:
+    """Route packed batches of patched models through the packed helper under transformers' own name.
+
+    While a patched model uses ``implementation`` ("sdpa", "eager", "flash_attention_2", ...), transformers' attention
+    and mask interfaces (``ALL_ATTENTION_FUNCTIONS``, ``ALL_MASK_ATTENTION_FUNCTIONS``) map that name to
+    :func:`~unpack_trainer.patches.attention.make_attention_function` /
+    :func:`~unpack_trainer.patches.masks.make_mask_function`: a packed forward of a patched decoder takes the packed
+    helper with no ``(T, T)`` mask, every other call (any unpatched model, padded batches, generation) runs the
+    function the name mapped to before, exactly. The mapping is the interfaces' per-instance one (``interface[name] =
+    function``), so the class-wide registry stays as transformers and the user left it; it is restored when the last
+    decoder using it is unpatched or collected. So a patched model's ``config._attn_implementation`` reads what a
+    stock one reads.
+    """
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from unpack_trainer.patches.attention import make_attention_function
     from unpack_trainer.patches.masks import make_mask_function
 
-    _allow_output_attentions_on_unpack_eager()
-    base = original or "sdpa"
-    name = _UNPACK_PREFIX + base
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, make_attention_function(base))
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(name, make_mask_function(base))
-    return name
+    if implementation not in _routed:
+        previous_attention = ALL_ATTENTION_FUNCTIONS._local_mapping.get(implementation)
+        previous_mask = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping.get(implementation)
+        ALL_ATTENTION_FUNCTIONS[implementation] = make_attention_function(implementation, fallback=previous_attention)
+        if implementation in AttentionMaskInterface._global_mapping:
+            # (transformers builds no mask at all for a name missing there, packed or not)
+            ALL_MASK_ATTENTION_FUNCTIONS[implementation] = make_mask_function(implementation, fallback=previous_mask)
+        _routed[implementation] = (previous_attention, previous_mask)
+    if decoder is not None:
+        users = _route_users.setdefault(implementation, weakref.WeakSet())
+        if decoder not in users:
+            users.add(decoder)
+            # A patched model that is garbage collected without unpatch_model releases the routing too.
+            weakref.finalize(decoder, _release_route, implementation)
 
 
-def _strip(implementation: str | None) -> str | None:
-    if isinstance(implementation, str) and implementation.startswith(_UNPACK_PREFIX):
-        return implementation[len(_UNPACK_PREFIX) :]
-    return implementation
+def _release_route(implementation: str, decoder: torch.nn.Module | None = None) -> None:
+    """Drop ``decoder`` from the users of ``implementation``'s routing; restore the interfaces once none is left."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-
-@functools.cache
-def _allow_output_attentions_on_unpack_eager() -> None:
-    """Make transformers' ``config.output_attentions`` checks treat ``unpack_<impl>`` as ``<impl>``.
-
-    transformers refuses ``output_attentions=True`` unless the implementation is named "eager"; a patched eager model
-    is named "unpack_eager" and returns the same weights (packed batches with ``output_attentions`` take
-    transformers' own path). Installed once, on the first patch; for every other implementation name the checks
-    behave exactly as before.
-    """
-    from transformers import PretrainedConfig
-
-    original = PretrainedConfig.__dict__["output_attentions"]
-    validate = PretrainedConfig.__dict__.get("validate_output_attentions")
-
-    def setter(self: Any, value: bool) -> None:
-        implementation = self._attn_implementation
-        unpacked = _strip(implementation)
-        if unpacked != implementation and unpacked == "eager":
-            self._output_attentions = value
+    users = _route_users.get(implementation)
+    if users is not None:
+        if decoder is not None:
+            users.discard(decoder)
+        if next(iter(users), None) is not None:  # iterating skips decoders being collected
             return
-        if value and unpacked != implementation:
-            raise ValueError(
-                "The `output_attentions` attribute is not supported when using the `attn_implementation` set to "
-                f"{unpacked}. Please set it to 'eager' instead."
-            )
-        original.fset(self, value)
-
-    PretrainedConfig.output_attentions = property(original.fget, setter, original.fdel, original.__doc__)
-    if validate is not None:
-
-        def validate_output_attentions(self: Any) -> None:
-            if _strip(self._attn_implementation) == "eager":
-                return
-            validate(self)
-
-        PretrainedConfig.validate_output_attentions = validate_output_attentions
+    if implementation not in _routed:
+        return
+    for interface, previous in zip(
+        (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS), _routed.pop(implementation)
+    ):
+        if previous is not None:
+            interface[implementation] = previous
+        elif getattr(interface._local_mapping.get(implementation), "original_implementation", None) is not None:
+            del interface[implementation]
 
 
 _forward_parameters: dict[type, list[str]] = {}
@@ -167,28 +166,34 @@ def _wants_attention_weights(module: torch.nn.Module, kwargs: dict) -> bool:
     return bool(requested)
 
 
-def _follow_implementation_change(module: torch.nn.Module, state: _PatchState) -> None:
-    """Re-route through ``unpack_<impl>`` after ``model.set_attn_implementation(impl)`` changed the config."""
-    current = module.config._attn_implementation
-    if current is None or current.startswith(_UNPACK_PREFIX):
-        return
-    state.original_implementation = current
-    module.config._attn_implementation = _register_implementation(current)
-    logger.warning(
-        "unpack_trainer: the attention implementation of this patched model was changed to %r; packed batches now "
-        "use the packed helper on %r (unpatch_model restores %r).",
-        current,
-        current,
-        current,
-    )
+def _follow_implementation(module: torch.nn.Module, state: _PatchState) -> None:
+    """Route the decoder's packed batches through its implementation now: after
+    ``model.set_attn_implementation(impl)`` changed it, and on the first forward of a copy."""
+    current = module.config._attn_implementation or "eager"
+    changed = current != state.implementation
+    _route(current, module)
+    if changed:
+        _release_route(state.implementation, module)
+        logger.warning(
+            "unpack_trainer: the attention implementation of this patched model was changed to %r; packed batches "
+            "now use the packed helper on %r.",
+            current,
+            current,
+        )
+        state.implementation = current
+    state.routed = True
 
 
 def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     from unpack_trainer.patches.masks import packed_forward_active, packed_info_for_forward
 
     state: _PatchState | None = module.__dict__.get(_STATE_ATTRIBUTE)
-    if state is not None and state.attention:
-        _follow_implementation_change(module, state)
+    if (
+        state is not None
+        and state.attention
+        and (not state.routed or module.config._attn_implementation != state.implementation)
+    ):
+        _follow_implementation(module, state)
     if args:
         names = _forward_parameters.get(type(module))
         if names is None:
@@ -333,10 +338,11 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
     for layer in decoder.attention:
         if window is not None:
             setattr(layer, _WINDOW_ATTRIBUTE, window)
-    original = _strip(config._attn_implementation)  # a deep copy of a patched model carries the prefix
-    state = _PatchState(model_type, original, attention, rope)
+    if config._attn_implementation is None:
+        config._attn_implementation = "eager"  # what transformers runs for None, under a name the routing can use
+    state = _PatchState(model_type, config._attn_implementation, attention, rope)
     if attention:
-        config._attn_implementation = _register_implementation(original)
+        _route(state.implementation, module)
     for mixer in decoder.mixers:
         handler = handler_for(mixer)  # every mixer has one: check_model refused the model otherwise
         handler.patch(mixer.module)
@@ -357,9 +363,8 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
         return
     for hook_id in state.hook_ids:
         _remove_hook(module, hook_id)
-    current = module.config._attn_implementation
-    if state.attention and (current is None or current.startswith(_UNPACK_PREFIX)):
-        module.config._attn_implementation = _strip(current) if current else state.original_implementation
+    if state.attention:
+        _release_route(state.implementation, module)
     for name, handler_name in state.mixers:
         handler_named(handler_name).unpatch(module.get_submodule(name))
     if state.rope:
@@ -442,7 +447,7 @@ def resolve_backend(model: torch.nn.Module) -> BackendChoice:
     from unpack_trainer.patches.attention import choose_backend
 
     pretrained = pretrained_model(model)
-    implementation = _strip(pretrained.config._attn_implementation)
+    implementation = pretrained.config._attn_implementation
     parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     dtype = parameter.dtype if parameter is not None else torch.float32

@@ -81,16 +81,20 @@ def is_tracing() -> bool:
     return False
 
 
-def make_mask_function(original_implementation: str) -> Callable[..., Any]:
-    """An ``AttentionMaskInterface`` function: ``None`` inside a packed forward, else the original implementation's
-    mask (``sdpa_mask``, ``eager_mask``, ...) called with the same arguments."""
+def make_mask_function(
+    original_implementation: str, *, fallback: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
+    """An ``AttentionMaskInterface`` function: ``None`` inside a packed forward of the model whose ``config`` it is
+    called with, else the original implementation's mask (``sdpa_mask``, ``eager_mask``, ...) called with the same
+    arguments: ``fallback`` when given, else transformers' own function of that name (the class-wide registry, so the
+    returned function can be registered under the same name)."""
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
         if current_packed_info(kwargs.get("config")) is not None:
             return None
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.masking_utils import AttentionMaskInterface
 
-        original = ALL_MASK_ATTENTION_FUNCTIONS.get(original_implementation)
+        original = fallback or AttentionMaskInterface._global_mapping.get(original_implementation)
         if original is None:
             # transformers builds no mask for implementations without a mask function; neither do we.
             return None
