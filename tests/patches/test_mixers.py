@@ -241,3 +241,20 @@ def test_gradient_checkpointing_on_a_packed_hybrid(reentrant):
     _close(loss, padded_loss)
     for name, grad in padded_grads.items():
         _close(grads[name], grad)
+
+
+def test_output_attentions_on_a_packed_hybrid_keeps_the_mixers_per_sample():
+    """With output_attentions the attention takes transformers' dense-mask path; the mixers still run per sample."""
+    model = tiny_model("lfm2", attn_implementation="eager").eval()
+    samples = _samples()
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples])
+    patch_model(model)
+    try:
+        batch = packed_batch(samples)
+        with torch.no_grad():
+            out = model(**{k: v for k, v in batch.items() if k != "labels"}, output_attentions=True)
+    finally:
+        unpatch_model(model)
+    assert out.attentions is not None
+    _close(out.logits[0], alone)

@@ -171,7 +171,8 @@ def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqI
         return info  # a compiled / exported forward: no state kept on the module, no backward recomputation here
     if _in_backward():
         return info if info is not None else module.__dict__.get(_LAST_INFO_ATTRIBUTE)
-    module.__dict__[_LAST_INFO_ATTRIBUTE] = info
+    if torch.is_grad_enabled():  # only a forward that builds a graph can be recomputed in its backward
+        module.__dict__[_LAST_INFO_ATTRIBUTE] = info
     return info
 
 
