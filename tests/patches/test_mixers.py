@@ -12,6 +12,8 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from unpack_trainer.models import PatchRefused, RefusalKind, is_patched, patch_model, unpatch_model
 from unpack_trainer.models.discovery import find_token_mixers
@@ -258,3 +260,28 @@ def test_output_attentions_on_a_packed_hybrid_keeps_the_mixers_per_sample():
         unpatch_model(model)
     assert out.attentions is not None
     _close(out.logits[0], alone)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 3).flatmap(
+        lambda batch: st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=4), min_size=batch, max_size=batch)
+    )
+)
+def test_every_token_of_every_sample_once_in_order(rows):
+    """Any samples in any rows: the re-batched mixer sees each sample alone, and every token comes back in place."""
+    seq_len = max(sum(row) for row in rows)
+    lengths = []
+    for row in rows:  # trailing row padding is a sample of its own
+        lengths += row + ([seq_len - sum(row)] if sum(row) < seq_len else [])
+    info = _info(lengths, batch_size=len(rows))
+    x = torch.arange(info.total_tokens, dtype=torch.float32).view(len(rows), seq_len, 1)
+
+    def forward(hidden_states):
+        return torch.cumsum(hidden_states, dim=1), hidden_states + 0.5  # a running state, and a per-token output
+
+    with torch.no_grad():
+        running, same = run_padded(forward, "cumsum", info, (x,), {})
+    assert torch.equal(same, x + 0.5)
+    expected = torch.cat([torch.cumsum(part, 0) for part in x.reshape(-1).split(lengths)]).view_as(x)
+    assert torch.equal(running, expected)

@@ -2,8 +2,8 @@
 
 A packed row holds several samples back to back. Attention is made per-sample by the attention helper; a token mixer
 that carries state along the sequence (a short causal convolution, a gated delta rule, Mamba's selective scan or SSD,
-linear / lightning attention, RG-LRU, RWKV, ...) would carry it from one sample into the next. This module finds those
-mixers in a decoder from its structure and makes each one exact on packed rows:
+linear / lightning attention, RG-LRU, RWKV, ...) would carry it from one sample into the next. This module makes each
+such mixer exact on packed rows, in one of two ways:
 
 - **padded** (any causal mixer, the exact torch path): the mixer module runs on the row's samples as right-padded
   batches, samples bucketed by length so the padding stays small (the bucket plan of the SDPA backend with a linear
