@@ -33,7 +33,7 @@ REL = 1e-5
 
 def _close(actual, expected):
     scale = expected.abs().max().clamp_min(1e-12)
-    assert float((actual - expected).abs().max()) <= REL * float(scale) + 1e-8
+    assert float((actual - expected).detach().abs().max()) <= REL * float(scale) + 1e-8
 
 
 class _Scan(torch.nn.Module):
