@@ -407,3 +407,76 @@ def test_deep_tested_architectures_are_verified():
     """This module tests these types in depth (several rows, checkpointing, LoRA, QLoRA, generation); every verified
     type gets the one-by-one / padded checks in tests/models/test_coverage.py."""
     assert set(ARCHITECTURES) <= set(supported_model_types())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chunked attention (llama4_text, issue 18 item 3): chunks counted from each sample's start
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Chunks of 4 tokens, smaller than most samples; in the packed row no sample starts at a multiple of 4, so chunks
+# counted from the row's start (what transformers' dense chunked mask does) would differ.
+CHUNKED = dict(attention_chunk_size=4, max_position_embeddings=512, no_rope_layers=[1, 0])
+CHUNKED_LENGTHS = [11, 2, 9, 5, 1, 14]
+
+
+@pytest.fixture(scope="module")
+def llama4(tiny_model):
+    """``llama4(backend)``: a tiny llama4_text (layer 0 chunked attention, layer 1 full), seed 0, eval mode."""
+
+    def build(backend: str) -> torch.nn.Module:
+        return tiny_model("llama4_text", attn_implementation=backend, **CHUNKED).eval()
+
+    return build
+
+
+@MATRIX
+def test_chunked_attention_counts_chunks_from_each_sample_start(backend, backend_calls, llama4):
+    model = llama4(backend)
+    assert model.config.layer_types[:2] == ["chunked_attention", "full_attention"]
+    patch_model(model)
+    assert model.model.layers[0].self_attn._unpack_attention_chunk == 4
+    assert not hasattr(model.model.layers[1].self_attn, "_unpack_attention_chunk")
+    samples = make_samples(CHUNKED_LENGTHS, seed=11)
+    assert_samples_match(model, samples, packed_batch(samples, row_len=45))
+    assert backend_calls[backend] == 2 and sum(backend_calls.values()) == 2
+    model.train()
+    assert_loss_and_grads_match(model, samples)
+    unpatch_model(model)
+    assert not hasattr(model.model.layers[0].self_attn, "_unpack_attention_chunk")
+
+
+def test_chunked_attention_builds_no_dense_mask(monkeypatch, llama4):
+    from transformers.masking_utils import AttentionMaskInterface
+
+    built = []
+    for name in ("sdpa", "eager"):
+        original = AttentionMaskInterface._global_mapping[name]
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            built.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setitem(AttentionMaskInterface._global_mapping, name, spy)
+    model = patch_model(llama4("sdpa"))
+    samples = make_samples(CHUNKED_LENGTHS, seed=12)
+    with torch.no_grad():
+        model(**packed_batch(samples))
+        assert built == []
+        model(**padded_batch(samples))  # the spies do see the stock path's masks
+    assert built
+
+
+@MATRIX
+def test_chunked_attention_generates_as_stock(backend, llama4):
+    samples = make_samples([9, 4, 13], seed=4)
+    model = llama4(backend)
+    left = padded_batch(samples, left=True)
+    generate = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    inputs = {"input_ids": left["input_ids"], "attention_mask": left["attention_mask"]}
+    with torch.no_grad():
+        expected = model.generate(**inputs, **generate, pad_token_id=0)
+        patch_model(model)
+        generated = model.generate(**inputs, **generate, pad_token_id=0)
+    assert torch.equal(generated.sequences, expected.sequences)
+    for got, want in zip(generated.scores, expected.scores):
+        assert torch.equal(got, want)

@@ -1113,3 +1113,30 @@ def test_real_kernels_value_head_dim_on_cuda(backend, dim, v_dim, monkeypatch):
 
 def test_flash_accumulator_head_dim_rounding():
     assert [attention._flash_rounded_head_dim(d) for d in (8, 32, 100, 128, 160, 256)] == [32, 32, 128, 128, 192, 256]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chunked attention (llama4): chunks counted from each sample's start, on every backend
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_chunked_info_cuts_each_sample_from_its_start():
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor([5, 2], dtype=torch.int32), batch_size=1, seq_len=7)
+    chunked = attention.chunked_info(info, 2)
+    assert chunked.seq_lengths.tolist() == [2, 2, 1, 2] and chunked.cu_seqlens.tolist() == [0, 2, 4, 5, 7]
+    assert attention.chunked_info(info, 2) is chunked  # cached on the batch's metadata
+    assert attention.chunked_info(info, 5) is info  # no sample longer than a chunk
+    with pytest.raises(ValueError, match="attention_chunk_size must be a positive number of tokens, got 0"):
+        attention.chunked_info(info, 0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_chunked_attention_equals_attention_over_the_chunks(backend):
+    lengths, chunk = [7, 3, 9, 1], 3
+    q, k, v = random_qkv(lengths)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.3, backend=backend, attention_chunk_size=chunk, **info_kwargs(lengths)
+    )
+    pieces = [min(chunk, n - start) for n in lengths for start in range(0, n, chunk)]
+    assert pieces == [3, 3, 1, 3, 3, 3, 3, 1]
+    assert_close_to_reference(out.detach(), reference(q, k, v, pieces, scaling=0.3).detach())

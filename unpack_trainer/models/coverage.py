@@ -94,6 +94,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "kolibri1",
         "laguna",
         "llama",
+        "llama4_text",
         "longcat_flash",
         "mellum",
         "mimo_v2_flash",

@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Decoder", "ModelStructure", "TokenMixer", "discover", "find_token_mixers", "pretrained_model"]
+__all__ = [
+    "Decoder",
+    "ModelStructure",
+    "TokenMixer",
+    "attention_chunks",
+    "discover",
+    "find_token_mixers",
+    "pretrained_model",
+]
 
 # Mask builders of transformers.masking_utils a patchable decoder calls (the mask interface is what we replace).
 MASK_BUILDERS = (
@@ -227,6 +235,27 @@ class Decoder:
     attention: list[torch.nn.Module]
     layers: list[torch.nn.Module] = field(default_factory=list)
     mixers: list[TokenMixer] = field(default_factory=list)
+
+
+def attention_chunks(decoder: Decoder) -> list[int | None] | None:
+    """The chunk size each attention module of ``decoder`` attends in (chunked attention, llama4), ``None`` for a
+    module that does not; ``None`` in place of the list when the decoder builds a chunked mask but which layers use
+    it does not show (no ``config.layer_types``, or a module without ``layer_idx``).
+
+    A layer attends in chunks when the decoder builds transformers' chunked mask (``create_chunked_causal_mask``),
+    ``config.attention_chunk_size`` is set and ``config.layer_types`` names the layer ``"chunked_attention"``.
+    """
+    from transformers import masking_utils
+
+    config = decoder.module.config
+    chunk = getattr(config, "attention_chunk_size", None)
+    builder = getattr(masking_utils, "create_chunked_causal_mask", None)
+    if not chunk or not any(value is builder for value in class_references(type(decoder.module)).values()):
+        return [None] * len(decoder.attention)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or any(not isinstance(getattr(m, "layer_idx", None), int) for m in decoder.attention):
+        return None
+    return [int(chunk) if layer_types[m.layer_idx] == "chunked_attention" else None for m in decoder.attention]
 
 
 @dataclass

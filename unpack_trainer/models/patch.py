@@ -20,7 +20,8 @@ be packed exactly). Then, on each decoder:
 - with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
   model of that module is unpatched or collected);
-- where the decoder applies ``config.sliding_window`` through its mask only, tells its attention modules the window.
+- where the decoder applies ``config.sliding_window`` through its mask only, tells its attention modules the window;
+  likewise the chunk size of each chunked-attention layer (llama4), whose chunks then count from each sample's start.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unpack_trainer.models.discovery import Decoder, class_references, mentions, pretrained_model
+from unpack_trainer.models.discovery import Decoder, attention_chunks, class_references, mentions, pretrained_model
 from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.refusals import check_model
 
@@ -305,6 +306,7 @@ def _remove_hook(module: torch.nn.Module, hook_id: int) -> None:
 
 
 _WINDOW_ATTRIBUTE = "_unpack_sliding_window"
+_CHUNK_ATTRIBUTE = "_unpack_attention_chunk"  # chunked attention (llama4): read by the packed attention function
 
 
 def _window_not_passed(decoder: Decoder) -> int | None:
@@ -329,9 +331,11 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
     module = decoder.module
     config = module.config
     window = _window_not_passed(decoder)
-    for layer in decoder.attention:
+    for layer, chunk in zip(decoder.attention, attention_chunks(decoder) or []):
         if window is not None:
             setattr(layer, _WINDOW_ATTRIBUTE, window)
+        if chunk is not None:
+            setattr(layer, _CHUNK_ATTRIBUTE, chunk)
     if config._attn_implementation is None:
         config._attn_implementation = "eager"  # what transformers runs for None, under a name the routing can use
     state = _PatchState(model_type, config._attn_implementation, attention, rope)
@@ -365,6 +369,7 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
         _unpatch_rope(state.rope_modules, module)
     for layer in module.modules():
         layer.__dict__.pop(_WINDOW_ATTRIBUTE, None)
+        layer.__dict__.pop(_CHUNK_ATTRIBUTE, None)
     delattr(module, _STATE_ATTRIBUTE)
 
 

@@ -12,8 +12,8 @@ kind             found when                                                     
                  or the modeling code uses an ``*alibi*`` helper)
 ``STATE``        a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
                  layer with neither attention nor an owned mixer
-``UNSUPPORTED``  a feature the packed helper does not implement (chunked            self-check decides
-                 attention, a sparse-attention indexer)
+``UNSUPPORTED``  a feature the packed helper does not implement (a sparse-attention   self-check decides
+                 indexer; chunked attention whose layers do not show)
 ``UNREACHABLE``  no decoder builds its mask through transformers' mask functions,   self-check decides
                  or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
 ===============  ==================================================================  ==============================
@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.models.discovery import MASK_BUILDERS, ModelStructure, discover, layers_of, mentions_alibi
+from unpack_trainer.models.discovery import (
+    MASK_BUILDERS,
+    ModelStructure,
+    attention_chunks,
+    discover,
+    layers_of,
+    mentions_alibi,
+)
 from unpack_trainer.models.mixers import handler_for
 
 __all__ = ["BLOCKLIST", "REFUSAL_CHECKS", "PatchRefused", "RefusalKind", "check_model", "refusal_reason"]
@@ -122,10 +129,11 @@ def _layer_without_attention(structure: ModelStructure) -> str | None:
 def _unsupported_feature(structure: ModelStructure) -> str | None:
     config = structure.config
     for decoder in structure.decoders:
-        if getattr(config, "attention_chunk_size", None):
+        if attention_chunks(decoder) is None:
             return (
                 f"its layers attend within chunks of attention_chunk_size={config.attention_chunk_size} tokens "
-                "(chunked attention), which the packed attention helper does not implement"
+                "(chunked attention), but which layers do does not show (no config.layer_types naming "
+                "'chunked_attention' layers, or attention modules without layer_idx)"
             )
         for module in decoder.attention:
             for name, child in module.named_modules():

@@ -69,6 +69,7 @@ __all__ = [
     "BackendChoice",
     "backend_unavailable_reason",
     "choose_backend",
+    "chunked_info",
     "make_attention_function",
     "packed_attention_forward",
 ]
@@ -166,6 +167,32 @@ def packed_info_from_kwargs(
     if position_ids is not None and attention_mask is None and key.shape[2] == seq_len:
         return _last_derived.get("position_ids", position_ids, batch_size, seq_len)
     return None
+
+
+def chunked_info(info: PackedSeqInfo, chunk_size: int) -> PackedSeqInfo:
+    """``info`` with every sample cut into chunks of ``chunk_size`` tokens counted from the sample's start (the last
+    chunk of a sample may be shorter), cached on ``info``.
+
+    Chunked attention (a query sees the keys of its own chunk only, causally) over packed samples is packed attention
+    over their chunks, so every backend runs it unchanged. Lengths ``[5, 2]``, ``chunk_size`` 2 -> ``[2, 2, 1, 2]``.
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive number of tokens.
+    """
+    chunk_size = int(chunk_size)
+    if chunk_size <= 0:
+        raise ValueError(f"attention_chunk_size must be a positive number of tokens, got {chunk_size}.")
+    if info.max_seqlen <= chunk_size:
+        return info
+
+    def build() -> PackedSeqInfo:
+        lengths = info.seq_lengths.to(torch.int64)
+        chunks = (lengths + chunk_size - 1) // chunk_size  # (num_seqs,) chunks per sample
+        sizes = torch.full((int(chunks.sum()),), chunk_size, dtype=torch.int64)
+        sizes[torch.cumsum(chunks, 0) - 1] = lengths - (chunks - 1) * chunk_size  # each sample's last chunk
+        return PackedSeqInfo.from_seq_lengths(sizes.to(torch.int32), batch_size=info.batch_size, seq_len=info.seq_len)
+
+    return info.plan("chunked", chunk_size, build)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1005,6 +1032,8 @@ def packed_attention_forward(
             ``packed_seq_lengths`` ``(num_seqs,)`` int, ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, or
             ``position_ids`` ``(B, T)``. ``s_aux``: attention sinks (gpt_oss), ``(num_heads,)`` one logit per query
             head added to every softmax denominator (eager applies them). ``is_causal`` (default: the module's).
+            ``attention_chunk_size``: chunked attention (llama4), each query sees the keys of its own chunk of that
+            many tokens, chunks counted from its sample's start (:func:`chunked_info`; every backend).
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` ``(B, T, num_heads, head_dim_v)`` in ``query``'s dtype;
@@ -1041,6 +1070,8 @@ def packed_attention_forward(
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}.")
+    if kwargs.get("attention_chunk_size") is not None:
+        info = chunked_info(info, kwargs["attention_chunk_size"])
     if scaling is None:
         scaling = head_dim**-0.5
     if backend is None:
@@ -1140,6 +1171,9 @@ def make_attention_function(
             if kwargs.get("sliding_window") is None and getattr(module, "_unpack_sliding_window", None):
                 # The model applies this window through its mask only (set by unpack_trainer.models.patch_model).
                 kwargs["sliding_window"] = module._unpack_sliding_window
+            if getattr(module, "_unpack_attention_chunk", None):
+                # The layer attends in chunks, through its mask only (set by unpack_trainer.models.patch_model).
+                kwargs["attention_chunk_size"] = module._unpack_attention_chunk
             return packed_attention_forward(
                 module, query, key, value, None, original_implementation=original_implementation, **kwargs
             )
