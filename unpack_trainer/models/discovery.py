@@ -3,7 +3,8 @@
 - **The decoder**: the innermost module whose class builds its attention mask through transformers' mask functions
   (:data:`MASK_BUILDERS`) and holds attention modules.
 - **The attention modules**: modules of the decoder whose class looks its attention function up in
-  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``).
+  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``), or whose class has a packed
+  forward for what the extension points do not reach (:mod:`unpack_trainer.models.alibi`: bloom, mpt).
 - **The decoder layers**: the longest ``ModuleList`` directly under the decoder.
 - **The token mixers** (:func:`find_token_mixers`): modules other than attention that mix tokens along the row and
   carry state from one token to the next (recurrent / state-space scans, causal convolutions). Whether one can be
@@ -226,7 +227,8 @@ class Decoder:
 
     Attributes:
         module: the decoder module (``LlamaModel``, the text model of a multimodal model, ...).
-        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS``), in module order.
+        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS`` or has a packed forward), in
+            module order.
         layers: its decoder layers (:func:`layers_of`).
         mixers: its token mixers (:func:`find_token_mixers`).
     """
@@ -266,7 +268,8 @@ class ModelStructure:
         pretrained: the ``PreTrainedModel``.
         model_type: ``config.model_type``.
         classes: every module class of the model, once each, in module order.
-        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS``.
+        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS`` or have a packed forward
+            (:mod:`unpack_trainer.models.alibi`).
         mask_builders: the innermost modules that build their mask through transformers' :data:`MASK_BUILDERS`.
         mixer_scopes: where token mixers count: the mask builders, or the whole model when there is none.
         mixers: the token mixers found in ``mixer_scopes``.
@@ -293,10 +296,12 @@ def discover(model: torch.nn.Module) -> ModelStructure:
     Raises:
         TypeError: ``model`` holds no transformers ``PreTrainedModel``.
     """
+    from unpack_trainer.models.alibi import packed_forward_for
+
     pretrained = pretrained_model(model)
     modules = list(model.modules())
     classes = list(dict.fromkeys(type(module) for module in modules))
-    attention_classes = [cls for cls in classes if uses_attention_interface(cls)]
+    attention_classes = [cls for cls in classes if uses_attention_interface(cls) or packed_forward_for(cls)]
     builders = [m for m in modules if builds_mask_with_transformers(type(m))]
     innermost = [
         candidate

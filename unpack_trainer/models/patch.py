@@ -37,9 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unpack_trainer.models import alibi
+from unpack_trainer.models.alibi import packed_forward_for, patch_attention_class, unpatch_attention_class
 from unpack_trainer.models.discovery import Decoder, attention_chunks, class_references, mentions, pretrained_model
 from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.refusals import check_model
+from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE
 
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
@@ -62,6 +65,7 @@ class _PatchState:
     # (qualified name under the decoder, handler name) of each patched token mixer: names, so a copy finds its own.
     mixers: list[tuple[str, str]] = field(default_factory=list)
     routed: bool = True  # False for a copy (deep copy, unpickled): its first forward adds it to the routed decoders
+    own_forwards: bool = False  # attention with a packed forward of its class (unpack_trainer.models.alibi)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A deep copy or an unpickled model (torch.load, maybe in a new process): the packed routing of its
@@ -182,6 +186,10 @@ def _follow_implementation(module: torch.nn.Module, state: _PatchState) -> None:
             current,
         )
         state.implementation = current
+    if not state.routed:
+        for layer in module.modules():  # a copy's attention modules with a packed forward join its routing
+            if alibi.CONFIG_ATTRIBUTE in layer.__dict__:
+                patch_attention_class(layer, module.config)
     state.routed = True
 
 
@@ -206,9 +214,18 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
             _forward_parameters[type(module)] = names
         kwargs = {**dict(zip(names, args)), **kwargs}
         args = ()
+    carried = module.__dict__.pop(_CARRIED_ATTRIBUTE, None)
+    if carried:
+        kwargs = {**carried, **{key: value for key, value in kwargs.items() if value is not None}}
     info = packed_info_for_forward(kwargs)
     if info is None:
         return args, kwargs
+    if _wants_attention_weights(module, kwargs) and state is not None and state.own_forwards:
+        raise ValueError(
+            f"output_attentions=True with a packed batch is not supported for {state.model_type}: its packed "
+            "attention returns no weights and the model has no exact dense path for packed rows; run the samples "
+            "unpacked (or padded) to get attention weights."
+        )
     if _wants_attention_weights(module, kwargs):
         # The packed helper returns no weights: transformers' own packed path (a dense block mask from the restarting
         # position_ids, which the metadata filled in) computes the same outputs and returns them.
@@ -225,6 +242,50 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
         return args, kwargs
     packed_forward_active(module, info)
     return args, kwargs
+
+
+# Keys of the packed batch an outer model may not hand down to its decoder (bloom's and mpt's CausalLM forwards pass
+# only their named arguments): the outer hook carries them to the decoder hook.
+_CARRIED_KEYS = (
+    "packed_seq_lengths",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "position_ids",
+)
+_CARRIED_ATTRIBUTE = "_unpack_carried_kwargs"
+_OUTER_ATTRIBUTE = "_unpack_trainer_outer"  # on the outer model: {"decoders": [qualified names], "hook_ids": [...]}
+
+
+def _outer_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    carried = {key: kwargs[key] for key in _CARRIED_KEYS if kwargs.get(key) is not None}
+    if carried:
+        for name in module.__dict__[_OUTER_ATTRIBUTE]["decoders"]:
+            module.get_submodule(name).__dict__[_CARRIED_ATTRIBUTE] = carried
+
+
+def _outer_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    for name in module.__dict__[_OUTER_ATTRIBUTE]["decoders"]:
+        module.get_submodule(name).__dict__.pop(_CARRIED_ATTRIBUTE, None)
+
+
+def _patch_outer(pretrained: torch.nn.Module, decoders: list[torch.nn.Module]) -> None:
+    """Carry the packing keys from ``pretrained``'s forward to ``decoders`` (ones whose outer model drops them)."""
+    if pretrained.__dict__.get(_OUTER_ATTRIBUTE) is not None or all(d is pretrained for d in decoders):
+        return
+    names = {module: name for name, module in pretrained.named_modules()}
+    pre = pretrained.register_forward_pre_hook(_outer_pre_hook, with_kwargs=True)
+    post = pretrained.register_forward_hook(_outer_post_hook, with_kwargs=True, always_call=True)
+    pretrained.__dict__[_OUTER_ATTRIBUTE] = {"decoders": [names[d] for d in decoders], "hook_ids": [pre.id, post.id]}
+
+
+def _unpatch_outer(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        outer = module.__dict__.pop(_OUTER_ATTRIBUTE, None)
+        if outer is not None:
+            for hook_id in outer["hook_ids"]:
+                _remove_hook(module, hook_id)
 
 
 def _decoder_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -341,6 +402,13 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
     state = _PatchState(model_type, config._attn_implementation, attention, rope)
     if attention:
         _route(state.implementation, module)
+        for layer in decoder.attention:
+            if packed_forward_for(type(layer)) is not None:
+                patch_attention_class(layer, config)
+                state.own_forwards = True
+        if state.own_forwards:
+            # Their decoders use the mask as a tensor (mpt: .to(torch.bool)); their packed attention ignores it.
+            module.__dict__[MASK_PLACEHOLDER_ATTRIBUTE] = torch.zeros((1, 1, 1, 1), dtype=torch.bool)
     for mixer in decoder.mixers:
         handler = handler_for(mixer)  # every mixer has one: check_model refused the model otherwise
         handler.patch(mixer.module)
@@ -363,6 +431,10 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
         _remove_hook(module, hook_id)
     if state.attention:
         _release_route(state.implementation, module)
+        for layer in module.modules():
+            if alibi.CONFIG_ATTRIBUTE in layer.__dict__:
+                unpatch_attention_class(layer)
+        module.__dict__.pop(MASK_PLACEHOLDER_ATTRIBUTE, None)
     for name, handler_name in state.mixers:
         handler_named(handler_name).unpatch(module.get_submodule(name))
     if state.rope:
@@ -411,6 +483,9 @@ def patch_model(model: torch.nn.Module, *, attention: bool = True, rope: bool = 
         if state is not None:
             _unpatch_decoder(decoder.module)
         _patch_decoder(model_type, decoder, attention=attention, rope=rope)
+    own = [d.module for d in decoders if getattr(d.module, _STATE_ATTRIBUTE).own_forwards]
+    if own:
+        _patch_outer(structure.pretrained, own)
     return model
 
 
@@ -422,6 +497,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     pretrained_model(model)
     for module in _patched_decoders(model):
         _unpatch_decoder(module)
+    _unpatch_outer(model)
     return model
 
 

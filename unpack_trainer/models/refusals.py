@@ -9,7 +9,8 @@ kind             found when                                                     
 ===============  ==================================================================  ==============================
 ``BLOCKLIST``    ``config.model_type`` is in :data:`BLOCKLIST`                        trains padded
 ``ALIBI``        ALiBi position biases (``config.alibi``, ``attn_config.alibi``,      trains padded
-                 or the modeling code uses an ``*alibi*`` helper)
+                 or the modeling code uses an ``*alibi*`` helper) in attention
+                 without a packed forward (:mod:`.alibi` has bloom's and mpt's)
 ``STATE``        a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
                  layer with neither attention nor an owned mixer
 ``UNSUPPORTED``  a feature the packed helper does not implement (a sparse-attention   self-check decides
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from unpack_trainer.models.alibi import packed_forward_for
 from unpack_trainer.models.discovery import (
     MASK_BUILDERS,
     ModelStructure,
@@ -98,6 +100,9 @@ def _alibi(structure: ModelStructure) -> str | None:
         flag = getattr(getattr(config, "attn_config", None), "alibi", None)
     if flag is None:
         flag = any(mentions_alibi(cls) for cls in structure.classes)
+    attention = [module for decoder in structure.decoders for module in decoder.attention]
+    if flag and attention and all(packed_forward_for(type(module)) for module in attention):
+        return None  # bloom, mpt: their attention is replaced by one that applies ALiBi per sample
     if flag:
         return (
             "it adds ALiBi position biases computed from positions along the whole row, which the packed attention "
