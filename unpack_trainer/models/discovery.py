@@ -3,7 +3,8 @@
 - **The decoder**: the innermost module whose class builds its attention mask through transformers' mask functions
   (:data:`MASK_BUILDERS`) and holds attention modules.
 - **The attention modules**: modules of the decoder whose class looks its attention function up in
-  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``).
+  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``), or whose class has a packed
+  forward for what the extension points do not reach (:mod:`unpack_trainer.models.alibi`: bloom, mpt).
 - **The decoder layers**: the longest ``ModuleList`` directly under the decoder.
 - **The token mixers** (:func:`find_token_mixers`): modules other than attention that mix tokens along the row and
   carry state from one token to the next (recurrent / state-space scans, causal convolutions). Whether one can be
@@ -24,7 +25,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Decoder", "ModelStructure", "TokenMixer", "discover", "find_token_mixers", "pretrained_model"]
+__all__ = [
+    "Decoder",
+    "ModelStructure",
+    "TokenMixer",
+    "attention_chunks",
+    "discover",
+    "find_token_mixers",
+    "pretrained_model",
+]
 
 # Mask builders of transformers.masking_utils a patchable decoder calls (the mask interface is what we replace).
 MASK_BUILDERS = (
@@ -259,7 +268,8 @@ class Decoder:
 
     Attributes:
         module: the decoder module (``LlamaModel``, the text model of a multimodal model, ...).
-        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS``), in module order.
+        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS`` or has a packed forward), in
+            module order.
         layers: its decoder layers (:func:`layers_of`).
         mixers: its token mixers (:func:`find_token_mixers`).
     """
@@ -270,6 +280,27 @@ class Decoder:
     mixers: list[TokenMixer] = field(default_factory=list)
 
 
+def attention_chunks(decoder: Decoder) -> list[int | None] | None:
+    """The chunk size each attention module of ``decoder`` attends in (chunked attention, llama4), ``None`` for a
+    module that does not; ``None`` in place of the list when the decoder builds a chunked mask but which layers use
+    it does not show (no ``config.layer_types``, or a module without ``layer_idx``).
+
+    A layer attends in chunks when the decoder builds transformers' chunked mask (``create_chunked_causal_mask``),
+    ``config.attention_chunk_size`` is set and ``config.layer_types`` names the layer ``"chunked_attention"``.
+    """
+    from transformers import masking_utils
+
+    config = decoder.module.config
+    chunk = getattr(config, "attention_chunk_size", None)
+    builder = getattr(masking_utils, "create_chunked_causal_mask", None)
+    if not chunk or not any(value is builder for value in class_references(type(decoder.module)).values()):
+        return [None] * len(decoder.attention)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or any(not isinstance(getattr(m, "layer_idx", None), int) for m in decoder.attention):
+        return None
+    return [int(chunk) if layer_types[m.layer_idx] == "chunked_attention" else None for m in decoder.attention]
+
+
 @dataclass
 class ModelStructure:
     """What :func:`discover` found in a model.
@@ -278,7 +309,8 @@ class ModelStructure:
         pretrained: the ``PreTrainedModel``.
         model_type: ``config.model_type``.
         classes: every module class of the model, once each, in module order.
-        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS``.
+        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS`` or have a packed forward
+            (:mod:`unpack_trainer.models.alibi`).
         mask_builders: the innermost modules that build their mask through transformers' :data:`MASK_BUILDERS`.
         mixers: the token mixers of the decoders (of the whole model when it has none).
         decoders: the mask builders that hold attention modules or token mixers, as :class:`Decoder`; without mask
@@ -304,10 +336,12 @@ def discover(model: torch.nn.Module) -> ModelStructure:
     Raises:
         TypeError: ``model`` holds no transformers ``PreTrainedModel``.
     """
+    from unpack_trainer.models.alibi import packed_forward_for
+
     pretrained = pretrained_model(model)
     modules = list(model.modules())
     classes = list(dict.fromkeys(type(module) for module in modules))
-    attention_classes = [cls for cls in classes if uses_attention_interface(cls)]
+    attention_classes = [cls for cls in classes if uses_attention_interface(cls) or packed_forward_for(cls)]
     builders = [m for m in modules if builds_mask_with_transformers(type(m))]
     innermost = [
         candidate

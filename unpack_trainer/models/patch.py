@@ -20,7 +20,8 @@ be packed exactly). Then, on each decoder:
 - with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
   model of that module is unpatched or collected);
-- where the decoder applies ``config.sliding_window`` through its mask only, tells its attention modules the window.
+- where the decoder applies ``config.sliding_window`` through its mask only, tells its attention modules the window;
+  likewise the chunk size of each chunked-attention layer (llama4), whose chunks then count from each sample's start.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unpack_trainer.models.discovery import Decoder, class_references, mentions, pretrained_model
+from unpack_trainer.models import alibi
+from unpack_trainer.models.alibi import packed_forward_for, patch_attention_class, unpatch_attention_class
+from unpack_trainer.models.discovery import Decoder, attention_chunks, class_references, mentions, pretrained_model
 from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.refusals import check_model
+from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE
 
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
@@ -61,6 +65,7 @@ class _PatchState:
     # (qualified name under the decoder, handler name) of each patched token mixer: names, so a copy finds its own.
     mixers: list[tuple[str, str]] = field(default_factory=list)
     routed: bool = True  # False for a copy (deep copy, unpickled): its first forward adds it to the routed decoders
+    own_forwards: bool = False  # attention with a packed forward of its class (unpack_trainer.models.alibi)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A deep copy or an unpickled model (torch.load, maybe in a new process): the packed routing of its
@@ -181,6 +186,10 @@ def _follow_implementation(module: torch.nn.Module, state: _PatchState) -> None:
             current,
         )
         state.implementation = current
+    if not state.routed:
+        for layer in module.modules():  # a copy's attention modules with a packed forward join its routing
+            if alibi.CONFIG_ATTRIBUTE in layer.__dict__:
+                patch_attention_class(layer, module.config)
     state.routed = True
 
 
@@ -205,9 +214,18 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
             _forward_parameters[type(module)] = names
         kwargs = {**dict(zip(names, args)), **kwargs}
         args = ()
+    carried = module.__dict__.pop(_CARRIED_ATTRIBUTE, None)
+    if carried:
+        kwargs = {**carried, **{key: value for key, value in kwargs.items() if value is not None}}
     info = packed_info_for_forward(kwargs)
     if info is None:
         return args, kwargs
+    if _wants_attention_weights(module, kwargs) and state is not None and state.own_forwards:
+        raise ValueError(
+            f"output_attentions=True with a packed batch is not supported for {state.model_type}: its packed "
+            "attention returns no weights and the model has no exact dense path for packed rows; run the samples "
+            "unpacked (or padded) to get attention weights."
+        )
     if state is not None and state.mixers:
         from unpack_trainer.patches.mixers import publish_packed_forward
 
@@ -228,6 +246,50 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
         return args, kwargs
     packed_forward_active(module, info)
     return args, kwargs
+
+
+# Keys of the packed batch an outer model may not hand down to its decoder (bloom's and mpt's CausalLM forwards pass
+# only their named arguments): the outer hook carries them to the decoder hook.
+_CARRIED_KEYS = (
+    "packed_seq_lengths",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "position_ids",
+)
+_CARRIED_ATTRIBUTE = "_unpack_carried_kwargs"
+_OUTER_ATTRIBUTE = "_unpack_trainer_outer"  # on the outer model: {"decoders": [qualified names], "hook_ids": [...]}
+
+
+def _outer_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    carried = {key: kwargs[key] for key in _CARRIED_KEYS if kwargs.get(key) is not None}
+    if carried:
+        for name in module.__dict__[_OUTER_ATTRIBUTE]["decoders"]:
+            module.get_submodule(name).__dict__[_CARRIED_ATTRIBUTE] = carried
+
+
+def _outer_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    for name in module.__dict__[_OUTER_ATTRIBUTE]["decoders"]:
+        module.get_submodule(name).__dict__.pop(_CARRIED_ATTRIBUTE, None)
+
+
+def _patch_outer(pretrained: torch.nn.Module, decoders: list[torch.nn.Module]) -> None:
+    """Carry the packing keys from ``pretrained``'s forward to ``decoders`` (ones whose outer model drops them)."""
+    if pretrained.__dict__.get(_OUTER_ATTRIBUTE) is not None or all(d is pretrained for d in decoders):
+        return
+    names = {module: name for name, module in pretrained.named_modules()}
+    pre = pretrained.register_forward_pre_hook(_outer_pre_hook, with_kwargs=True)
+    post = pretrained.register_forward_hook(_outer_post_hook, with_kwargs=True, always_call=True)
+    pretrained.__dict__[_OUTER_ATTRIBUTE] = {"decoders": [names[d] for d in decoders], "hook_ids": [pre.id, post.id]}
+
+
+def _unpatch_outer(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        outer = module.__dict__.pop(_OUTER_ATTRIBUTE, None)
+        if outer is not None:
+            for hook_id in outer["hook_ids"]:
+                _remove_hook(module, hook_id)
 
 
 def _decoder_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -311,6 +373,7 @@ def _remove_hook(module: torch.nn.Module, hook_id: int) -> None:
 
 
 _WINDOW_ATTRIBUTE = "_unpack_sliding_window"
+_CHUNK_ATTRIBUTE = "_unpack_attention_chunk"  # chunked attention (llama4): read by the packed attention function
 
 
 def _window_not_passed(decoder: Decoder) -> int | None:
@@ -335,14 +398,23 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
     module = decoder.module
     config = module.config
     window = _window_not_passed(decoder)
-    for layer in decoder.attention:
+    for layer, chunk in zip(decoder.attention, attention_chunks(decoder) or []):
         if window is not None:
             setattr(layer, _WINDOW_ATTRIBUTE, window)
+        if chunk is not None:
+            setattr(layer, _CHUNK_ATTRIBUTE, chunk)
     if config._attn_implementation is None:
         config._attn_implementation = "eager"  # what transformers runs for None, under a name the routing can use
     state = _PatchState(model_type, config._attn_implementation, attention, rope)
     if attention:
         _route(state.implementation, module)
+        for layer in decoder.attention:
+            if packed_forward_for(type(layer)) is not None:
+                patch_attention_class(layer, config)
+                state.own_forwards = True
+        if state.own_forwards:
+            # Their decoders use the mask as a tensor (mpt: .to(torch.bool)); their packed attention ignores it.
+            module.__dict__[MASK_PLACEHOLDER_ATTRIBUTE] = torch.zeros((1, 1, 1, 1), dtype=torch.bool)
     for mixer in decoder.mixers:
         handler = handler_for(mixer)  # every mixer has one: check_model refused the model otherwise
         handler.patch(mixer.module)
@@ -365,12 +437,17 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
         _remove_hook(module, hook_id)
     if state.attention:
         _release_route(state.implementation, module)
+        for layer in module.modules():
+            if alibi.CONFIG_ATTRIBUTE in layer.__dict__:
+                unpatch_attention_class(layer)
+        module.__dict__.pop(MASK_PLACEHOLDER_ATTRIBUTE, None)
     for name, handler_name in state.mixers:
         handler_named(handler_name).unpatch(module.get_submodule(name))
     if state.rope:
         _unpatch_rope(state.rope_modules, module)
     for layer in module.modules():
         layer.__dict__.pop(_WINDOW_ATTRIBUTE, None)
+        layer.__dict__.pop(_CHUNK_ATTRIBUTE, None)
     delattr(module, _STATE_ATTRIBUTE)
 
 
@@ -412,6 +489,9 @@ def patch_model(model: torch.nn.Module, *, attention: bool = True, rope: bool = 
         if state is not None:
             _unpatch_decoder(decoder.module)
         _patch_decoder(model_type, decoder, attention=attention, rope=rope)
+    own = [d.module for d in decoders if getattr(d.module, _STATE_ATTRIBUTE).own_forwards]
+    if own:
+        _patch_outer(structure.pretrained, own)
     return model
 
 
@@ -423,6 +503,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     pretrained_model(model)
     for module in _patched_decoders(model):
         _unpatch_decoder(module)
+    _unpatch_outer(model)
     return model
 
 

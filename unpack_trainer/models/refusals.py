@@ -9,13 +9,14 @@ kind             found when                                                     
 ===============  ==================================================================  ==============================
 ``BLOCKLIST``    ``config.model_type`` is in :data:`BLOCKLIST`                        trains padded
 ``ALIBI``        ALiBi position biases (``config.alibi``, ``attn_config.alibi``,      trains padded
-                 or the modeling code uses an ``*alibi*`` helper), or another
-                 ``position_bias`` over the row's token offsets
+                 or the modeling code uses an ``*alibi*`` helper) in attention
+                 without a packed forward (:mod:`.alibi` has bloom's and mpt's), or
+                 another ``position_bias`` over the row's token offsets
 ``STATE``        a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
                  layer with neither attention nor an owned mixer (nor declared an
                  MLP / MoE layer in ``config.layer_types``)
-``UNSUPPORTED``  a feature the packed helper does not implement (chunked            self-check decides
-                 attention, a sparse-attention indexer)
+``UNSUPPORTED``  a feature the packed helper does not implement (a sparse-attention   self-check decides
+                 indexer; chunked attention whose layers do not show)
 ``UNREACHABLE``  no decoder builds its mask through transformers' mask functions,   self-check decides
                  or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
 ===============  ==================================================================  ==============================
@@ -33,10 +34,12 @@ from typing import Any
 
 import torch
 
+from unpack_trainer.models.alibi import packed_forward_for
 from unpack_trainer.models.discovery import (
     MASK_BUILDERS,
     PER_TOKEN_LAYER_TYPES,
     ModelStructure,
+    attention_chunks,
     discover,
     mentions_alibi,
 )
@@ -99,6 +102,9 @@ def _alibi(structure: ModelStructure) -> str | None:
         flag = getattr(getattr(config, "attn_config", None), "alibi", None)
     if flag is None:
         flag = any(mentions_alibi(cls) for cls in structure.classes)
+    attention = [module for decoder in structure.decoders for module in decoder.attention]
+    if flag and attention and all(packed_forward_for(type(module)) for module in attention):
+        return None  # bloom, mpt: their attention is replaced by one that applies ALiBi per sample
     if flag:
         return (
             "it adds ALiBi position biases computed from positions along the whole row, which the packed attention "
@@ -111,8 +117,8 @@ def _row_position_bias(structure: ModelStructure) -> str | None:
     """An attention module that hands the attention function a ``position_bias`` of its own (relative position logits
     over the row's token offsets, e.g. Inkling's); ALiBi is :func:`_alibi`'s."""
     for cls in structure.attention_classes:
-        if mentions_alibi(cls):
-            continue
+        if mentions_alibi(cls) or packed_forward_for(cls) is not None:
+            continue  # ALiBi: _alibi decides; bloom's and mpt's packed forwards apply their bias per sample
         for klass in cls.__mro__:
             if not klass.__module__.startswith("transformers.models."):
                 continue
@@ -152,10 +158,11 @@ def _layer_without_attention(structure: ModelStructure) -> str | None:
 def _unsupported_feature(structure: ModelStructure) -> str | None:
     config = structure.config
     for decoder in structure.decoders:
-        if getattr(config, "attention_chunk_size", None):
+        if attention_chunks(decoder) is None:
             return (
                 f"its layers attend within chunks of attention_chunk_size={config.attention_chunk_size} tokens "
-                "(chunked attention), which the packed attention helper does not implement"
+                "(chunked attention), but which layers do does not show (no config.layer_types naming "
+                "'chunked_attention' layers, or attention modules without layer_idx)"
             )
         for module in decoder.attention:
             for name, child in module.named_modules():

@@ -32,6 +32,7 @@ feature            flash  torch_varlen  xformers  sdpa  eager
 logit ``softcap``  yes    no            no        no    yes
 sinks (``s_aux``)  no     no            no        no    yes
 dropout            yes    no            yes       yes   yes
+ALiBi              yes    no            no        yes   yes
 =================  =====  ============  ========  ====  =====
 
 ``UNPACK_ATTENTION_BACKEND=flash|torch_varlen|xformers|sdpa|eager`` forces a backend; asking for one that cannot run,
@@ -69,6 +70,7 @@ __all__ = [
     "BackendChoice",
     "backend_unavailable_reason",
     "choose_backend",
+    "chunked_info",
     "make_attention_function",
     "packed_attention_forward",
 ]
@@ -82,16 +84,17 @@ ENV_BACKEND = "UNPACK_ATTENTION_BACKEND"
 _AUTOMATIC_ORDER: tuple[str, ...] = ("flash", "torch_varlen", "xformers", "sdpa")
 # What each backend applies beyond causal / sliding-window / grouped-query attention with any scaling.
 _CAPABILITIES: dict[str, frozenset[str]] = {
-    "flash": frozenset({"softcap", "dropout"}),
+    "flash": frozenset({"softcap", "dropout", "alibi"}),
     "torch_varlen": frozenset(),
     "xformers": frozenset({"dropout"}),
-    "sdpa": frozenset({"dropout"}),
-    "eager": frozenset({"softcap", "sinks", "dropout"}),
+    "sdpa": frozenset({"dropout", "alibi"}),
+    "eager": frozenset({"softcap", "sinks", "dropout", "alibi"}),
 }
 _FEATURE_NAMES = {
     "softcap": "attention logit softcapping",
     "sinks": "attention sinks (s_aux)",
     "dropout": "attention dropout",
+    "alibi": "ALiBi position biases",
 }
 # flash-attn 2 and torch's varlen flash kernel take head dims up to 256 (one head dim for q, k and v).
 _FLASH_MAX_HEAD_DIM = 256
@@ -166,6 +169,32 @@ def packed_info_from_kwargs(
     if position_ids is not None and attention_mask is None and key.shape[2] == seq_len:
         return _last_derived.get("position_ids", position_ids, batch_size, seq_len)
     return None
+
+
+def chunked_info(info: PackedSeqInfo, chunk_size: int) -> PackedSeqInfo:
+    """``info`` with every sample cut into chunks of ``chunk_size`` tokens counted from the sample's start (the last
+    chunk of a sample may be shorter), cached on ``info``.
+
+    Chunked attention (a query sees the keys of its own chunk only, causally) over packed samples is packed attention
+    over their chunks, so every backend runs it unchanged. Lengths ``[5, 2]``, ``chunk_size`` 2 -> ``[2, 2, 1, 2]``.
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive number of tokens.
+    """
+    chunk_size = int(chunk_size)
+    if chunk_size <= 0:
+        raise ValueError(f"attention_chunk_size must be a positive number of tokens, got {chunk_size}.")
+    if info.max_seqlen <= chunk_size:
+        return info
+
+    def build() -> PackedSeqInfo:
+        lengths = info.seq_lengths.to(torch.int64)
+        chunks = (lengths + chunk_size - 1) // chunk_size  # (num_seqs,) chunks per sample
+        sizes = torch.full((int(chunks.sum()),), chunk_size, dtype=torch.int64)
+        sizes[torch.cumsum(chunks, 0) - 1] = lengths - (chunks - 1) * chunk_size  # each sample's last chunk
+        return PackedSeqInfo.from_seq_lengths(sizes.to(torch.int32), batch_size=info.batch_size, seq_len=info.seq_len)
+
+    return info.plan("chunked", chunk_size, build)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -303,8 +332,8 @@ def _missing_features(backend: str, features: frozenset[str], head_dim: int | No
     return missing
 
 
-def _features(*, softcap: bool, sinks: bool, dropout: bool) -> frozenset[str]:
-    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout}
+def _features(*, softcap: bool, sinks: bool, dropout: bool, alibi: bool = False) -> frozenset[str]:
+    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout, "alibi": alibi}
     return frozenset(name for name, wanted in flags.items() if wanted)
 
 
@@ -317,6 +346,7 @@ def choose_backend(
     sinks: bool = False,
     dropout: bool = False,
     head_dim: int | None = None,
+    alibi: bool = False,
 ) -> BackendChoice:
     """Which backend packed attention uses for inputs on ``device`` in ``dtype``.
 
@@ -327,8 +357,9 @@ def choose_backend(
     Args:
         softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
         head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
+        alibi: whether the call adds ALiBi position biases (bloom, mpt).
     """
-    wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout)
+    wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced:
         if forced not in BACKENDS:
@@ -385,6 +416,9 @@ class _CallOptions(NamedTuple):
     softcap: float | None
     sinks: Tensor | None
     module: torch.nn.Module
+    # ALiBi (bloom, mpt): (num_heads,) float slopes; query i adds -slopes[h] * (i - j) to its score of key j, i and j
+    # counted within the sample.
+    alibi_slopes: Tensor | None = None
 
 
 class _BackendFunction(Protocol):
@@ -537,6 +571,29 @@ def _additive_mask(
     return info.plan("additive_masks", (length, sliding_window, dtype, str(device)), build)
 
 
+def _alibi_bias(
+    info: PackedSeqInfo,
+    length: int,
+    sliding_window: int | None,
+    slopes: Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    masked: bool = True,
+) -> Tensor:
+    """``(num_heads, L, L)`` ``dtype`` ALiBi biases of one bucket: ``-slopes[h] * (i - j)`` where query ``i`` may see
+    key ``j`` (causal, within the window) and, with ``masked``, ``finfo(dtype).min`` elsewhere (else 0 there).
+    Bucketed samples start at slot 0, so ``i`` and ``j`` count from the sample's start, as the model computes them for
+    a sample alone (its ``slope * j`` differs by ``slope * i`` per query, which the softmax does not see)."""
+    positions = torch.arange(length, device=device, dtype=torch.float32)
+    distance = (positions.unsqueeze(1) - positions.unsqueeze(0)).clamp_min(0)  # (L, L) i - j, 0 above the diagonal
+    bias = (-slopes.to(device=device, dtype=torch.float32).view(-1, 1, 1) * distance).to(dtype)
+    if not masked:
+        return bias
+    window = sliding_window if sliding_window is not None else length + 1
+    return bias.masked_fill(~_band_mask(info, length, window, device), torch.finfo(dtype).min)
+
+
 @functools.cache
 def _sdpa_supports_gqa() -> bool:
     """Whether this torch's SDPA takes ``enable_gqa`` (probed once on a tiny CPU input)."""
@@ -613,7 +670,8 @@ def _sdpa_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo,
     GQA: ``enable_gqa`` where this torch has it and the bucket runs ``is_causal``, else each kv head repeated
     ``num_heads // num_kv_heads`` times. Window ``w``: a ``(L, L)`` band mask ``i - w < j <= i`` on each bucket longer
     than ``w`` (a shorter one stays ``is_causal``). Dropout: SDPA's ``dropout_p``. Softcap, sinks: refused. No query
-    row is fully masked (each sees itself, padded ones included).
+    row is fully masked (each sees itself, padded ones included). ALiBi: a float ``(num_heads, L, L)`` mask of the
+    per-sample biases (:func:`_alibi_bias`) on every bucket.
     """
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
@@ -623,7 +681,9 @@ def _sdpa_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo,
     outputs = []
     for bucket, q, k, v in zip(plan.buckets, qs, ks, vs):
         mask = None
-        if window is not None and bucket.length > window:
+        if options.alibi_slopes is not None:
+            mask = _alibi_bias(info, bucket.length, window, options.alibi_slopes, query.dtype, query.device)
+        elif window is not None and bucket.length > window:
             mask = _band_mask(info, bucket.length, window, query.device)
         extra = {}
         if heads_per_kv > 1:
@@ -659,7 +719,7 @@ def _eager_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
     Softcap ``c``: ``tanh(scores / c) * c`` before the mask. Sinks ``(num_heads,)``: every query's softmax denominator
     also holds ``exp(sinks[h])``: ``weights = exp(scores - logaddexp(logsumexp(scores), sinks[h]))``, the sink's own
     weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column. Dropout: on the
-    weights, only while ``options.module.training``.
+    weights, only while ``options.module.training``. ALiBi: ``-slopes[h] * (i - j)`` added to the scores.
     """
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
@@ -684,6 +744,10 @@ def _eager_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
             else:
                 scores = torch.tanh(torch.matmul(q * (scaling / softcap), k.transpose(2, 3))) * softcap
             scores.add_(mask)  # in place: neither the matmul nor the softcap's multiply needs its output back
+            if options.alibi_slopes is not None:
+                scores.add_(
+                    _alibi_bias(info, length, None, options.alibi_slopes, query.dtype, query.device, masked=False)
+                )
             if sink_logits is None:
                 weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             else:
@@ -830,7 +894,8 @@ def _flash_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
 
     GQA: the kernel takes ``num_kv_heads`` dividing ``num_heads`` as they are. Window ``w`` (keys
     ``i - w < j <= i``): ``window_size=(w - 1, 0)``, inclusive on both sides, set only where a sample is longer than
-    ``w``. Softcap: the kernel's ``softcap``. Dropout: ``dropout_p``. Sinks: refused. No query row is fully masked.
+    ``w``. Softcap: the kernel's ``softcap``. Dropout: ``dropout_p``. ALiBi: the kernel's ``alibi_slopes`` (float32
+    ``(num_heads,)``). Sinks: refused. No query row is fully masked.
     """
     kernel = _flash_varlen_kernel()
     kernel_options: dict[str, Any] = {"dropout_p": options.dropout, "softmax_scale": options.scaling, "causal": True}
@@ -839,6 +904,9 @@ def _flash_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
         kernel_options["window_size"] = window
     if options.softcap is not None:
         kernel_options["softcap"] = options.softcap
+    if options.alibi_slopes is not None:
+        # flash-attn adds -slope * |i - j| (i, j within the sequence of cu_seqlens): the per-sample bias.
+        kernel_options["alibi_slopes"] = options.alibi_slopes.to(device=query.device, dtype=torch.float32)
 
     def call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         # flash-attn takes grouped kv heads as they are, and pads head dims to a multiple of 8 itself.
@@ -946,20 +1014,28 @@ def _choice_for(
     softcap: bool,
     sinks: bool,
     dropout: bool,
+    alibi: bool = False,
 ) -> BackendChoice:
     """The automatic (or forced) backend of one call, decided once per batch and set of features; a hand-over from
     the backend chosen for plain attention to one that can apply the call's features is logged once."""
     head_dim = max(query.shape[-1], value.shape[-1])
-    features = (softcap, sinks, dropout, head_dim)
+    features = (softcap, sinks, dropout, head_dim, alibi)
     key = (str(query.device), query.dtype, original, features, os.environ.get(ENV_BACKEND))
 
     def build() -> BackendChoice:
         choice = choose_backend(
-            query.device, query.dtype, original, softcap=softcap, sinks=sinks, dropout=dropout, head_dim=head_dim
+            query.device,
+            query.dtype,
+            original,
+            softcap=softcap,
+            sinks=sinks,
+            dropout=dropout,
+            head_dim=head_dim,
+            alibi=alibi,
         )
         plain = choose_backend(query.device, query.dtype, original)
         if plain.name != choice.name:
-            wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout)
+            wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
             missing = _missing_features(plain.name, wanted, head_dim)
             log_once(
                 logger,
@@ -1011,6 +1087,10 @@ def packed_attention_forward(
             ``packed_seq_lengths`` ``(num_seqs,)`` int, ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, or
             ``position_ids`` ``(B, T)``. ``s_aux``: attention sinks (gpt_oss), ``(num_heads,)`` one logit per query
             head added to every softmax denominator (eager applies them). ``is_causal`` (default: the module's).
+            ``alibi_slopes``: ALiBi (bloom, mpt), ``(num_heads,)`` float, query ``i`` adds ``-slopes[h] * (i - j)`` to
+            its score of key ``j``, both counted within the sample (flash's ``alibi_slopes``, SDPA and eager).
+            ``attention_chunk_size``: chunked attention (llama4), each query sees the keys of its own chunk of that
+            many tokens, chunks counted from its sample's start (:func:`chunked_info`; every backend).
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` ``(B, T, num_heads, head_dim_v)`` in ``query``'s dtype;
@@ -1047,6 +1127,13 @@ def packed_attention_forward(
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}.")
+    if kwargs.get("attention_chunk_size") is not None:
+        info = chunked_info(info, kwargs["attention_chunk_size"])
+    alibi_slopes = kwargs.get("alibi_slopes")
+    if alibi_slopes is not None and alibi_slopes.numel() != num_heads:
+        raise ValueError(
+            f"ALiBi (`alibi_slopes`) needs one slope per query head ({num_heads}), got {alibi_slopes.numel()}."
+        )
     if scaling is None:
         scaling = head_dim**-0.5
     if backend is None:
@@ -1058,11 +1145,14 @@ def packed_attention_forward(
             softcap=softcap is not None,
             sinks=sinks is not None,
             dropout=dropout > 0,
+            alibi=alibi_slopes is not None,
         ).name
     else:
         if backend not in _BACKEND_FUNCTIONS:
             raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-        wanted = _features(softcap=softcap is not None, sinks=sinks is not None, dropout=dropout > 0)
+        wanted = _features(
+            softcap=softcap is not None, sinks=sinks is not None, dropout=dropout > 0, alibi=alibi_slopes is not None
+        )
         largest_head_dim = max(head_dim, value.shape[-1])
         missing = _missing_features(backend, wanted, largest_head_dim)
         if missing:
@@ -1074,7 +1164,7 @@ def packed_attention_forward(
         reason = backend_unavailable_reason(backend, query.device, query.dtype)
         if reason is not None:
             raise ValueError(f"Packed attention backend={backend!r} cannot run here: {reason}.")
-    options = _CallOptions(scaling, dropout, sliding_window, softcap, sinks, module)
+    options = _CallOptions(scaling, dropout, sliding_window, softcap, sinks, module, alibi_slopes)
     return _BACKEND_FUNCTIONS[backend](query, key, value, info, options), None
 
 
@@ -1146,6 +1236,9 @@ def make_attention_function(
             if kwargs.get("sliding_window") is None and getattr(module, "_unpack_sliding_window", None):
                 # The model applies this window through its mask only (set by unpack_trainer.models.patch_model).
                 kwargs["sliding_window"] = module._unpack_sliding_window
+            if getattr(module, "_unpack_attention_chunk", None):
+                # The layer attends in chunks, through its mask only (set by unpack_trainer.models.patch_model).
+                kwargs["attention_chunk_size"] = module._unpack_attention_chunk
             return packed_attention_forward(
                 module, query, key, value, None, original_implementation=original_implementation, **kwargs
             )

@@ -62,13 +62,23 @@ def reset_packed_forward(decoder: Any) -> None:
 def current_packed_info(config: Any = None) -> PackedSeqInfo | None:
     """The packing metadata of the innermost packed forward running in this thread (of the decoder whose config is
     ``config``, when given), or ``None``."""
+    entry = _current_entry(config)
+    return None if entry is None else entry[1]
+
+
+def _current_entry(config: Any = None) -> tuple[Any, PackedSeqInfo] | None:
     stack = getattr(_state, "stack", None)
     if not stack:
         return None
     for decoder, info in reversed(stack):
         if config is None or getattr(decoder, "config", None) is config:
-            return info
+            return decoder, info
     return None
+
+
+# A decoder whose own code needs a tensor where the mask goes (mpt calls ``.to(torch.bool)`` on it) carries this
+# attribute, a placeholder its packed attention ignores; the mask function returns it instead of ``None``.
+MASK_PLACEHOLDER_ATTRIBUTE = "_unpack_mask_placeholder"
 
 
 def is_tracing() -> bool:
@@ -90,8 +100,9 @@ def make_mask_function(
     returned function can be registered under the same name)."""
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
-        if current_packed_info(kwargs.get("config")) is not None:
-            return None
+        entry = _current_entry(kwargs.get("config"))
+        if entry is not None:
+            return entry[0].__dict__.get(MASK_PLACEHOLDER_ATTRIBUTE)
         from transformers.masking_utils import AttentionMaskInterface
 
         original = fallback or AttentionMaskInterface._global_mapping.get(original_implementation)
