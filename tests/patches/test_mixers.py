@@ -32,7 +32,7 @@ REL = 1e-5
 
 
 def _close(actual, expected):
-    scale = expected.abs().max().clamp_min(1e-12)
+    scale = expected.detach().abs().max().clamp_min(1e-12)
     assert float((actual - expected).detach().abs().max()) <= REL * float(scale) + 1e-8
 
 
