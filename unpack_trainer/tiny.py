@@ -76,6 +76,41 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     # Its router logits are not collected by the model: stock transformers fails on output_router_logits=True.
     "flint": dict(output_router_logits=None),
+    # Hybrids: one token-mixer layer and one attention layer (their defaults give two mixer layers at 2 layers);
+    # state-space chunks and mixer heads smaller than the samples and the hidden size.
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen4_exp_text": dict(
+        layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
+    ),
+    "lfm3": dict(layer_types=["conv", "full_attention"]),
+    "granitemoehybrid": dict(
+        layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4
+    ),
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4),
+    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_chunk_size=4),
+    "nemotron_h": dict(chunk_size=4),
+    "mamba2": dict(num_heads=4, head_dim=16, chunk_size=4, n_groups=1),
+    "jamba": dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    ),
+    "zamba": dict(
+        num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"], mamba_dt_rank=8, use_mamba_kernels=False
+    ),
+    "zamba2": dict(
+        layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1], mamba_headdim=16, n_mamba_heads=4,
+        attention_head_dim=8, use_mamba_kernels=False, chunk_size=4,
+    ),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=32),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8),
+    "bailing_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8, layer_group_size=2
+    ),
+    "zaya": dict(num_experts_per_tok=1),
+    "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 
 CHAT_TEMPLATE = (

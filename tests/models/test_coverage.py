@@ -69,9 +69,16 @@ def test_readme_table_is_generated_from_this_run():
     assert table == expected, "README table is stale: run python -m unpack_trainer.models --coverage --write-readme"
 
 
-def test_refusal_needs_no_forward():
-    """The decision refuses a state-space model from its config alone (meta device), naming the mixer."""
+def test_refusal_needs_no_forward(monkeypatch):
+    """The decision refuses a state-space model no mixer handler owns from its config alone (meta device), naming
+    the mixer; with the per-sample handler the same model is packed."""
     from transformers import MambaConfig
 
-    reason = refusal_reason(MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64))
-    assert reason is not None and "MambaBlock" in reason and "across sample boundaries" in reason
+    from unpack_trainer.models import mixers, refusals
+
+    config = MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64)
+    assert refusal_reason(config) is None
+    monkeypatch.setattr(mixers, "MIXER_HANDLERS", [])
+    monkeypatch.setattr(refusals, "_refusals", {})
+    reason = refusal_reason(config)
+    assert reason is not None and "MambaMixer" in reason and "across sample boundaries" in reason

@@ -407,3 +407,160 @@ def test_deep_tested_architectures_are_verified():
     """This module tests these types in depth (several rows, checkpointing, LoRA, QLoRA, generation); every verified
     type gets the one-by-one / padded checks in tests/models/test_coverage.py."""
     assert set(ARCHITECTURES) <= set(supported_model_types())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chunked attention (llama4_text, issue 18 item 3): chunks counted from each sample's start
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Chunks of 4 tokens, smaller than most samples; in the packed row no sample starts at a multiple of 4, so chunks
+# counted from the row's start (what transformers' dense chunked mask does) would differ.
+CHUNKED = dict(attention_chunk_size=4, max_position_embeddings=512, no_rope_layers=[1, 0])
+CHUNKED_LENGTHS = [11, 2, 9, 5, 1, 14]
+
+
+@pytest.fixture(scope="module")
+def llama4(tiny_model):
+    """``llama4(backend)``: a tiny llama4_text (layer 0 chunked attention, layer 1 full), seed 0, eval mode."""
+
+    def build(backend: str) -> torch.nn.Module:
+        return tiny_model("llama4_text", attn_implementation=backend, **CHUNKED).eval()
+
+    return build
+
+
+@MATRIX
+def test_chunked_attention_counts_chunks_from_each_sample_start(backend, backend_calls, llama4):
+    model = llama4(backend)
+    assert model.config.layer_types[:2] == ["chunked_attention", "full_attention"]
+    patch_model(model)
+    assert model.model.layers[0].self_attn._unpack_attention_chunk == 4
+    assert not hasattr(model.model.layers[1].self_attn, "_unpack_attention_chunk")
+    samples = make_samples(CHUNKED_LENGTHS, seed=11)
+    assert_samples_match(model, samples, packed_batch(samples, row_len=45))
+    assert backend_calls[backend] == 2 and sum(backend_calls.values()) == 2
+    model.train()
+    assert_loss_and_grads_match(model, samples)
+    unpatch_model(model)
+    assert not hasattr(model.model.layers[0].self_attn, "_unpack_attention_chunk")
+
+
+def spy_on_masks(monkeypatch) -> list:
+    """The shapes of the masks transformers' sdpa / eager mask functions return (``None``: no mask) from now on."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    built = []
+    for name in ("sdpa", "eager"):
+        original = ALL_MASK_ATTENTION_FUNCTIONS[name]
+
+        def spy(*args, _original=original, **kwargs):
+            mask = _original(*args, **kwargs)
+            if mask is not None:
+                built.append(tuple(mask.shape))
+            return mask
+
+        monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS, name, spy)
+    return built
+
+
+def test_chunked_attention_builds_no_dense_mask(monkeypatch, llama4):
+    built = spy_on_masks(monkeypatch)
+    model = patch_model(llama4("sdpa"))
+    samples = make_samples(CHUNKED_LENGTHS, seed=12)
+    with torch.no_grad():
+        model(**packed_batch(samples))
+        assert built == []
+        model(**padded_batch(samples))  # the spies do see the stock path's masks
+    assert built
+
+
+@MATRIX
+def test_chunked_attention_generates_as_stock(backend, llama4):
+    samples = make_samples([9, 4, 13], seed=4)
+    model = llama4(backend)
+    left = padded_batch(samples, left=True)
+    generate = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    inputs = {"input_ids": left["input_ids"], "attention_mask": left["attention_mask"]}
+    with torch.no_grad():
+        expected = model.generate(**inputs, **generate, pad_token_id=0)
+        patch_model(model)
+        generated = model.generate(**inputs, **generate, pad_token_id=0)
+    assert torch.equal(generated.sequences, expected.sequences)
+    for got, want in zip(generated.scores, expected.scores):
+        assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ALiBi (bloom, mpt; issue 18 item 2): the bias counts distance within each sample
+# ---------------------------------------------------------------------------------------------------------------------
+
+ALIBI_TYPES = ["bloom", "mpt"]
+
+
+@pytest.fixture(scope="module")
+def alibi_model(tiny_model):
+    """``alibi_model(model_type)``: a tiny bloom / mpt (eager attention, the only one they have), seed 0, eval mode."""
+
+    def build(model_type: str) -> torch.nn.Module:
+        overrides = dict(max_seq_len=512) if model_type == "mpt" else {}
+        return tiny_model(model_type, **overrides).eval()
+
+    return build
+
+
+@pytest.mark.parametrize("model_type", ALIBI_TYPES)
+@MATRIX
+def test_alibi_per_sample(model_type, backend, backend_calls, monkeypatch, alibi_model):
+    """Packed logits == each sample alone, loss and every gradient == padded, on the SDPA buckets and eager."""
+    monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", backend)
+    model = alibi_model(model_type)
+    samples = make_samples(LENGTHS, seed=13)
+    with torch.no_grad():
+        stock_packed = model(**packed_batch(samples)).logits  # stock: ALiBi and attention across the whole row
+    patch_model(model)
+    assert_samples_match(model, samples, packed_batch(samples, row_len=45))
+    assert backend_calls[backend] == 2 and sum(backend_calls.values()) == 2
+    expected = torch.cat(logits_alone(model, samples))
+    assert (stock_packed[0] - expected).abs().max() > 1e-3  # what the patch fixes
+    model.train()
+    assert_loss_and_grads_match(model, samples)
+    unpatch_model(model)
+    assert not is_alibi_patched(model)
+
+
+def is_alibi_patched(model) -> bool:
+    from unpack_trainer.models import alibi
+
+    return any(alibi.CONFIG_ATTRIBUTE in module.__dict__ for module in model.modules())
+
+
+@pytest.mark.parametrize("model_type", ALIBI_TYPES)
+def test_alibi_builds_no_dense_mask(model_type, monkeypatch, alibi_model):
+    built = spy_on_masks(monkeypatch)
+    model = patch_model(alibi_model(model_type))
+    samples = make_samples([40, 30, 20, 10], seed=7)
+    with torch.no_grad():
+        model(**packed_batch(samples))
+        assert all(shape == (1, 1, 1, 1) for shape in built)  # at most mpt's placeholder, never (T, T)
+        model(**padded_batch(samples))
+    assert any(shape[-1] == 40 for shape in built)
+
+
+@pytest.mark.parametrize("model_type", ALIBI_TYPES)
+def test_alibi_generates_as_stock_and_refuses_weights_of_a_packed_batch(model_type, alibi_model):
+    samples = make_samples([9, 4, 13], seed=4)
+    model = alibi_model(model_type)
+    left = padded_batch(samples, left=True)
+    generate = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    inputs = {"input_ids": left["input_ids"], "attention_mask": left["attention_mask"]}
+    with torch.no_grad():
+        expected = model.generate(**inputs, **generate, pad_token_id=0)
+        patch_model(model)
+        generated = model.generate(**inputs, **generate, pad_token_id=0)
+        assert torch.equal(generated.sequences, expected.sequences)
+        for got, want in zip(generated.scores, expected.scores):
+            assert torch.equal(got, want)
+        with pytest.raises(
+            ValueError, match=f"output_attentions=True with a packed batch is not supported for {model_type}"
+        ):
+            model(**packed_batch(samples), output_attentions=True)

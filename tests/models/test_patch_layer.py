@@ -4,6 +4,7 @@ patching, and ``torch.save`` / ``torch.load`` of a patched model in a new proces
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -164,10 +165,59 @@ def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch
         ids = row["input_ids"][0]
         alone = torch.cat([model(input_ids=ids[a:b].unsqueeze(0)).logits[0] for a, b in ((0, 4), (4, 7), (7, 9))])
     assert calls[:2] == ["eager", "eager"]  # the packed batch ran the packed helper on eager, in both layers
-    assert model.config._attn_implementation == "unpack_eager"
+    assert model.config._attn_implementation == "eager"
     torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-6)
     unpatch_model(model)
     assert model.config._attn_implementation == "eager" and not is_patched(model)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_patched_model_reports_the_stock_attention_implementation(monkeypatch, implementation, llama):
+    """Issue 20 item 12: a patched model's ``config._attn_implementation`` reads what a stock one reads (transformers'
+    ``test_can_set_attention_dynamically`` / ``test_sdpa_can_dispatch_non_composite_models`` and user code checking
+    ``== "sdpa"``), packed batches still take the packed helper, an unpatched model of the same class next to it runs
+    exactly as stock, and switching with ``set_attn_implementation`` keeps both true."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+    for name, function in list(attention_module._BACKEND_FUNCTIONS.items()):
+
+        def spy(*args, _name=name, _function=function, **kwargs):
+            calls.append(_name)
+            return _function(*args, **kwargs)
+
+        monkeypatch.setitem(attention_module._BACKEND_FUNCTIONS, name, spy)
+    gc.collect()  # patched models of earlier tests, released
+    interfaces = (dict(ALL_ATTENTION_FUNCTIONS.items()), dict(ALL_MASK_ATTENTION_FUNCTIONS.items()))
+    row, inputs = packed_row(), prompts()
+    stock = llama(implementation)
+    with torch.no_grad():
+        stock_packed, stock_padded = stock(**row).logits, stock(**inputs).logits
+        ids = row["input_ids"][0]
+        alone = torch.cat([stock(input_ids=ids[a:b].unsqueeze(0)).logits[0] for a, b in ((0, 4), (4, 7), (7, 9))])
+    model = patch_model(llama(implementation))
+    assert model.config._attn_implementation == implementation
+    assert all(m.config._attn_implementation == implementation for m in model.modules() if hasattr(m, "config"))
+    with torch.no_grad():
+        assert torch.equal(stock(**row).logits, stock_packed) and torch.equal(stock(**inputs).logits, stock_padded)
+        assert not calls  # the unpatched model next to a patched one: transformers' own path, unchanged
+        torch.testing.assert_close(model(**row).logits[0], alone, rtol=1e-5, atol=1e-6)
+        assert calls == [implementation] * 2
+        assert torch.equal(model(**inputs).logits, stock_padded)
+    other = "eager" if implementation == "sdpa" else "sdpa"
+    model.set_attn_implementation(other)
+    assert model.config._attn_implementation == other and is_patched(model)
+    calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**row).logits[0], alone, rtol=1e-5, atol=1e-6)
+    assert calls == [other] * 2 and model.config._attn_implementation == other
+    unpatch_model(model)
+    assert model.config._attn_implementation == other and not is_patched(model)
+    del model
+    gc.collect()
+    # No patched model left: transformers' interfaces hold exactly what they held before.
+    assert (dict(ALL_ATTENTION_FUNCTIONS.items()), dict(ALL_MASK_ATTENTION_FUNCTIONS.items())) == interfaces
 
 
 def test_torch_save_and_load_in_a_new_process(tmp_path, qwen2):

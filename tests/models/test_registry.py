@@ -7,18 +7,22 @@ import pkgutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BloomConfig, GPTJConfig, MambaConfig
+from transformers import AutoModelForCausalLM, FalconConfig, GPTJConfig, MambaConfig
 from transformers.models.llama import modeling_llama
 
 import unpack_trainer
 import unpack_trainer.models as models
 from unpack_trainer.models import (
     PatchRefused,
+    RefusalKind,
     is_patched,
+    mixers,
     patch_model,
     resolve_backend,
     unpatch_model,
 )
+from unpack_trainer.models.discovery import discover
+from unpack_trainer.models.refusals import REFUSAL_CHECKS
 from unpack_trainer.patches import attention, rope
 
 # On top of unpack_trainer.tiny's sizes; None takes LlamaConfig's default.
@@ -46,10 +50,11 @@ def llama(tiny_model):
     return build
 
 
-def test_per_architecture_modules_hold_quirks_only():
-    """The patch is generic: no module per architecture is needed for the verified types."""
+def test_no_module_per_architecture():
+    """The patch is generic: the package holds one module per responsibility; the one architecture-specific module
+    (alibi: bloom's and mpt's attention, which no extension point reaches) is keyed by attention class."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
-    assert modules == {"coverage", "__main__"}
+    assert modules == {"__main__", "alibi", "coverage", "discovery", "mixers", "patch", "refusals"}
 
 
 def test_public_exports():
@@ -62,16 +67,21 @@ def test_public_exports():
 
 def test_discovery_finds_decoder_and_attention_from_the_model(llama):
     model = llama()
-    model_type, decoders = models._discover(model)
-    assert model_type == "llama" and [d.module for d in decoders] == [model.model]
-    assert [type(m).__name__ for m in decoders[0].attention] == ["LlamaAttention"]
+    structure = discover(model)
+    assert structure.model_type == "llama" and [d.module for d in structure.decoders] == [model.model]
+    assert [type(m).__name__ for m in structure.decoders[0].attention] == ["LlamaAttention"]
+    assert structure.decoders[0].layers == list(model.model.layers) and not structure.mixers
 
 
 @pytest.mark.parametrize(
     ("config", "kind", "fragment"),
     [
-        (MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=64), "state", "MambaBlock"),
-        (BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64), "alibi", "ALiBi"),
+        # ALiBi in attention without a packed forward (bloom and mpt have one: unpack_trainer.models.alibi)
+        (
+            FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64, alibi=True),
+            "alibi",
+            "ALiBi",
+        ),
         (GPTJConfig(n_embd=32, n_layer=1, n_head=2, vocab_size=64, rotary_dim=8), "unreachable", "GPTJAttention"),
     ],
 )
@@ -86,13 +96,69 @@ def test_refusals_name_the_reason(config, kind, fragment):
         patch_model(torch.nn.Linear(2, 2))
 
 
+def test_a_mixer_no_handler_owns_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(mixers, "MIXER_HANDLERS", [])
+    model = AutoModelForCausalLM.from_config(MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=64))
+    with pytest.raises(PatchRefused, match=r"MambaMixer \(backbone\.layers\.0\.mixer\)") as refused:
+        patch_model(model)
+    assert refused.value.kind == "state" and not is_patched(model)
+
+
+def test_refusal_checks_are_ordered_and_typed():
+    """The checks run in a fixed order, each with an enum kind; the blocking kinds are the ones the trainer pads."""
+    kinds = [kind for kind, _ in REFUSAL_CHECKS]
+    assert all(isinstance(kind, RefusalKind) for kind in kinds)
+    assert kinds.index(RefusalKind.ALIBI) < kinds.index(RefusalKind.STATE) < kinds.index(RefusalKind.UNREACHABLE)
+    assert {kind for kind in RefusalKind if kind.blocking} == {"blocklist", "alibi", "state"}
+    assert PatchRefused("x", "why", "state").kind is RefusalKind.STATE
+
+
+def test_a_mixer_handler_turns_the_state_refusal_into_a_patch(monkeypatch, tiny_model):
+    """The seam of unpack_trainer.models.mixers: a handler that owns LFM2's short convolutions makes the model
+    patchable; it is called on each mixer, sees the packing metadata inside a packed forward (and none otherwise), and
+    is undone by unpatch_model."""
+    from unpack_trainer.patches.masks import current_packed_info
+
+    model = tiny_model("lfm2")  # layer 0 a short convolution, layer 1 attention
+    monkeypatch.setattr(mixers, "MIXER_HANDLERS", [])
+    with pytest.raises(PatchRefused, match="Lfm2ShortConv") as refused:
+        patch_model(model)
+    assert refused.value.kind is RefusalKind.STATE
+
+    seen = []
+
+    class ShortConvHandler:
+        name = "test_short_conv"
+
+        def handles(self, mixer):
+            return type(mixer.module).__name__ == "Lfm2ShortConv"
+
+        def patch(self, module):
+            hook = module.register_forward_pre_hook(lambda m, args: seen.append(current_packed_info(model.config)))
+            module._test_hook = hook
+
+        def unpatch(self, module):
+            module.__dict__.pop("_test_hook").remove()
+
+    monkeypatch.setattr(mixers, "MIXER_HANDLERS", [ShortConvHandler()])
+    patch_model(model)
+    conv = model.model.layers[0].conv
+    assert is_patched(model) and hasattr(conv, "_test_hook")
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 64, (1, 5)), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+        model(input_ids=torch.randint(3, 64, (1, 5)))
+    assert seen[0].seq_lengths.tolist() == [3, 2] and seen[1] is None
+    unpatch_model(model)
+    assert not hasattr(conv, "_test_hook") and not conv._forward_pre_hooks and not is_patched(model)
+
+
 def test_patch_is_idempotent_and_undone(llama):
     model = llama(attn_implementation="sdpa")
     original_rope = modeling_llama.apply_rotary_pos_emb
     decoder = model.model
     assert patch_model(model) is model and patch_model(model) is model
     assert is_patched(model)
-    assert model.config._attn_implementation == "unpack_sdpa"
+    assert model.config._attn_implementation == "sdpa"  # transformers' own name (issue 20 item 12)
     assert len(decoder._forward_pre_hooks) == 1 and len(decoder._forward_hooks) == 1
     assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
     assert unpatch_model(model) is model and unpatch_model(model) is model
@@ -107,7 +173,7 @@ def test_flags_and_repatching(llama):
     original_rope = modeling_llama.apply_rotary_pos_emb
     patch_model(model, rope=False)
     assert modeling_llama.apply_rotary_pos_emb is original_rope
-    assert model.config._attn_implementation == "unpack_eager"
+    assert model.config._attn_implementation == "eager"
     patch_model(model, attention=False)  # other flags: re-patch
     assert model.config._attn_implementation == "eager" and not model.model._forward_pre_hooks
     assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
@@ -132,7 +198,7 @@ def test_peft_wrapped_model_is_patched_in_place(llama):
     model = llama()
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     patch_model(peft_model)
-    assert is_patched(model) and model.config._attn_implementation == "unpack_sdpa"
+    assert is_patched(model) and model.config._attn_implementation == "sdpa"
     patch_model(model)  # the same decoder: still one hook
     assert len(model.model._forward_pre_hooks) == 1
     unpatch_model(peft_model)

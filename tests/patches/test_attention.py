@@ -34,9 +34,10 @@ class FakeModule(torch.nn.Module):
     is_causal = True
 
 
-def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None, sinks=None):
+def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None, sinks=None, alibi=None):
     """Dense per-sample causal attention in float64. q: (total, H, D); k: (total, H_kv, D); v: (total, H_kv, D_v)
-    -> (total, H, D_v). ``sinks``: (H,) extra logit per head in the softmax denominator (gpt_oss ``s_aux``)."""
+    -> (total, H, D_v). ``sinks``: (H,) extra logit per head in the softmax denominator (gpt_oss ``s_aux``).
+    ``alibi``: (H,) ALiBi slopes, ``-slope * (i - j)`` added to the scores, i and j within the sample."""
     groups = q.shape[1] // k.shape[1]
     outputs, start = [], 0
     for length in lengths:
@@ -48,6 +49,8 @@ def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None, si
             scores = torch.tanh(scores / softcap) * softcap
         i = torch.arange(length).unsqueeze(1)
         j = torch.arange(length).unsqueeze(0)
+        if alibi is not None:
+            scores = scores - alibi.double().view(-1, 1, 1) * (i - j).double().to(scores.device)
         allowed = j <= i
         if window is not None:
             allowed &= j > i - window
@@ -472,7 +475,8 @@ def test_unpacked_calls_run_the_original_implementation():
     assert torch.equal(got, sdpa_attention_forward(module, q, k, v, None, scaling=0.2)[0])
 
 
-def test_registered_function_derives_metadata_once_per_tensor(monkeypatch):
+def test_direct_calls_derive_metadata_once_per_tensor(monkeypatch):
+    """The helper called directly (no model hook) derives the metadata of one ``cu_seq_lens_q`` tensor once."""
     calls = []
     original = PackedSeqInfo.from_cu_seqlens.__func__
 
@@ -484,12 +488,31 @@ def test_registered_function_derives_metadata_once_per_tensor(monkeypatch):
     lengths = [3, 5, 2]
     q, k, v = random_qkv(lengths)
     cu = info_kwargs(lengths)["cu_seq_lens_q"]
-    function = make_attention_function("sdpa")
     with torch.no_grad():
-        first, _ = function(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-        second, _ = function(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        first, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu)
+        second, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu)
     assert len(calls) == 1 and torch.equal(first, second)
     assert_close_to_reference(first, reference(q, k, v, lengths, scaling=0.5).detach())
+
+
+def test_registered_function_routes_only_what_this_package_marks():
+    """Issue 20 item 12: the registered function stands under transformers' own name for every model, so only the
+    package's own marks (``packed_seq_info``, ``packed_seq_lengths``) reroute a call; keys transformers passes itself
+    (``cu_seq_lens_q``) run the stock function exactly, as for an unpatched model."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    lengths = [3, 5, 2]
+    q, k, v = random_qkv(lengths)
+    kwargs = info_kwargs(lengths)
+    function = make_attention_function("sdpa")
+    module = FakeModule()
+    module.num_key_value_groups = q.shape[1] // k.shape[1]
+    with torch.no_grad():
+        stock, _ = function(module, q, k, v, None, scaling=0.5, cu_seq_lens_q=kwargs["cu_seq_lens_q"])
+        assert torch.equal(stock, sdpa_attention_forward(module, q, k, v, None, scaling=0.5)[0])
+        lengths_tensor = torch.tensor(lengths, dtype=torch.int32)
+        packed, _ = function(FakeModule(), q, k, v, None, scaling=0.5, packed_seq_lengths=lengths_tensor)
+    assert_close_to_reference(packed, reference(q, k, v, lengths, scaling=0.5).detach())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -523,6 +546,7 @@ class StandInFlash:
             scaling=options["softmax_scale"],
             window=None if window[0] < 0 else window[0] + 1,
             softcap=options.get("softcap"),
+            alibi=options.get("alibi_slopes"),
         )
 
 
@@ -1093,3 +1117,113 @@ def test_real_kernels_value_head_dim_on_cuda(backend, dim, v_dim, monkeypatch):
 
 def test_flash_accumulator_head_dim_rounding():
     assert [attention._flash_rounded_head_dim(d) for d in (8, 32, 100, 128, 160, 256)] == [32, 32, 128, 128, 192, 256]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chunked attention (llama4): chunks counted from each sample's start, on every backend
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_chunked_info_cuts_each_sample_from_its_start():
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor([5, 2], dtype=torch.int32), batch_size=1, seq_len=7)
+    chunked = attention.chunked_info(info, 2)
+    assert chunked.seq_lengths.tolist() == [2, 2, 1, 2] and chunked.cu_seqlens.tolist() == [0, 2, 4, 5, 7]
+    assert attention.chunked_info(info, 2) is chunked  # cached on the batch's metadata
+    assert attention.chunked_info(info, 5) is info  # no sample longer than a chunk
+    with pytest.raises(ValueError, match="attention_chunk_size must be a positive number of tokens, got 0"):
+        attention.chunked_info(info, 0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_chunked_attention_equals_attention_over_the_chunks(backend):
+    lengths, chunk = [7, 3, 9, 1], 3
+    q, k, v = random_qkv(lengths)
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.3, backend=backend, attention_chunk_size=chunk, **info_kwargs(lengths)
+    )
+    pieces = [min(chunk, n - start) for n in lengths for start in range(0, n, chunk)]
+    assert pieces == [3, 3, 1, 3, 3, 3, 3, 1]
+    assert_close_to_reference(out.detach(), reference(q, k, v, pieces, scaling=0.3).detach())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ALiBi (bloom, mpt): the bias counts distance within a sample
+# ---------------------------------------------------------------------------------------------------------------------
+
+ALIBI_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flash"])
+@pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 4)])
+def test_alibi_per_sample(backend, window, kv_heads, cpu_kernels, monkeypatch):
+    """SDPA buckets, eager and flash-attn's ``alibi_slopes`` (a stand-in kernel on the CPU) == dense per-sample
+    attention with ``-slope * (i - j)`` counted within each sample."""
+    flash = StandInFlash()
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: flash)
+    lengths = [7, 1, 12, 3, 9]
+    q, k, v = random_qkv(lengths, kv_heads=kv_heads)
+    out, _ = packed_attention_forward(
+        FakeModule(),
+        q,
+        k,
+        v,
+        None,
+        scaling=0.3,
+        sliding_window=window,
+        backend=backend,
+        alibi_slopes=ALIBI_SLOPES,
+        **info_kwargs(lengths),
+    )
+    expected = reference(q, k, v, lengths, scaling=0.3, window=window, alibi=ALIBI_SLOPES)
+    assert_close_to_reference(out.detach(), expected.detach())
+    assert (backend == "flash") == bool(flash.calls)
+    if flash.calls:
+        assert flash.calls[0]["alibi_slopes"].dtype == torch.float32
+    # Without the bias the result differs: the slopes are applied.
+    plain = reference(q, k, v, lengths, scaling=0.3, window=window)
+    assert (plain - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["xformers", "torch_varlen"])
+def test_alibi_on_a_backend_that_cannot(backend, monkeypatch):
+    lengths = [4, 3]
+    q, k, v = random_qkv(lengths)
+    with pytest.raises(ValueError, match=f"backend='{backend}' cannot apply ALiBi position biases; use 'flash'"):
+        packed_attention_forward(
+            FakeModule(), q, k, v, None, backend=backend, alibi_slopes=ALIBI_SLOPES, **info_kwargs(lengths)
+        )
+    with pytest.raises(ValueError, match="needs one slope per query head \\(4\\), got 2"):
+        packed_attention_forward(FakeModule(), q, k, v, None, alibi_slopes=ALIBI_SLOPES[:2], **info_kwargs(lengths))
+
+
+def test_alibi_hands_over_from_a_kernel_that_cannot(cpu_kernels, monkeypatch):
+    """The automatic choice skips xformers (no ALiBi) for SDPA, and says so once."""
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(attention, "_xformers_fmha", lambda: object())
+    lengths = [5, 4]
+    q, k, v = random_qkv(lengths)
+    assert attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa").name == "xformers"
+    choice = attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa", alibi=True)
+    assert choice.name == "sdpa" and "xformers cannot apply ALiBi position biases" in choice.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "sdpa", "eager"])
+def test_real_kernels_alibi_on_cuda(backend, monkeypatch):
+    _force_available_backend(backend, monkeypatch)
+    lengths = [40, 1, 97, 3, 64, 11]
+    q, k, v = random_qkv(lengths, heads=8, kv_heads=8, dim=64, dtype=torch.bfloat16, device="cuda")
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(8)], device="cuda")
+    out, _ = packed_attention_forward(
+        FakeModule(), q, k, v, None, scaling=0.125, alibi_slopes=slopes, **info_kwargs(lengths)
+    )
+    upstream = torch.randn_like(out)
+    (out.float() * upstream.float()).sum().backward()
+    got = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    expected = reference(q, k, v, lengths, scaling=0.125, alibi=slopes)
+    (expected.float() * upstream.float()).sum().backward()
+    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
+    for g, e in zip(got, grads([q, k, v])):
+        assert_close_to_reference(g.float(), e.float(), rel=5e-2)

@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import masks
@@ -92,15 +92,23 @@ def test_stack_is_per_thread():
 
 @pytest.fixture
 def original_mask(monkeypatch):
-    """A mask function registered (locally, on transformers' mapping) under a test name; records its calls."""
+    """A mask function registered in transformers' class-wide mapping under a test name; records its calls."""
     calls = []
 
     def mask(*args, **kwargs):
         calls.append((args, kwargs))
         return "original mask"
 
-    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS, "unpack_test_original", mask)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "unpack_test_original", mask)
     return calls
+
+
+def test_mask_function_calls_its_fallback():
+    """Registered under transformers' own name in place of a per-instance function, it falls back to that one."""
+    calls = []
+    function = make_mask_function("sdpa", fallback=lambda *args, **kwargs: calls.append(kwargs) or "fallback mask")
+    config = decoder().config
+    assert function(config=config) == "fallback mask" and calls == [{"config": config}]
 
 
 def test_mask_function_calls_the_original_outside_a_packed_forward(original_mask):

@@ -47,9 +47,12 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "arcee",
         "aria_text",
         "axk1",
+        "bailing_hybrid",
+        "bamba",
         "beam",
         "biogpt",
         "bitnet",
+        "bloom",
         "cohere",
         "cohere2",
         "cohere2_moe",
@@ -62,6 +65,8 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "ernie4_5_moe",
         "exaone4",
         "exaone_moe",
+        "falcon_h1",
+        "falcon_mamba",
         "flex_olmo",
         "flint",
         "gemma",
@@ -80,6 +85,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "granite_swa",
         "granitemoe",
         "granitemoe_swa",
+        "granitemoehybrid",
         "granitemoeshared",
         "helium",
         "hrm_text",
@@ -90,14 +96,23 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "internlm3",
         "iquestcoder",
         "jais2",
+        "jamba",
         "jetmoe",
+        "kimi_linear",
         "kolibri1",
         "laguna",
+        "lfm2",
+        "lfm2_moe",
+        "lfm3",
         "llama",
+        "llama4_text",
         "longcat_flash",
+        "mamba",
+        "mamba2",
         "mellum",
         "mimo_v2_flash",
         "minicpm3",
+        "minimax",
         "minimax_m2",
         "minimax_m3_vl_text",
         "ministral",
@@ -105,11 +120,14 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "mistral",
         "mixtral",
         "modernbert-decoder",
+        "mpt",
         "nanochat",
         "nemotron",
+        "nemotron_h",
         "olmo",
         "olmo2",
         "olmo3",
+        "olmo_hybrid",
         "olmoe",
         "opt",
         "persimmon",
@@ -119,14 +137,23 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "qwen2",
         "qwen2_moe",
         "qwen3",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
         "qwen3_moe",
+        "qwen3_next",
+        "recurrent_gemma",
+        "rwkv",
         "seed_oss",
         "smollm3",
         "solar_open",
         "stablelm",
         "starcoder2",
         "vaultgemma",
+        "xlstm",
         "youtu",
+        "zamba",
+        "zamba2",
+        "zaya",
     }
 )
 
@@ -222,18 +249,14 @@ class _Spies:
 
     @contextlib.contextmanager
     def active(self):
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
         from unpack_trainer.patches import attention
 
         backends = dict(attention._BACKEND_FUNCTIONS)
-        # transformers' own mask functions (ours, `unpack_*`, call them when they do not skip the mask), through the
-        # public GeneralInterface API: lookup, valid_keys and register; the originals are registered back afterwards.
-        masks = {
-            name: ALL_MASK_ATTENTION_FUNCTIONS[name]
-            for name in ALL_MASK_ATTENTION_FUNCTIONS.valid_keys()
-            if not name.startswith("unpack_")
-        }
+        # transformers' own mask functions: the class-wide registry (a patched model's routing, in the per-instance
+        # mapping, calls them when it does not skip the mask); the originals are registered back afterwards.
+        masks = dict(AttentionMaskInterface._global_mapping)
 
         def backend_spy(function):
             def spy(*args, **kwargs):
@@ -319,7 +342,7 @@ def check_model_type(model_type: str) -> Outcome:
     """Build a tiny ``model_type`` model and decide its :class:`Outcome` (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from unpack_trainer.models import PatchRefused, _discover
+    from unpack_trainer.models.refusals import PatchRefused, check_model
 
     started = time.perf_counter()
 
@@ -339,7 +362,7 @@ def check_model_type(model_type: str) -> Outcome:
         # The structure at full size first (on the meta device: no memory), as the trainer's decision sees it: a tiny
         # config could drop the layers that refuse (e.g. the convolution layers of a hybrid pattern).
         with torch.device("meta"), _quiet():
-            _discover(AutoModelForCausalLM.from_config(default))
+            check_model(AutoModelForCausalLM.from_config(default))
     except PatchRefused as refused:
         return outcome("refused", refused.reason, kind=refused.kind, source="default")
     except Exception:  # noqa: BLE001 - some default configs are incomplete: the tiny model below decides
@@ -353,7 +376,7 @@ def check_model_type(model_type: str) -> Outcome:
     if reason is not None:
         return outcome("skipped", reason)
     try:
-        _, decoders = _discover(model)
+        decoders = check_model(model).decoders
     except PatchRefused as refused:
         return outcome("refused", refused.reason, kind=refused.kind)
     attention_layers = sum(len(decoder.attention) for decoder in decoders)

@@ -32,6 +32,7 @@ feature            flash  torch_varlen  xformers  sdpa  eager
 logit ``softcap``  yes    no            no        no    yes
 sinks (``s_aux``)  no     no            no        no    yes
 dropout            yes    no            yes       yes   yes
+ALiBi              yes    no            no        yes   yes
 =================  =====  ============  ========  ====  =====
 
 ``UNPACK_ATTENTION_BACKEND=flash|torch_varlen|xformers|sdpa|eager`` forces a backend; asking for one that cannot run,
@@ -61,6 +62,7 @@ from torch import Tensor
 
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.masks import current_packed_info, detect_packed
 
 __all__ = [
     "BACKENDS",
@@ -68,6 +70,7 @@ __all__ = [
     "BackendChoice",
     "backend_unavailable_reason",
     "choose_backend",
+    "chunked_info",
     "make_attention_function",
     "packed_attention_forward",
 ]
@@ -81,16 +84,17 @@ ENV_BACKEND = "UNPACK_ATTENTION_BACKEND"
 _AUTOMATIC_ORDER: tuple[str, ...] = ("flash", "torch_varlen", "xformers", "sdpa")
 # What each backend applies beyond causal / sliding-window / grouped-query attention with any scaling.
 _CAPABILITIES: dict[str, frozenset[str]] = {
-    "flash": frozenset({"softcap", "dropout"}),
+    "flash": frozenset({"softcap", "dropout", "alibi"}),
     "torch_varlen": frozenset(),
     "xformers": frozenset({"dropout"}),
-    "sdpa": frozenset({"dropout"}),
-    "eager": frozenset({"softcap", "sinks", "dropout"}),
+    "sdpa": frozenset({"dropout", "alibi"}),
+    "eager": frozenset({"softcap", "sinks", "dropout", "alibi"}),
 }
 _FEATURE_NAMES = {
     "softcap": "attention logit softcapping",
     "sinks": "attention sinks (s_aux)",
     "dropout": "attention dropout",
+    "alibi": "ALiBi position biases",
 }
 # flash-attn 2 and torch's varlen flash kernel take head dims up to 256 (one head dim for q, k and v).
 _FLASH_MAX_HEAD_DIM = 256
@@ -131,16 +135,12 @@ class _LastDerivedInfo:
         self._info: PackedSeqInfo | None = None
 
     def get(self, source_name: str, source: Tensor, batch_size: int, seq_len: int) -> PackedSeqInfo | None:
-        """The metadata of ``source`` (``packed_seq_lengths``, ``cu_seq_lens_q`` or ``position_ids``), derived once."""
+        """The metadata of ``source`` (``packed_seq_lengths``, ``cu_seq_lens_q`` or ``position_ids``), derived once
+        by the one detector, :func:`unpack_trainer.patches.masks.detect_packed`."""
         key = (source_name, source._version, batch_size, seq_len)
         if self._source is not None and self._source() is source and self._key == key:
             return self._info
-        if source_name == "packed_seq_lengths":
-            info = PackedSeqInfo.from_seq_lengths(source, batch_size=batch_size, seq_len=seq_len)
-        elif source_name == "cu_seq_lens_q":
-            info = PackedSeqInfo.from_cu_seqlens(source, batch_size=batch_size, seq_len=seq_len)
-        else:
-            info = PackedSeqInfo.from_position_ids(source.expand(batch_size, -1) if source.shape[0] == 1 else source)
+        info = detect_packed(batch_size, seq_len, **{source_name: source})
         self._source, self._key, self._info = weakref.ref(source), key, info
         return info
 
@@ -153,9 +153,10 @@ def packed_info_from_kwargs(
 ) -> PackedSeqInfo | None:
     """The packing metadata of this call, or ``None`` for an unpacked call.
 
-    Precedence: ``packed_seq_info`` (set by the model hook, ``None`` meaning "not packed"), then
-    ``packed_seq_lengths``, then ``cu_seq_lens_q``, then ``position_ids`` (only without an attention mask and with
-    as many keys as queries, i.e. no KV cache).
+    ``packed_seq_info`` (set by the model hook, ``None`` meaning "not packed") when present; else, for a direct call
+    without the hook, what :func:`unpack_trainer.patches.masks.detect_packed` decides from ``packed_seq_lengths``,
+    ``cu_seq_lens_q`` or ``position_ids`` (the latter only without an attention mask and with as many keys as
+    queries, i.e. no KV cache).
     """
     if "packed_seq_info" in kwargs:
         return kwargs["packed_seq_info"]
@@ -165,9 +166,35 @@ def packed_info_from_kwargs(
         if source is not None:
             return _last_derived.get(name, source, batch_size, seq_len)
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None and attention_mask is None and key.shape[2] == seq_len and seq_len > 1:
+    if position_ids is not None and attention_mask is None and key.shape[2] == seq_len:
         return _last_derived.get("position_ids", position_ids, batch_size, seq_len)
     return None
+
+
+def chunked_info(info: PackedSeqInfo, chunk_size: int) -> PackedSeqInfo:
+    """``info`` with every sample cut into chunks of ``chunk_size`` tokens counted from the sample's start (the last
+    chunk of a sample may be shorter), cached on ``info``.
+
+    Chunked attention (a query sees the keys of its own chunk only, causally) over packed samples is packed attention
+    over their chunks, so every backend runs it unchanged. Lengths ``[5, 2]``, ``chunk_size`` 2 -> ``[2, 2, 1, 2]``.
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive number of tokens.
+    """
+    chunk_size = int(chunk_size)
+    if chunk_size <= 0:
+        raise ValueError(f"attention_chunk_size must be a positive number of tokens, got {chunk_size}.")
+    if info.max_seqlen <= chunk_size:
+        return info
+
+    def build() -> PackedSeqInfo:
+        lengths = info.seq_lengths.to(torch.int64)
+        chunks = (lengths + chunk_size - 1) // chunk_size  # (num_seqs,) chunks per sample
+        sizes = torch.full((int(chunks.sum()),), chunk_size, dtype=torch.int64)
+        sizes[torch.cumsum(chunks, 0) - 1] = lengths - (chunks - 1) * chunk_size  # each sample's last chunk
+        return PackedSeqInfo.from_seq_lengths(sizes.to(torch.int32), batch_size=info.batch_size, seq_len=info.seq_len)
+
+    return info.plan("chunked", chunk_size, build)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -305,8 +332,8 @@ def _missing_features(backend: str, features: frozenset[str], head_dim: int | No
     return missing
 
 
-def _features(*, softcap: bool, sinks: bool, dropout: bool) -> frozenset[str]:
-    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout}
+def _features(*, softcap: bool, sinks: bool, dropout: bool, alibi: bool = False) -> frozenset[str]:
+    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout, "alibi": alibi}
     return frozenset(name for name, wanted in flags.items() if wanted)
 
 
@@ -319,6 +346,7 @@ def choose_backend(
     sinks: bool = False,
     dropout: bool = False,
     head_dim: int | None = None,
+    alibi: bool = False,
 ) -> BackendChoice:
     """Which backend packed attention uses for inputs on ``device`` in ``dtype``.
 
@@ -329,8 +357,9 @@ def choose_backend(
     Args:
         softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
         head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
+        alibi: whether the call adds ALiBi position biases (bloom, mpt).
     """
-    wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout)
+    wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced:
         if forced not in BACKENDS:
@@ -387,6 +416,9 @@ class _CallOptions(NamedTuple):
     softcap: float | None
     sinks: Tensor | None
     module: torch.nn.Module
+    # ALiBi (bloom, mpt): (num_heads,) float slopes; query i adds -slopes[h] * (i - j) to its score of key j, i and j
+    # counted within the sample.
+    alibi_slopes: Tensor | None = None
 
 
 class _BackendFunction(Protocol):
@@ -440,23 +472,27 @@ class _SdpaPlan(NamedTuple):
     pad_slots: Tensor  # (num_slots,) bool: True at padding slots
 
 
-def _group_sorted_lengths(sorted_lengths: Tensor) -> list[tuple[int, int]]:
+def _group_sorted_lengths(
+    sorted_lengths: Tensor, *, call_cost: float = _CALL_COST_PAIRS, power: int = 2
+) -> list[tuple[int, int]]:
     """Split ascending lengths into contiguous ``[begin, end)`` groups minimising
-    ``sum(_CALL_COST_PAIRS + (end - begin) * max_length**2)`` (dynamic programming over distinct lengths)."""
+    ``sum(call_cost + (end - begin) * max_length**power)`` (dynamic programming over distinct lengths): ``power=2``
+    for attention (cost per sample quadratic in its padded length), ``power=1`` for the token mixers of
+    :mod:`unpack_trainer.patches.mixers` (linear)."""
     longest = int(sorted_lengths[-1])
     step = -(-longest // _MAX_DISTINCT_LENGTHS)
     keys = (sorted_lengths + step - 1) // step * step if step > 1 else sorted_lengths
     distinct, counts = torch.unique_consecutive(keys, return_counts=True)
     prefix = torch.zeros(distinct.numel() + 1, dtype=torch.float64)
     torch.cumsum(counts.to(torch.float64), dim=0, out=prefix[1:])
-    squares = distinct.to(torch.float64) ** 2
+    squares = distinct.to(torch.float64) ** power
     best = torch.zeros(distinct.numel() + 1, dtype=torch.float64)
     split = [0] * (distinct.numel() + 1)
     for end in range(1, distinct.numel() + 1):
         # A group covering distinct lengths [begin, end) pays its call plus its samples padded to distinct[end - 1].
         candidates = best[:end] - prefix[:end] * squares[end - 1]
         begin = int(torch.argmin(candidates))
-        best[end] = candidates[begin] + prefix[end] * squares[end - 1] + _CALL_COST_PAIRS
+        best[end] = candidates[begin] + prefix[end] * squares[end - 1] + call_cost
         split[end] = begin
     bounds, end = [], distinct.numel()
     while end > 0:
@@ -472,11 +508,13 @@ def _sdpa_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan:
     return info.plan("buckets", str(device), lambda: _build_sdpa_plan(info, device))
 
 
-def _build_sdpa_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan:
+def _build_sdpa_plan(
+    info: PackedSeqInfo, device: torch.device, *, call_cost: float = _CALL_COST_PAIRS, power: int = 2
+) -> _SdpaPlan:
     lengths = info.seq_lengths.to(torch.int64)
     starts = info.cu_seqlens[:-1].to(torch.int64)
     order = torch.argsort(lengths, stable=True)
-    groups = _group_sorted_lengths(lengths[order])
+    groups = _group_sorted_lengths(lengths[order], call_cost=call_cost, power=power)
 
     buckets: list[_Bucket] = []
     gathers, pads = [], []
@@ -531,6 +569,29 @@ def _additive_mask(
         return torch.where(allowed, zero, torch.finfo(dtype).min)
 
     return info.plan("additive_masks", (length, sliding_window, dtype, str(device)), build)
+
+
+def _alibi_bias(
+    info: PackedSeqInfo,
+    length: int,
+    sliding_window: int | None,
+    slopes: Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    masked: bool = True,
+) -> Tensor:
+    """``(num_heads, L, L)`` ``dtype`` ALiBi biases of one bucket: ``-slopes[h] * (i - j)`` where query ``i`` may see
+    key ``j`` (causal, within the window) and, with ``masked``, ``finfo(dtype).min`` elsewhere (else 0 there).
+    Bucketed samples start at slot 0, so ``i`` and ``j`` count from the sample's start, as the model computes them for
+    a sample alone (its ``slope * j`` differs by ``slope * i`` per query, which the softmax does not see)."""
+    positions = torch.arange(length, device=device, dtype=torch.float32)
+    distance = (positions.unsqueeze(1) - positions.unsqueeze(0)).clamp_min(0)  # (L, L) i - j, 0 above the diagonal
+    bias = (-slopes.to(device=device, dtype=torch.float32).view(-1, 1, 1) * distance).to(dtype)
+    if not masked:
+        return bias
+    window = sliding_window if sliding_window is not None else length + 1
+    return bias.masked_fill(~_band_mask(info, length, window, device), torch.finfo(dtype).min)
 
 
 @functools.cache
@@ -609,7 +670,8 @@ def _sdpa_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo,
     GQA: ``enable_gqa`` where this torch has it and the bucket runs ``is_causal``, else each kv head repeated
     ``num_heads // num_kv_heads`` times. Window ``w``: a ``(L, L)`` band mask ``i - w < j <= i`` on each bucket longer
     than ``w`` (a shorter one stays ``is_causal``). Dropout: SDPA's ``dropout_p``. Softcap, sinks: refused. No query
-    row is fully masked (each sees itself, padded ones included).
+    row is fully masked (each sees itself, padded ones included). ALiBi: a float ``(num_heads, L, L)`` mask of the
+    per-sample biases (:func:`_alibi_bias`) on every bucket.
     """
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
@@ -619,7 +681,9 @@ def _sdpa_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo,
     outputs = []
     for bucket, q, k, v in zip(plan.buckets, qs, ks, vs):
         mask = None
-        if window is not None and bucket.length > window:
+        if options.alibi_slopes is not None:
+            mask = _alibi_bias(info, bucket.length, window, options.alibi_slopes, query.dtype, query.device)
+        elif window is not None and bucket.length > window:
             mask = _band_mask(info, bucket.length, window, query.device)
         extra = {}
         if heads_per_kv > 1:
@@ -655,7 +719,7 @@ def _eager_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
     Softcap ``c``: ``tanh(scores / c) * c`` before the mask. Sinks ``(num_heads,)``: every query's softmax denominator
     also holds ``exp(sinks[h])``: ``weights = exp(scores - logaddexp(logsumexp(scores), sinks[h]))``, the sink's own
     weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column. Dropout: on the
-    weights, only while ``options.module.training``.
+    weights, only while ``options.module.training``. ALiBi: ``-slopes[h] * (i - j)`` added to the scores.
     """
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
@@ -680,6 +744,10 @@ def _eager_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
             else:
                 scores = torch.tanh(torch.matmul(q * (scaling / softcap), k.transpose(2, 3))) * softcap
             scores.add_(mask)  # in place: neither the matmul nor the softcap's multiply needs its output back
+            if options.alibi_slopes is not None:
+                scores.add_(
+                    _alibi_bias(info, length, None, options.alibi_slopes, query.dtype, query.device, masked=False)
+                )
             if sink_logits is None:
                 weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             else:
@@ -826,7 +894,8 @@ def _flash_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
 
     GQA: the kernel takes ``num_kv_heads`` dividing ``num_heads`` as they are. Window ``w`` (keys
     ``i - w < j <= i``): ``window_size=(w - 1, 0)``, inclusive on both sides, set only where a sample is longer than
-    ``w``. Softcap: the kernel's ``softcap``. Dropout: ``dropout_p``. Sinks: refused. No query row is fully masked.
+    ``w``. Softcap: the kernel's ``softcap``. Dropout: ``dropout_p``. ALiBi: the kernel's ``alibi_slopes`` (float32
+    ``(num_heads,)``). Sinks: refused. No query row is fully masked.
     """
     kernel = _flash_varlen_kernel()
     kernel_options: dict[str, Any] = {"dropout_p": options.dropout, "softmax_scale": options.scaling, "causal": True}
@@ -835,6 +904,9 @@ def _flash_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
         kernel_options["window_size"] = window
     if options.softcap is not None:
         kernel_options["softcap"] = options.softcap
+    if options.alibi_slopes is not None:
+        # flash-attn adds -slope * |i - j| (i, j within the sequence of cu_seqlens): the per-sample bias.
+        kernel_options["alibi_slopes"] = options.alibi_slopes.to(device=query.device, dtype=torch.float32)
 
     def call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         # flash-attn takes grouped kv heads as they are, and pads head dims to a multiple of 8 itself.
@@ -942,20 +1014,28 @@ def _choice_for(
     softcap: bool,
     sinks: bool,
     dropout: bool,
+    alibi: bool = False,
 ) -> BackendChoice:
     """The automatic (or forced) backend of one call, decided once per batch and set of features; a hand-over from
     the backend chosen for plain attention to one that can apply the call's features is logged once."""
     head_dim = max(query.shape[-1], value.shape[-1])
-    features = (softcap, sinks, dropout, head_dim)
+    features = (softcap, sinks, dropout, head_dim, alibi)
     key = (str(query.device), query.dtype, original, features, os.environ.get(ENV_BACKEND))
 
     def build() -> BackendChoice:
         choice = choose_backend(
-            query.device, query.dtype, original, softcap=softcap, sinks=sinks, dropout=dropout, head_dim=head_dim
+            query.device,
+            query.dtype,
+            original,
+            softcap=softcap,
+            sinks=sinks,
+            dropout=dropout,
+            head_dim=head_dim,
+            alibi=alibi,
         )
         plain = choose_backend(query.device, query.dtype, original)
         if plain.name != choice.name:
-            wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout)
+            wanted = _features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
             missing = _missing_features(plain.name, wanted, head_dim)
             log_once(
                 logger,
@@ -1007,6 +1087,10 @@ def packed_attention_forward(
             ``packed_seq_lengths`` ``(num_seqs,)`` int, ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, or
             ``position_ids`` ``(B, T)``. ``s_aux``: attention sinks (gpt_oss), ``(num_heads,)`` one logit per query
             head added to every softmax denominator (eager applies them). ``is_causal`` (default: the module's).
+            ``alibi_slopes``: ALiBi (bloom, mpt), ``(num_heads,)`` float, query ``i`` adds ``-slopes[h] * (i - j)`` to
+            its score of key ``j``, both counted within the sample (flash's ``alibi_slopes``, SDPA and eager).
+            ``attention_chunk_size``: chunked attention (llama4), each query sees the keys of its own chunk of that
+            many tokens, chunks counted from its sample's start (:func:`chunked_info`; every backend).
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` ``(B, T, num_heads, head_dim_v)`` in ``query``'s dtype;
@@ -1043,6 +1127,13 @@ def packed_attention_forward(
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}.")
+    if kwargs.get("attention_chunk_size") is not None:
+        info = chunked_info(info, kwargs["attention_chunk_size"])
+    alibi_slopes = kwargs.get("alibi_slopes")
+    if alibi_slopes is not None and alibi_slopes.numel() != num_heads:
+        raise ValueError(
+            f"ALiBi (`alibi_slopes`) needs one slope per query head ({num_heads}), got {alibi_slopes.numel()}."
+        )
     if scaling is None:
         scaling = head_dim**-0.5
     if backend is None:
@@ -1054,11 +1145,14 @@ def packed_attention_forward(
             softcap=softcap is not None,
             sinks=sinks is not None,
             dropout=dropout > 0,
+            alibi=alibi_slopes is not None,
         ).name
     else:
         if backend not in _BACKEND_FUNCTIONS:
             raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-        wanted = _features(softcap=softcap is not None, sinks=sinks is not None, dropout=dropout > 0)
+        wanted = _features(
+            softcap=softcap is not None, sinks=sinks is not None, dropout=dropout > 0, alibi=alibi_slopes is not None
+        )
         largest_head_dim = max(head_dim, value.shape[-1])
         missing = _missing_features(backend, wanted, largest_head_dim)
         if missing:
@@ -1070,7 +1164,7 @@ def packed_attention_forward(
         reason = backend_unavailable_reason(backend, query.device, query.dtype)
         if reason is not None:
             raise ValueError(f"Packed attention backend={backend!r} cannot run here: {reason}.")
-    options = _CallOptions(scaling, dropout, sliding_window, softcap, sinks, module)
+    options = _CallOptions(scaling, dropout, sliding_window, softcap, sinks, module, alibi_slopes)
     return _BACKEND_FUNCTIONS[backend](query, key, value, info, options), None
 
 
@@ -1081,18 +1175,52 @@ def packed_attention_forward(
 _METADATA_KWARGS = ("packed_seq_info", "packed_seq_lengths")
 
 
-def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
-    """The ``eager_attention_forward`` of the module's own modeling file (what transformers falls back to)."""
-    modeling = sys.modules.get(type(module).__module__)
-    function = getattr(modeling, "eager_attention_forward", None)
+@functools.cache
+def _eager_function_of_class(cls: type) -> Callable[..., Any]:
+    """The eager attention function a module class falls back to: the ``*eager_attention_forward`` its ``forward``
+    passes to ``ALL_ATTENTION_FUNCTIONS.get_interface`` (looked up where that ``forward`` is defined), else its
+    modeling file's ``eager_attention_forward``, else Llama's."""
+    forward = inspect.unwrap(getattr(cls, "forward", None))
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    if code is not None:
+        named = [n for n in dict.fromkeys(code.co_names) if n.endswith("eager_attention_forward") and n in namespace]
+        if len(named) == 1:
+            return namespace[named[0]]
+    function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
     if function is None:
         from transformers.models.llama.modeling_llama import eager_attention_forward as function
     return function
 
 
-def make_attention_function(original_implementation: str) -> Callable[..., tuple[Tensor, Any]]:
-    """An ``AttentionInterface`` function: packed batches go to :func:`packed_attention_forward`, anything else to
-    ``original_implementation`` ("sdpa", "eager", "flash_attention_2", ...) exactly as without the patch."""
+def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
+    """The eager attention function of ``module``'s class (what transformers falls back to for "eager")."""
+    return _eager_function_of_class(type(module))
+
+
+def _routed_info(module: torch.nn.Module, query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+    """The packing metadata a registered function routes on, or ``None`` (then it runs the stock function exactly).
+
+    Only what marks a batch as packed by this package: ``packed_seq_info`` (the model hook's decision, ``None``
+    meaning "not packed"), ``packed_seq_lengths``, or, for an attention module whose decoder does not hand its
+    keyword arguments down, the packed forward the hook published for the module's config. Keys transformers itself
+    passes (``cu_seq_lens_q``, ``position_ids``) never reroute a call, so an unpatched model sharing the registered
+    name runs exactly as stock.
+    """
+    if "packed_seq_info" in kwargs:
+        return kwargs["packed_seq_info"]
+    if kwargs.get("packed_seq_lengths") is not None:
+        return packed_info_from_kwargs(query, key, None, kwargs)
+    config = getattr(module, "config", None)
+    return current_packed_info(config) if config is not None else None
+
+
+def make_attention_function(
+    original_implementation: str, *, fallback: Callable[..., Any] | None = None
+) -> Callable[..., tuple[Tensor, Any]]:
+    """An ``AttentionInterface`` function: packed batches (see :func:`_routed_info`) go to
+    :func:`packed_attention_forward`, anything else to ``original_implementation`` ("sdpa", "eager",
+    "flash_attention_2", ...) exactly as without the patch: ``fallback`` when given, else transformers' own function
+    of that name (the class-wide registry, so the returned function can be registered under the same name)."""
 
     def unpack_attention_forward(
         module: torch.nn.Module,
@@ -1102,23 +1230,28 @@ def make_attention_function(original_implementation: str) -> Callable[..., tuple
         attention_mask: Tensor | None,
         **kwargs: Any,
     ) -> tuple[Tensor, Any]:
-        info = packed_info_from_kwargs(query, key, attention_mask, kwargs)
+        info = _routed_info(module, query, key, kwargs)
         if info is not None:
             kwargs["packed_seq_info"] = info
             if kwargs.get("sliding_window") is None and getattr(module, "_unpack_sliding_window", None):
                 # The model applies this window through its mask only (set by unpack_trainer.models.patch_model).
                 kwargs["sliding_window"] = module._unpack_sliding_window
+            if getattr(module, "_unpack_attention_chunk", None):
+                # The layer attends in chunks, through its mask only (set by unpack_trainer.models.patch_model).
+                kwargs["attention_chunk_size"] = module._unpack_attention_chunk
             return packed_attention_forward(
                 module, query, key, value, None, original_implementation=original_implementation, **kwargs
             )
         for name in _METADATA_KWARGS:
             kwargs.pop(name, None)
-        if original_implementation == "eager":
+        if fallback is not None:
+            function = fallback
+        elif original_implementation == "eager":
             function = _eager_function_of(module)
         else:
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            from transformers import AttentionInterface
 
-            function = ALL_ATTENTION_FUNCTIONS[original_implementation]
+            function = AttentionInterface._global_mapping[original_implementation]
         return function(module, query, key, value, attention_mask, **kwargs)
 
     unpack_attention_forward.original_implementation = original_implementation  # type: ignore[attr-defined]

@@ -4,10 +4,11 @@ transformers builds the attention mask once per forward through ``AttentionMaskI
 mask function registered here returns ``None`` (the attention helper derives the per-sample mask from the packing
 metadata); for anything else it returns exactly what the model's own implementation ("sdpa", "eager", ...) returns.
 
-Whether the current forward is packed is decided by :func:`packed_info_for_forward`, called by the model hook before
-the decoder runs, and published for the mask function through :func:`packed_forward_active` on a per-thread stack
-(a plain list in a ``threading.local``: ``torch.compile(fullgraph=True)`` traces it, where it cannot trace a
-``ContextVar``). Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left exactly as it
+Whether a batch is packed is decided in one place, :func:`detect_packed`. The model hook calls it once per forward
+through :func:`packed_info_for_forward` before the decoder runs, and publishes the result for the mask function and the
+token mixers (:func:`current_packed_info`) through :func:`packed_forward_active` on a per-thread stack (a plain list in
+a ``threading.local``: ``torch.compile(fullgraph=True)`` traces it, where it cannot trace a ``ContextVar``); a direct
+call of the attention helper without the hook decides with it too. Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left exactly as it
 came, with no Python branch on tensor values, so a compiled or exported patched model traces as an unpatched one.
 """
 
@@ -21,7 +22,14 @@ import torch
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
-__all__ = ["make_mask_function", "packed_forward_active", "packed_info_for_forward"]
+__all__ = [
+    "current_packed_info",
+    "detect_packed",
+    "make_mask_function",
+    "packed_forward_active",
+    "packed_info_for_forward",
+    "reset_packed_forward",
+]
 
 # Per thread (nn.DataParallel runs its replicas in threads): a stack of (decoder, PackedSeqInfo) for the packed
 # forwards now running, innermost last.
@@ -54,13 +62,23 @@ def reset_packed_forward(decoder: Any) -> None:
 def current_packed_info(config: Any = None) -> PackedSeqInfo | None:
     """The packing metadata of the innermost packed forward running in this thread (of the decoder whose config is
     ``config``, when given), or ``None``."""
+    entry = _current_entry(config)
+    return None if entry is None else entry[1]
+
+
+def _current_entry(config: Any = None) -> tuple[Any, PackedSeqInfo] | None:
     stack = getattr(_state, "stack", None)
     if not stack:
         return None
     for decoder, info in reversed(stack):
         if config is None or getattr(decoder, "config", None) is config:
-            return info
+            return decoder, info
     return None
+
+
+# A decoder whose own code needs a tensor where the mask goes (mpt calls ``.to(torch.bool)`` on it) carries this
+# attribute, a placeholder its packed attention ignores; the mask function returns it instead of ``None``.
+MASK_PLACEHOLDER_ATTRIBUTE = "_unpack_mask_placeholder"
 
 
 def is_tracing() -> bool:
@@ -73,16 +91,21 @@ def is_tracing() -> bool:
     return False
 
 
-def make_mask_function(original_implementation: str) -> Callable[..., Any]:
-    """An ``AttentionMaskInterface`` function: ``None`` inside a packed forward, else the original implementation's
-    mask (``sdpa_mask``, ``eager_mask``, ...) called with the same arguments."""
+def make_mask_function(
+    original_implementation: str, *, fallback: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
+    """An ``AttentionMaskInterface`` function: ``None`` inside a packed forward of the model whose ``config`` it is
+    called with, else the original implementation's mask (``sdpa_mask``, ``eager_mask``, ...) called with the same
+    arguments: ``fallback`` when given, else transformers' own function of that name (the class-wide registry, so the
+    returned function can be registered under the same name)."""
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
-        if current_packed_info(kwargs.get("config")) is not None:
-            return None
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        entry = _current_entry(kwargs.get("config"))
+        if entry is not None:
+            return entry[0].__dict__.get(MASK_PLACEHOLDER_ATTRIBUTE)
+        from transformers.masking_utils import AttentionMaskInterface
 
-        original = ALL_MASK_ATTENTION_FUNCTIONS.get(original_implementation)
+        original = fallback or AttentionMaskInterface._global_mapping.get(original_implementation)
         if original is None:
             # transformers builds no mask for implementations without a mask function; neither do we.
             return None
@@ -110,6 +133,39 @@ def _hides_nothing(attention_mask: Any) -> bool:
     if attention_mask is None:
         return True
     return _is_2d_mask(attention_mask) and bool(attention_mask.bool().all())
+
+
+def detect_packed(
+    batch_size: int,
+    seq_len: int,
+    *,
+    packed_seq_lengths: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: Any = None,
+    cached: int = 0,
+) -> PackedSeqInfo | None:
+    """The one detector of a packed batch: its metadata, or ``None`` when the batch is not packed.
+
+    A batch of ``batch_size`` rows of ``seq_len`` tokens is packed when it carries packing metadata
+    (``packed_seq_lengths`` ``(num_seqs,)`` int, else ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, zero-prefixed), or
+    when ``position_ids`` ``(B, T)`` or ``(1, T)`` int restart inside a row and the batch has more than one token, no
+    ``cached`` tokens before it and no ``attention_mask`` (or a ``(B, T)`` one of all ones; a 4D mask counts as one
+    that hides tokens). With metadata the mask is not looked at (the caller checks it).
+
+    :func:`packed_info_for_forward` (the model hook, once per forward) and
+    :func:`unpack_trainer.patches.attention.packed_info_from_kwargs` (a direct call of the packed attention helper)
+    both decide with it.
+    """
+    if packed_seq_lengths is not None:
+        return PackedSeqInfo.from_seq_lengths(packed_seq_lengths, batch_size=batch_size, seq_len=seq_len)
+    if cu_seq_lens_q is not None:
+        return PackedSeqInfo.from_cu_seqlens(cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len)
+    if position_ids is None or seq_len <= 1 or cached or not _hides_nothing(attention_mask):
+        return None
+    if position_ids.shape[0] != batch_size:
+        position_ids = position_ids.expand(batch_size, -1)
+    return PackedSeqInfo.from_position_ids(position_ids)
 
 
 def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
@@ -141,13 +197,18 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     position_ids = kwargs.get("position_ids")
     cached = _cache_length(kwargs.get("past_key_values"))
 
-    info = None
     lengths, cu_q, cu_k = kwargs.get("packed_seq_lengths"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if lengths is not None or cu_q is not None:
-        if lengths is not None:
-            info = PackedSeqInfo.from_seq_lengths(lengths, batch_size=batch_size, seq_len=seq_len)
-        else:
-            info = PackedSeqInfo.from_cu_seqlens(cu_q, batch_size=batch_size, seq_len=seq_len)
+    explicit = lengths is not None or cu_q is not None
+    info = detect_packed(
+        batch_size,
+        seq_len,
+        packed_seq_lengths=lengths,
+        cu_seq_lens_q=cu_q,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cached=cached,
+    )
+    if explicit:
         for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
             given = kwargs.get(name)
             if given is not None and not torch.equal(given.detach().cpu().to(torch.int32), info.cu_seqlens):
@@ -170,12 +231,8 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             kwargs["attention_mask"] = None
         if position_ids is None:
             kwargs["position_ids"] = info.position_ids(reference.device)
-    elif position_ids is not None and seq_len > 1 and cached == 0 and _hides_nothing(attention_mask):
-        if position_ids.shape[0] != batch_size:
-            position_ids = position_ids.expand(batch_size, -1)
-        info = PackedSeqInfo.from_position_ids(position_ids)
-        if info is not None:
-            kwargs["attention_mask"] = None
+    elif info is not None:
+        kwargs["attention_mask"] = None
 
     if info is not None and cached:
         raise ValueError(

@@ -1,0 +1,186 @@
+"""Attention that the extension points do not reach: the ALiBi families (bloom, mpt) compute attention in their own
+``forward``, not through ``ALL_ATTENTION_FUNCTIONS``, and add ALiBi position biases.
+
+For these classes (:data:`PACKED_FORWARDS`, looked up along the class's MRO) the patch replaces the class's
+``forward`` with one that, inside a packed forward of a patched model, computes q, k, v exactly as the model does and
+hands them to :func:`unpack_trainer.patches.attention.packed_attention_forward` with the model's own ALiBi slopes
+(``alibi_slopes``: the bias counts distance within each sample, as for the sample alone; SDPA buckets, eager or
+flash-attn's ``alibi_slopes``), then applies the model's own output projection. Every other call (an unpatched
+model, a padded batch, generation with a cache) runs the original ``forward``. The slopes are read from the ALiBi
+tensor the model passes its attention (no copy of the formulas): adjacent keys differ by one slope, and one of the
+two entries read is an exact 0.
+
+These models have only transformers' eager attention, so the packed path chooses its backend automatically
+(``UNPACK_ATTENTION_BACKEND`` forces one). ``output_attentions=True`` on a packed batch is refused (the packed path
+returns no weights and the model has no exact dense packed path to hand over to).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from unpack_trainer.patches.attention import packed_attention_forward
+from unpack_trainer.patches.masks import current_packed_info
+
+__all__ = ["PACKED_FORWARDS", "packed_forward_for", "patch_attention_class", "unpatch_attention_class"]
+
+# The attribute a patched attention module carries: the config of its patched decoder (whose packed forwards it
+# joins). A module without it runs the original forward.
+CONFIG_ATTRIBUTE = "_unpack_packed_config"
+
+
+def _bloom_attention(
+    self: Any,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    alibi: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layer_past: Any = None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``BloomAttention.forward`` of a packed batch. ``hidden_states`` / ``residual`` ``(B, T, hidden)``, ``alibi``
+    ``(B * num_heads, 1, T)`` (``slope * j``, no padding) -> ``((B, T, hidden), None)``."""
+    from transformers.models.bloom.modeling_bloom import dropout_add
+
+    batch_size, q_length, _ = hidden_states.shape
+    query, key, value = self._reshape(self.query_key_value(hidden_states))  # 3 x (B, H, T, D)
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, self.layer_idx)
+    slopes = alibi.view(batch_size, self.num_heads, -1)[0, :, 1] - alibi.view(batch_size, self.num_heads, -1)[0, :, 0]
+    context, _ = packed_attention_forward(
+        self,
+        query,
+        key,
+        value,
+        None,
+        scaling=self.inv_norm_factor,
+        dropout=self.attention_dropout.p if self.training else 0.0,
+        alibi_slopes=slopes.float(),
+        **kwargs,
+    )
+    context = context.reshape(batch_size, q_length, self.num_heads * self.head_dim)
+    if self.pretraining_tp > 1 and self.slow_but_exact:
+        slices = self.hidden_size / self.pretraining_tp
+        output = torch.zeros_like(context)
+        for i in range(self.pretraining_tp):
+            output = output + F.linear(
+                context[:, :, int(i * slices) : int((i + 1) * slices)],
+                self.dense.weight[:, int(i * slices) : int((i + 1) * slices)],
+            )
+    else:
+        output = self.dense(context)
+    return dropout_add(output, residual, self.hidden_dropout, self.training), None
+
+
+def _mpt_attention(
+    self: Any,
+    hidden_states: torch.Tensor,
+    position_bias: torch.Tensor,
+    past_key_values: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``MptAttention.forward`` of a packed batch. ``hidden_states`` ``(B, T, hidden)``, ``position_bias``
+    ``(num_heads, 1, max_seq_len)`` (``slope * (j - max_seq_len + 1)``) -> ``((B, T, hidden), None)``."""
+    batch_size, seq_length = hidden_states.shape[:2]
+    mixed_qkv = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        mixed_qkv = mixed_qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    query, key, value = (
+        x.reshape(batch_size, seq_length, self.n_heads, self.head_dim).transpose(1, 2)
+        for x in mixed_qkv.chunk(3, dim=2)
+    )
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    slopes = position_bias[:, 0, -1] - position_bias[:, 0, -2]  # 0 - (-slope)
+    context, _ = packed_attention_forward(
+        self,
+        query,
+        key,
+        value,
+        None,
+        scaling=self.softmax_scale,
+        dropout=self.attn_dropout_p if self.training else 0.0,
+        alibi_slopes=slopes.float(),
+        **kwargs,
+    )
+    return self.out_proj(context.reshape(batch_size, seq_length, -1)), None
+
+
+# "module.QualifiedName" of an attention class -> its packed forward.
+PACKED_FORWARDS: dict[str, Callable[..., Any]] = {
+    "transformers.models.bloom.modeling_bloom.BloomAttention": _bloom_attention,
+    "transformers.models.mpt.modeling_mpt.MptAttention": _mpt_attention,
+}
+
+
+def _owner(cls: type) -> type | None:
+    """The class of ``cls``'s MRO that :data:`PACKED_FORWARDS` names, or ``None``."""
+    return next((k for k in cls.__mro__ if f"{k.__module__}.{k.__qualname__}" in PACKED_FORWARDS), None)
+
+
+def packed_forward_for(cls: type) -> Callable[..., Any] | None:
+    """The packed forward of attention class ``cls`` (or of the class it inherits its forward from), or ``None``."""
+    owner = _owner(cls)
+    return None if owner is None else PACKED_FORWARDS[f"{owner.__module__}.{owner.__qualname__}"]
+
+
+# owner class -> its original forward, and the modules currently patched.
+_originals: dict[type, Callable[..., Any]] = {}
+_users: dict[type, weakref.WeakSet] = {}
+
+
+def _routing_forward(original: Callable[..., Any], packed: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        config = self.__dict__.get(CONFIG_ATTRIBUTE)
+        info = current_packed_info(config) if config is not None else None
+        if info is None:
+            return original(self, *args, **kwargs)
+        return packed(self, *args, packed_seq_info=info, **kwargs)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    forward.__doc__ = original.__doc__
+    return forward
+
+
+def patch_attention_class(module: torch.nn.Module, config: Any) -> None:
+    """Route ``module``'s packed forwards (those of the decoder with ``config``) through its class's packed forward.
+
+    The class's ``forward`` is replaced on the first such module (unpatched modules of the class still run the
+    original) and restored when the last one is unpatched or collected (:func:`unpatch_attention_class`)."""
+    owner = _owner(type(module))
+    if owner is None:
+        raise TypeError(f"{type(module).__name__} has no packed forward in unpack_trainer.models.alibi")
+    if owner not in _originals:
+        _originals[owner] = owner.forward
+        packed = PACKED_FORWARDS[f"{owner.__module__}.{owner.__qualname__}"]
+        owner.forward = _routing_forward(_originals[owner], packed)
+    module.__dict__[CONFIG_ATTRIBUTE] = config
+    users = _users.setdefault(owner, weakref.WeakSet())
+    if module not in users:
+        users.add(module)
+        weakref.finalize(module, _release, owner)
+
+
+def unpatch_attention_class(module: torch.nn.Module) -> None:
+    """Undo :func:`patch_attention_class` on ``module`` (a no-op when it is not patched)."""
+    module.__dict__.pop(CONFIG_ATTRIBUTE, None)
+    owner = _owner(type(module))
+    if owner is not None and owner in _users:
+        _users[owner].discard(module)
+        _release(owner)
+
+
+def _release(owner: type) -> None:
+    users = _users.get(owner)
+    if users is not None and next(iter(users), None) is not None:  # iterating skips modules being collected
+        return
+    if owner in _originals:
+        owner.forward = _originals.pop(owner)

@@ -1,0 +1,389 @@
+"""What a transformers model is made of, found from the model itself (no list of architectures).
+
+- **The decoder**: the innermost module whose class builds its attention mask through transformers' mask functions
+  (:data:`MASK_BUILDERS`) and holds attention modules.
+- **The attention modules**: modules of the decoder whose class looks its attention function up in
+  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``), or whose class has a packed
+  forward for what the extension points do not reach (:mod:`unpack_trainer.models.alibi`: bloom, mpt).
+- **The decoder layers**: the longest ``ModuleList`` directly under the decoder.
+- **The token mixers** (:func:`find_token_mixers`): modules other than attention that mix tokens along the row and
+  carry state from one token to the next (recurrent / state-space scans, causal convolutions). Whether one can be
+  packed exactly is :mod:`unpack_trainer.models.mixers`'s question, whether that refuses the model
+  :mod:`unpack_trainer.models.refusals`'.
+
+Everything here only reads the model (it also works on a model built on the ``meta`` device) and raises nothing but
+``TypeError`` for an object that holds no transformers model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Decoder",
+    "ModelStructure",
+    "TokenMixer",
+    "attention_chunks",
+    "discover",
+    "find_token_mixers",
+    "pretrained_model",
+]
+
+# Mask builders of transformers.masking_utils a patchable decoder calls (the mask interface is what we replace).
+MASK_BUILDERS = (
+    "create_causal_mask",
+    "create_sliding_window_causal_mask",
+    "create_chunked_causal_mask",
+    "create_masks_for_generate",
+)
+# Layer types (config.layer_types) of decoder layers that mix no tokens: an MLP or a mixture of experts alone.
+PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a class refers to
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _function_references(function: Any, seen: set[int]) -> dict[str, Any]:
+    """Global names ``function`` uses -> their objects, following module-level helpers of transformers' models."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None or id(code) in seen:
+        return {}
+    seen.add(id(code))
+    namespace = getattr(function, "__globals__", {})
+    found: dict[str, Any] = {}
+    for name in _code_names(code):
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        found[name] = value
+        if isinstance(value, types.FunctionType) and value.__module__.startswith("transformers.models."):
+            found.update(_function_references(value, seen))
+    return found
+
+
+@functools.cache
+def class_references(cls: type) -> dict[str, Any]:
+    """Global names used by the methods ``cls`` defines or inherits from transformers' modeling code."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            if callable(value):
+                found.update(_function_references(value, seen))
+    return found
+
+
+def mentions(cls: type, attribute: str) -> bool:
+    """Whether a method of ``cls`` (from transformers' modeling code) reads an attribute named ``attribute``."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for value in vars(klass).values():
+            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+            if code is not None and attribute in _code_names(code):
+                return True
+    return False
+
+
+def uses_attention_interface(cls: type) -> bool:
+    """Whether ``cls`` looks its attention function up in transformers' ``ALL_ATTENTION_FUNCTIONS``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return any(value is ALL_ATTENTION_FUNCTIONS for value in class_references(cls).values())
+
+
+def builds_mask_with_transformers(cls: type) -> bool:
+    """Whether ``cls`` builds its attention mask with one of transformers' :data:`MASK_BUILDERS`."""
+    from transformers import masking_utils
+
+    builders = {id(getattr(masking_utils, name)) for name in MASK_BUILDERS if hasattr(masking_utils, name)}
+    return any(id(value) in builders for value in class_references(cls).values())
+
+
+def mentions_alibi(cls: type) -> bool:
+    """Whether ``cls``'s code uses a global whose name mentions ALiBi (``build_alibi_tensor``, ...)."""
+    return any("alibi" in name.lower() for name in class_references(cls))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model, its decoders, layers, attention modules and token mixers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers ``PreTrainedModel`` inside ``model`` (itself, or the model a ``PeftModel`` wraps).
+
+    Raises:
+        TypeError: ``model`` is no ``torch.nn.Module`` or holds no ``PreTrainedModel``.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"patch_model expects a torch.nn.Module, got {type(model).__name__}.")
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(
+        f"patch_model expects a transformers PreTrainedModel (or a PeftModel wrapping one), got {type(model).__name__}."
+    )
+
+
+def model_type_of(pretrained: torch.nn.Module) -> str:
+    """``config.model_type``, or the class name where the config has none."""
+    return getattr(pretrained.config, "model_type", None) or type(pretrained).__name__
+
+
+def layers_of(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: the longest ``ModuleList`` directly under the decoder."""
+    lists = [child for child in decoder.children() if isinstance(child, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+@dataclass
+class TokenMixer:
+    """A module other than attention that mixes tokens and carries state along the row: the unit that runs per sample
+    on packed rows (see :func:`find_token_mixers`).
+
+    Attributes:
+        name: its qualified name under the decoder module (``"layers.0.conv"``).
+        module: the module.
+        what: ``"convolution"`` or ``"recurrent / state-space"``.
+        layer: the decoder layer that holds it (``None`` for a mixer outside the layers).
+        problem: why it cannot run per sample, in words (``None``: it can).
+    """
+
+    name: str
+    module: torch.nn.Module
+    what: str
+    layer: torch.nn.Module | None = None
+    problem: str | None = None
+
+    def describe(self) -> str:
+        """``"convolution token mixer ShortConv (layers.0.conv)"``."""
+        return f"{self.what} token mixer {type(self.module).__name__} ({self.name})"
+
+
+def _outermost_without_attention(module: torch.nn.Module, holds_attention: dict[int, bool]) -> list[torch.nn.Module]:
+    """The highest descendants of ``module`` (which holds attention) that hold no attention module, in module order."""
+    found = []
+    for child in module.children():
+        if holds_attention[id(child)]:
+            found.extend(_outermost_without_attention(child, holds_attention))
+        else:
+            found.append(child)
+    return found
+
+
+def _mixer_what(module: torch.nn.Module) -> str | None:
+    """What kind of token mixer ``module`` is or holds (the first found in module order), or ``None``."""
+    from unpack_trainer.patches.mixers import mixer_kind
+
+    return next((kind for kind in map(mixer_kind, module.modules()) if kind is not None), None)
+
+
+def find_token_mixers(
+    decoder: torch.nn.Module, layers: list[torch.nn.Module], attention_classes: list[type]
+) -> list[TokenMixer]:
+    """The token mixers of ``decoder``, as the units that run per sample on packed rows, in module order.
+
+    A token mixer is a module whose class names a state-carrying mixer (Mamba, SSM, ShortConv, DeltaNet,
+    LinearAttention, Lightning, RG-LRU, RWKV, LSTM, ...), a ``torch.nn.ConvNd``, or a module owning state-space
+    parameters (``A_log``, ``dt_bias``): :func:`unpack_trainer.patches.mixers.mixer_kind`. Per decoder layer, the unit
+    is the layer's child that holds a mixer, when that child holds no attention module (``linear_attn``, ``mamba``,
+    ``conv``, ...); inside an attention module, each mixer's outermost ancestor that holds no attention (a projection
+    with its convolutions, a short convolution; attention keeps running packed); a layer named after its mixer family
+    with no mixer child, the layer itself. A bare convolution inside an attention module must be a depthwise causal
+    ``nn.Conv1d``; a mixer outside the layers cannot be reached: both get a :attr:`TokenMixer.problem`.
+
+    Args:
+        decoder: the module the names are relative to (the decoder, or the model that receives the batch).
+        layers: the decoder layers, in order.
+        attention_classes: the classes that go through ``ALL_ATTENTION_FUNCTIONS``.
+    """
+    from unpack_trainer.patches.mixers import conv_problem, mixer_kind
+
+    names = {id(module): name for name, module in decoder.named_modules()}
+    mixers: list[TokenMixer] = []
+    for layer in layers:
+        holds_attention = {
+            id(m): any(type(x) in attention_classes for x in m.modules()) for m in layer.modules()
+        }
+        found_in_layer = False
+        for child in layer.children():
+            what = _mixer_what(child)
+            if what is None:
+                continue
+            found_in_layer = True
+            if not holds_attention[id(child)]:
+                mixers.append(TokenMixer(names[id(child)], child, what, layer))
+                continue
+            for module in _outermost_without_attention(child, holds_attention):
+                what = _mixer_what(module)
+                if what is None:
+                    continue
+                problem = None
+                if isinstance(module, torch.nn.modules.conv._ConvNd):
+                    problem = conv_problem(module)
+                    if problem is not None:
+                        problem = f"inside the attention module {type(child).__name__}, {problem}"
+                mixers.append(TokenMixer(names[id(module)], module, what, layer, problem))
+        if not found_in_layer and mixer_kind(layer) is not None and not holds_attention[id(layer)]:
+            mixers.append(TokenMixer(names[id(layer)], layer, mixer_kind(layer), layer))
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    for name, module in decoder.named_modules():
+        what = mixer_kind(module)
+        if what is not None and id(module) not in in_layers:
+            mixers.append(
+                TokenMixer(name, module, what, None, "it sits outside the decoder layers, where no packed path reaches")
+            )
+    return mixers
+
+
+@dataclass
+class Decoder:
+    """A patchable decoder: the innermost module that builds its mask through transformers and holds attention.
+
+    Attributes:
+        module: the decoder module (``LlamaModel``, the text model of a multimodal model, ...).
+        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS`` or has a packed forward), in
+            module order.
+        layers: its decoder layers (:func:`layers_of`).
+        mixers: its token mixers (:func:`find_token_mixers`).
+    """
+
+    module: torch.nn.Module
+    attention: list[torch.nn.Module]
+    layers: list[torch.nn.Module] = field(default_factory=list)
+    mixers: list[TokenMixer] = field(default_factory=list)
+
+
+def attention_chunks(decoder: Decoder) -> list[int | None] | None:
+    """The chunk size each attention module of ``decoder`` attends in (chunked attention, llama4), ``None`` for a
+    module that does not; ``None`` in place of the list when the decoder builds a chunked mask but which layers use
+    it does not show (no ``config.layer_types``, or a module without ``layer_idx``).
+
+    A layer attends in chunks when the decoder builds transformers' chunked mask (``create_chunked_causal_mask``),
+    ``config.attention_chunk_size`` is set and ``config.layer_types`` names the layer ``"chunked_attention"``.
+    """
+    from transformers import masking_utils
+
+    config = decoder.module.config
+    chunk = getattr(config, "attention_chunk_size", None)
+    builder = getattr(masking_utils, "create_chunked_causal_mask", None)
+    if not chunk or not any(value is builder for value in class_references(type(decoder.module)).values()):
+        return [None] * len(decoder.attention)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or any(not isinstance(getattr(m, "layer_idx", None), int) for m in decoder.attention):
+        return None
+    return [int(chunk) if layer_types[m.layer_idx] == "chunked_attention" else None for m in decoder.attention]
+
+
+@dataclass
+class ModelStructure:
+    """What :func:`discover` found in a model.
+
+    Attributes:
+        pretrained: the ``PreTrainedModel``.
+        model_type: ``config.model_type``.
+        classes: every module class of the model, once each, in module order.
+        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS`` or have a packed forward
+            (:mod:`unpack_trainer.models.alibi`).
+        mask_builders: the innermost modules that build their mask through transformers' :data:`MASK_BUILDERS`.
+        mixers: the token mixers of the decoders (of the whole model when it has none).
+        decoders: the mask builders that hold attention modules or token mixers, as :class:`Decoder`; without mask
+            builders, a decoder of token mixers only (its module the ``PreTrainedModel``).
+    """
+
+    pretrained: torch.nn.Module
+    model_type: str
+    classes: list[type]
+    attention_classes: list[type]
+    mask_builders: list[torch.nn.Module]
+    mixers: list[TokenMixer]
+    decoders: list[Decoder]
+
+    @property
+    def config(self) -> Any:
+        return self.pretrained.config
+
+
+def discover(model: torch.nn.Module) -> ModelStructure:
+    """What ``model`` (a ``PreTrainedModel``, or a ``PeftModel`` wrapping one) is made of; see the module docstring.
+
+    Raises:
+        TypeError: ``model`` holds no transformers ``PreTrainedModel``.
+    """
+    from unpack_trainer.models.alibi import packed_forward_for
+
+    pretrained = pretrained_model(model)
+    modules = list(model.modules())
+    classes = list(dict.fromkeys(type(module) for module in modules))
+    attention_classes = [cls for cls in classes if uses_attention_interface(cls) or packed_forward_for(cls)]
+    builders = [m for m in modules if builds_mask_with_transformers(type(m))]
+    innermost = [
+        candidate
+        for candidate in builders
+        # not the innermost (e.g. the multimodal wrapper around the text model)
+        if not any(other is not candidate and other in set(candidate.modules()) for other in builders)
+    ]
+    decoders = []
+    mixers: list[TokenMixer] = []
+    for candidate in innermost:
+        attention = [m for m in candidate.modules() if type(m) in attention_classes]
+        layers = layers_of(candidate)
+        found = find_token_mixers(candidate, layers, attention_classes)
+        mixers.extend(found)
+        if attention or found:
+            decoders.append(Decoder(candidate, attention, layers, found))
+    if not innermost:
+        decoder = _mixer_only_decoder(pretrained, modules, attention_classes)
+        if decoder is not None:
+            decoders.append(decoder)
+            mixers.extend(decoder.mixers)
+        else:
+            mixers = find_token_mixers(model, [], attention_classes)
+    return ModelStructure(
+        pretrained=pretrained,
+        model_type=model_type_of(pretrained),
+        classes=classes,
+        attention_classes=attention_classes,
+        mask_builders=innermost,
+        mixers=mixers,
+        decoders=decoders,
+    )
+
+
+def _mixer_only_decoder(
+    pretrained: torch.nn.Module, modules: list[torch.nn.Module], attention_classes: list[type]
+) -> Decoder | None:
+    """A decoder of token mixers only that builds no mask (Mamba, RWKV, xLSTM, ...): the innermost module whose every
+    decoder layer holds a mixer. Its hook goes on the ``PreTrainedModel`` that receives the batch (these models do
+    not hand the packing keywords down to their backbone); ``None`` when there is none."""
+    for candidate in reversed(modules):  # innermost first
+        layers = layers_of(candidate)
+        if layers and all(_mixer_what(layer) is not None for layer in layers):
+            return Decoder(pretrained, [], layers, find_token_mixers(pretrained, layers, attention_classes))
+    return None

@@ -1,0 +1,278 @@
+"""Whether a model can be packed exactly, decided from its structure before any forward: :func:`check_model`,
+:func:`refusal_reason`, :class:`PatchRefused`.
+
+The checks run in the order of :data:`REFUSAL_CHECKS`; the first that finds a reason refuses the model with its
+:class:`RefusalKind`:
+
+===============  ==================================================================  ==============================
+kind             found when                                                          the trainer then
+===============  ==================================================================  ==============================
+``BLOCKLIST``    ``config.model_type`` is in :data:`BLOCKLIST`                        trains padded
+``ALIBI``        ALiBi position biases (``config.alibi``, ``attn_config.alibi``,      trains padded
+                 or the modeling code uses an ``*alibi*`` helper) in attention
+                 without a packed forward (:mod:`.alibi` has bloom's and mpt's), or
+                 another ``position_bias`` over the row's token offsets
+``STATE``        a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
+                 layer with neither attention nor an owned mixer (nor declared an
+                 MLP / MoE layer in ``config.layer_types``)
+``UNSUPPORTED``  a feature the packed helper does not implement (a sparse-attention   self-check decides
+                 indexer; chunked attention whose layers do not show)
+``UNREACHABLE``  no decoder builds its mask through transformers' mask functions,   self-check decides
+                 or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
+===============  ==================================================================  ==============================
+
+``BLOCKLIST``, ``ALIBI`` and ``STATE`` are *blocking*: packing would contaminate samples. For the other two
+transformers' own packed path (its dense mask) may still be exact, and the trainer's self-check decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from unpack_trainer.models.alibi import packed_forward_for
+from unpack_trainer.models.discovery import (
+    MASK_BUILDERS,
+    PER_TOKEN_LAYER_TYPES,
+    ModelStructure,
+    attention_chunks,
+    discover,
+    mentions_alibi,
+)
+from unpack_trainer.models.mixers import handler_for
+
+__all__ = ["BLOCKLIST", "REFUSAL_CHECKS", "PatchRefused", "RefusalKind", "check_model", "refusal_reason"]
+
+# model_type -> why it cannot be packed exactly, for what the model's structure does not show. Structural refusals
+# (state-carrying mixers, ALiBi, attention outside the interface) are found by the checks below, not listed here.
+BLOCKLIST: dict[str, str] = {}
+
+
+class RefusalKind(enum.StrEnum):
+    """Why a model is refused, by kind (a ``str``: ``RefusalKind.STATE == "state"``)."""
+
+    BLOCKLIST = "blocklist"
+    ALIBI = "alibi"
+    STATE = "state"
+    UNSUPPORTED = "unsupported"
+    UNREACHABLE = "unreachable"
+
+    @property
+    def blocking(self) -> bool:
+        """Whether packing would contaminate samples (the trainer trains padded); otherwise the self-check decides."""
+        return self in (RefusalKind.BLOCKLIST, RefusalKind.ALIBI, RefusalKind.STATE)
+
+
+class PatchRefused(ValueError):
+    """``patch_model`` cannot make packed batches exact on this model.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        reason: why, in words.
+        kind: a :class:`RefusalKind` (a ``str``): ``"state"`` (a token mixer carries state across samples),
+            ``"alibi"``, ``"blocklist"`` (see :data:`BLOCKLIST`): packing would contaminate, so the trainer trains
+            padded; ``"unreachable"`` (the attention or the mask is built outside transformers' interfaces, so the
+            patch cannot reach it) and ``"unsupported"`` (a feature the packed helper does not implement, e.g. a
+            sparse-attention indexer): transformers' own packed path with its dense mask may still be exact, and the
+            self-check decides.
+    """
+
+    def __init__(self, model_type: str, reason: str, kind: RefusalKind | str) -> None:
+        self.model_type, self.reason, self.kind = model_type, reason, RefusalKind(kind)
+        super().__init__(f"unpack_trainer cannot patch model_type '{model_type}': {reason}.")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The checks: each reads a ModelStructure and returns a reason, or None
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _blocklisted(structure: ModelStructure) -> str | None:
+    return BLOCKLIST.get(structure.model_type)
+
+
+def _alibi(structure: ModelStructure) -> str | None:
+    config = structure.config
+    flag = getattr(config, "alibi", None)
+    if flag is None:
+        flag = getattr(getattr(config, "attn_config", None), "alibi", None)
+    if flag is None:
+        flag = any(mentions_alibi(cls) for cls in structure.classes)
+    attention = [module for decoder in structure.decoders for module in decoder.attention]
+    if flag and attention and all(packed_forward_for(type(module)) for module in attention):
+        return None  # bloom, mpt: their attention is replaced by one that applies ALiBi per sample
+    if flag:
+        return (
+            "it adds ALiBi position biases computed from positions along the whole row, which the packed attention "
+            "helper does not apply per sample"
+        )
+    return None
+
+
+def _row_position_bias(structure: ModelStructure) -> str | None:
+    """An attention module that hands the attention function a ``position_bias`` of its own (relative position logits
+    over the row's token offsets, e.g. Inkling's); ALiBi is :func:`_alibi`'s."""
+    for cls in structure.attention_classes:
+        if mentions_alibi(cls) or packed_forward_for(cls) is not None:
+            continue  # ALiBi: _alibi decides; bloom's and mpt's packed forwards apply their bias per sample
+        for klass in cls.__mro__:
+            if not klass.__module__.startswith("transformers.models."):
+                continue
+            code = getattr(vars(klass).get("forward"), "__code__", None)
+            if code is not None and "position_bias" in code.co_varnames:
+                return (
+                    f"its attention ({cls.__name__}) adds a position bias (position_bias) computed from token offsets "
+                    "along the whole row, which the packed attention helper does not apply per sample"
+                )
+    return None
+
+
+def _unowned_mixer(structure: ModelStructure) -> str | None:
+    for mixer in structure.mixers:
+        if handler_for(mixer) is None:
+            reason = f"its {mixer.describe()} carries state along the row, across sample boundaries"
+            return reason if mixer.problem is None else f"{reason}, and cannot run per sample: {mixer.problem}"
+    return None
+
+
+def _layer_without_attention(structure: ModelStructure) -> str | None:
+    for decoder in structure.decoders:
+        owned = {id(mixer.module) for mixer in decoder.mixers if handler_for(mixer) is not None}
+        mixing = set(map(id, decoder.attention)) | owned
+        layer_types = getattr(decoder.module.config, "layer_types", None) or ()
+        for index, layer in enumerate(decoder.layers):
+            if index < len(layer_types) and layer_types[index] in PER_TOKEN_LAYER_TYPES:
+                continue  # an MLP or mixture-of-experts layer: mixes no tokens
+            if not any(id(m) in mixing for m in layer.modules()):
+                return (
+                    f"decoder layer {index} ({type(layer).__name__}) has no attention module that goes through "
+                    "transformers' attention interface, so it mixes tokens some other way"
+                )
+    return None
+
+
+def _unsupported_feature(structure: ModelStructure) -> str | None:
+    config = structure.config
+    for decoder in structure.decoders:
+        if attention_chunks(decoder) is None:
+            return (
+                f"its layers attend within chunks of attention_chunk_size={config.attention_chunk_size} tokens "
+                "(chunked attention), but which layers do does not show (no config.layer_types naming "
+                "'chunked_attention' layers, or attention modules without layer_idx)"
+            )
+        for module in decoder.attention:
+            for name, child in module.named_modules():
+                if "Indexer" in type(child).__name__:
+                    return (
+                        f"its sparse attention indexer ({type(child).__name__}, {name}) picks keys from the dense "
+                        "mask of the whole row inside the attention module, outside the attention interface"
+                    )
+    return None
+
+
+def _mask_unreachable(structure: ModelStructure) -> str | None:
+    if structure.mask_builders or structure.decoders:
+        return None
+    return (
+        f"{type(structure.pretrained).__name__} does not build its attention mask through transformers' mask "
+        f"functions ({', '.join(MASK_BUILDERS[:2])}, ...), so a packed batch would still get a dense mask"
+    )
+
+
+def _attention_unreachable(structure: ModelStructure) -> str | None:
+    if structure.decoders:
+        return None
+    named = ", ".join(sorted({cls.__name__ for cls in structure.classes if "Attention" in cls.__name__}))
+    return (
+        f"its attention ({named or 'none found'}) does not call transformers' attention interface "
+        "(ALL_ATTENTION_FUNCTIONS), so the packed helper cannot reach it"
+    )
+
+
+# The checks in order: the first reason found refuses the model, with its kind.
+REFUSAL_CHECKS: tuple[tuple[RefusalKind, Callable[[ModelStructure], str | None]], ...] = (
+    (RefusalKind.BLOCKLIST, _blocklisted),
+    (RefusalKind.ALIBI, _alibi),
+    (RefusalKind.ALIBI, _row_position_bias),
+    (RefusalKind.STATE, _unowned_mixer),
+    (RefusalKind.STATE, _layer_without_attention),
+    (RefusalKind.UNSUPPORTED, _unsupported_feature),
+    (RefusalKind.UNREACHABLE, _mask_unreachable),
+    (RefusalKind.UNREACHABLE, _attention_unreachable),
+)
+
+
+def check_model(model: torch.nn.Module) -> ModelStructure:
+    """What ``model`` is made of (:func:`~unpack_trainer.models.discovery.discover`), once every check passed.
+
+    Raises:
+        PatchRefused: the first check of :data:`REFUSAL_CHECKS` that finds a reason, with its kind.
+        TypeError: ``model`` holds no transformers ``PreTrainedModel``.
+    """
+    structure = discover(model)
+    for kind, check in REFUSAL_CHECKS:
+        reason = check(structure)
+        if reason is not None:
+            raise PatchRefused(structure.model_type, reason, kind)
+    return structure
+
+
+def refusal_reason(model_config: Any, *, blocking_only: bool = True) -> str | None:
+    """Why a model of ``model_config`` cannot be packed exactly, found from its structure before any forward.
+
+    The model is built on the ``meta`` device (no memory, no weights) and inspected as
+    :func:`~unpack_trainer.models.patch_model` would. With ``blocking_only`` (the trainer's use), only reasons that
+    make packing wrong are returned (:attr:`RefusalKind.blocking`: a token mixer that carries state across samples,
+    ALiBi, a blocklisted type). ``None`` also when the configuration cannot be built here (e.g. remote code): the
+    self-check then guards it.
+    """
+    model_type = getattr(model_config, "model_type", None)
+    if model_type in BLOCKLIST:
+        return BLOCKLIST[model_type]
+    try:
+        key = (type(model_config), model_config.to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001 - not a transformers config: nothing to build
+        return None
+    if key not in _refusals:
+        if len(_refusals) > 64:
+            _refusals.clear()
+        _refusals[key] = _structural_refusal(model_config)
+    refused = _refusals[key]
+    if refused is None or (blocking_only and not refused.kind.blocking):
+        return None
+    return refused.reason
+
+
+# (config class, config JSON) -> the refusal its structure gives (None: patchable or not buildable here).
+_refusals: dict[tuple[type, str], PatchRefused | None] = {}
+
+
+def _structural_refusal(model_config: Any) -> PatchRefused | None:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), quiet_transformers():
+            model = AutoModelForCausalLM.from_config(model_config)
+        check_model(model)
+    except PatchRefused as refused:
+        return refused
+    except Exception:  # noqa: BLE001 - an unbuildable config is no refusal; the self-check still runs
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' logging at error level only, inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -1,0 +1,415 @@
+"""Token mixers other than attention on packed rows: convolutions and recurrent scans restart at every sample.
+
+A packed row holds several samples back to back. Attention is made per-sample by the attention helper; a token mixer
+that carries state along the sequence (a short causal convolution, a gated delta rule, Mamba's selective scan or SSD,
+linear / lightning attention, RG-LRU, RWKV, ...) would carry it from one sample into the next. This module makes each
+such mixer exact on packed rows, in one of two ways:
+
+- **padded** (any causal mixer, the exact torch path): the mixer module runs on the row's samples as right-padded
+  batches, samples bucketed by length so the padding stays small (the bucket plan of the SDPA backend with a linear
+  cost), and its outputs are scattered back to the packed row. A causal mixer's outputs at a sample's real tokens do
+  not depend on the padding after them, and its state starts from zero at every sample's first token, as when the
+  sample runs alone. The layers around it (attention, MLP, norms) still run packed. Worked example, samples of
+  lengths ``[3, 1, 2]`` in one row of 6 tokens, one bucket::
+
+      row      a0 a1 a2 b0 c0 c1          (1, 6, hidden)
+      buckets  a0 a1 a2                   (3, 3, hidden): padding slots are zeros
+               b0 .  .
+               c0 c1 .
+      mixer    runs on (3, 3, hidden) with no cache; outputs at the padding slots are dropped
+
+- **conv** (a bare depthwise ``nn.Conv1d`` with causal padding, e.g. inside an attention module): vectorised over the
+  row, every tap that would read across a sample boundary is masked to zero: ``y[t] = b + sum_s w[k-1-s] x[t-s]`` over
+  the taps ``s <= position[t]``.
+
+Which modules run per sample is found from the model's structure
+(:func:`unpack_trainer.models.discovery.find_token_mixers`); :class:`PerSampleMixers` is the handler that
+:mod:`unpack_trainer.models.mixers` offers them to, and it owns every one it can make exact (a bare convolution that
+is not depthwise causal, or a mixer outside the decoder layers, stays refused with the reason).
+
+Only packed forwards change: the model hook publishes the packing metadata for the decoder's forward
+(:func:`publish_packed_forward`; the layers' ``packed_seq_info`` keyword where the mixer receives it), and a mixer
+recomputed in the backward (gradient checkpointing, after that forward ended) uses what it used in its forward. Any
+other forward (a padded batch, generation with a cache, a compiled forward without metadata) runs the mixer's own
+forward unchanged. A packed forward that reaches a mixer with a cache is refused: the cache of a packed row would carry
+one sample's state into the next.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+
+__all__ = [
+    "PerSampleMixers",
+    "conv_problem",
+    "end_packed_forward",
+    "is_mixer_patched",
+    "mixer_kind",
+    "packed_conv1d",
+    "publish_packed_forward",
+    "run_padded",
+]
+
+# Token mixers that carry state along the sequence, by class name.
+STATE_MIXER_NAMES = re.compile(
+    r"Mamba|SSM|Ssm(?![a-z])|ShortConv|Recurren|RGLRU|Rglru|Rwkv|RWKV|LSTM|Lstm|DeltaNet|LinearAttention|Lightning"
+    r"|Retention|Hyena"
+)
+# Classes whose names say they are per-token parts of a mixer family (RecurrentGemmaRMSNorm, MambaRMSNorm, ...).
+PER_TOKEN_NAMES = re.compile(r"Norm|Mlp|MLP|Embedding|Rotary")
+# Parameters only state-space layers have.
+STATE_PARAMETERS = ("A_log", "dt_bias")
+# Keyword arguments that describe the packed row: not passed to a mixer that runs on a padded batch.
+PACKING_KEYS = (
+    "packed_seq_info",
+    "packed_seq_lengths",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
+# Arguments that carry a cache or a recurrent state between calls.
+CACHE_ARGUMENTS = ("cache_params", "past_key_values", "past_key_value", "cache", "state")
+# Cost of one more mixer call (forward + backward) in units of one padded token, for the bucket plan (power 1).
+_MIXER_CALL_COST_TOKENS = 512
+
+_FORWARD_ATTRIBUTE = "forward"
+
+
+def mixer_kind(module: torch.nn.Module) -> str | None:
+    """``"convolution"`` or ``"recurrent / state-space"`` when ``module`` is a token mixer that carries state along the
+    sequence (found from its class name, its own parameters, or its type), else ``None``."""
+    from transformers import PreTrainedModel
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, not a convolution
+
+    if isinstance(module, PreTrainedModel):
+        return None  # the model classes are named after the family (MambaModel), their mixers after what they do
+    convolution = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and not isinstance(
+        module, Conv1D
+    )
+    name = type(module).__name__
+    own = {p for p, _ in module.named_parameters(recurse=False)}
+    named = STATE_MIXER_NAMES.search(name) and not PER_TOKEN_NAMES.search(name)
+    if convolution or named or own & set(STATE_PARAMETERS):
+        return "convolution" if convolution or "Conv" in name else "recurrent / state-space"
+    return None
+
+
+def conv_problem(module: torch.nn.Module) -> str | None:
+    """Why a bare convolution cannot take the masked-taps path, or ``None``."""
+    if not isinstance(module, torch.nn.Conv1d):
+        return f"it is a {type(module).__name__}, not a 1-D convolution"
+    (k,) = module.kernel_size
+    depthwise = module.groups == module.in_channels == module.out_channels
+    causal = module.padding == (k - 1,) and module.stride == (1,) and module.dilation == (1,)
+    if not depthwise or not causal or module.padding_mode != "zeros":
+        return (
+            f"it is not a depthwise causal convolution (groups={module.groups}, in/out channels "
+            f"{module.in_channels}/{module.out_channels}, kernel {k}, padding {module.padding}, stride {module.stride}, "
+            f"dilation {module.dilation}, padding_mode {module.padding_mode!r})"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packing metadata of the running forward
+# --------------------------------------------------------------------------------------------------------------------
+
+# Per thread: (decoder, PackedSeqInfo) of the packed forwards now running, innermost last. Published by the model
+# hook for decoders with token mixers, also where attention takes transformers' own dense path (output_attentions).
+_published = threading.local()
+# On a patched mixer: the packing metadata of its last forward, for its recomputation in the backward (gradient
+# checkpointing recomputes a layer after the forward's published state is gone).
+_LAST_INFO_ATTRIBUTE = "_unpack_mixer_last_info"
+
+
+def _stack() -> list[tuple[Any, PackedSeqInfo]]:
+    stack = getattr(_published, "stack", None)
+    if stack is None:
+        stack = _published.stack = []
+    return stack
+
+
+def publish_packed_forward(decoder: Any, info: PackedSeqInfo) -> None:
+    """Tell the token mixers of ``decoder`` that its forward now starting is packed with ``info``; undo with
+    :func:`end_packed_forward`."""
+    end_packed_forward(decoder)  # an entry a failed forward left behind
+    _stack().append((decoder, info))
+
+
+def end_packed_forward(decoder: Any) -> None:
+    """End the packed forward of ``decoder`` (no-op when none is published)."""
+    stack = _stack()
+    if any(entry[0] is decoder for entry in stack):
+        stack[:] = [entry for entry in stack if entry[0] is not decoder]
+
+
+def _in_backward() -> bool:
+    """Whether the code now running is part of a backward pass (where checkpointed layers recompute their forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+    """The packing metadata of the mixer call now running, or ``None`` (not packed): the ``packed_seq_info`` keyword
+    when the layer handed it down, else the packed forward published for the decoder, else, in a recomputation during
+    the backward, what this mixer used in its last forward."""
+    from unpack_trainer.patches.masks import is_tracing
+
+    info = kwargs.get("packed_seq_info")
+    if info is None:
+        stack = getattr(_published, "stack", None)
+        info = stack[-1][1] if stack else None
+    if is_tracing():
+        return info  # a compiled / exported forward: no state kept on the module, no backward recomputation here
+    if _in_backward():
+        return info if info is not None else module.__dict__.get(_LAST_INFO_ATTRIBUTE)
+    if torch.is_grad_enabled():  # only a forward that builds a graph can be recomputed in its backward
+        module.__dict__[_LAST_INFO_ATTRIBUTE] = info
+    return info
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The padded path
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _bucket_plan(info: PackedSeqInfo, device: torch.device) -> Any:
+    """The samples of ``info`` bucketed by length with a linear cost per padded token (built once per batch)."""
+    from unpack_trainer.patches.attention import _build_sdpa_plan
+
+    return info.plan(
+        "mixer_buckets",
+        str(device),
+        lambda: _build_sdpa_plan(info, device, call_cost=_MIXER_CALL_COST_TOKENS, power=1),
+    )
+
+
+def _is_sequence(x: Any, info: PackedSeqInfo) -> bool:
+    return (
+        isinstance(x, Tensor)
+        and x.dim() >= 2
+        and x.shape[1] == info.seq_len
+        and x.shape[0] in (info.batch_size, 1)
+    )
+
+
+def _to_buckets(x: Tensor, plan: Any, info: PackedSeqInfo) -> list[Tensor]:
+    """``(B, T, *rest)`` (or ``(1, T, *rest)``) -> one ``(n, L, *rest)`` right-padded batch per bucket, zeros at the
+    padding slots."""
+    from unpack_trainer.patches.attention import _GatherSlots
+
+    rest = x.shape[2:]
+    if x.shape[0] != info.batch_size:
+        x = x.expand(info.batch_size, *x.shape[1:])
+    tokens = x.reshape(info.total_tokens, *rest)
+    slots = _GatherSlots.apply(tokens, plan.gather, plan.scatter)
+    slots = slots.masked_fill(plan.pad_slots.view(-1, *([1] * len(rest))), 0)
+    return [
+        part.view(bucket.count, bucket.length, *rest) for part, bucket in zip(slots.split(plan.sizes), plan.buckets)
+    ]
+
+
+def _split(value: Any, plan: Any, info: PackedSeqInfo) -> list[Any]:
+    """``value`` (an argument of the mixer) for each bucket: sequence tensors re-batched, tuples / lists element-wise,
+    anything else as is."""
+    count = len(plan.buckets)
+    if _is_sequence(value, info):
+        return _to_buckets(value, plan, info)
+    if isinstance(value, (tuple, list)) and value:
+        parts = [_split(item, plan, info) for item in value]
+        return [type(value)(part[i] for part in parts) for i in range(count)]
+    return [value] * count
+
+
+def _merge(outputs: list[Any], plan: Any, info: PackedSeqInfo, owner: str) -> Any:
+    """Bucket outputs -> the packed row's: ``(n, L, *rest)`` tensors scattered back to ``(B, T, *rest)``; a tensor
+    that is not per token (a final state per sample) becomes ``None``."""
+    from unpack_trainer.patches.attention import _ScatterTokens
+
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, Tensor):
+        if any(o.dim() < 2 or tuple(o.shape[:2]) != (b.count, b.length) for o, b in zip(outputs, plan.buckets)):
+            # Not per token (e.g. the final recurrent state of each padded sample): meaningless for the packed row.
+            # None, so a caller that uses it fails loudly instead of reading a state of the wrong samples.
+            return None
+        rest = first.shape[2:]
+        flat = [o.reshape(-1, *rest) for o in outputs]
+        slots = flat[0] if len(flat) == 1 else torch.cat(flat)
+        tokens = _ScatterTokens.apply(slots, plan.scatter, plan.gather, plan.pad_slots)
+        return tokens.view(info.batch_size, info.seq_len, *rest)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_merge([o[i] for o in outputs], plan, info, owner) for i in range(len(first)))
+    raise TypeError(
+        f"unpack_trainer: the token mixer {owner} returned a {type(first).__name__}; the packed path only puts back "
+        "tensors per token (and tuples of them)."
+    )
+
+
+def _refuse_cache(owner: str, kwargs: dict[str, Any], args: tuple, parameters: Sequence[str]) -> None:
+    bound = dict(zip(parameters, args))
+    bound.update(kwargs)
+    for name in CACHE_ARGUMENTS:
+        if bound.get(name) is not None:
+            raise ValueError(
+                f"A packed batch reached the token mixer {owner} with a cache (`{name}`): the cache of a packed row "
+                "would carry one sample's state into the next. Run packed training batches with `use_cache=False` "
+                "and no `past_key_values`."
+            )
+
+
+def _positional_names(module: torch.nn.Module) -> list[str]:
+    import inspect
+
+    try:
+        signature = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return []
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[1:]  # self
+
+
+def run_padded(
+    forward: Callable[..., Any], owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any]
+) -> Any:
+    """``forward(*args, **kwargs)`` run on the samples of the packed row ``info`` as right-padded batches.
+
+    Every argument that is a sequence tensor ``(B, T, *rest)`` (or ``(1, T, *rest)``, broadcast over the rows; also
+    inside tuples, e.g. ``position_embeddings``) is re-batched to ``(n, L, *rest)`` per bucket of similar lengths, with
+    zeros at the padding slots; the packing keywords (:data:`PACKING_KEYS`) are dropped; ``forward`` runs once per
+    bucket, and every per-token output is scattered back to ``(B, T, *rest)`` (padding slots get a zero gradient).
+    Exact for a causal ``forward``: a real token's output reads only its own sample's earlier tokens.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if k not in PACKING_KEYS}
+    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
+    if reference is None:
+        raise TypeError(
+            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor to split per sample."
+        )
+    plan = _bucket_plan(info, reference.device)
+    count = len(plan.buckets)
+    split_args = [_split(arg, plan, info) for arg in args]
+    split_kwargs = {key: _split(value, plan, info) for key, value in kwargs.items()}
+    outputs = [
+        forward(*(arg[i] for arg in split_args), **{key: value[i] for key, value in split_kwargs.items()})
+        for i in range(count)
+    ]
+    return _merge(outputs, plan, info, owner)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The conv path
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _tap_masks(info: PackedSeqInfo, kernel_size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``(kernel_size, B, 1, T)`` ``dtype``: 1 where tap ``s`` (reading ``x[t - s]``) stays in ``t``'s sample."""
+
+    def build() -> Tensor:
+        positions = info.position_ids().unsqueeze(1)  # (B, 1, T)
+        taps = torch.arange(kernel_size, dtype=torch.int64).view(-1, 1, 1, 1)
+        return (positions.unsqueeze(0) >= taps).to(device=device, dtype=dtype, non_blocking=True)
+
+    return info.plan("mixer_conv_taps", (kernel_size, dtype, str(device)), build)
+
+
+def packed_conv1d(module: torch.nn.Conv1d, x: Tensor, info: PackedSeqInfo) -> Tensor:
+    """A depthwise causal ``nn.Conv1d`` (padding ``k - 1``) on packed rows, no tap crossing a sample boundary.
+
+    Args:
+        module: the convolution (``groups == in_channels == out_channels``, kernel ``k``, padding ``k - 1``).
+        x: ``(B, C, T)`` the packed rows, channels first, any floating dtype.
+        info: the packing metadata of the rows.
+
+    Returns:
+        ``(B, C, T + k - 1)`` as the module returns it: the first ``T`` outputs are each sample's causal convolution
+        (``y[t] = bias + sum_{s <= position[t]} w[k - 1 - s] * x[t - s]``); the last ``k - 1`` (outputs past the row,
+        which causal callers slice off) are zeros.
+    """
+    (k,) = module.kernel_size
+    if x.dim() != 3 or x.shape[0] != info.batch_size or x.shape[-1] != info.seq_len:
+        raise ValueError(
+            f"unpack_trainer: packed convolution input of shape {tuple(x.shape)}; expected (batch={info.batch_size}, "
+            f"channels, {info.seq_len})."
+        )
+    weight = module.weight[:, 0, :].unsqueeze(-1)  # (C, k, 1)
+    masks = _tap_masks(info, k, x.dtype, x.device)
+    seq_len = x.shape[-1]
+    out = x * weight[:, k - 1]
+    for s in range(1, min(k, seq_len)):
+        shifted = torch.nn.functional.pad(x[..., : seq_len - s], (s, 0))
+        out = out + shifted * masks[s] * weight[:, k - 1 - s]
+    if module.bias is not None:
+        out = out + module.bias.unsqueeze(-1)
+    return torch.nn.functional.pad(out, (0, k - 1))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Patch and unpatch
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _PackedMixerForward:
+    """Installed as ``module.forward`` (an instance attribute, removed by :meth:`PerSampleMixers.unpatch`): the
+    module's own forward, except on packed forwards, where it runs per sample (``path``: ``"padded"`` or ``"conv"``)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.path = "conv" if isinstance(module, torch.nn.Conv1d) else "padded"
+        self.parameters = _positional_names(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = type(module).forward
+        info = _current_info(module, kwargs)
+        if info is None:
+            return forward(module, *args, **kwargs)
+        owner = type(module).__name__
+        if self.path == "conv":
+            (x,) = args if args else tuple(kwargs.values())
+            return packed_conv1d(module, x, info)
+        _refuse_cache(owner, kwargs, args, self.parameters)
+        return run_padded(lambda *a, **k: forward(module, *a, **k), owner, info, args, kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["module"])
+
+
+class PerSampleMixers:
+    """The mixer handler (:mod:`unpack_trainer.models.mixers`) of every causal token mixer the model's structure
+    shows (:func:`unpack_trainer.models.discovery.find_token_mixers`): a bare depthwise causal ``nn.Conv1d`` gets the
+    masked taps, anything else the padded buckets (see the module docstring)."""
+
+    name = "per_sample"
+
+    def handles(self, mixer: Any) -> bool:
+        """Whether ``mixer`` (a :class:`~unpack_trainer.models.discovery.TokenMixer`) can run per sample."""
+        return mixer.problem is None and mixer.layer is not None
+
+    def patch(self, module: torch.nn.Module) -> None:
+        """Replace ``module.forward`` by the per-sample path on packed forwards (idempotent)."""
+        if not is_mixer_patched(module):
+            module.__dict__[_FORWARD_ATTRIBUTE] = _PackedMixerForward(module)
+
+    def unpatch(self, module: torch.nn.Module) -> None:
+        """Give ``module`` its own forward back (a no-op when it is not patched)."""
+        if is_mixer_patched(module):
+            del module.__dict__[_FORWARD_ATTRIBUTE]
+        module.__dict__.pop(_LAST_INFO_ATTRIBUTE, None)
+
+
+def is_mixer_patched(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is replaced by the per-sample path."""
+    return isinstance(module.__dict__.get(_FORWARD_ATTRIBUTE), _PackedMixerForward)
