@@ -475,6 +475,20 @@ def test_chunked_attention_builds_no_dense_mask(monkeypatch, llama4):
 
 
 @MATRIX
+def test_llama4_temperature_tuning_counts_positions_within_each_sample(backend, tiny_model):
+    """llama4 scales its NoPE layers' queries by ``log1p(floor((p + 1) / floor_scale))``, ``p`` the position along
+    the row; from ``floor_scale`` tokens on, a packed row must use each token's position in its sample (default
+    ``floor_scale`` 8192: rows of 8192 tokens or more; 4 here)."""
+    model = tiny_model("llama4_text", attn_implementation=backend, **CHUNKED, floor_scale=4, attn_scale=0.5).eval()
+    samples = make_samples(CHUNKED_LENGTHS, seed=14)
+    patch_model(model)
+    assert model.model.layers[1].self_attn._unpack_query_correction is not None  # the NoPE layer
+    assert_samples_match(model, samples, packed_batch(samples, row_len=45))
+    model.train()
+    assert_loss_and_grads_match(model, samples)
+
+
+@MATRIX
 def test_chunked_attention_generates_as_stock(backend, llama4):
     samples = make_samples([9, 4, 13], seed=4)
     model = llama4(backend)

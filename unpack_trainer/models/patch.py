@@ -21,7 +21,9 @@ be packed exactly). Then, on each decoder:
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
   model of that module is unpatched or collected);
 - where the decoder applies ``config.sliding_window`` through its mask only, tells its attention modules the window;
-  likewise the chunk size of each chunked-attention layer (llama4), whose chunks then count from each sample's start.
+  likewise the chunk size of each chunked-attention layer (llama4), whose chunks then count from each sample's start,
+  and a per-sample correction where a layer scales its queries by positions along the row (llama4's temperature
+  tuning of its NoPE layers, on rows of ``floor_scale`` tokens or more).
 """
 
 from __future__ import annotations
@@ -374,6 +376,31 @@ def _remove_hook(module: torch.nn.Module, hook_id: int) -> None:
 
 _WINDOW_ATTRIBUTE = "_unpack_sliding_window"
 _CHUNK_ATTRIBUTE = "_unpack_attention_chunk"  # chunked attention (llama4): read by the packed attention function
+_QUERY_CORRECTION_ATTRIBUTE = "_unpack_query_correction"  # read by the packed attention function
+
+
+def _temperature_scales(module: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """llama4's attention temperature tuning of its NoPE layers: ``log1p(floor((p + 1) / floor_scale)) * attn_scale
+    + 1`` per position ``p``, float32, as ``Llama4TextAttention.forward`` computes it."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def _temperature_per_sample(module: torch.nn.Module, query: torch.Tensor, info: Any) -> torch.Tensor:
+    """``query`` ``(B, H, T, D)`` scaled as for each sample alone: llama4 scales its NoPE layers' queries by the
+    token's position along the row (``arange(T)``), which in a packed row is not its position in its sample. The
+    scales are 1 below ``floor_scale - 1``, so rows shorter than ``floor_scale`` are returned as they are."""
+    seq_len = query.shape[2]
+    if seq_len < module.floor_scale:
+        return query
+    row = _temperature_scales(module, torch.arange(seq_len, device=query.device))  # (T,)
+    sample = _temperature_scales(module, info.position_ids(query.device))  # (B, T)
+    return (query * (sample / row).unsqueeze(1).unsqueeze(-1)).to(query.dtype)
+
+
+def _scales_queries_by_row_position(module: torch.nn.Module) -> bool:
+    """Whether the attention module scales its queries by positions along the row (llama4's temperature tuning on
+    its NoPE layers: ``attn_temperature_tuning`` and no RoPE)."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and getattr(module, "use_rope", True) in (0, False)
 
 
 def _window_not_passed(decoder: Decoder) -> int | None:
@@ -403,6 +430,8 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
             setattr(layer, _WINDOW_ATTRIBUTE, window)
         if chunk is not None:
             setattr(layer, _CHUNK_ATTRIBUTE, chunk)
+        if _scales_queries_by_row_position(layer):
+            setattr(layer, _QUERY_CORRECTION_ATTRIBUTE, _temperature_per_sample)
     if config._attn_implementation is None:
         config._attn_implementation = "eager"  # what transformers runs for None, under a name the routing can use
     state = _PatchState(model_type, config._attn_implementation, attention, rope)
@@ -448,6 +477,7 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
     for layer in module.modules():
         layer.__dict__.pop(_WINDOW_ATTRIBUTE, None)
         layer.__dict__.pop(_CHUNK_ATTRIBUTE, None)
+        layer.__dict__.pop(_QUERY_CORRECTION_ATTRIBUTE, None)
     delattr(module, _STATE_ATTRIBUTE)
 
 

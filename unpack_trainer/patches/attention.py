@@ -1239,6 +1239,10 @@ def make_attention_function(
             if getattr(module, "_unpack_attention_chunk", None):
                 # The layer attends in chunks, through its mask only (set by unpack_trainer.models.patch_model).
                 kwargs["attention_chunk_size"] = module._unpack_attention_chunk
+            correction = getattr(module, "_unpack_query_correction", None)
+            if correction is not None:
+                # The layer scaled its queries by positions along the row (set by unpack_trainer.models.patch_model).
+                query = correction(module, query, info)
             return packed_attention_forward(
                 module, query, key, value, None, original_implementation=original_implementation, **kwargs
             )
