@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer import SFTConfig, SFTTrainer
-from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit, windowed_best_fit
+from unpack_trainer.packing import (
+    balanced_step_order,
+    best_fit_decreasing,
+    shuffled_best_fit,
+    windowed_best_fit,
+    windowed_packing,
+)
 from unpack_trainer.trainer import BalancedStepSampler, sample_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -213,11 +219,75 @@ def test_windowed_best_fit_rows_are_runs_of_the_random_order():
     assert windowed != windowed_best_fit(lengths, 1024, seed=4)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=0, max_size=400),
+    seed=st.integers(0, 2**32),
+    max_extra_rows=st.sampled_from([0.0, 0.01, 0.05]),
+)
+def test_windowed_packing_never_exceeds_best_fit_decreasing_by_more_than_the_bound(lengths, seed, max_extra_rows):
+    packing = windowed_packing(lengths, 64, seed=seed, max_extra_rows=max_extra_rows)
+    assert sorted(i for row in packing.rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 64 for row in packing.rows)
+    assert packing.bfd_rows == len(best_fit_decreasing(lengths, 64)) if lengths else packing.bfd_rows == 0
+    assert len(packing.rows) <= packing.bfd_rows * (1 + max_extra_rows) + 1e-9
+    assert packing.rows == windowed_best_fit(lengths, 64, seed=seed, max_extra_rows=max_extra_rows)
+
+
+@pytest.mark.parametrize(
+    "name, draw",
+    [
+        ("lognormal median 600", lambda rng, n: np.clip(rng.lognormal(np.log(600), 0.8, n).round(), 8, 2048)),
+        ("uniform 1-2048", lambda rng, n: rng.integers(1, 2049, n)),
+        ("uniform 700-1400", lambda rng, n: rng.integers(700, 1401, n)),
+    ],
+)
+def test_default_windowed_rows_within_one_percent_of_best_fit_decreasing_on_long_samples(name, draw):
+    """Issue 21: a fixed window of 4 took 4.4% (median 600) to 14.8% (uniform 700-1400) more rows than best-fit
+    decreasing on long samples; the default window widens (then keeps fillers back) until within 1%."""
+    lengths = draw(np.random.default_rng(0), 5000).astype(np.int64)
+    bfd = len(best_fit_decreasing(lengths, 2048))
+    fixed = windowed_best_fit(lengths, 2048, seed=0, window=4)
+    assert len(fixed) > 1.02 * bfd  # what the default was
+    packing = windowed_packing(lengths, 2048, seed=0)
+    assert len(packing.rows) <= 1.01 * bfd
+    assert packing.window is None or packing.window > 4
+    assert windowed_best_fit(lengths, 2048, seed=0) == packing.rows
+
+
+def test_windowed_packing_keeps_four_open_rows_when_they_fill_enough():
+    """On short samples a window of 4 is within 1% already: the default is then exactly the fixed-4 packer (the one
+    the README's 15-seed quality table measured), and the choice is described."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(180), 0.8, 20_000).round(), 8, 2048).astype(np.int64)
+    packing = windowed_packing(lengths, 2048, seed=5)
+    assert packing.window == 4 and packing.filler_share == 0.0 and len(packing.tried) == 1
+    assert packing.rows == windowed_best_fit(lengths, 2048, seed=5, window=4)
+    assert packing.describe().startswith("windowed best fit: window of 4 open rows")
+    assert 0 <= packing.extra_rows <= 0.01
+
+
+def test_windowed_packing_widens_step_by_step_then_keeps_fillers_back():
+    # lognormal median 600 in rows of 2048: every window stays above 1% (best fit sees too few short samples at the
+    # end), so the shortest samples are kept back as fillers; the windows tried double from 4
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(600), 0.8, 20_000).round(), 8, 2048).astype(np.int64)
+    packing = windowed_packing(lengths, 2048, seed=0)
+    windows = [window for window, share, _ in packing.tried if share == 0.0]
+    assert windows[:4] == [4, 8, 16, 32]
+    assert [rows for _, _, rows in packing.tried] == sorted((rows for _, _, rows in packing.tried), reverse=True)
+    assert packing.filler_share > 0 and packing.window is None
+    assert "kept back as fillers" in packing.describe()
+    assert len(packing.rows) <= 1.01 * packing.bfd_rows
+
+
 def test_windowed_best_fit_errors():
     with pytest.raises(ValueError, match="Sample 1 has 9 tokens"):
         windowed_best_fit([3, 9], 8, seed=0)
     with pytest.raises(ValueError, match="window"):
         windowed_best_fit([3, 4], 8, seed=0, window=0)
+    with pytest.raises(ValueError, match="max_extra_rows"):
+        windowed_packing([3, 4], 8, seed=0, max_extra_rows=-0.1)
 
 
 def test_shuffled_best_fit_errors():

@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "shuffle_rows": "unpack_trainer.packing",
     "shuffled_best_fit": "unpack_trainer.packing",
     "windowed_best_fit": "unpack_trainer.packing",
+    "windowed_packing": "unpack_trainer.packing",
     "balanced_step_order": "unpack_trainer.packing",
     "packing_efficiency": "unpack_trainer.packing",
     "pack_sequences": "unpack_trainer.packing",
@@ -75,6 +76,7 @@ __all__ = [
     "truncate_dataset",
     "unpatch_model",
     "windowed_best_fit",
+    "windowed_packing",
     "__version__",
 ]
 
@@ -109,6 +111,7 @@ if TYPE_CHECKING:  # pragma: no cover
         shuffle_rows,
         shuffled_best_fit,
         windowed_best_fit,
+        windowed_packing,
     )
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated

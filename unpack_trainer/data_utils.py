@@ -30,7 +30,7 @@ from datasets import Dataset, IterableDataset
 
 from unpack_trainer._logging import log_once
 from unpack_trainer._validation import Overflow, check_positive_int, check_seq_lengths
-from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, windowed_best_fit
+from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, windowed_packing
 from unpack_trainer.streaming import StreamingPacker
 
 __all__ = [
@@ -325,6 +325,7 @@ def pack_dataset(
     seed: int | None = None,
     order: str = "decreasing",
     max_samples_per_row: int | None = None,
+    window: int | None = None,
 ) -> Dataset:
     """Pack a tokenized map-style dataset into rows of at most ``max_length`` tokens with a global packer.
 
@@ -347,11 +348,15 @@ def pack_dataset(
         order: which samples share a row. ``"decreasing"``: best-fit decreasing (fewest rows; a row holds samples of
             similar rank: a long one topped up with short ones). ``"shuffled"``: samples placed in a seeded random
             order with best fit, rows as full as best-fit decreasing (at least 99.5% full), lengths mixed at random.
-            ``"windowed"``: samples taken in a seeded random order, each into the best-fitting of the last 4 open rows,
-            so a row holds samples that follow each other in that order, as a random batch would (about 99% full);
-            what `SFTTrainer` uses by default (`SFTConfig.packing_order`).
+            ``"windowed"``: samples taken in a seeded random order, each into the best-fitting of the last few open
+            rows, so a row holds samples that follow each other in that order, as a random batch would; the window
+            widens only as far as needed for at most 1% more rows than best-fit decreasing
+            ([`~unpack_trainer.packing.windowed_packing`]; the choice is logged once); what `SFTTrainer` uses by
+            default (`SFTConfig.packing_order`).
         max_samples_per_row: the most samples a row may hold (rows close once they reach it, so they may be less
             full); implies the shuffled packer. ``None``: no bound.
+        window: with ``order="windowed"``, a fixed number of open rows (no bound on the rows then); ``None``: chosen
+            from the lengths as above.
 
     Returns:
         A ``datasets.Dataset`` of rows: ``input_ids`` and every other per-token column, each row's samples
@@ -361,7 +366,7 @@ def pack_dataset(
     Raises:
         ValueError: ``max_length`` is not a positive integer, a sample is empty or longer than ``max_length`` (the
             message names it), an unknown ``order``, ``"shuffled"`` or ``"windowed"`` without a ``seed``,
-            ``max_samples_per_row`` with ``"windowed"``, no ``input_ids``
+            ``max_samples_per_row`` with ``"windowed"``, ``window`` without it, no ``input_ids``
             column, or a ``seq_lengths`` column.
 
     Example:
@@ -390,8 +395,14 @@ def pack_dataset(
             f"first with split_packed_rows); got the columns {table.column_names}."
         )
     lengths = pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
+    if window is not None and order != "windowed":
+        raise ValueError(f"`window` needs `order='windowed'`; got order={order!r}.")
     if order == "windowed" and max_samples_per_row is None:
-        rows = windowed_best_fit(lengths, max_length, seed=seed)
+        packing = windowed_packing(lengths, max_length, seed=seed, window=window)
+        log_once(
+            logger, logging.INFO, f"Packing {lengths.size:,} samples into rows of {max_length}: {packing.describe()}."
+        )
+        rows = packing.rows
     elif shuffled:
         rows = shuffled_best_fit(lengths, max_length, seed=seed, max_samples_per_row=max_samples_per_row)
     else:
