@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer import SFTConfig, SFTTrainer
+from unpack_trainer.loss import sample_weights
 from unpack_trainer.packing import (
     balanced_step_order,
     best_fit_decreasing,
@@ -18,7 +19,7 @@ from unpack_trainer.packing import (
     windowed_best_fit,
     windowed_packing,
 )
-from unpack_trainer.trainer import BalancedStepSampler, sample_weights
+from unpack_trainer.sampler import BalancedStepSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

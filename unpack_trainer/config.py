@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import trl
+
+ConfigT = TypeVar("ConfigT")
 
 
 @dataclass
@@ -150,3 +154,28 @@ class SFTConfig(trl.SFTConfig):
             raise ValueError(f"`loss_normalization` must be 'token' or 'sample', got {self.loss_normalization!r}.")
         if self.packing_buffer_size <= 0:
             raise ValueError(f"`packing_buffer_size` must be positive, got {self.packing_buffer_size}.")
+
+
+def convert_config(args: Any, config_class: type[ConfigT]) -> ConfigT:
+    """``args`` (any ``TrainingArguments``, e.g. a plain ``trl.SFTConfig``) as ``config_class`` (one of ours).
+
+    Every field ``config_class`` shares with ``args`` is copied (tokens included, which ``to_dict`` hides); the fields
+    only ours have take their documented defaults. A plain TRL config cannot tell an explicit ``padding_free=False``
+    from its default, so its ``False`` becomes ``None`` (not set: the trainer decides); ``True`` stays ``True``. An
+    instance of ``config_class`` is returned as is.
+
+    Example:
+        ``convert_config(trl.SFTConfig("out", packing=True), SFTConfig)`` -> ``SFTConfig`` with ``packing=True``,
+        ``packing_order="windowed"``, ``balance_samples_per_step=True``, ``padding_free=None``.
+    """
+    if isinstance(args, config_class):
+        return args
+    values = args.to_dict()
+    for name in values:
+        if name.endswith("_token"):  # to_dict writes "<HUB_TOKEN>" for hub_token, "<EOS_TOKEN>" for eos_token, ...
+            values[name] = getattr(args, name)
+    names = {f.name for f in dataclasses.fields(config_class) if f.init}
+    values = {name: value for name, value in values.items() if name in names}
+    if "padding_free" in names and values.get("padding_free") is False:
+        values["padding_free"] = None
+    return config_class(**values)
