@@ -611,6 +611,191 @@ def balanced_step_order(samples_per_row: Sequence[int] | np.ndarray, rows_per_st
     return order + leftover
 
 
+def attention_cost_ratio(config: object) -> float | None:
+    """``b / a`` of the step cost model ``a * tokens + b * sum(L_i ** 2)`` from a transformers model config's shapes,
+    counting matrix-multiply FLOPs per layer: ``2 * P`` per token for the ``P`` weights of the attention projections
+    and the MLP (``hidden * (2 * hidden + 2 * kv_dim) + 3 * hidden * intermediate``), and ``2 * hidden * L ** 2`` for
+    causal attention over a sample of ``L`` tokens (scores and values, half the square each). So
+    ``b / a = 1 / (2 * hidden + 2 * kv_dim + 3 * intermediate)``: for Llama-3-8B's shapes 1.9e-5, attention 3.7% of a
+    row holding one sample of 2,048 tokens and 38% at 32,768. Kernels make attention slower per FLOP than the matrix
+    multiplies, so this is a lower bound; set ``SFTConfig.attention_cost_ratio`` to a measured value to override.
+    ``None`` when the config lacks ``hidden_size`` or ``intermediate_size``.
+    """
+    hidden = getattr(config, "hidden_size", None)
+    intermediate = getattr(config, "intermediate_size", None)
+    if not hidden or not intermediate:
+        return None
+    heads = getattr(config, "num_attention_heads", None) or 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 1.0 / (2 * hidden + 2 * kv_heads * head_dim + 3 * intermediate)
+
+
+def row_costs(seq_lengths: Sequence[Sequence[int]], attention_ratio: float) -> np.ndarray:
+    """``(num_rows,)`` float64 cost of each packed row under ``tokens + attention_ratio * sum(L_i ** 2)`` (``a = 1``).
+
+    Example:
+        >>> row_costs([[3, 1], [4]], attention_ratio=0.5).tolist()
+        [9.0, 12.0]
+    """
+    return np.asarray(
+        [sum(row) + attention_ratio * sum(length * length for length in row) for row in seq_lengths], dtype=np.float64
+    )
+
+
+def balanced_rank_order(
+    samples_per_row: Sequence[int] | np.ndarray,
+    cost_per_row: Sequence[float] | np.ndarray,
+    *,
+    num_ranks: int,
+    batch_size: int,
+    accumulation_steps: int = 1,
+    seed: int,
+) -> list[int]:
+    """An order of the packed rows for ``num_ranks`` data-parallel processes in which every process of an optimizer
+    step gets rows of the same total cost and about the same number of samples, and the steps hold about the same
+    number of samples, each row exactly once.
+
+    The order is laid out for the usual sharding of a map-style sampler (accelerate's, with ``batch_size`` rows per
+    batch): consecutive batches of ``batch_size`` rows go to processes ``0, 1, ..., num_ranks - 1`` in turn, and
+    ``accumulation_steps`` such rounds make one optimizer step. Composition:
+
+    1. Rows are ranked by cost (ties in an order shuffled with ``seed``) and cut into *bands* of ``num_ranks``
+       consecutive ranks: the rows of a band cost about the same.
+    2. Each step takes ``batch_size * accumulation_steps`` bands (each process gets one row of every band), chosen
+       with [`balanced_step_order`] on the bands' sample counts, so every step holds about the same number of
+       samples; the steps come in an order shuffled with ``seed``, the left-over bands last.
+    3. Inside a step, band by band (the band with the widest cost spread first), the costliest row goes to the
+       process with the least cost so far; then rows of one band are swapped between the costliest and the cheapest
+       process while that narrows the gap, then between the processes with the most and the fewest samples while
+       the costs stay within 0.5% of their mean.
+
+    When the rows do not divide into ``batch_size * num_ranks``, the last ``len(rows) % num_ranks`` rows (the
+    middle of the cost ranking) come last, unbalanced; the trainer splits rows so that this does not happen
+    ([`split_rows`]).
+
+    Args:
+        samples_per_row: ``(num_rows,)`` samples in each row.
+        cost_per_row: ``(num_rows,)`` cost of each row (e.g. [`row_costs`]).
+        num_ranks: data-parallel processes (``>= 1``).
+        batch_size: rows per process per forward (``per_device_train_batch_size``).
+        accumulation_steps: forwards per optimizer step (``gradient_accumulation_steps``).
+        seed: seed of the tie order and of the order of the steps.
+
+    Returns:
+        A permutation of ``range(num_rows)`` as a list.
+
+    Example:
+        >>> order = balanced_rank_order([1, 4, 2, 3], [4.0, 1.0, 2.0, 3.0], num_ranks=2, batch_size=1, seed=0)
+        >>> sorted(sorted([4.0, 1.0, 2.0, 3.0][i] for i in order[k : k + 2]) for k in (0, 2))
+        [[1.0, 2.0], [3.0, 4.0]]
+    """
+    counts = np.asarray(samples_per_row, dtype=np.int64)
+    costs = np.asarray(cost_per_row, dtype=np.float64)
+    if counts.shape != costs.shape or counts.ndim != 1:
+        raise ValueError(f"`samples_per_row` {counts.shape} and `cost_per_row` {costs.shape} must be 1-D and match.")
+    num_ranks = check_positive_int(num_ranks, "num_ranks")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
+    rng = np.random.default_rng(seed)
+    shuffled = rng.permutation(counts.size)
+    ranked = shuffled[np.argsort(costs[shuffled], kind="stable")]
+    num_bands = counts.size // num_ranks
+    middle = (counts.size - num_bands * num_ranks) // 2  # rows left over: the middle of the ranking
+    leftover = ranked[middle : middle + counts.size - num_bands * num_ranks].tolist()
+    ranked = np.concatenate((ranked[:middle], ranked[middle + len(leftover) :]))
+    bands = ranked.reshape(num_bands, num_ranks)  # (num_bands, num_ranks) row ids, each band of similar cost
+    bands_per_step = batch_size * accumulation_steps
+    band_order = balanced_step_order(counts[bands].sum(axis=1), bands_per_step, seed=int(rng.integers(2**63 - 1)))
+    order: list[int] = []
+    for start in range(0, num_bands, bands_per_step):
+        step = bands[band_order[start : start + bands_per_step]]  # (bands in this step, num_ranks)
+        per_rank = _assign_bands(step, costs, counts)  # (num_ranks, bands in this step) row ids
+        for micro in range(0, per_rank.shape[1], batch_size):  # one batch of `batch_size` rows per process, in turn
+            order.extend(per_rank[:, micro : micro + batch_size].reshape(-1).tolist())
+    return order + leftover
+
+
+def _assign_bands(step: np.ndarray, costs: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Give every rank one row of each band of ``step`` (``(num_bands, num_ranks)`` row ids) so that the ranks' total
+    costs match (greedy by band, then swaps inside a band between the costliest and the cheapest rank), then their
+    sample counts (swaps that keep the costs within 0.5% of their mean)."""
+    num_bands, num_ranks = step.shape
+    if num_ranks == 1:
+        return step.T.copy()
+    band_costs = costs[step]
+    assigned = np.empty((num_ranks, num_bands), dtype=np.int64)
+    totals = np.zeros(num_ranks)
+    for band in np.argsort(-(band_costs.max(axis=1) - band_costs.min(axis=1)), kind="stable").tolist():
+        by_cost = np.argsort(-band_costs[band], kind="stable")
+        ranks = np.argsort(totals, kind="stable")  # cheapest rank first gets the costliest row
+        assigned[ranks, band] = step[band, by_cost]
+        totals[ranks] += band_costs[band, by_cost]
+    for _ in range(4 * num_bands * num_ranks):
+        high, low = int(np.argmax(totals)), int(np.argmin(totals))
+        gap = totals[high] - totals[low]
+        deltas = costs[assigned[high]] - costs[assigned[low]]  # what moves from high to low per band swap
+        band = int(np.argmin(np.abs(deltas - gap / 2)))
+        if not 0 < deltas[band] < gap:
+            break
+        assigned[[high, low], band] = assigned[[low, high], band]
+        totals[high] -= deltas[band]
+        totals[low] += deltas[band]
+    # Then the sample counts: swaps inside a band between the ranks with the most and the fewest samples, kept when
+    # the cost gap stays within `_COST_SLACK` of the mean cost (or does not widen).
+    samples = counts[assigned].sum(axis=1)
+    limit = max(float(totals.max() - totals.min()), _COST_SLACK * float(totals.mean()))
+    for _ in range(4 * num_bands * num_ranks):
+        high, low = int(np.argmax(samples)), int(np.argmin(samples))
+        gap = samples[high] - samples[low]
+        moved = counts[assigned[high]] - counts[assigned[low]]
+        shift = costs[assigned[high]] - costs[assigned[low]]
+        best, best_gap = -1, gap
+        for band in np.flatnonzero((moved > 0) & (moved < gap)).tolist():
+            new = totals.copy()
+            new[high] -= shift[band]
+            new[low] += shift[band]
+            if new.max() - new.min() <= limit and abs(gap - 2 * moved[band]) < best_gap:
+                best, best_gap = band, abs(gap - 2 * moved[band])
+        if best < 0:
+            break
+        assigned[[high, low], best] = assigned[[low, high], best]
+        totals[high] -= shift[best]
+        totals[low] += shift[best]
+        samples[high] -= moved[best]
+        samples[low] += moved[best]
+    return assigned
+
+
+_COST_SLACK = 0.005
+
+
+def split_rows(rows: Sequence[Sequence[int]], multiple: int) -> list[list[int]]:
+    """Split rows of several samples in two until the number of rows is a multiple of ``multiple``, so that every
+    data-parallel process gets as many full batches as the others and no row has to be repeated to even them out.
+
+    The row with the most samples is split (its samples in their order, first half and second half; ties: the
+    first such row), as often as needed; at most ``multiple - 1`` splits. When the samples are too few for that,
+    the rows are returned unchanged.
+
+    Example:
+        >>> split_rows([[0, 1, 2], [3], [4, 5]], multiple=2)
+        [[0], [3], [4, 5], [1, 2]]
+    """
+    multiple = check_positive_int(multiple, "multiple")
+    out = [list(row) for row in rows]
+    needed = -len(out) % multiple
+    if needed > sum(len(row) - 1 for row in out):
+        return out
+    for _ in range(needed):
+        index = max(range(len(out)), key=lambda i: len(out[i]))
+        row = out[index]
+        half = len(row) // 2
+        out[index] = row[:half]
+        out.append(row[half:])
+    return out
+
+
 def first_fit(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
     """Order-preserving packing: fill rows in input order and start a new row when the next sample does not fit.
 
