@@ -30,7 +30,7 @@ from datasets import Dataset, IterableDataset
 
 from unpack_trainer._logging import log_once
 from unpack_trainer._validation import Overflow, check_positive_int, check_seq_lengths
-from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, windowed_packing
+from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, split_rows, windowed_packing
 from unpack_trainer.streaming import StreamingPacker
 
 __all__ = [
@@ -326,6 +326,7 @@ def pack_dataset(
     order: str = "decreasing",
     max_samples_per_row: int | None = None,
     window: int | None = None,
+    rows_multiple_of: int = 1,
 ) -> Dataset:
     """Pack a tokenized map-style dataset into rows of at most ``max_length`` tokens with a global packer.
 
@@ -355,6 +356,9 @@ def pack_dataset(
             default (`SFTConfig.packing_order`).
         max_samples_per_row: the most samples a row may hold (rows close once they reach it, so they may be less
             full); implies the shuffled packer. ``None``: no bound.
+        rows_multiple_of: split rows of several samples ([`~unpack_trainer.packing.split_rows`]) until the number
+            of rows is a multiple of this (the trainer passes ``per_device_train_batch_size * world_size`` with
+            several processes, so that none gets a row twice to even out the last batches).
         window: with ``order="windowed"``, a fixed number of open rows (no bound on the rows then); ``None``: chosen
             from the lengths as above.
 
@@ -407,6 +411,15 @@ def pack_dataset(
         rows = shuffled_best_fit(lengths, max_length, seed=seed, max_samples_per_row=max_samples_per_row)
     else:
         rows = best_fit_decreasing(lengths, max_length, seed=seed)
+    if rows_multiple_of > 1:
+        rows = split_rows(rows, rows_multiple_of)
+        if len(rows) % rows_multiple_of:
+            log_once(
+                logger,
+                logging.WARNING,
+                f"{len(rows)} packed rows cannot be split into a multiple of {rows_multiple_of} rows (too few "
+                "samples): the data loader repeats rows to even out the last batches across processes.",
+            )
     sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
     row_sizes = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     sample_offsets = np.concatenate(([0], np.cumsum(row_sizes)))
