@@ -3,6 +3,9 @@ optimizer steps. Equivalence first: the packed per-sample loss equals the padded
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -13,9 +16,13 @@ from hypothesis import strategies as st
 from unpack_trainer import SFTConfig, SFTTrainer
 from unpack_trainer.loss import sample_weights
 from unpack_trainer.packing import (
+    attention_cost_ratio,
+    balanced_rank_order,
     balanced_step_order,
     best_fit_decreasing,
+    row_costs,
     shuffled_best_fit,
+    split_rows,
     windowed_best_fit,
     windowed_packing,
 )
@@ -345,6 +352,86 @@ def test_trainer_uses_the_balanced_sampler(tokenizer, tmp_path, prompt_completio
         processing_class=tokenizer,
     )
     assert not isinstance(plain._get_train_sampler(), BalancedStepSampler)
+
+
+def test_balanced_sampler_honours_data_seed_and_an_explicit_sampling_strategy(
+    tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama, caplog
+):
+    """Issue 20 item 5: the sampler was seeded with `seed` whatever `data_seed` said, and an explicit
+    `train_sampling_strategy="group_by_length"` was replaced by the balanced sampler without a word."""
+
+    def trainer(**kwargs):
+        args = sft_args(tmp_path, packing=True, max_length=32, per_device_train_batch_size=2, seed=0, **kwargs)
+        return SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=args,
+            train_dataset=prompt_completion(60),
+            processing_class=tokenizer,
+        )
+
+    assert trainer()._get_train_sampler().seed == 0
+    seeded = trainer(data_seed=7)
+    assert seeded._get_train_sampler().seed == 7  # as transformers: data_seed orders the data, seed the rest
+    assert list(seeded._get_train_sampler()) != list(trainer()._get_train_sampler())
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        grouped = trainer(train_sampling_strategy="group_by_length")
+        sampler = grouped._get_train_sampler()
+    assert not isinstance(sampler, BalancedStepSampler)
+    assert "train_sampling_strategy='group_by_length' is used as set" in caplog.text
+
+
+def test_balanced_rank_order_gives_every_rank_of_a_step_the_same_cost_and_every_row_once():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(4000), 1.0, 6000).round(), 64, 32768).astype(np.int64)
+    rows = windowed_best_fit(lengths, 32768, seed=0)
+    usable = len(rows) - len(rows) % 8
+    seq_lengths = [[int(lengths[i]) for i in row] for row in rows[:usable]]
+    counts = np.asarray([len(row) for row in seq_lengths])
+    costs = row_costs(seq_lengths, 4 * attention_cost_ratio(SimpleNamespace(**_LLAMA3_8B)))
+    for order_of in (
+        lambda: balanced_step_order(counts, 8 * 2, seed=0),  # today's order, sharded by accelerate
+        lambda: balanced_rank_order(counts, costs, num_ranks=4, batch_size=1, accumulation_steps=2, seed=0),
+    ):
+        order = order_of()
+        assert sorted(order) == list(range(usable))
+        steps = np.asarray(order[: usable // 8 * 8]).reshape(-1, 2, 4)  # (step, micro-batch, rank)
+        per_rank = costs[steps].sum(axis=1)
+        ratio = (per_rank.max(axis=1) / per_rank.mean(axis=1)).mean()
+        samples = counts[steps].sum(axis=1)
+        spread = (samples.max(axis=1) / samples.mean(axis=1)).mean()
+    assert ratio < 1.01 and spread < 1.2  # the balanced order (the last one)
+    before = balanced_step_order(counts, 8, seed=0)
+    steps = np.asarray(before[: usable // 8 * 8]).reshape(-1, 2, 4)
+    per_rank = costs[steps].sum(axis=1)
+    assert (per_rank.max(axis=1) / per_rank.mean(axis=1)).mean() > 1.05  # what it was
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 30), min_size=0, max_size=120),
+    ranks=st.integers(1, 5),
+    batch=st.integers(1, 3),
+    accumulation=st.integers(1, 3),
+    seed=st.integers(0, 99),
+)
+def test_balanced_rank_order_is_a_permutation_and_deterministic(counts, ranks, batch, accumulation, seed):
+    costs = [c * 1.5 for c in counts]
+    kwargs = dict(num_ranks=ranks, batch_size=batch, accumulation_steps=accumulation, seed=seed)
+    order = balanced_rank_order(counts, costs, **kwargs)
+    assert sorted(order) == list(range(len(counts)))
+    assert order == balanced_rank_order(counts, costs, **kwargs)
+
+
+def test_split_rows_and_attention_cost_ratio():
+    assert split_rows([[0, 1, 2], [3], [4, 5]], 2) == [[0], [3], [4, 5], [1, 2]]
+    assert split_rows([[0], [1], [2]], 2) == [[0], [1], [2]]  # one sample per row: nothing to split
+    assert len(split_rows([[0, 1, 2, 3, 4, 5, 6]], 4)) == 4
+    assert attention_cost_ratio(SimpleNamespace(**_LLAMA3_8B)) == pytest.approx(1 / 53248)
+    assert attention_cost_ratio(SimpleNamespace()) is None
+    assert row_costs([[3, 1], [4]], 0.5).tolist() == [9.0, 12.0]
+
+
+_LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
 
 
 def test_packing_order_reaches_the_packer(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):

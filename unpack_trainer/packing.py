@@ -701,9 +701,10 @@ def balanced_rank_order(
     shuffled = rng.permutation(counts.size)
     ranked = shuffled[np.argsort(costs[shuffled], kind="stable")]
     num_bands = counts.size // num_ranks
-    middle = (counts.size - num_bands * num_ranks) // 2  # rows left over: the middle of the ranking
-    leftover = ranked[middle : middle + counts.size - num_bands * num_ranks].tolist()
-    ranked = np.concatenate((ranked[:middle], ranked[middle + len(leftover) :]))
+    extra = counts.size - num_bands * num_ranks  # rows left over: the middle of the ranking
+    middle = (counts.size - extra) // 2
+    leftover = ranked[middle : middle + extra].tolist()
+    ranked = np.concatenate((ranked[:middle], ranked[middle + extra :]))
     bands = ranked.reshape(num_bands, num_ranks)  # (num_bands, num_ranks) row ids, each band of similar cost
     bands_per_step = batch_size * accumulation_steps
     band_order = balanced_step_order(counts[bands].sum(axis=1), bands_per_step, seed=int(rng.integers(2**63 - 1)))
