@@ -68,3 +68,53 @@ class BalancedStepSampler(torch.utils.data.Sampler):
             accumulation_steps=max(1, self.rows_per_step // (self.num_ranks * self.batch_size)),
             seed=seed,
         )
+
+
+def measure_attention_cost_ratio(
+    model: torch.nn.Module, max_length: int, *, pieces: int = 16, repeats: int = 3
+) -> float:
+    """Measure ``b / a`` of the step cost model ``a * tokens + b * sum(L_i ** 2)`` on ``model`` as it will train:
+    the median time of a forward and backward of one packed row of ``max_length`` tokens holding one sample, and of
+    one holding ``pieces`` samples of ``max_length / pieces`` tokens (same tokens, ``pieces`` times less attention),
+    ``repeats`` times each, interleaved. The model must be patched ([`unpack_trainer.patch_model`]) so that packed
+    rows cost what their samples cost; its gradients are cleared afterwards. The result can be passed as
+    ``SFTConfig.attention_cost_ratio``; it is ``0.0`` when attention is too cheap to measure.
+
+    Args:
+        model: a causal LM taking the packed batch of [`unpack_trainer.tiny.packed_batch`].
+        max_length: tokens per row (``>= pieces``).
+        pieces: samples in the second row.
+        repeats: timings per row.
+    """
+    import time
+
+    from unpack_trainer.tiny import packed_batch
+
+    device = next(model.parameters()).device
+    vocab = int(getattr(model.config, "vocab_size", 2))
+    generator = torch.Generator().manual_seed(0)
+    piece = max_length // pieces
+    rows = {
+        "one": [torch.randint(vocab, (piece * pieces,), generator=generator)],
+        "many": [torch.randint(vocab, (piece,), generator=generator) for _ in range(pieces)],
+    }
+    batches = {
+        name: {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed_batch(s).items()}
+        for name, s in rows.items()
+    }
+    times: dict[str, list[float]] = {"one": [], "many": []}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, batch in batches.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            model(**batch).loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    one, many = (sorted(t[1:])[len(t[1:]) // 2] for t in (times["one"], times["many"]))
+    tokens = piece * pieces
+    b = (one - many) / (tokens**2 - pieces * piece**2)
+    a = (many - b * pieces * piece**2) / tokens
+    return max(b, 0.0) / a if a > 0 else 0.0
