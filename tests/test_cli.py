@@ -94,7 +94,7 @@ def test_analyze_shows_the_window_the_default_packer_chooses():
     lengths = np.random.default_rng(0).integers(700, 1401, 2000)
     a = analyze_lengths(lengths, max_length=2048, batch_size=8)
     assert (
-        a.default_packing.startswith("windowed best fit: window of ") and "window 4 alone gave +" in a.default_packing
+        a.default_packing.startswith("windowed best fit: ") and "window 4 alone gave +" in a.default_packing
     )
     assert "The trainer's default packer (packing_order='windowed', seed 0): windowed best fit" in format_report(a)
 
