@@ -422,6 +422,31 @@ def test_balanced_rank_order_is_a_permutation_and_deterministic(counts, ranks, b
     assert order == balanced_rank_order(counts, costs, **kwargs)
 
 
+def test_balanced_step_sampler_with_several_processes_uses_the_rank_order_per_epoch():
+    counts = np.random.default_rng(0).integers(1, 20, size=40)
+    costs = counts * 3.0 + 1
+    sampler = BalancedStepSampler(counts, 2 * 2 * 2, seed=5, num_ranks=2, batch_size=2, costs=costs)
+    first = list(sampler)
+    assert first == balanced_rank_order(counts, costs, num_ranks=2, batch_size=2, accumulation_steps=2, seed=5)
+    assert first == list(BalancedStepSampler(counts, 8, seed=5, num_ranks=2, batch_size=2, costs=costs))  # resumable
+    sampler.set_epoch(1)
+    assert sorted(list(sampler)) == list(range(40)) and list(sampler) != first
+
+
+def test_measure_attention_cost_ratio_leaves_the_model_as_found(tiny_llama):
+    from unpack_trainer import patch_model, unpatch_model
+    from unpack_trainer.sampler import measure_attention_cost_ratio
+
+    model = tiny_llama(vocab_size=64)
+    patch_model(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ratio = measure_attention_cost_ratio(model, 64, pieces=4, repeats=1)
+    assert isinstance(ratio, float) and ratio >= 0.0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+    unpatch_model(model)
+
+
 def test_split_rows_and_attention_cost_ratio():
     assert split_rows([[0, 1, 2], [3], [4, 5]], 2) == [[0], [3], [4, 5], [1, 2]]
     assert split_rows([[0], [1], [2]], 2) == [[0], [1], [2]]  # one sample per row: nothing to split
