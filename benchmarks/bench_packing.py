@@ -1,7 +1,16 @@
-"""Bin packing: our global best-fit decreasing vs TRL's ``pack_dataset(..., strategy="bfd")`` on the same lengths.
+"""Bin packing: our global best-fit decreasing vs TRL's ``pack_dataset(..., strategy="bfd")`` on the same lengths, and
+how many rows each of our packers needs on five length distributions.
 
-    python benchmarks/bench_packing.py                 # 100k and 1M samples (TRL at 1M takes minutes)
+    python benchmarks/bench_packing.py                 # both parts: 100k and 1M samples (TRL at 1M takes minutes)
     python benchmarks/bench_packing.py --sizes 100000  # quicker
+    python benchmarks/bench_packing.py --part rows     # rows only: 50,000 samples, rows of 2048, five distributions
+
+Rows part: the default windowed packer (``windowed_packing``: the window widens only as far as needed for at most 1%
+more rows than best-fit decreasing), the window fixed at 4 open rows (the default before), ``shuffled_best_fit`` and
+best-fit decreasing against the lower bound ceil(tokens / capacity), for lognormal lengths of median 180 and 600
+(sigma 0.8, clipped to [8, 2048]), uniform lengths 1-2048 and 700-1400, and a bimodal mix (half normal(100, 20),
+half normal(1500, 150), clipped to [1, 2048]); every packer with seed 0, times the median (min-max) of 3
+interleaved repeats.
 
 Distributions: lognormal with median 180 (sigma 0.8) clipped to [8, capacity], at capacities 2048 and 8192; and
 lognormal with mean 256 / 512 / 1024 at capacity 2048. ``unpack`` times ``best_fit_decreasing`` on the lengths;
@@ -31,6 +40,65 @@ def _cases(sizes: list[int]) -> list[tuple[str, int, int, np.ndarray]]:
         for mean in (256, 512, 1024):
             cases.append((f"mean {mean}", n, 2048, lognormal_lengths_with_mean(n, mean=mean, high=2048)))
     return cases
+
+
+def five_distributions(n: int = 50_000, capacity: int = 2048, seed: int = 0) -> dict[str, np.ndarray]:
+    """The rows part's length distributions (issue 21): ``n`` int64 lengths each, in ``[1, capacity]``."""
+    rng = np.random.default_rng(seed)
+    bimodal = np.where(rng.random(n) < 0.5, rng.normal(100, 20, n), rng.normal(1500, 150, n))
+    return {
+        "lognormal median 180": lognormal_lengths(n, median=180, high=capacity, seed=seed),
+        "lognormal median 600": lognormal_lengths(n, median=600, high=capacity, seed=seed),
+        "uniform 1-2048": rng.integers(1, capacity + 1, n),
+        "uniform 700-1400": rng.integers(700, 1401, n),
+        "bimodal 100/1500": np.clip(np.rint(bimodal), 1, capacity).astype(np.int64),
+    }
+
+
+def rows_table(n: int, capacity: int, repeats: int) -> str:
+    """Rows of each packer vs best-fit decreasing and the lower bound, on [`five_distributions`]."""
+    from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, windowed_best_fit, windowed_packing
+
+    packers = {
+        "windowed (default)": lambda lengths: windowed_packing(lengths, capacity, seed=0),
+        "windowed, 4 open rows": lambda lengths: windowed_best_fit(lengths, capacity, seed=0, window=4),
+        "shuffled": lambda lengths: shuffled_best_fit(lengths, capacity, seed=0),
+        "best-fit decreasing": lambda lengths: best_fit_decreasing(lengths, capacity),
+    }
+    headers = ["lengths", "lower bound rows", "packer", "rows", "vs best-fit decreasing", "full", "seconds", "chosen"]
+    table = []
+    for name, lengths in five_distributions(n, capacity).items():
+        bound = -(-int(lengths.sum()) // capacity)
+        times: dict[str, list[float]] = {packer: [] for packer in packers}
+        results: dict[str, object] = {}
+        for _ in range(repeats):  # interleaved: every packer once per round
+            for packer, pack in packers.items():
+                start = time.perf_counter()
+                results[packer] = pack(lengths)
+                times[packer].append(time.perf_counter() - start)
+        bfd = len(results["best-fit decreasing"])
+        for packer in packers:
+            result = results[packer]
+            chosen = ""
+            if hasattr(result, "rows"):
+                chosen = "unbounded window" if result.window is None else f"window {result.window}"
+                chosen += f", fillers {result.filler_share:.0%}" if result.filler_share else ""
+                result = result.rows
+            seconds = sorted(times[packer])
+            table.append(
+                [
+                    name,
+                    bound,
+                    packer,
+                    len(result),
+                    f"{len(result) / bfd - 1:+.2%}",
+                    f"{lengths.sum() / (len(result) * capacity):.2%}",
+                    f"{seconds[len(seconds) // 2]:.2f} ({seconds[0]:.2f}-{seconds[-1]:.2f})",
+                    chosen,
+                ]
+            )
+        print(format_table(headers, table[-len(packers) :]).splitlines()[-1], flush=True)
+    return format_table(headers, table)
 
 
 def time_unpack(lengths: np.ndarray, capacity: int) -> tuple[float, int]:
@@ -64,7 +132,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000], help="numbers of samples")
     parser.add_argument("--skip-trl", action="store_true", help="time only our packer")
+    parser.add_argument("--part", choices=["speed", "rows", "all"], default="all", help="which table(s)")
+    parser.add_argument("--rows-samples", type=int, default=50_000, help="samples per distribution, rows part")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats, rows part")
     args = parser.parse_args(argv)
+    if args.part in ("rows", "all"):
+        print_header(f"Rows per packer: {args.rows_samples:,} samples, rows of 2048")
+        print(f"`python benchmarks/bench_packing.py --part rows --rows-samples {args.rows_samples}`\n")
+        print("\n" + rows_table(args.rows_samples, 2048, args.repeats) + "\n")
+        if args.part == "rows":
+            return
 
     from datasets.utils.logging import disable_progress_bar
 

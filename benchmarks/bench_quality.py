@@ -4,6 +4,7 @@
     python benchmarks/bench_quality.py --seeds 0 1 2 --arms padded packed_bfd packed_shuffled
     python benchmarks/bench_quality.py --analyze            # no training: how each arm composes its steps
     python benchmarks/bench_quality.py --quick              # smoke test: 1 seed, 64 samples, 2 arms
+    python benchmarks/bench_quality.py --summarize benchmarks/RESULTS_quality.json  # the table of stored runs
 
 Every arm trains the tiny Llama of the main job (``examples/sft_packing.py``: hidden 128, 2 layers, about 0.4M
 parameters, random init) on the embedded instruction data (3,991 trained samples of 10 to 1,629 tokens), for the
@@ -28,7 +29,10 @@ Arms (``--arms``):
 - ``packed_bfd_sample``, ``packed_shuffled_sample``: the same with ``loss_normalization="sample"``.
 - ``packed_shuffled_balanced``: shuffled rows, each step composed of rows with balanced sample counts.
 - ``packed_windowed_balanced``: ``packing_order="windowed"``: rows of samples that follow each other in a seeded
-  random order (best fit over the last 4 open rows), balanced steps.
+  random order (best fit over the last few open rows, the window widening only as far as needed for at most 1% more
+  rows than best-fit decreasing), balanced steps.
+- ``packed_window4_balanced``: the same with the window fixed at 4 open rows (``packing_window=4``, the default of
+  the README's 15-seed table).
 - ``packed_shuffled_cap``: shuffled rows of at most ``2 x`` the mean samples per row.
 - ``padded_sample``: padded with ``loss_normalization="sample"``.
 - ``padding_free``: the padded arm's random batches flattened into one row (``padding_free=True``): the padded arm's
@@ -75,8 +79,12 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
         {"packing": True, "packing_order": "shuffled", "balance_samples_per_step": True},
     ),
     "packed_windowed_balanced": (
-        "packed, windowed, balanced steps",
+        "packed, windowed (widens as needed), balanced steps",
         {"packing": True, "packing_order": "windowed", "balance_samples_per_step": True},
+    ),
+    "packed_window4_balanced": (
+        "packed, windowed (4 open rows), balanced steps",
+        {"packing": True, "packing_order": "windowed", "packing_window": 4, "balance_samples_per_step": True},
     ),
     "packed_shuffled_cap": (
         "packed, shuffled, <= 2x mean samples/row",
@@ -92,7 +100,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 DEFAULT_ARMS = ("padded", "packed_shuffled_balanced", "packed_windowed_balanced")
-LEVERS = ("packing_order", "max_samples_per_row", "loss_normalization", "balance_samples_per_step")
+LEVERS = ("packing_order", "packing_window", "max_samples_per_row", "loss_normalization", "balance_samples_per_step")
 
 
 def default_packed_arm() -> str:
@@ -285,7 +293,7 @@ def summarize(runs: list[Run], arms: list[str]) -> str:
         diffs = [r.eval_loss - padded[r.seed].eval_loss for r in group if r.seed in padded]
         if arm != "padded" and len(diffs) > 0:
             diff, diff_std = _mean_std(diffs)
-            versus = f"{diff:+.3f} ± {diff_std:.3f}"
+            versus = f"{diff:+.3f} ± {diff_std:.3f} (se {diff_std / math.sqrt(len(diffs)):.3f}, {len(diffs)} seeds)"
         else:
             versus = "-"
         counts = [c for r in group for c in r.samples_per_step]
@@ -305,6 +313,21 @@ def summarize(runs: list[Run], arms: list[str]) -> str:
             ]
         )
     return format_table(headers, rows)
+
+
+def summarize_files(paths: list[Path], arms: list[str], seeds: list[int]) -> str:
+    """The [`summarize`] table of the runs stored in ``paths`` (results files written by ``--json``), restricted to
+    ``arms`` and ``seeds``; a later file's run of the same arm and seed replaces an earlier one's."""
+    runs: dict[tuple[str, int], Run] = {}
+    sources = []
+    for path in paths:
+        payload = json.loads(Path(path).read_text())
+        sources.append(f"`{path}`: `{payload.get('command', '?')}`")
+        for run in payload["runs"]:
+            if run["arm"] in arms and run["seed"] in seeds:
+                runs[run["arm"], run["seed"]] = Run(**run)
+    header = "Runs read from " + "; ".join(sources) + "\n\n"
+    return header + summarize(sorted(runs.values(), key=lambda r: (r.seed, arms.index(r.arm))), arms)
 
 
 def prepared_samples(train_dataset: Any, tokenizer: Any, max_length: int) -> tuple[list[int], list[int]]:
@@ -366,7 +389,7 @@ def analyze(
     ]
     table = []
     arms = ("padded", "packed_bfd", "packed_shuffled", "packed_shuffled_balanced", "packed_shuffled_cap")
-    for arm in (*arms, "packed_windowed_balanced"):
+    for arm in (*arms, "packed_window4_balanced", "packed_windowed_balanced"):
         stats: dict[str, list[float]] = {}
         for seed in seeds:
             rng = np.random.default_rng(seed)
@@ -377,12 +400,13 @@ def analyze(
             else:
                 if arm == "packed_bfd":
                     rows = best_fit_decreasing(lengths_array, max_length, seed=seed)
-                elif arm == "packed_windowed_balanced":
-                    rows = windowed_best_fit(lengths_array, max_length, seed=seed)
+                elif arm in ("packed_windowed_balanced", "packed_window4_balanced"):
+                    window = ARMS[arm][1].get("packing_window")
+                    rows = windowed_best_fit(lengths_array, max_length, seed=seed, window=window)
                 else:
                     bound = max_per_row if arm == "packed_shuffled_cap" else None
                     rows = shuffled_best_fit(lengths_array, max_length, seed=seed, max_samples_per_row=bound)
-                if arm in ("packed_shuffled_balanced", "packed_windowed_balanced"):
+                if ARMS[arm][1].get("balance_samples_per_step"):
                     order = balanced_step_order([len(r) for r in rows], rows_per_step, seed=seed)
                 else:
                     order = rng.permutation(len(rows)).tolist()
@@ -495,6 +519,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        help="no training: the table of the runs stored in these results files (--json of earlier runs; a later "
+        "file's run of the same arm and seed replaces an earlier one), for --arms and --seeds",
+    )
+    parser.add_argument(
         "--analyze",
         action="store_true",
         help="no training: how every arm composes its optimizer steps (samples per step, weight of long samples)",
@@ -502,6 +533,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.arms, args.train_samples = [0], ["padded", default_packed_arm()], 64
+    if args.summarize:
+        print(summarize_files(args.summarize, args.arms, args.seeds))
+        return
 
     import datasets
     import torch

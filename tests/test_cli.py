@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from unpack_trainer.cli import main
-from unpack_trainer.cli.commands.analyze import detect_layout, open_table, read_lengths
+from unpack_trainer.cli.commands.analyze import detect_layout, format_report, open_table, read_lengths
 from unpack_trainer.default_data import load_default_records, load_default_tokenizer
 from unpack_trainer.estimate import analyze_lengths, estimated_speedup, padded_batches
 
@@ -87,6 +87,16 @@ def test_analyze_lengths_truncates_long_samples_and_pads_the_last_batch():
     assert a.sorted_padded_tokens == 2 * 7 + 1 * 128  # sorted [5, 7] [128]: the last batch holds one sample
     assert len(a.rows) == 2 and a.packed_tokens == 256
     assert a.lengths.tolist() == [300, 5, 7]  # statistics are on the untruncated lengths
+
+
+def test_analyze_shows_the_window_the_default_packer_chooses():
+    # uniform 700-1400 in rows of 2048: 4 open rows are far from best-fit decreasing, so the window widens
+    lengths = np.random.default_rng(0).integers(700, 1401, 2000)
+    a = analyze_lengths(lengths, max_length=2048, batch_size=8)
+    assert (
+        a.default_packing.startswith("windowed best fit: ") and "window 4 alone gave +" in a.default_packing
+    )
+    assert "The trainer's default packer (packing_order='windowed', seed 0): windowed best fit" in format_report(a)
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,16 @@ def test_pack_dataset_shuffled_and_bounded():
     assert max(samples_per_row(bounded).tolist()) == 2 and len(bounded) == 3
 
 
+def test_pack_dataset_windowed_logs_the_window_it_chose(caplog):
+    ds = _dataset(input_ids=[[1] * n for n in [5, 3, 2, 4, 4, 2, 7, 1, 6, 3]])
+    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
+        rows = pack_dataset(ds, 10, order="windowed", seed=0)
+    assert "Packing 10 samples into rows of 10: windowed best fit: window of" in caplog.text
+    assert sorted(n for lengths in rows["seq_lengths"] for n in lengths) == [1, 2, 2, 3, 3, 4, 4, 5, 6, 7]
+    fixed = pack_dataset(ds, 10, order="windowed", seed=0, window=1)
+    assert all(sum(lengths) <= 10 for lengths in fixed["seq_lengths"]) and len(fixed) >= len(rows)
+
+
 @pytest.mark.parametrize(
     ("columns", "kwargs", "message"),
     [
@@ -64,6 +74,7 @@ def test_pack_dataset_shuffled_and_bounded():
         ({"input_ids": [[1]]}, {"order": "random"}, "Unknown packing order 'random'"),
         ({"input_ids": [[1]]}, {"order": "shuffled"}, "needs a `seed`"),
         ({"input_ids": [[1]]}, {"max_length": 0}, "`max_length` must be a positive integer"),
+        ({"input_ids": [[1]]}, {"window": 2, "seed": 0}, "`window` needs `order='windowed'`"),
     ],
 )
 def test_pack_dataset_errors(columns, kwargs, message):

@@ -1,4 +1,4 @@
-"""Two processes with `accelerate launch`: different packed rows per rank, no hang on uneven rows.
+"""Two processes with `accelerate launch`: every packed row exactly once per epoch, ranks balanced, no hang.
 
 accelerate's `--cpu` launcher starts several processes only through MPI; torchrun (`--multi_gpu`) starts them on a
 machine without GPUs too, and the processes then use the gloo backend on the CPU.
@@ -15,7 +15,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "dd
 
 
 @pytest.mark.timeout(400)
-def test_two_processes_get_different_packed_rows(tmp_path):
+def test_two_processes_train_every_sample_exactly_once_with_balanced_ranks(tmp_path):
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [
         sys.executable,
@@ -38,10 +38,17 @@ def test_two_processes_get_different_packed_rows(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["world_size"] == 2 for r in ranks)
     num_rows = ranks[0]["num_rows"]
-    assert ranks[1]["num_rows"] == num_rows and num_rows % 2 == 1  # uneven on purpose: one rank is short a row
+    assert ranks[1]["num_rows"] == num_rows
     assert ranks[0]["global_step"] == ranks[1]["global_step"]
     rows0 = [tuple(r) for r in ranks[0]["rows"]]
     rows1 = [tuple(r) for r in ranks[1]["rows"]]
-    # every row is trained on; the only rows both ranks see are the few repeated to even out the last batches
-    assert len(set(rows0) | set(rows1)) == num_rows
-    assert len(set(rows0) & set(rows1)) <= 2 * 2
+    # issue 20 item 4: every row (so every sample) exactly once per epoch across the ranks, none repeated to even out
+    # the last batches (45 samples packed into an odd number of rows: a row is split so that they divide by 2 x 2)
+    assert num_rows % 4 == 0
+    assert len(rows0) + len(rows1) == num_rows and len(set(rows0) | set(rows1)) == num_rows
+    assert sum(ranks[0]["samples"]) + sum(ranks[1]["samples"]) == ranks[0]["num_samples"] == 45
+    # ... and the ranks balanced by samples and tokens (before: rank 0 always got the rows with the fewest samples)
+    samples = [sum(r["samples"]) for r in ranks]
+    tokens = [sum(r["tokens"]) for r in ranks]
+    assert abs(samples[0] - samples[1]) <= 0.15 * sum(samples), samples
+    assert abs(tokens[0] - tokens[1]) <= 0.15 * sum(tokens), tokens

@@ -22,7 +22,9 @@ _EXPORTS: dict[str, str] = {
     "shuffle_rows": "unpack_trainer.packing",
     "shuffled_best_fit": "unpack_trainer.packing",
     "windowed_best_fit": "unpack_trainer.packing",
+    "windowed_packing": "unpack_trainer.packing",
     "balanced_step_order": "unpack_trainer.packing",
+    "balanced_rank_order": "unpack_trainer.packing",
     "packing_efficiency": "unpack_trainer.packing",
     "pack_sequences": "unpack_trainer.packing",
     "concatenate_and_pack": "unpack_trainer.packing",
@@ -55,6 +57,7 @@ __all__ = [
     "SFTConfig",
     "SFTTrainer",
     "StreamingPacker",
+    "balanced_rank_order",
     "balanced_step_order",
     "best_fit_decreasing",
     "check_uncontaminated",
@@ -75,6 +78,7 @@ __all__ = [
     "truncate_dataset",
     "unpatch_model",
     "windowed_best_fit",
+    "windowed_packing",
     "__version__",
 ]
 
@@ -99,6 +103,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.data_utils import pack_dataset, pack_iterable_dataset, truncate_dataset
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
     from unpack_trainer.packing import (
+        balanced_rank_order,
         balanced_step_order,
         best_fit_decreasing,
         concatenate_and_pack,
@@ -109,6 +114,7 @@ if TYPE_CHECKING:  # pragma: no cover
         shuffle_rows,
         shuffled_best_fit,
         windowed_best_fit,
+        windowed_packing,
     )
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated

@@ -31,7 +31,7 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from unpack_trainer._logging import log_once
 from unpack_trainer._validation import Overflow, check_positive_int, check_seq_lengths
-from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, windowed_best_fit
+from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, split_rows, windowed_packing
 from unpack_trainer.streaming import StreamingPacker
 
 __all__ = [
@@ -426,6 +426,8 @@ def pack_dataset(
     seed: int | None = None,
     order: str = "decreasing",
     max_samples_per_row: int | None = None,
+    window: int | None = None,
+    rows_multiple_of: int = 1,
 ) -> Any:
     """Pack a tokenized dataset into rows of at most ``seq_length`` tokens; a drop-in for TRL's ``pack_dataset``.
 
@@ -470,11 +472,18 @@ def pack_dataset(
         order: which samples share a row. ``"decreasing"``: best-fit decreasing (fewest rows; a row holds samples of
             similar rank: a long one topped up with short ones). ``"shuffled"``: samples placed in a seeded random
             order with best fit, rows as full as best-fit decreasing (at least 99.5% full), lengths mixed at random.
-            ``"windowed"``: samples taken in a seeded random order, each into the best-fitting of the last 4 open rows,
-            so a row holds samples that follow each other in that order, as a random batch would (about 99% full);
-            what `SFTTrainer` uses by default (`SFTConfig.packing_order`).
+            ``"windowed"``: samples taken in a seeded random order, each into the best-fitting of the last few open
+            rows, so a row holds samples that follow each other in that order, as a random batch would; the window
+            widens only as far as needed for at most 1% more rows than best-fit decreasing
+            ([`~unpack_trainer.packing.windowed_packing`]; the choice is logged once); what `SFTTrainer` uses by
+            default (`SFTConfig.packing_order`).
         max_samples_per_row: the most samples a row may hold (rows close once they reach it, so they may be less
             full); implies the shuffled packer. ``None``: no bound.
+        rows_multiple_of: split rows of several samples ([`~unpack_trainer.packing.split_rows`]) until the number
+            of rows is a multiple of this (the trainer passes ``per_device_train_batch_size * world_size`` with
+            several processes, so that none gets a row twice to even out the last batches).
+        window: with ``order="windowed"``, a fixed number of open rows (no bound on the rows then); ``None``: chosen
+            from the lengths as above.
 
     Returns:
         The same kind of dataset, of rows: every per-token column, each row's samples concatenated, and
@@ -484,7 +493,7 @@ def pack_dataset(
         ValueError: no ``seq_length`` (or both names), ``seq_length`` is not a positive integer, an unknown
             ``strategy``, without a ``strategy`` a sample that is empty or longer than ``seq_length`` (the message
             names it), an unknown ``order``, ``"shuffled"`` or ``"windowed"`` without a ``seed``,
-            ``max_samples_per_row`` with ``"windowed"``, no ``input_ids`` column (without a ``strategy``), or a
+            ``max_samples_per_row`` with ``"windowed"``, ``window`` without it, no ``input_ids`` column (without a ``strategy``), or a
             ``seq_lengths`` column.
 
     Example:
@@ -507,6 +516,8 @@ def pack_dataset(
         raise ValueError(f"Unknown packing order {order!r}; use one of {_ORDERS}.")
     if max_samples_per_row is not None and order == "windowed":
         raise ValueError("`max_samples_per_row` needs `order='shuffled'`; the windowed packer has no bound.")
+    if window is not None and order != "windowed":
+        raise ValueError(f"`window` needs `order='windowed'`; got order={order!r}.")
     if (order in ("shuffled", "windowed") or max_samples_per_row is not None) and seed is None:
         raise ValueError(
             f"`order={order!r}` (or `max_samples_per_row`) needs a `seed`: it decides which samples share a row."
@@ -520,6 +531,8 @@ def pack_dataset(
         seed=seed,
         order=order,
         max_samples_per_row=max_samples_per_row,
+        window=window,
+        rows_multiple_of=rows_multiple_of,
     )
     if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
         return type(dataset)(
@@ -532,6 +545,8 @@ def pack_dataset(
                     seed=seed,
                     order=order,
                     max_samples_per_row=max_samples_per_row,
+                    window=window,
+                    rows_multiple_of=rows_multiple_of,
                 )
                 for split, part in dataset.items()
             }
@@ -563,6 +578,8 @@ def _pack_table(
     seed: int | None,
     order: str,
     max_samples_per_row: int | None,
+    window: int | None,
+    rows_multiple_of: int,
 ) -> pa.Table:
     """[`pack_dataset`] on one Arrow table (the whole map-style dataset, or one ``map`` batch of a stream)."""
     if "seq_lengths" in table.column_names or not table.column_names:
@@ -591,11 +608,24 @@ def _pack_table(
     if strategy is not None:
         table, lengths = _fit_samples(table, lengths, seq_length, split=strategy == "bfd_split")
     if order == "windowed" and max_samples_per_row is None:
-        rows = windowed_best_fit(lengths, seq_length, seed=seed)
+        packing = windowed_packing(lengths, seq_length, seed=seed, window=window)
+        log_once(
+            logger, logging.INFO, f"Packing {lengths.size:,} samples into rows of {seq_length}: {packing.describe()}."
+        )
+        rows = packing.rows
     elif order == "shuffled" or max_samples_per_row is not None:
         rows = shuffled_best_fit(lengths, seq_length, seed=seed, max_samples_per_row=max_samples_per_row)
     else:
         rows = best_fit_decreasing(lengths, seq_length, seed=seed)
+    if rows_multiple_of > 1:
+        rows = split_rows(rows, rows_multiple_of)
+        if len(rows) % rows_multiple_of:
+            log_once(
+                logger,
+                logging.WARNING,
+                f"{len(rows)} packed rows cannot be split into a multiple of {rows_multiple_of} rows (too few "
+                "samples): the data loader repeats rows to even out the last batches across processes.",
+            )
     sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
     row_sizes = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
     sample_offsets = np.concatenate(([0], np.cumsum(row_sizes)))

@@ -84,6 +84,9 @@ class PackingAnalysis:
             batching processes only ``real_tokens``).
         batch_fill: ``(num_batches,)`` float64 real / padded tokens of each random padded batch.
         row_fill: ``(len(rows),)`` float64 real tokens / ``max_length`` of each packed row.
+        default_packing: what the trainer's default packer (``packing_order="windowed"``, seed 0) chooses for these
+            lengths: its window, fillers and rows against best-fit decreasing
+            ([`unpack_trainer.packing.WindowedPacking.describe`]).
     """
 
     lengths: np.ndarray
@@ -100,6 +103,7 @@ class PackingAnalysis:
     packed_tokens: int
     batch_fill: np.ndarray = field(repr=False)
     row_fill: np.ndarray = field(repr=False)
+    default_packing: str = ""
 
     @property
     def num_samples(self) -> int:
@@ -154,7 +158,7 @@ def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_
         >>> a.sorted_padded_tokens, len(a.rows), a.packed_tokens   # sorted batches [10, 10] [10, 100]: 20 + 200
         (220, 1, 130)
     """
-    from unpack_trainer.packing import best_fit_decreasing
+    from unpack_trainer.packing import best_fit_decreasing, windowed_packing
 
     if max_length < 1:
         raise ValueError(f"`max_length` must be at least 1, got {max_length}.")
@@ -187,4 +191,5 @@ def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_
         packed_tokens=len(rows) * max_length,
         batch_fill=real / padded,
         row_fill=row_tokens / max_length,
+        default_packing=windowed_packing(clipped, max_length, seed=0).describe(),
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import gc
 import logging
 import numbers
@@ -358,65 +359,211 @@ def shuffled_best_fit(
     return shuffle_rows(rows, int(rng.integers(2**63 - 1)))
 
 
-def windowed_best_fit(
+@dataclasses.dataclass(frozen=True)
+class WindowedPacking:
+    """What [`windowed_packing`] chose and made.
+
+    Attributes:
+        rows: rows as lists of sample indices, each list ascending, rows in an order shuffled with the seed.
+        window: the most rows that were open at once; ``None``: unbounded (every row with room stays open).
+        filler_share: share of the tokens held back as fillers (the shortest samples, placed last, longest first,
+            into the gaps of every row); ``0.0``: none.
+        bfd_rows: rows best-fit decreasing needs for the same lengths (the reference of ``max_extra_rows``).
+        tried: every ``(window, filler_share, rows)`` tried, in order; the last one is the choice.
+    """
+
+    rows: list[list[int]]
+    window: int | None
+    filler_share: float
+    bfd_rows: int
+    tried: tuple[tuple[int | None, float, int], ...]
+
+    @property
+    def extra_rows(self) -> float:
+        """Rows beyond best-fit decreasing's, as a fraction of them (``0.01`` = 1% more rows, so 1% more compute)."""
+        return len(self.rows) / max(self.bfd_rows, 1) - 1.0
+
+    def describe(self) -> str:
+        """One line for the logs and ``unpack-trainer analyze``: the window, the fillers and the rows."""
+        window = "unbounded window" if self.window is None else f"window of {self.window} open rows"
+        fillers = f", the shortest samples ({self.filler_share:.0%} of the tokens) kept back as fillers"
+        narrower = ""
+        if len(self.tried) > 1:
+            first = self.tried[0]
+            narrower = f"; window {first[0]} alone gave {first[2] / max(self.bfd_rows, 1) - 1:+.2%}"
+        return (
+            f"windowed best fit: {window}{fillers if self.filler_share else ''}, {len(self.rows):,} rows "
+            f"({self.extra_rows:+.2%} vs best-fit decreasing's {self.bfd_rows:,}{narrower})"
+        )
+
+
+def _windowed_pass(
+    values: list[int], order: list[int], fillers: list[int], capacity: int, window: int | None
+) -> tuple[list[list[int]], bool]:
+    """Place ``order`` with best fit into at most ``window`` open rows (``None``: no bound), then ``fillers`` with
+    best fit into every row with room. Returns the rows (unsorted) and whether a row was closed with room left
+    (when not, a wider window cannot change anything)."""
+    rows: list[list[int]] = []
+    open_rows: list[tuple[int, int]] = []  # sorted (free space, row id): best fit = first that fits, ties lowest id
+    closed: list[tuple[int, int]] = []  # rows closed by the window with room left (open again for the fillers)
+    for i in order:
+        length = values[i]
+        position = bisect.bisect_left(open_rows, (length, -1))
+        if position < len(open_rows):
+            free, row = open_rows.pop(position)
+        else:
+            if window is not None and len(open_rows) >= window:
+                closed.append(open_rows.pop(0))  # the fullest open row
+            free, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if free > length:
+            bisect.insort(open_rows, (free - length, row))
+    if fillers:
+        open_rows = sorted(open_rows + closed)
+        for i in fillers:
+            length = values[i]
+            position = bisect.bisect_left(open_rows, (length, -1))
+            if position < len(open_rows):
+                free, row = open_rows.pop(position)
+            else:
+                free, row = capacity, len(rows)
+                rows.append([])
+            rows[row].append(i)
+            if free > length:
+                bisect.insort(open_rows, (free - length, row))
+    return rows, bool(closed)
+
+
+_FIRST_WINDOW = 4
+
+
+def windowed_packing(
     lengths: Sequence[int] | np.ndarray,
     capacity: int,
     *,
     seed: int,
-    window: int = 4,
-) -> list[list[int]]:
-    """Pack samples into rows of samples that follow each other in a seeded random order, as a random batch holds.
+    window: int | None = None,
+    max_extra_rows: float = 0.01,
+) -> WindowedPacking:
+    """Pack samples into rows of samples that follow each other in a seeded random order, widening the window only
+    as far as the fill needs. [`windowed_best_fit`] returns just the rows; this also says what was chosen.
 
     The samples are taken in an order shuffled with ``numpy.random.default_rng(seed)``; each goes with best fit into
     one of at most ``window`` open rows (the one with the least free space that fits). When none fits, the fullest
     open row closes if ``window`` rows are open, and a new row opens; a row that is exactly full closes at once. So a
-    row holds samples that are close in the random order, whatever their lengths, and the window fills the gaps:
-    ``window=1`` is next fit (rows of consecutive samples, about 82% full on the embedded data at rows of 512),
-    ``window=4`` about 99% full. Unlike [`shuffled_best_fit`] and [`best_fit_decreasing`], no sample is chosen for
-    its length (a long sample is not systematically paired with the shortest ones): on the quality benchmark this
-    is what brings the packed held-out loss to the padded one (README, "Quality").
+    row holds samples that are close in the random order, whatever their lengths, and the window fills the gaps. No
+    sample is chosen for its length (a long sample is not systematically paired with the shortest ones): on the
+    quality benchmark this is what brings the packed held-out loss to the padded one (README, "Quality").
+
+    How full the rows get with a small window depends on the lengths: with ``window=4`` and rows of 2,048 tokens,
+    lognormal lengths of median 180 take 0.8% more rows than best-fit decreasing, median 600 4.4%, uniform 700-1,400
+    14.8% (README, "Packing efficiency"). With ``window=None`` (the default) the window starts at 4 and doubles until
+    the rows are at most ``1 + max_extra_rows`` times best-fit decreasing's (or no row closes with room left, so a
+    wider window changes nothing; once a doubling gains no row, the next try is the unbounded window); if even that is not enough, the shortest samples are kept back as fillers (a share
+    of the tokens starting at 5% and doubling; all samples at worst, which is best-fit decreasing with shuffled
+    ties) and placed last, longest first, into the gaps of every row. The first setting that meets the bound wins, so
+    the rows are never more than ``max_extra_rows`` above best-fit decreasing and the window no wider than needed.
 
     Args:
         lengths: ``(num_samples,)`` integer lengths, each in ``[1, capacity]``.
         capacity: tokens per row (``max_length``).
         seed: seed of the sample order and of the row order; the same seed gives the same rows.
-        window: the most rows open at once (``>= 1``).
+        window: a fixed window (``>= 1``, no fillers, no bound on the rows), or ``None`` to choose it as above.
+        max_extra_rows: with ``window=None``, the most rows beyond best-fit decreasing's, as a fraction of them
+            (``>= 0``).
 
     Returns:
-        Rows as lists of sample indices, each list ascending, rows in an order shuffled with ``seed``. Every index
-        appears once.
+        A [`WindowedPacking`]: the rows (each list ascending, rows in an order shuffled with ``seed``; every index
+        once), the window and filler share used, best-fit decreasing's row count and every setting tried.
 
     Raises:
-        ValueError: a length is not a positive integer or exceeds ``capacity``, or ``window < 1``.
+        ValueError: a length is not a positive integer or exceeds ``capacity``, ``window < 1`` or
+            ``max_extra_rows < 0``.
+
+    Example:
+        >>> packing = windowed_packing([5, 3, 2, 4, 4, 2], capacity=10, seed=0)
+        >>> packing.rows, packing.window, packing.bfd_rows
+        ([[2, 3, 5], [0, 4], [1]], 4, 3)
+    """
+    array = _as_lengths(lengths, capacity)
+    capacity = int(capacity)
+    if window is not None:
+        window = check_positive_int(window, "window")
+    if not max_extra_rows >= 0:
+        raise ValueError(f"`max_extra_rows` must be at least 0, got {max_extra_rows}.")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(array.size)
+    values, order_list = array.tolist(), order.tolist()
+    bfd_rows = len(best_fit_decreasing(array, capacity)) if array.size else 0
+    tried: list[tuple[int | None, float, int]] = []
+    if window is not None:
+        rows, _ = _windowed_pass(values, order_list, [], capacity, window)
+        tried.append((window, 0.0, len(rows)))
+    else:
+        target = int(bfd_rows * (1.0 + max_extra_rows) + 1e-9)
+        current: int | None = _FIRST_WINDOW
+        while True:
+            rows, closed_early = _windowed_pass(values, order_list, [], capacity, current)
+            tried.append((current, 0.0, len(rows)))
+            if len(rows) <= target:
+                break
+            if not closed_early:  # no row closed with room left: a wider window would give the same rows
+                current = None
+                break
+            plateau = len(tried) > 1 and tried[-2][2] == len(rows)  # doubling gained nothing: go to unbounded
+            current = None if plateau or current * 2 >= array.size else current * 2
+            if current is None:
+                rows, _ = _windowed_pass(values, order_list, [], capacity, None)
+                tried.append((None, 0.0, len(rows)))
+                break
+        if len(rows) > target:
+            # Shortest first, ties in the shuffled order: the fillers are a prefix of this order.
+            by_length = order[np.argsort(array[order], kind="stable")]
+            cumulative = np.cumsum(array[by_length])
+            share = 0.05
+            while len(rows) > target:
+                count = (
+                    array.size if share >= 1.0 else int(np.searchsorted(cumulative, share * cumulative[-1], "right"))
+                )
+                is_filler = np.zeros(array.size, dtype=bool)
+                is_filler[by_length[:count]] = True
+                body = [i for i in order_list if not is_filler[i]]
+                rows, _ = _windowed_pass(values, body, by_length[:count][::-1].tolist(), capacity, current)
+                tried.append((current, min(share, 1.0), len(rows)))
+                if share >= 1.0:
+                    break
+                share *= 2
+    chosen = tried[-1]
+    return WindowedPacking(
+        rows=[sorted(rows[r]) for r in rng.permutation(len(rows)).tolist()],
+        window=chosen[0],
+        filler_share=chosen[1],
+        bfd_rows=bfd_rows,
+        tried=tuple(tried),
+    )
+
+
+def windowed_best_fit(
+    lengths: Sequence[int] | np.ndarray,
+    capacity: int,
+    *,
+    seed: int,
+    window: int | None = None,
+    max_extra_rows: float = 0.01,
+) -> list[list[int]]:
+    """The rows of [`windowed_packing`] (same arguments): samples that follow each other in a seeded random order
+    share a row, the window widening only as far as the fill needs (``window=None``) or fixed.
+
+    ``window=1`` is next fit (rows of consecutive samples); ``window=4`` was the fixed default before the window
+    widened by itself (it gives the same rows as ``window=None`` whenever 4 open rows already fill to within
+    ``max_extra_rows`` of best-fit decreasing).
 
     Example:
         >>> windowed_best_fit([5, 3, 2, 4, 4, 2], capacity=10, seed=0, window=1)  # next fit in the order 3 2 5 4 0 1
         [[2, 3, 5], [0, 4], [1]]
     """
-    array = _as_lengths(lengths, capacity)
-    capacity = int(capacity)
-    window = check_positive_int(window, "window")
-    rng = np.random.default_rng(seed)
-    values = array.tolist()
-    rows: list[list[int]] = []
-    open_rows: list[list[int]] = []  # [free space, row id]
-    for i in rng.permutation(array.size).tolist():
-        length = values[i]
-        best = None
-        for entry in open_rows:
-            if entry[0] >= length and (best is None or entry[0] < best[0]):
-                best = entry
-        if best is None:
-            if len(open_rows) >= window:
-                open_rows.remove(min(open_rows, key=lambda entry: entry[0]))
-            best = [capacity, len(rows)]
-            rows.append([])
-            open_rows.append(best)
-        best[0] -= length
-        rows[best[1]].append(i)
-        if best[0] == 0:
-            open_rows.remove(best)
-    return [sorted(rows[r]) for r in rng.permutation(len(rows)).tolist()]
+    return windowed_packing(lengths, capacity, seed=seed, window=window, max_extra_rows=max_extra_rows).rows
 
 
 def balanced_step_order(samples_per_row: Sequence[int] | np.ndarray, rows_per_step: int, *, seed: int) -> list[int]:
@@ -462,6 +609,192 @@ def balanced_step_order(samples_per_row: Sequence[int] | np.ndarray, rows_per_st
     leftover = ranked[half * num_steps : counts.size - (rows_per_step - half) * num_steps].tolist()
     order = steps[rng.permutation(num_steps)].reshape(-1).tolist()
     return order + leftover
+
+
+def attention_cost_ratio(config: object) -> float | None:
+    """``b / a`` of the step cost model ``a * tokens + b * sum(L_i ** 2)`` from a transformers model config's shapes,
+    counting matrix-multiply FLOPs per layer: ``2 * P`` per token for the ``P`` weights of the attention projections
+    and the MLP (``hidden * (2 * hidden + 2 * kv_dim) + 3 * hidden * intermediate``), and ``2 * hidden * L ** 2`` for
+    causal attention over a sample of ``L`` tokens (scores and values, half the square each). So
+    ``b / a = 1 / (2 * hidden + 2 * kv_dim + 3 * intermediate)``: for Llama-3-8B's shapes 1.9e-5, attention 3.7% of a
+    row holding one sample of 2,048 tokens and 38% at 32,768. Kernels make attention slower per FLOP than the matrix
+    multiplies, so this is a lower bound; set ``SFTConfig.attention_cost_ratio`` to a measured value to override.
+    ``None`` when the config lacks ``hidden_size`` or ``intermediate_size``.
+    """
+    hidden = getattr(config, "hidden_size", None)
+    intermediate = getattr(config, "intermediate_size", None)
+    if not hidden or not intermediate:
+        return None
+    heads = getattr(config, "num_attention_heads", None) or 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 1.0 / (2 * hidden + 2 * kv_heads * head_dim + 3 * intermediate)
+
+
+def row_costs(seq_lengths: Sequence[Sequence[int]], attention_ratio: float) -> np.ndarray:
+    """``(num_rows,)`` float64 cost of each packed row under ``tokens + attention_ratio * sum(L_i ** 2)`` (``a = 1``).
+
+    Example:
+        >>> row_costs([[3, 1], [4]], attention_ratio=0.5).tolist()
+        [9.0, 12.0]
+    """
+    return np.asarray(
+        [sum(row) + attention_ratio * sum(length * length for length in row) for row in seq_lengths], dtype=np.float64
+    )
+
+
+def balanced_rank_order(
+    samples_per_row: Sequence[int] | np.ndarray,
+    cost_per_row: Sequence[float] | np.ndarray,
+    *,
+    num_ranks: int,
+    batch_size: int,
+    accumulation_steps: int = 1,
+    seed: int,
+) -> list[int]:
+    """An order of the packed rows for ``num_ranks`` data-parallel processes in which every process of an optimizer
+    step gets rows of the same total cost and about the same number of samples, and the steps hold about the same
+    number of samples, each row exactly once.
+
+    The order is laid out for the usual sharding of a map-style sampler (accelerate's, with ``batch_size`` rows per
+    batch): consecutive batches of ``batch_size`` rows go to processes ``0, 1, ..., num_ranks - 1`` in turn, and
+    ``accumulation_steps`` such rounds make one optimizer step. Composition:
+
+    1. Rows are ranked by cost (ties in an order shuffled with ``seed``) and cut into *bands* of ``num_ranks``
+       consecutive ranks: the rows of a band cost about the same.
+    2. Each step takes ``batch_size * accumulation_steps`` bands (each process gets one row of every band), chosen
+       with [`balanced_step_order`] on the bands' sample counts, so every step holds about the same number of
+       samples; the steps come in an order shuffled with ``seed``, the left-over bands last.
+    3. Inside a step, band by band (the band with the widest cost spread first), the costliest row goes to the
+       process with the least cost so far; then rows of one band are swapped between the costliest and the cheapest
+       process while that narrows the gap, then between the processes with the most and the fewest samples while
+       the costs stay within 0.5% of their mean.
+
+    When the rows do not divide into ``batch_size * num_ranks``, the last ``len(rows) % num_ranks`` rows (the
+    middle of the cost ranking) come last, unbalanced; the trainer splits rows so that this does not happen
+    ([`split_rows`]).
+
+    Args:
+        samples_per_row: ``(num_rows,)`` samples in each row.
+        cost_per_row: ``(num_rows,)`` cost of each row (e.g. [`row_costs`]).
+        num_ranks: data-parallel processes (``>= 1``).
+        batch_size: rows per process per forward (``per_device_train_batch_size``).
+        accumulation_steps: forwards per optimizer step (``gradient_accumulation_steps``).
+        seed: seed of the tie order and of the order of the steps.
+
+    Returns:
+        A permutation of ``range(num_rows)`` as a list.
+
+    Example:
+        >>> order = balanced_rank_order([1, 4, 2, 3], [4.0, 1.0, 2.0, 3.0], num_ranks=2, batch_size=1, seed=0)
+        >>> sorted(sorted([4.0, 1.0, 2.0, 3.0][i] for i in order[k : k + 2]) for k in (0, 2))
+        [[1.0, 2.0], [3.0, 4.0]]
+    """
+    counts = np.asarray(samples_per_row, dtype=np.int64)
+    costs = np.asarray(cost_per_row, dtype=np.float64)
+    if counts.shape != costs.shape or counts.ndim != 1:
+        raise ValueError(f"`samples_per_row` {counts.shape} and `cost_per_row` {costs.shape} must be 1-D and match.")
+    num_ranks = check_positive_int(num_ranks, "num_ranks")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
+    rng = np.random.default_rng(seed)
+    shuffled = rng.permutation(counts.size)
+    ranked = shuffled[np.argsort(costs[shuffled], kind="stable")]
+    num_bands = counts.size // num_ranks
+    extra = counts.size - num_bands * num_ranks  # rows left over: the middle of the ranking
+    middle = (counts.size - extra) // 2
+    leftover = ranked[middle : middle + extra].tolist()
+    ranked = np.concatenate((ranked[:middle], ranked[middle + extra :]))
+    bands = ranked.reshape(num_bands, num_ranks)  # (num_bands, num_ranks) row ids, each band of similar cost
+    bands_per_step = batch_size * accumulation_steps
+    band_order = balanced_step_order(counts[bands].sum(axis=1), bands_per_step, seed=int(rng.integers(2**63 - 1)))
+    order: list[int] = []
+    for start in range(0, num_bands, bands_per_step):
+        step = bands[band_order[start : start + bands_per_step]]  # (bands in this step, num_ranks)
+        per_rank = _assign_bands(step, costs, counts)  # (num_ranks, bands in this step) row ids
+        for micro in range(0, per_rank.shape[1], batch_size):  # one batch of `batch_size` rows per process, in turn
+            order.extend(per_rank[:, micro : micro + batch_size].reshape(-1).tolist())
+    return order + leftover
+
+
+def _assign_bands(step: np.ndarray, costs: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Give every rank one row of each band of ``step`` (``(num_bands, num_ranks)`` row ids) so that the ranks' total
+    costs match (greedy by band, then swaps inside a band between the costliest and the cheapest rank), then their
+    sample counts (swaps that keep the costs within 0.5% of their mean)."""
+    num_bands, num_ranks = step.shape
+    if num_ranks == 1:
+        return step.T.copy()
+    band_costs = costs[step]
+    assigned = np.empty((num_ranks, num_bands), dtype=np.int64)
+    totals = np.zeros(num_ranks)
+    for band in np.argsort(-(band_costs.max(axis=1) - band_costs.min(axis=1)), kind="stable").tolist():
+        by_cost = np.argsort(-band_costs[band], kind="stable")
+        ranks = np.argsort(totals, kind="stable")  # cheapest rank first gets the costliest row
+        assigned[ranks, band] = step[band, by_cost]
+        totals[ranks] += band_costs[band, by_cost]
+    for _ in range(4 * num_bands * num_ranks):
+        high, low = int(np.argmax(totals)), int(np.argmin(totals))
+        gap = totals[high] - totals[low]
+        deltas = costs[assigned[high]] - costs[assigned[low]]  # what moves from high to low per band swap
+        band = int(np.argmin(np.abs(deltas - gap / 2)))
+        if not 0 < deltas[band] < gap:
+            break
+        assigned[[high, low], band] = assigned[[low, high], band]
+        totals[high] -= deltas[band]
+        totals[low] += deltas[band]
+    # Then the sample counts: swaps inside a band between the ranks with the most and the fewest samples, kept when
+    # the cost gap stays within `_COST_SLACK` of the mean cost (or does not widen).
+    samples = counts[assigned].sum(axis=1)
+    limit = max(float(totals.max() - totals.min()), _COST_SLACK * float(totals.mean()))
+    for _ in range(4 * num_bands * num_ranks):
+        high, low = int(np.argmax(samples)), int(np.argmin(samples))
+        gap = samples[high] - samples[low]
+        moved = counts[assigned[high]] - counts[assigned[low]]
+        shift = costs[assigned[high]] - costs[assigned[low]]
+        best, best_gap = -1, gap
+        for band in np.flatnonzero((moved > 0) & (moved < gap)).tolist():
+            new = totals.copy()
+            new[high] -= shift[band]
+            new[low] += shift[band]
+            if new.max() - new.min() <= limit and abs(gap - 2 * moved[band]) < best_gap:
+                best, best_gap = band, abs(gap - 2 * moved[band])
+        if best < 0:
+            break
+        assigned[[high, low], best] = assigned[[low, high], best]
+        totals[high] -= shift[best]
+        totals[low] += shift[best]
+        samples[high] -= moved[best]
+        samples[low] += moved[best]
+    return assigned
+
+
+_COST_SLACK = 0.005
+
+
+def split_rows(rows: Sequence[Sequence[int]], multiple: int) -> list[list[int]]:
+    """Split rows of several samples in two until the number of rows is a multiple of ``multiple``, so that every
+    data-parallel process gets as many full batches as the others and no row has to be repeated to even them out.
+
+    The row with the most samples is split (its samples in their order, first half and second half; ties: the
+    first such row), as often as needed; at most ``multiple - 1`` splits. When the samples are too few for that,
+    the rows are returned unchanged.
+
+    Example:
+        >>> split_rows([[0, 1, 2], [3], [4, 5]], multiple=2)
+        [[0], [3], [4, 5], [1, 2]]
+    """
+    multiple = check_positive_int(multiple, "multiple")
+    out = [list(row) for row in rows]
+    needed = -len(out) % multiple
+    if needed > sum(len(row) - 1 for row in out):
+        return out
+    for _ in range(needed):
+        index = max(range(len(out)), key=lambda i: len(out[i]))
+        row = out[index]
+        half = len(row) // 2
+        out[index] = row[:half]
+        out.append(row[half:])
+    return out
 
 
 def first_fit(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:

@@ -46,11 +46,13 @@ def main(output_dir: str) -> None:
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
-    seen = []
+    seen, samples, tokens = [], [], []
     collate = trainer.data_collator
 
     def recording_collator(examples):
         seen.extend(example["input_ids"] for example in examples)
+        samples.extend(len(example["seq_lengths"]) for example in examples)
+        tokens.extend(len(example["input_ids"]) for example in examples)
         return collate(examples)
 
     trainer.data_collator = recording_collator
@@ -61,6 +63,9 @@ def main(output_dir: str) -> None:
             {
                 "rows": seen,
                 "num_rows": len(trainer.train_dataset),
+                "samples": samples,
+                "tokens": tokens,
+                "num_samples": sum(len(lengths) for lengths in trainer.train_dataset["seq_lengths"]),
                 "global_step": result.global_step,
                 "world_size": trainer.accelerator.num_processes,
             },

@@ -49,6 +49,7 @@ from unpack_trainer._logging import log_once
 from unpack_trainer.config import convert_config
 from unpack_trainer.data_utils import TruncationCounts, samples_per_row
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
+from unpack_trainer.packing import attention_cost_ratio, row_costs
 from unpack_trainer.sampler import BalancedStepSampler
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
@@ -454,8 +455,33 @@ class PackedTrainerMixin:
             and isinstance(dataset, Dataset)
             and "seq_lengths" in dataset.column_names
         ):
+            strategy = getattr(args, "train_sampling_strategy", "random")
+            if strategy != "random":
+                log_once(
+                    logger,
+                    logging.WARNING,
+                    f"train_sampling_strategy={strategy!r} is used as set, so packed rows are not composed into "
+                    "balanced steps (balance_samples_per_step); set train_sampling_strategy='random' for balanced "
+                    "steps, or balance_samples_per_step=False to silence this.",
+                )
+                return super()._get_train_sampler(train_dataset)
             rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-            return BalancedStepSampler(samples_per_row(dataset), rows_per_step, seed=args.seed)
+            # as transformers does: `data_seed` seeds the data order when set, `seed` otherwise
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            costs = None
+            if args.world_size > 1:
+                ratio = getattr(args, "attention_cost_ratio", None)
+                if ratio is None:
+                    ratio = attention_cost_ratio(getattr(self.model, "config", None)) or 0.0
+                costs = row_costs(dataset["seq_lengths"], ratio)
+            return BalancedStepSampler(
+                samples_per_row(dataset),
+                rows_per_step,
+                seed=seed,
+                num_ranks=args.world_size,
+                batch_size=args.per_device_train_batch_size,
+                costs=costs,
+            )
         return super()._get_train_sampler(train_dataset)
 
     # ------------------------------------------------------------------------------------------------ loss

@@ -448,6 +448,8 @@ def format_report(analysis: PackingAnalysis) -> str:
             numeric=False,
         )
     )
+    if a.default_packing:
+        out.append("\n" + _wrap(f"The trainer's default packer (packing_order='windowed', seed 0): {a.default_packing}."))
     out.append(
         f"\nEstimated speedup of packing: {a.speedup:.2f}x over random padded batches, "
         f"{a.sorted_speedup:.2f}x over length-sorted batches."
