@@ -94,7 +94,7 @@ def packing_inputs(draw):
     }
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(packing_inputs())
 def test_pack_sequences_equals_the_reference(case):
     samples = [_container(ids, case["kind"], i) for i, ids in enumerate(case["ids"])]
@@ -108,7 +108,8 @@ def test_pack_sequences_equals_the_reference(case):
     assert boundaries == expected["boundaries"]
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None)
 @given(packing_inputs(), st.data())
 def test_concatenate_and_pack_equals_the_reference(case, data):
     ids = case["ids"]

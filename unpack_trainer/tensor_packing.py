@@ -40,7 +40,7 @@ import numbers
 import warnings
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from operator import attrgetter, methodcaller
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -63,7 +63,6 @@ logger = logging.getLogger(__name__)
 #: Tensor dtypes whose values all fit in int64 (uint64 does not: such samples are checked value by value).
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 _dtype_of = attrgetter("dtype")
-_count_ones = methodcaller("count", 1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -198,10 +197,10 @@ def _mask_keep(mask: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
     run of 1s with only 0s around it (the per-sample check then names it).
 
     Args:
-        mask: ``(total,)`` int64, every sample's mask end to end.
+        mask: ``(total,)`` uint8 or int64, every sample's mask end to end.
         lengths: ``(num_samples,)`` int64 sample lengths.
     """
-    if mask.size and not (mask.view(np.uint64) <= 1).all():
+    if mask.size and not ((mask == 0) | (mask == 1)).all():
         return None
     keep = mask.astype(bool)
     starts = np.cumsum(lengths) - lengths
@@ -612,33 +611,31 @@ def _flatten_all(
             return None
         flat_labels = flat[0]
     keep = None
-    if masks is not None and not _all_ones(masks, lengths):
-        flat = _flatten(masks, allow_bool=True)
+    if masks is not None:
+        flat = _flatten_masks(masks)
         if flat is None or not np.array_equal(flat[1], lengths):
             return None
-        keep = _mask_keep(flat[0], lengths)
-        if keep is None:
-            return None
-        if keep.all():
-            keep = None
+        if not (flat[0] == 1).all():
+            keep = _mask_keep(flat[0], lengths)
+            if keep is None:
+                return None
     return ids, flat_labels, lengths, keep
 
 
-def _all_ones(masks: Sequence, lengths: np.ndarray) -> bool:
-    """Whether ``masks`` are lists (or tuples) of exactly ``lengths`` ints (or bools) all equal to 1: the common
-    case, checked without converting them (``count(1)`` and the ``sum`` type check of [`_flatten`] are C loops).
-    ``False`` does not mean invalid, only that the masks need the full check."""
-    if len(masks) != lengths.size or not set(map(type, masks)) <= {list, tuple}:
-        return False
-    if not np.array_equal(np.fromiter(map(len, masks), dtype=np.int64, count=len(masks)), lengths):
-        return False
-    ones = np.fromiter(map(_count_ones, masks), dtype=np.int64, count=len(masks))
-    if not np.array_equal(ones, lengths):
-        return False
-    try:
-        return set(map(type, map(sum, masks))) <= {int}
-    except TypeError:
-        return False
+def _flatten_masks(masks: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+    """[`_flatten`] for attention masks: ``(values (total,) uint8 or int64, lengths (num_samples,) int64)``.
+
+    Lists (or tuples) go through ``bytes``, a C loop that takes ints and bools (anything with ``__index__``) in
+    ``[0, 255]`` and refuses floats, strings and ``None``: the check and the conversion in one pass, five times faster
+    than ``np.fromiter``. Values other than 0 and 1 are refused later by [`_mask_keep`].
+    """
+    if len(masks) and set(map(type, masks)) <= {list, tuple}:
+        try:
+            values = np.frombuffer(b"".join(map(bytes, masks)), dtype=np.uint8)
+        except (TypeError, ValueError):
+            return None
+        return values, np.fromiter(map(len, masks), dtype=np.int64, count=len(masks))
+    return _flatten(masks, allow_bool=True)
 
 
 def position_ids_from_sample_index(sample_index: torch.Tensor) -> torch.Tensor:
