@@ -106,23 +106,36 @@ def _flatten(samples: Sequence, *, allow_bool: bool = False) -> tuple[np.ndarray
     return None
 
 
+_CHUNK_TOKENS = 1 << 16  # below numpy's 4 MB huge-page threshold, so every chunk reuses the memory of the last
+
+
 def _flatten_lists(samples: Sequence[Sequence[int]], allow_bool: bool) -> tuple[np.ndarray, np.ndarray] | None:
     lengths = np.fromiter(map(len, samples), dtype=np.int64, count=len(samples))
-    try:
-        if set(map(type, map(sum, samples))) != {int}:
+    ends = np.cumsum(lengths)
+    total = int(ends[-1])
+    # Chunks of whole samples, about _CHUNK_TOKENS tokens each, converted into one buffer allocated by torch.
+    cuts = np.searchsorted(ends, np.arange(_CHUNK_TOKENS, total, _CHUNK_TOKENS), side="right")
+    cuts = np.unique(np.concatenate(([0], cuts, [len(samples)]))).tolist()
+    starts = [0, *ends.tolist()]
+    out, flat = _empty(total)
+    for first, last in zip(cuts[:-1], cuts[1:]):
+        part = samples[first:last] if isinstance(samples, (list, tuple)) else [samples[i] for i in range(first, last)]
+        begin, end = starts[first], starts[last]
+        try:
+            if set(map(type, map(sum, part))) - {int}:
+                return None
+            chunk = np.fromiter(chain.from_iterable(part), dtype=np.int64, count=end - begin)
+        except (TypeError, ValueError, OverflowError):
             return None
-        flat = np.fromiter(chain.from_iterable(samples), dtype=np.int64, count=int(lengths.sum()))
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if not allow_bool:
-        maybe_bool = np.flatnonzero(flat.view(np.uint64) <= 1)
-        if maybe_bool.size:
-            ends = np.cumsum(lengths)
-            sample = np.searchsorted(ends, maybe_bool, side="right")
-            offset = maybe_bool - (ends - lengths)[sample]
-            for s, o in zip(sample.tolist(), offset.tolist()):
-                if samples[s][o].__class__ is bool:
-                    return None
+        if not allow_bool:
+            maybe_bool = np.flatnonzero(chunk.view(np.uint64) <= 1)
+            if maybe_bool.size:
+                sample = np.searchsorted(ends[first:last], maybe_bool + begin, side="right") + first
+                offset = maybe_bool + begin - (ends - lengths)[sample]
+                for s, o in zip(sample.tolist(), offset.tolist()):
+                    if samples[s][o].__class__ is bool:
+                        return None
+        flat[begin:end] = chunk
     return flat, lengths
 
 
@@ -615,7 +628,7 @@ def _flatten_all(
         flat = _flatten_masks(masks)
         if flat is None or not np.array_equal(flat[1], lengths):
             return None
-        if not (flat[0] == 1).all():
+        if flat[0].size and not flat[0].min() == flat[0].max() == 1:
             keep = _mask_keep(flat[0], lengths)
             if keep is None:
                 return None
