@@ -22,8 +22,9 @@ is trained, so the model learns to end the sample from inside it; the next sampl
 
 How it runs, in whole arrays (no loop per token):
 
-1. flatten: every sample's ids end to end in one ``(total_tokens,)`` int64 numpy array (``np.fromiter`` over the
-   chained lists, ``torch.cat`` for tensors), every id checked on the way (see [`_flatten`]);
+1. flatten: every sample's ids end to end in one ``(total_tokens,)`` int64 array (``np.fromiter`` over the chained
+   lists, in chunks of 64k tokens; ``torch.cat`` for tensors; ``bytes`` for masks), every id checked on the way (see
+   [`_flatten`]);
 2. the packer assigns pieces (samples, or the chunks of an overflowing one) to rows, from their lengths;
 3. one gather puts the tokens in row-major order (skipped for ``first_fit``, whose rows keep input order), one
    boolean-mask scatter writes them into the rows;
