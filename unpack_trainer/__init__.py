@@ -26,9 +26,9 @@ _EXPORTS: dict[str, str] = {
     "balanced_step_order": "unpack_trainer.packing",
     "balanced_rank_order": "unpack_trainer.packing",
     "packing_efficiency": "unpack_trainer.packing",
-    "pack_sequences": "unpack_trainer.packing",
-    "concatenate_and_pack": "unpack_trainer.packing",
-    "position_ids_from_sample_index": "unpack_trainer.packing",
+    "pack_sequences": "unpack_trainer.tensor_packing",
+    "concatenate_and_pack": "unpack_trainer.tensor_packing",
+    "position_ids_from_sample_index": "unpack_trainer.tensor_packing",
     "DataCollatorForPacking": "unpack_trainer.collator",
     "PACKED_BATCH_KEYS": "unpack_trainer.collator",
     # attention / model patches
@@ -106,11 +106,8 @@ if TYPE_CHECKING:  # pragma: no cover
         balanced_rank_order,
         balanced_step_order,
         best_fit_decreasing,
-        concatenate_and_pack,
         first_fit,
-        pack_sequences,
         packing_efficiency,
-        position_ids_from_sample_index,
         shuffle_rows,
         shuffled_best_fit,
         windowed_best_fit,
@@ -119,4 +116,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated
     from unpack_trainer.streaming import StreamingPacker
+    from unpack_trainer.tensor_packing import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
     from unpack_trainer.trainers.sft import SFTTrainer

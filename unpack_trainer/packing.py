@@ -1,18 +1,8 @@
-"""Bin packing of samples into fixed-capacity rows, and packing of token sequences into tensors.
+"""Bin packing of samples into fixed-capacity rows: which samples share a row, decided from their lengths alone.
 
-Everything here is a pure function of lengths or token lists: no model code, no global state.
-
-Worked example (``pack_sequences`` with the default order-preserving strategy)::
-
-    lengths [3, 2, 4, 3], capacity 8
-    rows            [[0, 1], [2, 3]]                      # sample indices per row
-    input_ids       [[1, 2, 3, 4, 5, 0, 0, 0],            # samples [1,2,3] [4,5] | pad
-                     [6, 7, 8, 9, 10, 11, 12, 0]]          # samples [6,7,8,9] [10,11,12] | pad
-    sample index    [[1, 1, 1, 2, 2, 0, 0, 0],             # 1-based within the row, 0 = padding
-                     [1, 1, 1, 1, 2, 2, 2, 0]]
-    position_ids    [[0, 1, 2, 0, 1, 0, 1, 2],             # restart per sample; padding is its own pseudo-sample
-                     [0, 1, 2, 3, 0, 1, 2, 0]]
-    labels          [[-100, 2, 3, -100, 5, -100, -100, -100], ...]   # -100 at every sample's first token
+Everything here is a pure function of lengths: no model code, no global state. Writing token sequences into packed
+tensors (``pack_sequences``, ``concatenate_and_pack``) lives in [`unpack_trainer.tensor_packing`]; those names can
+still be imported from this module.
 """
 
 from __future__ import annotations
@@ -22,23 +12,12 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import numbers
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
-import torch
 
-from unpack_trainer._validation import (
-    Overflow,
-    as_sequence,
-    check_overflow,
-    check_positive_int,
-    log_overflow,
-    overflow_spans,
-    token_list,
-)
+from unpack_trainer._validation import as_sequence, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -850,289 +829,14 @@ def pack_lengths(
     raise ValueError(f"Unknown packing strategy {strategy!r}; use one of {_STRATEGIES}.")
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Token sequences -> packed tensors
-# --------------------------------------------------------------------------------------------------------------------
+_TENSOR_PACKING = ("pack_sequences", "concatenate_and_pack", "PackedRows", "position_ids_from_sample_index")
 
 
-def _as_token_list(sequence: object, index: int, what: str = "sample", *, allow_bool: bool = False) -> list[int]:
-    """A 1-D sequence of integer ids as a Python list; ``ValueError`` naming ``index`` otherwise (see
-    [`unpack_trainer._validation.token_list`])."""
-    return token_list(sequence, index, what + " {index}", allow_bool=allow_bool)
+def __getattr__(name: str):
+    # The tensor packing API moved to `unpack_trainer.tensor_packing` (which imports this module); its names stay
+    # importable from here.
+    if name in _TENSOR_PACKING:
+        from unpack_trainer import tensor_packing
 
-
-def _apply_overflow(
-    samples: list[list[list[int]]], max_length: int, overflow: Overflow
-) -> tuple[list[list[list[int]]], list[int]]:
-    """Enforce ``max_length`` on parallel token lists. Returns the new samples and, per new sample, its source index.
-
-    ``samples[i]`` holds the parallel lists of sample ``i`` (ids, labels, masks...), all the same length.
-    """
-    check_overflow(overflow)
-    result, source, affected, cut = [], [], 0, 0
-    for index, parts in enumerate(samples):
-        length = len(parts[0])
-        if length == 0:
-            raise ValueError(f"Sample {index} is empty; every sample needs at least one token.")
-        if length <= max_length:
-            result.append(parts)
-            source.append(index)
-            continue
-        spans = overflow_spans(index, length, max_length, overflow)
-        affected += 1
-        cut += length - max_length if overflow == "truncate" else length
-        for start, stop in spans:
-            result.append([part[start:stop] for part in parts])
-            source.append(index)
-    log_overflow(logger, overflow, affected, max_length, tokens=cut)
-    return result, source
-
-
-def _check_pack_args(max_length: int, pad_token_id: int | None) -> None:
-    _check_capacity(max_length, "max_length")
-    if pad_token_id is None:
-        raise ValueError("`pad_token_id` is None; pass the tokenizer's pad token id (or eos id if it has none).")
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral):
-        raise ValueError(f"`pad_token_id` must be an integer, got {pad_token_id!r}.")
-
-
-def pack_sequences(
-    sequences: Iterable[Sequence[int] | torch.Tensor],
-    max_length: int,
-    pad_token_id: int,
-    return_boundaries: bool = False,
-    strategy: Strategy = "first_fit",
-    *,
-    overflow: Overflow = "error",
-    seed: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, list[list[tuple[int, int]]]]:
-    """Pack token sequences into rows of ``max_length`` tokens, right-padded with ``pad_token_id``.
-
-    Args:
-        sequences: samples as 1-D integer tensors, arrays or lists of ids (any iterable of them); none empty. Ids
-            must be integers in int64 range: floats, booleans, strings, ``None`` and nested lists are rejected with
-            an error naming the sample.
-        max_length: tokens per row.
-        pad_token_id: id written after the last sample of each row.
-        return_boundaries: also return, per row, the ``(start, end)`` token span (end exclusive) of every sample in
-            it, in row order.
-        strategy: ``"first_fit"`` (default) keeps input order, starting a new row when the next sample does not fit;
-            ``"bfd"`` uses the global [`best_fit_decreasing`] packer (fewest rows; samples inside a row stay in input
-            order).
-        overflow: what to do with a sample longer than ``max_length``: ``"error"`` (default) raises; ``"truncate"``
-            keeps its first ``max_length`` tokens; ``"split"`` cuts it into ``max_length`` chunks packed as separate
-            samples. The number of affected samples and tokens is logged as a warning.
-        seed: shuffle the rows with this seed (``None``: no shuffle).
-
-    Returns:
-        ``input_ids`` ``(num_rows, max_length)`` int64, and with ``return_boundaries`` the list of spans per row.
-
-    Example:
-        >>> pack_sequences([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11, 12]], max_length=8, pad_token_id=0)
-        tensor([[ 1,  2,  3,  4,  5,  0,  0,  0],
-                [ 6,  7,  8,  9, 10, 11, 12,  0]])
-    """
-    _check_pack_args(max_length, pad_token_id)
-    check_overflow(overflow)
-    samples = [[_as_token_list(sequence, i)] for i, sequence in enumerate(as_sequence(sequences, "sequences"))]
-    samples, _ = _apply_overflow(samples, max_length, overflow)
-    rows = pack_lengths([len(parts[0]) for parts in samples], max_length, strategy=strategy, seed=seed)
-    input_ids, boundaries = _fill_rows([parts[0] for parts in samples], rows, max_length, pad_token_id)
-    return (input_ids, boundaries) if return_boundaries else input_ids
-
-
-def _fill_rows(
-    tokens: list[list[int]], rows: list[list[int]], max_length: int, fill_value: int
-) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
-    """Write the samples of each row side by side into a ``(len(rows), max_length)`` int64 tensor."""
-    flat, boundaries, row_ids, columns = [], [], [], []
-    for row_index, row in enumerate(rows):
-        offset, spans = 0, []
-        for sample in row:
-            length = len(tokens[sample])
-            flat.extend(tokens[sample])
-            spans.append((offset, offset + length))
-            offset += length
-        row_ids.extend([row_index] * offset)
-        columns.extend(range(offset))
-        boundaries.append(spans)
-    output = torch.full((len(rows), max_length), fill_value, dtype=torch.long)
-    if flat:
-        output[torch.tensor(row_ids), torch.tensor(columns)] = torch.tensor(flat, dtype=torch.long)
-    return output, boundaries
-
-
-def _mask_span(mask: list[int], index: int) -> tuple[int, int]:
-    """The ``[start, end)`` span of ones in a 0/1 attention mask that may be padded on either side."""
-    ones = [i for i, value in enumerate(mask) if value]
-    if not ones:
-        raise ValueError(f"Sample {index} has an attention mask with no 1s; every sample needs at least one token.")
-    start, end = ones[0], ones[-1] + 1
-    if end - start != len(ones) or any(value not in (0, 1) for value in mask):
-        raise ValueError(
-            f"Sample {index} has an attention mask with 0s between its tokens (or values other than 0/1); only "
-            "left or right padding can be removed before packing."
-        )
-    return start, end
-
-
-class PackedRows(tuple):
-    """What [`concatenate_and_pack`] returns: a tuple ``(input_ids, labels, sample_index)``, or with
-    ``return_position_ids`` ``(input_ids, labels, sample_index, position_ids)``, whose parts can also be read by name.
-    Every part is ``(num_rows, max_length)`` int64.
-
-    ``packed_masks`` is the deprecated name of ``sample_index`` (a ``FutureWarning``; removed in 0.3).
-    """
-
-    __slots__ = ()
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """``(num_rows, max_length)`` int64: the samples' ids side by side, ``pad_token_id`` after the last one."""
-        return self[0]
-
-    @property
-    def labels(self) -> torch.Tensor:
-        """``(num_rows, max_length)`` int64: the labels, ``label_pad_id`` at each sample's first token and padding."""
-        return self[1]
-
-    @property
-    def sample_index(self) -> torch.Tensor:
-        """``(num_rows, max_length)`` int64: the 1-based index of each token's sample within its row (0 = padding)."""
-        return self[2]
-
-    @property
-    def position_ids(self) -> torch.Tensor | None:
-        """``(num_rows, max_length)`` int64 positions restarting at 0 per sample; ``None`` without
-        ``return_position_ids``."""
-        return self[3] if len(self) > 3 else None
-
-    @property
-    def packed_masks(self) -> torch.Tensor:
-        """Deprecated name of [`sample_index`]."""
-        warnings.warn(
-            "`packed_masks` is deprecated and will be removed in unpack_trainer 0.3; use `sample_index` (the same "
-            "tensor: each token's 1-based sample index within its row, 0 = padding).",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self[2]
-
-
-def concatenate_and_pack(
-    input_sequences: Iterable[Sequence[int] | torch.Tensor],
-    label_sequences: Iterable[Sequence[int] | torch.Tensor] | None,
-    attention_masks: Iterable[Sequence[int] | torch.Tensor] | None,
-    max_length: int,
-    pad_token_id: int,
-    label_pad_id: int = -100,
-    *,
-    strategy: Strategy = "first_fit",
-    overflow: Overflow = "error",
-    return_position_ids: bool = False,
-    seed: int | None = None,
-) -> PackedRows:
-    """Pack samples with their labels into rows, with everything needed to train without contamination.
-
-    Args:
-        input_sequences: samples' token ids (1-D tensors, arrays or lists of integers; any iterable of them), none
-            empty.
-        label_sequences: per-sample labels, same lengths as the inputs (``-100`` = not trained); ``None`` uses the
-            inputs as labels.
-        attention_masks: per-sample 0/1 masks, same lengths as the inputs, or ``None`` (all ones). Padding marked
-            with 0 at the start or end of a sample is removed before packing (and counted in a log line); a 0
-            between two 1s is an error.
-        max_length: tokens per row.
-        pad_token_id: id filling the end of each row.
-        label_pad_id: label for padding and for the first token of every sample.
-        strategy, overflow, seed: as in [`pack_sequences`].
-        return_position_ids: also return position ids restarting at 0 for every sample (see
-            [`position_ids_from_sample_index`]).
-
-    Returns:
-        A [`PackedRows`] tuple ``(input_ids, labels, sample_index)`` and, with ``return_position_ids``,
-        ``position_ids``; all ``(num_rows, max_length)`` int64, also readable by name (``rows.sample_index``).
-        ``sample_index`` holds the 1-based index of the sample inside its row (``0`` = padding): two tokens may attend
-        to each other only if they carry the same non-zero index (it was called ``packed_masks``; that attribute
-        still works until 0.3, with a ``FutureWarning``). The first label of every sample is ``label_pad_id``, so no
-        sample is trained to predict the next sample's first token.
-
-    Example:
-        >>> rows = concatenate_and_pack([[1, 2, 3], [4, 5]], None, None, max_length=6, pad_token_id=0)
-        >>> rows.input_ids
-        tensor([[1, 2, 3, 4, 5, 0]])
-        >>> rows.labels
-        tensor([[-100,    2,    3, -100,    5, -100]])
-        >>> rows.sample_index
-        tensor([[1, 1, 1, 2, 2, 0]])
-    """
-    _check_pack_args(max_length, pad_token_id)
-    check_overflow(overflow)
-    input_sequences = as_sequence(input_sequences, "input_sequences")
-    if label_sequences is not None:
-        label_sequences = as_sequence(label_sequences, "label_sequences")
-    if attention_masks is not None:
-        attention_masks = as_sequence(attention_masks, "attention_masks")
-    num = len(input_sequences)
-    for name, other in (("label_sequences", label_sequences), ("attention_masks", attention_masks)):
-        if other is not None and len(other) != num:
-            raise ValueError(f"`{name}` has {len(other)} entries but there are {num} input sequences.")
-
-    samples, stripped, stripped_samples = [], 0, 0
-    for i in range(num):
-        ids = _as_token_list(input_sequences[i], i)
-        labels = ids if label_sequences is None else _as_token_list(label_sequences[i], i, "labels of sample")
-        if len(labels) != len(ids):
-            raise ValueError(f"Sample {i} has {len(ids)} input ids but {len(labels)} labels; they must match.")
-        if attention_masks is not None:
-            mask = _as_token_list(attention_masks[i], i, "attention mask of sample", allow_bool=True)
-            if len(mask) != len(ids):
-                raise ValueError(
-                    f"Sample {i} has {len(ids)} input ids but an attention mask of length {len(mask)}; they must match."
-                )
-            if ids:
-                start, end = _mask_span(mask, i)
-                if end - start != len(ids):
-                    stripped, stripped_samples = stripped + len(ids) - (end - start), stripped_samples + 1
-                    ids, labels = ids[start:end], labels[start:end]
-        samples.append([ids, list(labels)])
-    if stripped:
-        logger.info("Removed %d padding token(s) (attention_mask == 0) from %d sample(s).", stripped, stripped_samples)
-
-    samples, _ = _apply_overflow(samples, max_length, overflow)
-    for parts in samples:
-        parts[1][0] = label_pad_id
-    rows = pack_lengths([len(parts[0]) for parts in samples], max_length, strategy=strategy, seed=seed)
-    packed_inputs, _ = _fill_rows([parts[0] for parts in samples], rows, max_length, pad_token_id)
-    packed_labels, _ = _fill_rows([parts[1] for parts in samples], rows, max_length, label_pad_id)
-    index_in_row: list[list[int]] = [[] for _ in samples]
-    for row in rows:
-        for k, s in enumerate(row):
-            index_in_row[s] = [k + 1] * len(samples[s][0])
-    sample_index, _ = _fill_rows(index_in_row, rows, max_length, 0)
-    outputs: tuple[torch.Tensor, ...] = (packed_inputs, packed_labels, sample_index)
-    if return_position_ids:
-        outputs += (position_ids_from_sample_index(sample_index),)
-    return PackedRows(outputs)
-
-
-def position_ids_from_sample_index(sample_index: torch.Tensor) -> torch.Tensor:
-    """Position ids restarting at 0 wherever the sample index changes along the last dimension.
-
-    Args:
-        sample_index: ``(..., T)`` integer tensor, e.g. ``sample_index`` from [`concatenate_and_pack`]. Trailing
-            padding (index 0) counts as one more pseudo-sample, so its positions also start at 0.
-
-    Returns:
-        ``(..., T)`` int64 position ids.
-
-    Example:
-        >>> position_ids_from_sample_index(torch.tensor([[1, 1, 1, 2, 2, 0, 0]]))
-        tensor([[0, 1, 2, 0, 1, 0, 1]])
-    """
-    t = sample_index.shape[-1]
-    arange = torch.arange(t, dtype=torch.long, device=sample_index.device).expand_as(sample_index)
-    starts = torch.ones_like(sample_index, dtype=torch.bool)
-    starts[..., 1:] = sample_index[..., 1:] != sample_index[..., :-1]
-    start_positions = torch.where(starts, arange, torch.zeros_like(arange)).cummax(dim=-1).values
-    return arange - start_positions
+        return getattr(tensor_packing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
