@@ -21,11 +21,14 @@ import torch
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
-__all__ = ["make_mask_function", "packed_forward_active", "packed_info_for_forward"]
+__all__ = ["SEQ_PARENTS_KEY", "make_mask_function", "packed_forward_active", "packed_info_for_forward"]
 
 # Per thread (nn.DataParallel runs its replicas in threads): a stack of (decoder, PackedSeqInfo) for the packed
 # forwards now running, innermost last.
 _state = threading.local()
+
+# The batch key of the branch structure (shared prefixes): ``(num_seqs,)`` int, ``-1`` or the sample each continues.
+SEQ_PARENTS_KEY = "packed_seq_parents"
 
 # Keys of a decoder forward's kwargs that mark a batch as explicitly packed.
 _METADATA_KEYS = ("packed_seq_lengths", "cu_seq_lens_q")
@@ -144,8 +147,13 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     info = None
     lengths, cu_q, cu_k = kwargs.get("packed_seq_lengths"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if lengths is not None or cu_q is not None:
+        parents = kwargs.pop(SEQ_PARENTS_KEY, None)
         if lengths is not None:
-            info = PackedSeqInfo.from_seq_lengths(lengths, batch_size=batch_size, seq_len=seq_len)
+            info = PackedSeqInfo.from_seq_lengths(
+                lengths, batch_size=batch_size, seq_len=seq_len, seq_parents=parents
+            )
+        elif parents is not None:
+            raise ValueError(f"`{SEQ_PARENTS_KEY}` needs `packed_seq_lengths` (the samples the parents refer to).")
         else:
             info = PackedSeqInfo.from_cu_seqlens(cu_q, batch_size=batch_size, seq_len=seq_len)
         for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
@@ -170,6 +178,11 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             kwargs["attention_mask"] = None
         if position_ids is None:
             kwargs["position_ids"] = info.position_ids(reference.device)
+        elif info.is_branched and not torch.equal(position_ids.detach().cpu().expand(batch_size, -1), info.position_ids()):
+            raise ValueError(
+                "`position_ids` do not match the branched samples (`packed_seq_parents`): every branch continues its "
+                "prefix's positions; pass no `position_ids` to have them filled in."
+            )
     elif position_ids is not None and seq_len > 1 and cached == 0 and _hides_nothing(attention_mask):
         if position_ids.shape[0] != batch_size:
             position_ids = position_ids.expand(batch_size, -1)
