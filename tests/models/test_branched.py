@@ -90,7 +90,9 @@ def test_a_parent_in_another_row_is_refused():
 
 
 # gemma2 has no SDPA implementation in transformers (softcap); eager is its backend.
-CASES = [(arch, backend) for arch in ARCHITECTURES for backend in ("sdpa", "eager") if (arch, backend) != ("gemma2", "sdpa")]
+CASES = [
+    (arch, backend) for arch in ARCHITECTURES for backend in ("sdpa", "eager") if (arch, backend) != ("gemma2", "sdpa")
+]
 
 
 @pytest.mark.parametrize("arch, backend", CASES)
@@ -141,3 +143,77 @@ def test_mismatched_position_ids_are_refused():
     batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0)
     with pytest.raises(ValueError, match="branched"):
         model(**batch)
+
+
+# -- the attention helper alone: every backend, window, softcap, GQA; the GPU kernels with @pytest.mark.gpu ----------
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _reference_attention(q, k, v, info, *, scaling, window, softcap):
+    """fp64 attention of every branch over ``[prefix; branch]`` (prefix alone for a root), one unit at a time."""
+    q, k, v = (x[0].double() for x in (q, k, v))  # (H, T, D)
+    heads_per_kv = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(heads_per_kv, 0), v.repeat_interleave(heads_per_kv, 0)
+    out = torch.zeros(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float64)
+    starts, lengths, parents = info.cu_seqlens.tolist(), info.seq_lengths.tolist(), info.seq_parents.tolist()
+    for index, parent in enumerate(parents):
+        own = list(range(starts[index], starts[index] + lengths[index]))
+        keys = (list(range(starts[parent], starts[parent] + lengths[parent])) if parent >= 0 else []) + own
+        scores = q[:, own] @ k[:, keys].transpose(1, 2) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        i = torch.arange(len(own)).unsqueeze(1) + len(keys) - len(own)
+        j = torch.arange(len(keys)).unsqueeze(0)
+        allowed = (j <= i) & ((j > i - window) if window is not None else True)
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[own] = (weights @ v[:, keys]).transpose(0, 1)
+    return out
+
+
+def _attention_case(backend, window, softcap, dtype, device, monkeypatch):
+    from unpack_trainer.patches import attention
+
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    lengths, parents = [7, 3, 5, 4, 9, 2, 1, 6], [-1, 0, 0, -1, -1, 4, 4, 4]
+    info = PackedSeqInfo.from_seq_lengths(
+        torch.tensor(lengths), batch_size=1, seq_len=sum(lengths), seq_parents=parents
+    )
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, sum(lengths), 16, generator=generator) for h in (4, 2, 2))
+    q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
+    out, _ = attention.packed_attention_forward(
+        _Module(), q, k, v, None, scaling=0.25, sliding_window=window, softcap=softcap, packed_seq_info=info
+    )
+    expected = _reference_attention(
+        q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), info, scaling=0.25, window=window, softcap=softcap
+    )
+    return out[0].float().cpu(), expected
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("backend, softcap", [("sdpa", None), ("eager", None), ("eager", 2.0)])
+def test_branched_attention_equals_the_reference(backend, softcap, window, monkeypatch):
+    out, expected = _attention_case(backend, window, softcap, torch.float32, "cpu", monkeypatch)
+    _close(out.double(), expected, f"{backend} window={window} softcap={softcap}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+def test_branched_attention_on_the_cuda_kernels(backend, window, monkeypatch):
+    from unpack_trainer.patches import attention
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    if backend == "xformers":
+        pytest.importorskip("xformers")
+    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    out, expected = _attention_case(backend, window, None, torch.bfloat16, "cuda", monkeypatch)
+    error = (out.double() - expected).abs().max() / expected.abs().max()
+    assert error <= 2e-2, f"{backend}: relative error {float(error):.2e}"
