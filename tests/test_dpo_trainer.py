@@ -1,0 +1,176 @@
+"""unpack_trainer.DPOTrainer == trl.DPOTrainer on the same pairs: one step's loss, every logged metric, the
+per-pair chosen/rejected log-probs and every gradient, fp32 relative 1e-5; every loss_type TRL 1.16 offers, lists
+with loss_weights, ld_alpha, use_weighting, every f_divergence_type, label smoothing; llama, qwen3 (window),
+gemma2 (softcap), a MoE with its auxiliary loss; full fine-tuning with a separate reference model, LoRA (reference =
+adapter disabled) and precomputed reference log-probs; prompts shared and not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+
+from unpack_trainer.dpo_config import DPOConfig
+from unpack_trainer.tiny import char_tokenizer, tiny_model
+from unpack_trainer.trainers.dpo import DPOTrainer
+
+REL = 1e-5
+LOSS_TYPES = [
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+]  # fmt: skip
+SIZES = dict(hidden_size=32, max_position_embeddings=256, sliding_window=6, head_dim=8)
+MODELS = {
+    "llama": {},
+    "qwen3": dict(use_sliding_window=True, max_window_layers=1),
+    "gemma2": dict(attn_logit_softcapping=20.0, final_logit_softcapping=15.0, query_pre_attn_scalar=8),
+    "qwen3_moe": dict(router_aux_loss_coef=0.3),
+}
+ATTENTION = {"gemma2": "eager"}
+NUM_PAIRS = 4
+
+
+def _pairs(n: int = NUM_PAIRS, seed: int = 0, conversational: bool = False) -> Dataset:
+    rng = random.Random(seed)
+
+    def text(low: int, high: int) -> str:
+        return "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(low, high)))
+
+    rows = [{"prompt": text(3, 12), "chosen": text(1, 9), "rejected": text(1, 9)} for _ in range(n)]
+    rows[0]["chosen"] = rows[0]["rejected"][:2] + "x"  # a pair whose completions share their first tokens (ld_alpha)
+    if conversational:
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in rows
+        ]
+    return Dataset.from_list(rows)
+
+
+def _model(model_type: str, seed: int):
+    tokenizer = char_tokenizer()
+    overrides = {**SIZES, **MODELS[model_type], "vocab_size": len(tokenizer)}
+    return tiny_model(model_type, seed=seed, attn_implementation=ATTENTION.get(model_type, "sdpa"), **overrides)
+
+
+def one_step(
+    trainer_class, config_class, tmp_path, *, model_type="llama", reference="model", dataset=None, **config
+) -> dict:
+    """One training step's loss, metrics, per-pair log-probs and gradients of ``trainer_class`` on the dataset's
+    first ``NUM_PAIRS`` pairs (one batch)."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = char_tokenizer()
+    policy = _model(model_type, seed=0)
+    ref_model = None
+    if reference == "model":
+        ref_model = _model(model_type, seed=1)
+    elif reference == "peft":
+        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    args = config_class(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=NUM_PAIRS,
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        precompute_ref_log_probs=reference == "precompute",
+        **config,
+    )
+    trainer = trainer_class(
+        model=policy, ref_model=ref_model, args=args, train_dataset=dataset or _pairs(), processing_class=tokenizer
+    )
+    examples = [trainer.train_dataset[i] for i in range(NUM_PAIRS)]
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    model = trainer.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        logps = torch.stack(trainer.compute_ref_log_probs(model, batch))
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    return {"loss": loss.detach(), "grads": grads, "metrics": metrics, "logps": logps, "trainer": trainer}
+
+
+def _close(actual, expected, what: str) -> None:
+    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    scale = expected.abs().max().clamp(min=1e-6)
+    error = float((actual - expected).abs().max() / scale)
+    assert error <= REL, f"{what}: relative error {error:.2e} ({actual.tolist()} vs {expected.tolist()})"
+
+
+def assert_same_step(ours: dict, stock: dict) -> None:
+    _close(ours["loss"], stock["loss"], "loss")
+    _close(ours["logps"], stock["logps"], "chosen/rejected log-probs")
+    assert ours["metrics"].keys() == stock["metrics"].keys()
+    for key, value in stock["metrics"].items():
+        _close(ours["metrics"][key], value, f"metric {key}")
+    assert ours["grads"].keys() == stock["grads"].keys()
+    for name, grad in stock["grads"].items():
+        _close(ours["grads"][name], grad, f"gradient of {name}")
+
+
+def compare(tmp_path, *, prefix_sharing: bool = True, **kwargs) -> dict:
+    stock = one_step(trl.DPOTrainer, trl.DPOConfig, tmp_path / "stock", **kwargs)
+    ours = one_step(DPOTrainer, DPOConfig, tmp_path / "ours", prefix_sharing=prefix_sharing, **kwargs)
+    assert ours["trainer"].unpack_packed, ours["trainer"].unpack_reason
+    assert "packed_input_ids" in ours["trainer"].data_collator([ours["trainer"].train_dataset[0]])
+    assert_same_step(ours, stock)
+    return ours
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_equals_stock(loss_type, tmp_path):
+    label_smoothing = 0.1 if loss_type in ("exo_pair", "robust", "aot", "aot_unpaired") else 0.0
+    compare(tmp_path, loss_type=[loss_type], label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(loss_type=["sigmoid", "sft", "ipo"], loss_weights=[1.0, 0.5, 0.25]),
+        dict(ld_alpha=0.5),
+        dict(use_weighting=True),
+        dict(f_divergence_type="forward_kl"),
+        dict(f_divergence_type="js_divergence"),
+        dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5),
+        dict(label_smoothing=0.2),
+    ],
+    ids=["loss_weights", "ld_alpha", "use_weighting", "forward_kl", "js_divergence", "alpha_divergence", "smoothing"],
+)
+def test_loss_options_equal_stock(config, tmp_path):
+    compare(tmp_path, **config)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "qwen3_moe"])
+def test_architectures_equal_stock(model_type, tmp_path):
+    ours = compare(tmp_path, model_type=model_type)
+    if model_type == "qwen3_moe":
+        assert "aux_loss" in ours["metrics"]
+
+
+@pytest.mark.parametrize("reference", ["peft", "precompute"])
+def test_reference_variants_equal_stock(reference, tmp_path):
+    compare(tmp_path, reference=reference)
+
+
+def test_without_prefix_sharing_equals_stock(tmp_path):
+    ours = compare(tmp_path, prefix_sharing=False)
+    batch = ours["trainer"].data_collator([ours["trainer"].train_dataset[0]])
+    assert batch["packed_seq_parents"].tolist() == [-1, -1]
+
+
+def test_truncation_equals_stock(tmp_path):
+    for mode in ("keep_start", "keep_end"):
+        compare(tmp_path / mode, max_length=10, truncation_mode=mode)
+
+
+def test_conversational_pairs_equal_stock(tmp_path):
+    compare(tmp_path, dataset=_pairs(conversational=True))

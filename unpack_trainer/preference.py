@@ -1,0 +1,243 @@
+"""Packed preference batches: many (prompt, chosen, rejected) pairs in one row, the prompt shared by both answers.
+
+TRL's ``DataCollatorForPreference`` pads ``[p, c]`` and ``[p, r]`` to the longest sequence of the batch (chosen rows
+first, then rejected rows), so every prompt runs twice and every row pays for the longest. Here the pairs of a batch
+go into one packed row instead. With ``prefix_sharing=True`` a pair is one branched segment ``[p, c, r]``: ``c`` and
+``r`` both continue from ``p`` (``packed_seq_parents``, see :mod:`unpack_trainer.packed_seq_info`), so the prompt runs
+once; with ``prefix_sharing=False`` the pair is the two plain samples ``[p, c]`` and ``[p, r]``.
+
+The batch keeps TRL's padded *view* (``input_ids``, ``attention_mask``, ``completion_mask`` exactly as TRL's collator
+makes them, never run through the model) next to the packed row that is run, and the map between the two::
+
+    pairs            (p=[5, 6], c=[7], r=[8, 9])
+    input_ids        [[5, 6, 7, 0], [5, 6, 8, 9]]          TRL's padded view (2 * num_pairs, L)
+    packed_input_ids [[5, 6, 7, 8, 9]]                     the row the model runs (1, T)
+    packed_seq_lengths [2, 1, 2]   packed_seq_parents [-1, 0, 0]
+    packed_position_ids [[0, 1, 2, 2, 3]]
+    packed_view_index  [[0, 1, 2, 0], [0, 1, 3, 4]]        packed token of each view token (0 on view padding)
+
+The model hook (:func:`install_packed_view`) runs the packed row and hands back the last hidden state (and MoE router
+logits) gathered into the view's layout, so TRL's loss code reads exactly the per-token values of its padded batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.data.data_collator import DataCollatorMixin
+
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
+
+__all__ = ["PACKED_VIEW_KEYS", "DataCollatorForPackedPreference", "install_packed_view", "pack_preference_pairs"]
+
+# The keys the packed preference collator adds to TRL's padded view; the model hook consumes them.
+PACKED_VIEW_KEYS: tuple[str, ...] = (
+    "packed_input_ids",
+    "packed_position_ids",
+    "packed_seq_lengths",
+    SEQ_PARENTS_KEY,
+    "packed_view_index",
+)
+
+
+def _truncate(ids: list[int], max_length: int | None, mode: str) -> list[int]:
+    if max_length is None:
+        return ids
+    if mode == "keep_start":
+        return ids[:max_length]
+    if mode == "keep_end":
+        return ids[-max_length:]
+    raise ValueError(f"Unsupported truncation mode: {mode}, expected 'keep_start' or 'keep_end'")
+
+
+def pack_preference_pairs(
+    examples: list[dict[str, Any]],
+    *,
+    max_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    prefix_sharing: bool = True,
+    view_length: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The packed row of ``examples`` and its map to TRL's padded view.
+
+    Sequences are truncated as TRL's ``DataCollatorForPreference`` truncates them (``[p, c]`` and ``[p, r]`` each to
+    ``max_length``). With ``prefix_sharing``, the prompt tokens both truncated sequences keep at the same positions
+    are shared (all of ``p``, or its first ``max_length`` tokens, with ``keep_start``; with ``keep_end``, a pair that
+    was cut is packed unshared); an empty branch (a completion cut away) is left out.
+
+    Args:
+        examples: dicts with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (lists of ints).
+        view_length: ``L`` of the padded view (default: its longest sequence).
+
+    Returns:
+        ``packed_input_ids`` / ``packed_position_ids`` ``(1, T)`` int64, ``packed_seq_lengths`` ``(num_seqs,)`` int32,
+        ``packed_seq_parents`` ``(num_seqs,)`` int64 (``-1`` or the prompt a branch continues), ``packed_view_index``
+        ``(2 * num_pairs, L)`` int64: the packed token of each view token, chosen rows first, 0 on view padding.
+    """
+    ids: list[int] = []
+    lengths: list[int] = []
+    parents: list[int] = []
+    views: list[list[int]] = []  # per view row: packed positions, chosen rows then rejected rows
+    chosen_views, rejected_views = [], []
+
+    def add(tokens: list[int], parent: int) -> list[int]:
+        start = len(ids)
+        ids.extend(tokens)
+        lengths.append(len(tokens))
+        parents.append(parent)
+        return list(range(start, start + len(tokens)))
+
+    for index, example in enumerate(examples):
+        prompt = list(example["prompt_ids"])
+        chosen = _truncate(prompt + list(example["chosen_ids"]), max_length, truncation_mode)
+        rejected = _truncate(prompt + list(example["rejected_ids"]), max_length, truncation_mode)
+        if not chosen or not rejected:
+            raise ValueError(f"Preference pair {index} has an empty sequence after truncation to {max_length}.")
+        cut = len(chosen) < len(prompt) + len(example["chosen_ids"]) or len(rejected) < len(prompt) + len(
+            example["rejected_ids"]
+        )
+        shared = 0
+        if prefix_sharing and not (cut and truncation_mode == "keep_end"):
+            shared = min(len(prompt), len(chosen), len(rejected))
+        if shared == 0:
+            chosen_views.append(add(chosen, -1))
+            rejected_views.append(add(rejected, -1))
+            continue
+        root = len(lengths)
+        prefix = add(chosen[:shared], -1)
+        chosen_views.append(prefix + (add(chosen[shared:], root) if len(chosen) > shared else []))
+        rejected_views.append(prefix + (add(rejected[shared:], root) if len(rejected) > shared else []))
+    views = chosen_views + rejected_views
+    longest = max(len(view) for view in views)
+    view_length = longest if view_length is None else view_length
+    if view_length < longest:
+        raise ValueError(f"view_length={view_length} is shorter than the longest sequence ({longest} tokens).")
+    view_index = torch.zeros(len(views), view_length, dtype=torch.int64)
+    for row, view in enumerate(views):
+        view_index[row, : len(view)] = torch.tensor(view, dtype=torch.int64)
+    seq_lengths = torch.tensor(lengths, dtype=torch.int32)
+    seq_parents = torch.tensor(parents, dtype=torch.int64)
+    info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=1, seq_len=len(ids), seq_parents=seq_parents)
+    return {
+        "packed_input_ids": torch.tensor(ids, dtype=torch.int64).unsqueeze(0),
+        "packed_position_ids": info.position_ids(),
+        "packed_seq_lengths": seq_lengths,
+        SEQ_PARENTS_KEY: seq_parents,
+        "packed_view_index": view_index,
+    }
+
+
+@dataclass
+class DataCollatorForPackedPreference(DataCollatorMixin):
+    """TRL's preference collator plus the packed row the model runs (see the module docstring).
+
+    Args:
+        pad_token_id (`int`):
+            Token ID of the padded view's padding (never run through the model).
+        max_length (`int` or `None`, *optional*):
+            Truncation of ``[p, c]`` and ``[p, r]``, as in TRL's ``DataCollatorForPreference``.
+        truncation_mode (`str`, *optional*, defaults to `"keep_start"`):
+            `"keep_start"` or `"keep_end"`, as in TRL.
+        pad_to_multiple_of (`int` or `None`, *optional*):
+            Padding of the view, as in TRL.
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            Run each prompt once, ``[p, c, r]`` as one branched segment; `False` packs ``[p, c]`` and ``[p, r]`` as two
+            plain samples.
+    """
+
+    pad_token_id: int
+    max_length: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | None = None
+    prefix_sharing: bool = True
+    return_tensors: str = "pt"
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        view = DataCollatorForPreference(
+            pad_token_id=self.pad_token_id,
+            max_length=self.max_length,
+            truncation_mode=self.truncation_mode,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).torch_call(examples)
+        packed = pack_preference_pairs(
+            examples,
+            max_length=self.max_length,
+            truncation_mode=self.truncation_mode,
+            prefix_sharing=self.prefix_sharing,
+            view_length=view["input_ids"].shape[1],
+        )
+        return {**view, **packed}
+
+
+# -- the model side ---------------------------------------------------------------------------------------------------
+
+
+class _PackedView:
+    """Forward hooks on a decoder (the backbone under the LM head): a call carrying ``packed_input_ids`` runs the
+    packed row instead of the padded view, and its outputs come back in the view's layout."""
+
+    def __init__(self) -> None:
+        self.index: torch.Tensor | None = None
+
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from unpack_trainer.models import is_patched
+
+        self.index = None
+        if kwargs.get("packed_input_ids") is None:
+            return args, kwargs
+        if args:
+            raise ValueError("A packed preference batch must reach the decoder as keyword arguments.")
+        if not is_patched(module):
+            raise ValueError(
+                f"A packed preference batch reached {type(module).__name__}, which is not patched for packing "
+                "(unpack_trainer.models.patch_model): its attention would not follow the packed samples."
+            )
+        view_ids = kwargs.pop("input_ids")
+        index = kwargs.pop("packed_view_index")
+        if index.shape != view_ids.shape:
+            raise ValueError(
+                f"`packed_view_index` has shape {tuple(index.shape)} but the padded view is {tuple(view_ids.shape)}."
+            )
+        kwargs["input_ids"] = kwargs.pop("packed_input_ids").to(view_ids.device)
+        kwargs["position_ids"] = kwargs.pop("packed_position_ids").to(view_ids.device)
+        kwargs.pop("attention_mask", None)
+        self.index = index
+        return args, kwargs
+
+    def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        index, self.index = self.index, None
+        if index is None:
+            return output
+        hidden = output.last_hidden_state
+        flat = index.reshape(-1).to(hidden.device)
+        output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).view(*index.shape, -1)
+        router_logits = getattr(output, "router_logits", None)
+        if router_logits is not None:
+            output.router_logits = tuple(
+                layer if layer is None else layer.reshape(-1, layer.shape[-1]).index_select(0, flat.to(layer.device))
+                for layer in router_logits
+            )
+        return output
+
+
+def install_packed_view(decoder: torch.nn.Module) -> None:
+    """Let ``decoder`` (the model's backbone, e.g. ``LlamaModel``) run packed preference batches; idempotent.
+
+    A forward with ``packed_input_ids`` (and the other :data:`PACKED_VIEW_KEYS`) runs the packed row; its
+    ``last_hidden_state`` ``(1, T, H)`` comes back as ``(2 * num_pairs, L, H)``, each view token's hidden state read
+    from its packed token (a shared prompt token feeds both its chosen and its rejected row), and ``router_logits``
+    (one ``(T, num_experts)`` per layer) as ``(2 * num_pairs * L, num_experts)``, so the LM head, the loss and the MoE
+    auxiliary loss see the padded batch's values. The hook runs before the packing patch's own hook, which then finds
+    the packing metadata. A forward without ``packed_input_ids`` is untouched.
+    """
+    if getattr(decoder, "_unpack_packed_view", None) is not None:
+        return
+    view = _PackedView()
+    decoder.register_forward_pre_hook(view.before, with_kwargs=True, prepend=True)
+    decoder.register_forward_hook(view.after, with_kwargs=True)
+    decoder._unpack_packed_view = view
