@@ -72,7 +72,9 @@ def one_step(
     if reference == "model":
         ref_model = _model(model_type, seed=1)
     elif reference == "peft":
-        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+        policy = get_peft_model(
+            policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
     args = config_class(
         output_dir=str(tmp_path),
         per_device_train_batch_size=NUM_PAIRS,
@@ -174,3 +176,105 @@ def test_truncation_equals_stock(tmp_path):
 
 def test_conversational_pairs_equal_stock(tmp_path):
     compare(tmp_path, dataset=_pairs(conversational=True))
+
+
+# -- decisions, switches, fallbacks and a real run ------------------------------------------------------------------
+
+
+def _trainer(tmp_path, *, args=None, **kwargs):
+    tokenizer = char_tokenizer()
+    if args is None:
+        args = DPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[], bf16=False, use_cpu=True
+        )
+    return DPOTrainer(
+        model=_model("llama", 0),
+        ref_model=_model("llama", 1),
+        args=args,
+        train_dataset=_pairs(),
+        processing_class=tokenizer,
+        **kwargs,
+    )
+
+
+def test_packing_false_is_stock(tmp_path):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    args = DPOConfig(output_dir=str(tmp_path), packing=False, report_to=[], bf16=False, use_cpu=True)
+    trainer = _trainer(tmp_path, args=args)
+    assert not trainer.unpack_packed and "packing=False" in trainer.unpack_reason
+    assert type(trainer.data_collator) is DataCollatorForPreference
+
+
+def test_unpack_disable_is_stock(tmp_path, monkeypatch):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    monkeypatch.setenv("UNPACK_DISABLE", "1")
+    trainer = _trainer(tmp_path)
+    assert not trainer.unpack_packed
+    assert type(trainer.data_collator) is DataCollatorForPreference
+
+
+def test_custom_collator_turns_packing_off_with_the_reason(tmp_path, caplog):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    collator = DataCollatorForPreference(pad_token_id=0)
+    with caplog.at_level("WARNING", logger="unpack_trainer"):
+        trainer = _trainer(tmp_path, data_collator=collator)
+    assert not trainer.unpack_packed and trainer.data_collator is collator
+    assert "custom data_collator" in caplog.text
+
+
+def test_a_plain_trl_config_gets_our_defaults(tmp_path):
+    args = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, beta=0.3)
+    trainer = _trainer(tmp_path, args=args)
+    assert trainer.unpack_packed and trainer.args.prefix_sharing and trainer.args.beta == 0.3
+    assert trainer.data_collator.prefix_sharing
+
+
+def test_a_failed_self_check_trains_padded(tmp_path, monkeypatch):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from unpack_trainer import selfcheck
+
+    failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
+    monkeypatch.setattr(selfcheck, "check_uncontaminated", lambda *a, **k: failed)
+    trainer = _trainer(tmp_path)
+    assert not trainer.unpack_packed and "self-check failed" in trainer.unpack_reason
+    assert type(trainer.data_collator) is DataCollatorForPreference
+    monkeypatch.setenv("UNPACK_STRICT", "1")
+    with pytest.raises(RuntimeError, match="UNPACK_STRICT"):
+        _trainer(tmp_path)
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_train_and_evaluate_on_the_embedded_preference_set(conversational, tmp_path):
+    from peft import LoraConfig
+    from transformers import LlamaForCausalLM
+
+    from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
+    from unpack_trainer.preference_data import load_default_preference_dataset
+
+    tokenizer = load_default_tokenizer()
+    config = tiny_model_config(tokenizer)
+    config.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8))  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    train = load_default_preference_dataset("train", conversational=conversational).select(range(16))
+    evaluation = load_default_preference_dataset("eval", conversational=conversational).select(range(8))
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, max_length=256,
+                     report_to=[], bf16=False, use_cpu=True, eval_strategy="no")  # fmt: skip
+    trainer = DPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, target_modules="all-linear"),
+    )
+    assert trainer.unpack_packed
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    metrics = trainer.evaluate()
+    assert "eval_rewards/accuracies" in metrics and torch.isfinite(torch.tensor(metrics["eval_loss"]))

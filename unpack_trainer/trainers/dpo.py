@@ -44,22 +44,31 @@ def _as_our_config(args: Any) -> DPOConfig:
     return DPOConfig(**{name: value for name, value in values.items() if name in names})
 
 
-def _blocked_reason(model: Any, args: DPOConfig, data_collator: Any, train_dataset: Any) -> str | None:
-    """Why these pairs cannot be packed exactly (``None`` when they can), checked before TRL's ``__init__``."""
-    from unpack_trainer.models import refusal_reason
+def _blocked_reason(
+    model: Any, args: DPOConfig, data_collator: Any, processing_class: Any, train_dataset: Any, peft_config: Any
+) -> str | None:
+    """Why these pairs cannot be packed exactly (``None`` when they can): the SFT trainer's checks
+    ([`unpack_trainer.decision.blocked_reason`]: custom collator, processor, images, vision / encoder-decoder model,
+    blocklist, prompt-learning PEFT, a model the patch refuses), before TRL's ``__init__``."""
+    from unpack_trainer.decision import blocked_reason
+    from unpack_trainer.models import BLOCKLIST
 
-    if data_collator is not None:
-        return "a custom `data_collator` is set; remove it to pack"
-    sample = next(iter(train_dataset)) if train_dataset is not None else {}
-    if "image" in sample or "images" in sample:
-        return "vision datasets are not packed"
-    peft_config = getattr(model, "peft_config", None) if not isinstance(model, str) else None
-    for config in (peft_config or {}).values() if isinstance(peft_config, dict) else []:
-        if getattr(config, "is_prompt_learning", False):
-            return "prompt-learning PEFT adds virtual tokens to every sequence"
-    if not isinstance(model, str):
-        return refusal_reason(model.config)
-    return None
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+    else:
+        model_config = model.config
+    if peft_config is None and not isinstance(model, str):
+        peft_config = getattr(model, "peft_config", None)
+    return blocked_reason(
+        model_config=model_config,
+        data_collator=data_collator,
+        processing_class=processing_class,
+        dataset_sample=next(iter(train_dataset)) if train_dataset is not None else None,
+        blocklist=BLOCKLIST,
+        peft_config=peft_config,
+    )
 
 
 class DPOTrainer(trl.DPOTrainer):
@@ -70,11 +79,25 @@ class DPOTrainer(trl.DPOTrainer):
 
     Attributes:
         unpack_packed (`bool`): whether batches are packed.
-        unpack_reason (`str`): why (or why not), also logged once when training starts.
+        unpack_reason (`str`): why (or why not), logged once at ``__init__``.
+        unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result (``None`` when nothing is packed).
     """
 
-    def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
-                 train_dataset: Any = None, *pos: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        ref_model: Any = None,
+        args: Any = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_metrics: Any = None,
+        callbacks: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+    ) -> None:
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "name_or_path", None) or "model"
             args = DPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-DPO")
@@ -86,16 +109,33 @@ class DPOTrainer(trl.DPOTrainer):
         elif not requested:
             reason = "packing=False"
         else:
-            reason = _blocked_reason(model, args, data_collator, train_dataset)
+            reason = _blocked_reason(model, args, data_collator, processing_class, train_dataset, peft_config)
         self.unpack_packed = reason is None
-        self.unpack_reason = "packed pairs" + (", prefix shared" if args.prefix_sharing else "") if reason is None \
+        self.unpack_reason = (
+            "packed pairs" + (", prefix shared" if args.prefix_sharing else "")
+            if reason is None
             else f"padded batches: {reason}"
+        )
         if reason is not None and requested and reason != "UNPACK_DISABLE=1":
             log_once(logger, logging.WARNING, f"DPOTrainer: packing turned off: {reason}.")
         self._unpack_ready = False
+        self.unpack_selfcheck = None
         trl_args = copy.copy(args)
         trl_args.padding_free = False  # TRL 1.16 turns it off with a warning; the packed path replaces it
-        super().__init__(model, ref_model, trl_args, data_collator, train_dataset, *pos, **kwargs)
+        super().__init__(
+            model,
+            ref_model,
+            trl_args,
+            data_collator,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            compute_metrics,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+        )
         if self.unpack_packed:
             self._enable_packed_path()
         log_once(logger, logging.INFO, f"DPOTrainer: {self.unpack_reason}.")
@@ -104,10 +144,11 @@ class DPOTrainer(trl.DPOTrainer):
         """Swap in the packed collator, patch the policy and the reference model, and hook their decoders; once."""
         if self._unpack_ready:
             return
+        self._unpack_ready = True
         from unpack_trainer.models import patch_model
 
-        stock = self.data_collator
-        self.data_collator = DataCollatorForPackedPreference(
+        stock = self._unpack_stock_collator = self.data_collator
+        packed = DataCollatorForPackedPreference(
             pad_token_id=stock.pad_token_id,
             max_length=stock.max_length,
             truncation_mode=stock.truncation_mode,
@@ -121,7 +162,27 @@ class DPOTrainer(trl.DPOTrainer):
             patch_model(model)
             pretrained = model.get_base_model() if is_peft_model(model) else model
             install_packed_view(pretrained.base_model)
-        self._unpack_ready = True
+        if self._unpack_self_check():
+            self.data_collator = packed
+
+    def _unpack_self_check(self) -> bool:
+        """The contamination self-check on the patched policy, before any packed batch (the reference log-probs
+        precomputed at ``__init__`` included); on failure, batches stay TRL's padded ones (``UNPACK_STRICT=1``:
+        raise)."""
+        from unpack_trainer.selfcheck import check_uncontaminated
+
+        report = check_uncontaminated(self.model, measure_contamination=False)
+        self.unpack_selfcheck = report
+        if report.ok:
+            log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
+            return True
+        message = f"Contamination self-check failed ({report.summary()}); training on padded batches instead"
+        if env_flag(os.environ, "UNPACK_STRICT"):
+            raise RuntimeError(message + " (UNPACK_STRICT=1)")
+        log_once(logger, logging.ERROR, message)
+        self.unpack_packed = False
+        self.unpack_reason = f"padded batches: contamination self-check failed ({report.summary()})"
+        return False
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         # TRL precomputes inside its __init__; the packed path is in place from the first precomputed batch.
