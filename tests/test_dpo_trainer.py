@@ -101,9 +101,9 @@ def one_step(
     return {"loss": loss.detach(), "grads": grads, "metrics": metrics, "logps": logps, "trainer": trainer}
 
 
-def _close(actual, expected, what: str) -> None:
+def _close(actual, expected, what: str, scale: float | None = None) -> None:
     actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
-    scale = expected.abs().max().clamp(min=1e-6)
+    scale = expected.abs().max().clamp(min=1e-6) if scale is None else scale
     error = float((actual - expected).abs().max() / scale)
     assert error <= REL, f"{what}: relative error {error:.2e} ({actual.tolist()} vs {expected.tolist()})"
 
@@ -112,8 +112,11 @@ def assert_same_step(ours: dict, stock: dict) -> None:
     _close(ours["loss"], stock["loss"], "loss")
     _close(ours["logps"], stock["logps"], "chosen/rejected log-probs")
     assert ours["metrics"].keys() == stock["metrics"].keys()
+    beta = stock["trainer"].beta
     for key, value in stock["metrics"].items():
-        _close(ours["metrics"][key], value, f"metric {key}")
+        # Rewards and margins are beta * (differences of log-probs): relative to the log-probs they come from.
+        scale = beta * float(stock["logps"].abs().max()) if key.startswith("rewards/") else None
+        _close(ours["metrics"][key], value, f"metric {key}", scale)
     assert ours["grads"].keys() == stock["grads"].keys()
     for name, grad in stock["grads"].items():
         _close(ours["grads"][name], grad, f"gradient of {name}")
@@ -278,3 +281,20 @@ def test_train_and_evaluate_on_the_embedded_preference_set(conversational, tmp_p
     assert torch.isfinite(torch.tensor(result.training_loss))
     metrics = trainer.evaluate()
     assert "eval_rewards/accuracies" in metrics and torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_the_collator_matches_its_worked_example():
+    from unpack_trainer.preference import DataCollatorForPackedPreference
+
+    batch = DataCollatorForPackedPreference(pad_token_id=0)(
+        [{"prompt_ids": [5, 6], "chosen_ids": [7], "rejected_ids": [8, 9]}]
+    )
+    assert batch["packed_input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert batch["packed_seq_lengths"].tolist() == [2, 1, 2]
+    assert batch["packed_seq_parents"].tolist() == [-1, 0, 0]
+    assert batch["packed_position_ids"].tolist() == [[0, 1, 2, 2, 3]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert batch["packed_token_index"].tolist() == [[0, 1, 2, 0], [0, 1, 3, 4]]
+    assert batch["input_ids"].tolist() == [[6, 7, 0], [6, 8, 9]]
+    assert batch["completion_mask"].tolist() == [[0, 1, 0], [0, 1, 1]]
+    assert batch["packed_view_index"].tolist() == [[1, 2, 0], [1, 3, 4]]

@@ -6,18 +6,25 @@ go into one packed row instead. With ``prefix_sharing=True`` a pair is one branc
 ``r`` both continue from ``p`` (``packed_seq_parents``, see :mod:`unpack_trainer.packed_seq_info`), so the prompt runs
 once; with ``prefix_sharing=False`` the pair is the two plain samples ``[p, c]`` and ``[p, r]``.
 
-The batch keeps TRL's padded *view* (``input_ids``, ``attention_mask``, ``completion_mask`` exactly as TRL's collator
-makes them, never run through the model) next to the packed row that is run, and the map between the two::
+The batch keeps TRL's padded *view* of the pairs (what TRL's loss reads, never run through the model) next to the
+packed row that is run, and the maps between the two. The view is TRL's padded batch cut to the completions, each
+row from the token before its completion (whose hidden state predicts the completion's first token), so the LM head
+scores no prompt token; ``attention_mask`` stays TRL's, uncut (TRL counts tokens and weighs the MoE auxiliary loss
+with it)::
 
-    pairs            (p=[5, 6], c=[7], r=[8, 9])
-    input_ids        [[5, 6, 7, 0], [5, 6, 8, 9]]          TRL's padded view (2 * num_pairs, L)
-    packed_input_ids [[5, 6, 7, 8, 9]]                     the row the model runs (1, T)
-    packed_seq_lengths [2, 1, 2]   packed_seq_parents [-1, 0, 0]
+    pair                (p=[5, 6], c=[7], r=[8, 9])
+    packed_input_ids    [[5, 6, 7, 8, 9]]                  the row the model runs (1, T)
+    packed_seq_lengths  [2, 1, 2]   packed_seq_parents [-1, 0, 0]
     packed_position_ids [[0, 1, 2, 2, 3]]
-    packed_view_index  [[0, 1, 2, 0], [0, 1, 3, 4]]        packed token of each view token (0 on view padding)
+    attention_mask      [[1, 1, 1, 0], [1, 1, 1, 1]]       TRL's (2 * num_pairs, L)
+    packed_token_index  [[0, 1, 2, 0], [0, 1, 3, 4]]       packed token of each token of TRL's batch (0: padding)
+    input_ids           [[6, 7, 0], [6, 8, 9]]             the view (2 * num_pairs, L'), chosen rows first
+    completion_mask     [[0, 1, 0], [0, 1, 1]]
+    packed_view_index   [[1, 2, 0], [1, 3, 4]]             packed token of each view token
 
-The model hook (:func:`install_packed_view`) runs the packed row and hands back the last hidden state (and MoE router
-logits) gathered into the view's layout, so TRL's loss code reads exactly the per-token values of its padded batch.
+The model hook (:func:`install_packed_view`) runs the packed row and hands back the last hidden state gathered into
+the view's layout (and MoE router logits into TRL's batch layout), so TRL's loss code reads exactly the per-token
+values of its padded batch.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ PACKED_VIEW_KEYS: tuple[str, ...] = (
     "packed_position_ids",
     "packed_seq_lengths",
     SEQ_PARENTS_KEY,
+    "packed_token_index",
     "packed_view_index",
 )
 
@@ -74,7 +82,7 @@ def pack_preference_pairs(
 
     Returns:
         ``packed_input_ids`` / ``packed_position_ids`` ``(1, T)`` int64, ``packed_seq_lengths`` ``(num_seqs,)`` int32,
-        ``packed_seq_parents`` ``(num_seqs,)`` int64 (``-1`` or the prompt a branch continues), ``packed_view_index``
+        ``packed_seq_parents`` ``(num_seqs,)`` int64 (``-1`` or the prompt a branch continues), ``packed_token_index``
         ``(2 * num_pairs, L)`` int64: the packed token of each view token, chosen rows first, 0 on view padding.
     """
     ids: list[int] = []
@@ -126,7 +134,7 @@ def pack_preference_pairs(
         "packed_position_ids": info.position_ids(),
         "packed_seq_lengths": seq_lengths,
         SEQ_PARENTS_KEY: seq_parents,
-        "packed_view_index": view_index,
+        "packed_token_index": view_index,
     }
 
 
@@ -171,7 +179,54 @@ class DataCollatorForPackedPreference(DataCollatorMixin):
             prefix_sharing=self.prefix_sharing,
             view_length=view["input_ids"].shape[1],
         )
-        return {**view, **packed}
+        return {**view, **packed, **completion_view(view, packed["packed_token_index"], self.pad_to_multiple_of)}
+
+
+def completion_view(
+    view: dict[str, torch.Tensor], token_index: torch.Tensor, pad_to_multiple_of: int | None = None
+) -> dict[str, torch.Tensor]:
+    """TRL's padded view cut to what its loss reads: each row from the token before its completion (the one whose
+    hidden state predicts the completion's first token) to its end, so the LM head scores ``1 + |completion|``
+    positions per row instead of the longest ``|prompt| + |completion|`` of the batch.
+
+    Args:
+        view: ``input_ids`` / ``attention_mask`` / ``completion_mask`` ``(2 * num_pairs, L)`` from TRL's collator.
+        token_index: ``(2 * num_pairs, L)`` int64, the packed token of each view token.
+        pad_to_multiple_of: pad the cut width to a multiple of this, as TRL pads ``L``.
+
+    Returns:
+        ``input_ids``, ``completion_mask`` and ``packed_view_index`` ``(2 * num_pairs, L')`` (padding: the pad id of
+        ``input_ids``' padding, 0, 0). ``attention_mask`` stays ``(2 * num_pairs, L)``: TRL counts the batch's tokens
+        with it, and weighs the MoE auxiliary loss by it over every token (``packed_token_index`` gives the router
+        logits that layout).
+
+    Example::
+
+        input_ids [[5, 6, 7, 0], [5, 6, 8, 9]], completion_mask [[0, 0, 1, 0], [0, 0, 1, 1]]
+        -> input_ids [[6, 7, 0], [6, 8, 9]], completion_mask [[0, 1, 0], [0, 1, 1]]
+    """
+    input_ids, completion_mask = view["input_ids"], view["completion_mask"]
+    lengths = view["attention_mask"].sum(dim=1)
+    has_completion = completion_mask.bool().any(dim=1)
+    first = torch.where(has_completion, completion_mask.argmax(dim=1), lengths)
+    start = (first - 1).clamp(min=0)
+    width = int((lengths - start).max())
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    columns = start.unsqueeze(1) + torch.arange(width).unsqueeze(0)
+    valid = columns < lengths.unsqueeze(1)
+    columns = columns.clamp(max=input_ids.shape[1] - 1)
+    pad_id = input_ids[~view["attention_mask"].bool()]
+    pad_id = int(pad_id[0]) if pad_id.numel() else 0
+
+    def cut(x: torch.Tensor, fill: int) -> torch.Tensor:
+        return x.gather(1, columns).masked_fill(~valid, fill)
+
+    return {
+        "input_ids": cut(input_ids, pad_id),
+        "completion_mask": cut(completion_mask, 0),
+        "packed_view_index": cut(token_index, 0),
+    }
 
 
 # -- the model side ---------------------------------------------------------------------------------------------------
@@ -183,6 +238,7 @@ class _PackedView:
 
     def __init__(self) -> None:
         self.index: torch.Tensor | None = None
+        self.token_index: torch.Tensor | None = None
 
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         from unpack_trainer.models import is_patched
@@ -199,6 +255,7 @@ class _PackedView:
             )
         view_ids = kwargs.pop("input_ids")
         index = kwargs.pop("packed_view_index")
+        self.token_index = kwargs.pop("packed_token_index")
         if index.shape != view_ids.shape:
             raise ValueError(
                 f"`packed_view_index` has shape {tuple(index.shape)} but the padded view is {tuple(view_ids.shape)}."
@@ -218,8 +275,9 @@ class _PackedView:
         output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).view(*index.shape, -1)
         router_logits = getattr(output, "router_logits", None)
         if router_logits is not None:
+            tokens = self.token_index.reshape(-1)
             output.router_logits = tuple(
-                layer if layer is None else layer.reshape(-1, layer.shape[-1]).index_select(0, flat.to(layer.device))
+                layer if layer is None else layer.reshape(-1, layer.shape[-1]).index_select(0, tokens.to(layer.device))
                 for layer in router_logits
             )
         return output
