@@ -20,7 +20,7 @@ from pathlib import Path
 
 from unpack_trainer.cli.commands import CLIError
 
-__all__ = ["add_smollm2_command", "add_sft_command", "make_parser", "run_sft"]
+__all__ = ["add_smollm2_command", "add_sft_command", "launch_script", "make_parser", "run_sft"]
 
 PROG = "unpack-trainer sft"
 SCRIPT = "unpack_trainer.sft_command"  # the module `accelerate launch` runs
@@ -80,11 +80,17 @@ def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]
 def run_sft(argv: Sequence[str]) -> int:
     """``unpack-trainer sft ARGS``: parse as ``trl sft`` does (``--help`` exits here), then ``accelerate launch`` this
     module with the script's arguments; the arguments the parser does not know go to ``accelerate launch``."""
+    return launch_script(argv, make_parser(), SCRIPT)
+
+
+def launch_script(argv: Sequence[str], parser, script: str) -> int:
+    """Parse ``argv`` with ``parser`` (a ``TrlParser``) as ``trl <command>`` does, then ``accelerate launch`` the
+    module ``script`` with the script's arguments; the arguments the parser does not know go to ``accelerate
+    launch``. Returns the exit code."""
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     all_args = list(argv)
-    parser = make_parser()
     try:
         *_, config_remaining, cli_remaining = parser.parse_args_and_config(
             all_args, return_remaining_strings=True, separate_remaining_strings=True
@@ -93,7 +99,7 @@ def run_sft(argv: Sequence[str]) -> int:
         return exit_.code if isinstance(exit_.code, int) else 0
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     script_args = _subtract_subsequence(all_args, cli_remaining)
-    launch = launch_command_parser().parse_args([*launch_args, "--module", SCRIPT, *script_args])
+    launch = launch_command_parser().parse_args([*launch_args, "--module", script, *script_args])
     try:
         launch_command(launch)
     except SystemExit as exit_:
