@@ -153,13 +153,13 @@ def test_split_and_check_rows_packed_ahead():
 
 
 def _imports(module: str) -> set[str]:
-    tree = ast.parse(Path(unpack_trainer.__file__).with_name(f"{module}.py").read_text())
+    tree = ast.parse((Path(unpack_trainer.__file__).parent / f"{module}.py").read_text())
     return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
 
 
 def test_the_data_path_walks_one_way():
     """trainer -> data_utils -> packing / streaming, never back up."""
-    assert "unpack_trainer.data_utils" in _imports("trainer")
-    assert "unpack_trainer.streaming" not in _imports("trainer")
+    assert "unpack_trainer.data_utils" in _imports("trainers/sft")
+    assert "unpack_trainer.streaming" not in _imports("trainers/sft")
     for lower in ("streaming", "packing"):
         assert not {"unpack_trainer.trainer", "unpack_trainer.data_utils"} & _imports(lower), lower

@@ -311,6 +311,27 @@ def test_decision_table(case):
     assert decision.packed == (mode in ("pack", "padding_free"))
 
 
+@pytest.mark.parametrize(
+    "columns",
+    [("pixel_values",), ("pixel_values", "pixel_attention_mask"), ("pixel_values", "image_grid_thw"), ("image_sizes",)],
+)
+@pytest.mark.parametrize("request_kwargs", [{"packing": True}, {}])
+def test_image_columns_under_other_names_block_with_the_reason(columns, request_kwargs):
+    """Issue 20 item 8: a text config whose dataset has processed image columns (``pixel_values``, ...) was packed
+    (only ``image`` / ``images`` were looked for)."""
+    sample = dict(TEXT) | {name: [[0.0]] for name in columns}
+    decision = decide(
+        _config(**request_kwargs),
+        model_config=LlamaConfig(),
+        dataset_sample=sample,
+        supported_model_types=SUPPORTED,
+        blocklist=BLOCKLIST,
+        env={},
+    )
+    assert decision.mode == "padded"
+    assert f"the dataset has images ({', '.join(columns)})" in decision.reason
+
+
 def test_decision_is_pure():
     config = _config(packing=True)
     before = (config.packing, config.padding_free, config.max_length)

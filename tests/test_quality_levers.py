@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer import SFTConfig, SFTTrainer
+from unpack_trainer.loss import sample_weights
 from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit, windowed_best_fit
-from unpack_trainer.trainer import BalancedStepSampler, sample_weights
+from unpack_trainer.sampler import BalancedStepSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

@@ -114,3 +114,39 @@ def test_selfcheck_restores_reassigned_tensors_and_training_flags(tiny_llama):
     assert model.inner.lm_head.weight is weight and weight.data_ptr() == pointer
     assert model.counter is counter and float(counter) == 0.0
     assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+def _hooks_and_flags(model):
+    """Every hook dictionary of every module (copied: the hook objects themselves) and the attributes transformers
+    sets when it installs its output-capturing hooks."""
+    return {
+        (name, key): dict(value) if isinstance(value, dict) else value
+        for name, module in model.named_modules()
+        for key, value in vars(module).items()
+        if ("hooks" in key and isinstance(value, dict)) or key == "_output_capturing_hooks_installed"
+    }
+
+
+def test_selfcheck_leaves_hooks_as_found_and_the_model_picklable(tiny_llama):
+    """Issue 20 item 3: the probe's ``output_hidden_states=True`` forward made transformers install permanent forward
+    hooks (local functions), so ``torch.save(model)`` failed after a packed run."""
+    import io
+
+    model = tiny_llama()
+    before = _hooks_and_flags(model)
+    report = check_uncontaminated(model)
+    assert report.ok, report.summary()
+    assert _hooks_and_flags(model) == before
+    torch.save(model, io.BytesIO())
+    model(input_ids=torch.tensor([[3, 4, 5]]), output_hidden_states=True)  # transformers' own install still works
+    assert getattr(model.model, "_output_capturing_hooks_installed", False)
+
+
+def test_selfcheck_keeps_hooks_installed_before_it(tiny_llama):
+    model = tiny_llama()
+    model(input_ids=torch.tensor([[3, 4, 5]]), output_hidden_states=True)
+    handle = model.model.layers[0].register_forward_hook(lambda module, args, output: None)
+    before = _hooks_and_flags(model)
+    assert check_uncontaminated(model).ok
+    assert _hooks_and_flags(model) == before
+    handle.remove()

@@ -11,7 +11,7 @@ import trl
 from datasets import Dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-import unpack_trainer.trainer as trainer_module
+import unpack_trainer.trainers._packed as trainer_module
 from unpack_trainer import PACKED_BATCH_KEYS, DataCollatorForPacking, SFTTrainer
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
@@ -193,6 +193,17 @@ def test_one_step_equals_padded_training(
     assert ours.unpack_decision.mode == mode and padded.unpack_decision.mode == "padded"
     assert ours_result.training_loss == pytest.approx(padded_result.training_loss, rel=1e-5)
     _assert_same_params(param_snapshot(ours.model), param_snapshot(padded.model))
+
+
+@pytest.mark.parametrize("mode", ["pack", "padding_free"])
+def test_trained_model_can_be_saved_whole(tokenizer, tmp_path, mode, sft_args, sft_train):
+    """Issue 20 item 3: ``torch.save(trainer.model)`` failed after a packed or padding-free run (the self-check left
+    transformers' output-capturing hooks, local functions, on the model)."""
+    import io
+
+    trainer, _ = sft_train(tokenizer, sft_args(tmp_path, packing=mode == "pack"))
+    assert trainer.unpack_decision.mode == mode and trainer.unpack_selfcheck.ok
+    torch.save(trainer.model, io.BytesIO())
 
 
 def test_gradient_accumulation_counts_boundary_tokens_once(tokenizer, tmp_path, param_snapshot, sft_args, sft_train):

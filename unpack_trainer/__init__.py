@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "supported_model_types": "unpack_trainer.models",
     # trainer
     "SFTConfig": "unpack_trainer.config",
-    "SFTTrainer": "unpack_trainer.trainer",
+    "SFTTrainer": "unpack_trainer.trainers.sft",
     "check_uncontaminated": "unpack_trainer.selfcheck",
     # preference training (DPO)
     "DPOConfig": "unpack_trainer.dpo_config",
@@ -122,4 +122,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated
     from unpack_trainer.streaming import StreamingPacker
-    from unpack_trainer.trainer import SFTTrainer
+    from unpack_trainer.trainers.sft import SFTTrainer

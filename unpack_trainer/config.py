@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import trl
+
+ConfigT = TypeVar("ConfigT")
 
 
 @dataclass
@@ -17,7 +21,8 @@ class SFTConfig(trl.SFTConfig):
             Whether to flatten each batch into one row without padding (positions restart per example, no example
             attends to another). `None` lets the trainer decide: it turns padding-free on when the model, collator and
             data allow it and logs why (set `UNPACK_DISABLE_AUTO_PADDING_FREE=1` to keep padded batches). `False` is
-            never overridden. With `packing=True`, rows are always padding-free. Unlike stock TRL, `max_length` is
+            never overridden. With `packing=True`, rows are always padding-free (`False` then has no effect, which a
+            warning says once). Unlike stock TRL, `max_length` is
             enforced (truncation exactly as padded training does), on every attention backend. The automatic choice
             stays off with `neftune_noise_alpha` (its noise scale depends on the row length), and evaluation stays
             padded when `compute_metrics` / `preprocess_logits_for_metrics` is set (unless `eval_packing=True` or
@@ -50,7 +55,8 @@ class SFTConfig(trl.SFTConfig):
             trained token of the step (all gradient-accumulation micro-batches and processes), so a sample weighs
             as much as its number of trained tokens. `"sample"`: the mean over the step's samples of each sample's
             mean token loss, so every sample weighs the same whatever its length; a packed row counts each of its
-            samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss.
+            samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss
+            (`eval_loss`: the mean over the evaluation set's samples, each evaluation batch weighed by its samples).
             Not supported with `loss_type="dft"`, label smoothing or a custom `compute_loss_func`. On the quality
             benchmark's first, 2,000-sample run (README), `"sample"` raised the packed held-out loss per token by 0.12
             against padded training.
@@ -126,3 +132,28 @@ class SFTConfig(trl.SFTConfig):
             raise ValueError(f"`loss_normalization` must be 'token' or 'sample', got {self.loss_normalization!r}.")
         if self.packing_buffer_size <= 0:
             raise ValueError(f"`packing_buffer_size` must be positive, got {self.packing_buffer_size}.")
+
+
+def convert_config(args: Any, config_class: type[ConfigT]) -> ConfigT:
+    """``args`` (any ``TrainingArguments``, e.g. a plain ``trl.SFTConfig``) as ``config_class`` (one of ours).
+
+    Every field ``config_class`` shares with ``args`` is copied (tokens included, which ``to_dict`` hides); the fields
+    only ours have take their documented defaults. A plain TRL config cannot tell an explicit ``padding_free=False``
+    from its default, so its ``False`` becomes ``None`` (not set: the trainer decides); ``True`` stays ``True``. An
+    instance of ``config_class`` is returned as is.
+
+    Example:
+        ``convert_config(trl.SFTConfig("out", packing=True), SFTConfig)`` -> ``SFTConfig`` with ``packing=True``,
+        ``packing_order="windowed"``, ``balance_samples_per_step=True``, ``padding_free=None``.
+    """
+    if isinstance(args, config_class):
+        return args
+    values = args.to_dict()
+    for name in values:
+        if name.endswith("_token"):  # to_dict writes "<HUB_TOKEN>" for hub_token, "<EOS_TOKEN>" for eos_token, ...
+            values[name] = getattr(args, name)
+    names = {f.name for f in dataclasses.fields(config_class) if f.init}
+    values = {name: value for name, value in values.items() if name in names}
+    if "padding_free" in names and values.get("padding_free") is False:
+        values["padding_free"] = None
+    return config_class(**values)

@@ -82,6 +82,22 @@ class PackingDecision:
         return self.mode in ("pack", "padding_free")
 
 
+# Columns that hold images or what an image processor made of them (TRL's own check knows only the first two).
+IMAGE_COLUMNS = (
+    "image",
+    "images",
+    "pixel_values",
+    "pixel_attention_mask",
+    "image_grid_thw",
+    "image_sizes",
+    "image_flags",
+    "video",
+    "videos",
+    "pixel_values_videos",
+    "video_grid_thw",
+)
+
+
 def _is_vision_model(model_config: Any) -> bool:
     if model_config is None:
         return False
@@ -112,8 +128,9 @@ def blocked_reason(
         return (
             f"processing_class is a processor ({type(processing_class).__name__}); only text tokenizers are supported"
         )
-    if dataset_sample is not None and ("image" in dataset_sample or "images" in dataset_sample):
-        return "the dataset has images; vision datasets are not supported"
+    image_columns = [name for name in IMAGE_COLUMNS if dataset_sample is not None and name in dataset_sample]
+    if image_columns:
+        return f"the dataset has images ({', '.join(image_columns)}); vision datasets are not supported"
     if _is_vision_model(model_config):
         return f"model type {getattr(model_config, 'model_type', '?')!r} is a vision-language model"
     if getattr(model_config, "is_encoder_decoder", False):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from unpack_trainer import _trl_compat
 from unpack_trainer._validation import check_lengths
 from unpack_trainer.collator import packed_metadata
 
@@ -153,13 +154,19 @@ def _quant_states(owner: Any) -> list[Any]:
     return states
 
 
+_ABSENT = object()
+
+
 class _Snapshot:
     """Everything a forward could change on a model, recorded so that [`check_uncontaminated`] leaves it as found.
 
     Kept: each module's ``training`` flag; each parameter and buffer object and the storage its ``.data`` points at
     (a forward that reassigns ``weight.data``, as bitsandbytes' CPU weight conversion does, is undone); the attribute
     dictionaries of every quantization state (bitsandbytes reassigns ``absmax``, ``dtype``, ``nested``, ``state2``),
-    references only, so nothing is copied.
+    references only, so nothing is copied; every module's hook dictionaries (``_forward_hooks``,
+    ``_forward_pre_hooks``, ...) and transformers' ``_output_capturing_hooks_installed`` flag (the probe's
+    ``output_hidden_states=True`` forward makes transformers install forward hooks for good, local functions that
+    ``torch.save(model)`` cannot pickle).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -181,6 +188,15 @@ class _Snapshot:
             for module, _ in self.modes
             if _quant_states(getattr(module, "weight", None)) or _quant_states(module)
         ]
+        self.hooks = [
+            (hooks, dict(hooks))
+            for module, _ in self.modes
+            for name, hooks in vars(module).items()
+            if name.endswith("hooks") and isinstance(hooks, dict)
+        ]
+        self.flags = [
+            (module, vars(module).get(_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG, _ABSENT)) for module, _ in self.modes
+        ]
 
     def restore(self) -> None:
         for state, attributes in self.states:
@@ -195,6 +211,15 @@ class _Snapshot:
             module._buffers[name] = buffer
         for module, training in self.modes:
             module.training = training
+        for hooks, found in self.hooks:
+            if hooks != found:
+                hooks.clear()
+                hooks.update(found)
+        for module, flag in self.flags:
+            if flag is _ABSENT:
+                vars(module).pop(_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG, None)
+            else:
+                vars(module)[_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG] = flag
 
 
 def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> tuple[torch.Tensor, dict[str, object]]:

@@ -1,0 +1,162 @@
+"""The packed-trainer core (``unpack_trainer/trainers/_packed.py``): config conversion, the TRL compatibility checks,
+and the hooks a trainer built on the core implements."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import trl
+from datasets import Dataset, Features, IterableDataset, Value
+
+from unpack_trainer import SFTConfig, SFTTrainer, _trl_compat
+from unpack_trainer.config import convert_config
+from unpack_trainer.sampler import BalancedStepSampler
+from unpack_trainer.trainers import PackedTrainerMixin
+from unpack_trainer.trainers._packed import _first_example
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+# ------------------------------------------------------------------------------------------------ config conversion
+
+
+def test_convert_config_copies_every_trl_field_and_keeps_our_defaults(tmp_path, sft_args):
+    plain = sft_args(
+        tmp_path, cls=trl.SFTConfig, packing=True, hub_token="secret", eos_token="<e>", learning_rate=3e-3
+    )
+    ours = convert_config(plain, SFTConfig)
+    assert type(ours) is SFTConfig
+    for field in dataclasses.fields(trl.SFTConfig):
+        if field.name == "padding_free":
+            continue
+        assert getattr(ours, field.name) == getattr(plain, field.name), field.name
+    assert ours.hub_token == "secret" and ours.eos_token == "<e>"  # to_dict hides these two
+    defaults = SFTConfig(str(tmp_path), bf16=False, use_cpu=True)
+    for name in ("packing_order", "balance_samples_per_step", "loss_normalization", "max_samples_per_row"):
+        assert getattr(ours, name) == getattr(defaults, name), name
+    assert convert_config(ours, SFTConfig) is ours
+
+
+@pytest.mark.parametrize(("given", "expected"), [(False, None), (True, True)])
+def test_plain_trl_padding_free_false_counts_as_not_set(tmp_path, sft_args, given, expected):
+    """A plain ``trl.SFTConfig`` cannot tell ``padding_free=False`` from its default: it becomes ``None``."""
+    assert (
+        convert_config(sft_args(tmp_path, cls=trl.SFTConfig, padding_free=given), SFTConfig).padding_free is expected
+    )
+
+
+def test_plain_trl_config_gets_our_documented_defaults(tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama):
+    """Issue 20 item 2: ``trl.SFTConfig(packing=True)`` trained with windowed rows and balanced steps, as ours does
+    (it got ``packing_order="decreasing"`` and a random sampler)."""
+    plain = sft_args(tmp_path, cls=trl.SFTConfig, packing=True, per_device_train_batch_size=2)
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=plain,
+        train_dataset=prompt_completion(),
+        processing_class=tokenizer,
+    )
+    assert isinstance(trainer.args, SFTConfig)
+    assert trainer.args.packing_order == "windowed"
+    assert "packing_order='windowed'" in trainer.unpack_decision.reason
+    assert isinstance(trainer._get_train_sampler(), BalancedStepSampler)
+    assert type(plain) is trl.SFTConfig and plain.packing is True  # the user's config is left alone
+
+
+# ------------------------------------------------------------------------------------------------ compatibility
+
+
+def test_a_missing_private_trl_method_is_one_clear_error(
+    tokenizer, tmp_path, monkeypatch, prompt_completion, sft_args, tiny_llama
+):
+    monkeypatch.delattr(trl.SFTTrainer, "_prepare_dataset")
+    with pytest.raises(RuntimeError, match=r"`trl\.SFTTrainer\._prepare_dataset`.*Known to work: TRL 1\.16"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True),
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )
+
+
+def test_a_missing_trl_attribute_or_class_is_one_clear_error(monkeypatch):
+    class Bare:
+        pass
+
+    with pytest.raises(RuntimeError, match=r"attribute `trl\.SFTTrainer\._tokenizer`"):
+        _trl_compat.require_attributes(Bare(), _trl_compat.SFT_TRAINER_ATTRIBUTES, "trl.SFTTrainer")
+    from trl.trainer import sft_trainer
+
+    monkeypatch.delattr(sft_trainer, "DataCollatorForLanguageModeling")
+    with pytest.raises(RuntimeError, match="DataCollatorForLanguageModeling"):
+        _trl_compat.sft_padded_collator_class()
+
+
+def test_every_name_listed_exists_in_the_installed_trl():
+    _trl_compat.require_methods(trl.SFTTrainer, _trl_compat.TRAINER_METHODS, "transformers.Trainer")
+    _trl_compat.require_methods(trl.SFTTrainer, _trl_compat.SFT_TRAINER_METHODS, "trl.SFTTrainer")
+    assert _trl_compat.sft_padded_collator_class() is not None
+
+
+# ------------------------------------------------------------------------------------------------ the core's shape
+
+
+def test_sft_trainer_is_the_core_in_front_of_trls_trainer():
+    assert SFTTrainer.__mro__[1:3] == (PackedTrainerMixin, trl.SFTTrainer)
+    assert SFTTrainer.unpack_config_class is SFTConfig and SFTTrainer.unpack_trl_class is trl.SFTTrainer
+    from unpack_trainer import trainer
+
+    assert trainer.SFTTrainer is SFTTrainer  # the former module stays importable
+
+
+# ------------------------------------------------------------------------------------------------ what the core reads
+
+_STREAM: list = []  # the one-shot source of _one_shot_rows (a module-level function: datasets hashes it by reference)
+_FEATURES = Features({"prompt": Value("string"), "completion": Value("string")})
+
+
+def _one_shot_rows():
+    yield from _STREAM[0]
+
+
+def _one_shot_stream(n: int) -> IterableDataset:
+    _STREAM[:] = [iter([{"prompt": f"ab{'a' * i}", "completion": "ba"} for i in range(n)])]
+    return IterableDataset.from_generator(_one_shot_rows, features=_FEATURES)
+
+
+def test_the_decision_reads_no_example_of_a_one_shot_stream():
+    """Issue 20 item 7: ``_first_example`` consumed the first example of a one-shot iterable training set."""
+    stream = _one_shot_stream(3)
+    assert set(_first_example(stream)) == {"prompt", "completion"}
+    assert next(iter(stream))["prompt"] == "ab"  # still the first example
+    rows = Dataset.from_list([{"prompt": "x", "completion": "y"}, {"prompt": "z", "completion": "w"}])
+    assert _first_example(rows) == {"prompt": "x", "completion": "y"}
+
+
+def test_an_empty_declared_stream_is_the_clear_empty_error(tokenizer, tmp_path, sft_args, tiny_llama):
+    with pytest.raises(ValueError, match=r"`train_dataset` is empty \(0 examples\)"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True, max_steps=1),
+            train_dataset=_one_shot_stream(0),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize("padding_free", [False, None])
+def test_packing_says_once_that_its_rows_are_padding_free(
+    tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama, padding_free
+):
+    """Issue 20 item 9: ``packing=True, padding_free=False`` packed padding-free rows without a word."""
+    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True, padding_free=padding_free),
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )
+    assert trainer.unpack_decision.mode == "pack"
+    said = [r for r in caplog.records if "padding_free=False has no effect with packing=True" in r.getMessage()]
+    assert len(said) == (1 if padding_free is False else 0)
+    assert all(r.levelno == logging.WARNING for r in said)

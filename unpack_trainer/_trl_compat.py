@@ -1,0 +1,77 @@
+"""Every private TRL / transformers name the packed-trainer core touches, each behind a feature check.
+
+The core ([`unpack_trainer.trainers._packed`]) and its trainers override or read names that are not public API in TRL
+or transformers: the SFT trainer's ``_prepare_dataset``, the Trainer's ``_get_train_sampler``, attributes TRL sets in
+``__init__``, TRL's padded collator. They are all listed here, checked when a trainer is built (methods: before TRL's
+``__init__``; attributes: right after it), and a missing one raises one clear error that names it and the versions
+known to work, instead of an ``AttributeError`` somewhere inside a training step. When TRL makes a name public or
+renames it, this is the one file to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KNOWN_TO_WORK = "TRL 1.16 with transformers 5.23 (pyproject allows trl>=1.0,<2 and transformers>=5.0,<6)"
+
+# Methods of transformers' Trainer the core overrides or calls (every packed trainer).
+TRAINER_METHODS: tuple[str, ...] = (
+    "_get_train_sampler",  # the balanced sampler replaces the random one
+    "get_batch_samples",  # counts the samples of an accumulated step (loss_normalization="sample")
+    "get_train_dataloader",  # the self-check runs right before the first data loader is built
+    "get_eval_dataloader",
+    "get_test_dataloader",
+    "get_tp_size",
+    "evaluation_loop",  # eval_loss weighed by what each batch holds (streamed sets, per-sample loss)
+    "prediction_step",
+)
+# Attributes transformers' Trainer sets in ``__init__`` or per step that the core reads or writes.
+TRAINER_ATTRIBUTES: tuple[str, ...] = ("loss_is_scaled_for_ga", "label_smoother", "compute_loss_func", "accelerator")
+
+# ``trl.SFTTrainer``: methods overridden or called with their TRL 1.16 signature, attributes read after ``__init__``.
+SFT_TRAINER_METHODS: tuple[str, ...] = ("_prepare_dataset", "compute_loss")
+SFT_TRAINER_ATTRIBUTES: tuple[str, ...] = (
+    "_tokenizer",  # the tokenizer inside the processing class: pad_token_id of the collators
+    "completion_only_loss",  # the packed collator masks prompts as TRL's does
+    "_skip_prepare_dataset",  # the padded fallback prepares the raw datasets again unless TRL skipped preparation
+    "_formatting_func",
+    "aux_loss_enabled",  # the per-sample loss adds the router loss as TRL's does
+    "router_aux_loss_coef",
+)
+
+# Set by transformers (``utils/output_capturing.py``) on a model once a forward asked for hidden states or attentions
+# and its output-capturing forward hooks are installed; the self-check puts it back as found, with the hooks.
+OUTPUT_CAPTURING_HOOKS_FLAG = "_output_capturing_hooks_installed"
+
+
+def _missing(where: str, name: str, kind: str) -> RuntimeError:
+    return RuntimeError(
+        f"unpack_trainer needs the {kind} `{where}.{name}`, which the installed TRL / transformers does not have. "
+        f"Known to work: {KNOWN_TO_WORK}. Install a version in that range, or set UNPACK_DISABLE=1 to train exactly "
+        "as TRL does."
+    )
+
+
+def require_methods(cls: type, names: tuple[str, ...], where: str) -> None:
+    """Raise ``RuntimeError`` naming the first of ``names`` that ``cls`` (a TRL trainer class) lacks."""
+    for name in names:
+        if not callable(getattr(cls, name, None)):
+            raise _missing(where, name, "method")
+
+
+def require_attributes(obj: Any, names: tuple[str, ...], where: str) -> None:
+    """Raise ``RuntimeError`` naming the first of ``names`` that ``obj`` (a trainer after TRL's ``__init__``) lacks."""
+    for name in names:
+        if not hasattr(obj, name):
+            raise _missing(where, name, "attribute")
+
+
+def sft_padded_collator_class() -> type:
+    """TRL's padded language-modeling collator (``trl.trainer.sft_trainer.DataCollatorForLanguageModeling``), the
+    collator of padded evaluation and of the padded fallback."""
+    from trl.trainer import sft_trainer
+
+    collator = getattr(sft_trainer, "DataCollatorForLanguageModeling", None)
+    if collator is None:
+        raise _missing("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling", "class")
+    return collator

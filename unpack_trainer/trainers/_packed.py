@@ -1,0 +1,480 @@
+"""The packed-trainer core: everything around packing that does not depend on what a batch holds.
+
+[`PackedTrainerMixin`] goes in front of a TRL trainer class (``class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer)``)
+and owns the packing decision ([`unpack_trainer.decision.decide`]), the config conversion, the environment switches
+(``UNPACK_DISABLE``, ``UNPACK_STRICT``, ...), enabling the packed path (collator, attention patch), the contamination
+self-check right before the first data loader is built and the padded fallback if it fails, the padded evaluation
+collator, the balanced-step sampler, the per-sample count of ``loss_normalization="sample"`` and the start line.
+
+A trainer built on it calls, in its ``__init__``::
+
+    args = self._unpack_before_init(model, args, data_collator=..., processing_class=..., train_dataset=...,
+                                    eval_dataset=..., peft_config=..., has_metrics=...)
+    super().__init__(model, args, ...)  # TRL's own __init__, with the config TRL should see
+    self._unpack_after_init(train_dataset, eval_dataset)
+
+and implements the hooks below (they are what differs between SFT, DPO, ...):
+
+- [`_packed_collator`] / [`_padded_collator`]: the collators of packed training and of padded batches.
+- [`_prepare_padded_datasets`]: prepare the raw datasets again as padded (the self-check's fallback).
+- [`_count_samples`]: the samples with a trained token in one collated batch (``loss_normalization="sample"``).
+- [`_check_sample_loss`]: raise if ``loss_normalization="sample"`` cannot be honoured with this configuration.
+
+Class attributes: ``unpack_config_class`` (our config class, e.g. [`unpack_trainer.SFTConfig`]; any other
+``TrainingArguments`` is converted to it), ``unpack_trl_class`` (the TRL trainer class behind the mixin, whose private
+names [`unpack_trainer._trl_compat`] checks) and ``unpack_name`` (the start line's prefix). The config class has
+TRL's fields the decision reads (``packing``, ``padding_free``, ``max_length``, ...) and ours the core reads
+(``loss_normalization``, ``balance_samples_per_step``; see [`unpack_trainer.SFTConfig`] for their meaning).
+
+Evaluation: ``eval_loss`` is recomputed from batch weights (see [`PackedTrainerMixin.evaluation_loop`]) when
+transformers would weigh the batches wrongly; the hooks above are all it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoConfig
+from transformers.trainer_utils import has_length
+
+from unpack_trainer import _trl_compat
+from unpack_trainer._logging import log_once
+from unpack_trainer.config import convert_config
+from unpack_trainer.data_utils import TruncationCounts, samples_per_row
+from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
+from unpack_trainer.sampler import BalancedStepSampler
+from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
+
+logger = logging.getLogger("unpack_trainer")
+
+
+def _model_config(model: Any, args: Any) -> Any:
+    if isinstance(model, str):
+        return AutoConfig.from_pretrained(model, trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
+    return model.config
+
+
+def _first_example(dataset: Any) -> dict[str, Any] | None:
+    """What the decision reads of the training set, consuming nothing from it where it can.
+
+    A map-style dataset: ``dataset[0]``. An ``IterableDataset`` whose features are declared: its columns (values
+    ``None``), so nothing is read and a one-shot stream keeps its first example. Any other iterable: its first example
+    (TRL's ``__init__`` reads it too). ``ValueError`` for an empty dataset (nothing to train on).
+    """
+    if dataset is None:
+        return None
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        if len(dataset) == 0:
+            raise empty_train_dataset_error()
+        return dataset[0]
+    features = getattr(dataset, "features", None)
+    if features is not None:
+        return dict.fromkeys(features)
+    try:
+        return next(iter(dataset))
+    except StopIteration:
+        raise empty_train_dataset_error() from None
+
+
+def empty_train_dataset_error() -> ValueError:
+    """The error for a training set with no example (raise it where TRL's ``__init__`` hits the end of an empty
+    stream: ``StopIteration``)."""
+    return ValueError("`train_dataset` is empty (0 examples); training needs at least one example.")
+
+
+def _registry() -> tuple[frozenset[str], dict[str, str]]:
+    from unpack_trainer import models
+
+    return frozenset(models.supported_model_types()), dict(models.BLOCKLIST)
+
+
+def _keep_batches_whole(trl_args: Any, args: Any) -> None:
+    """Turn accelerate's batch dispatching off for packed batches (on ``trl_args``, a copy of the user's config).
+
+    ``DataLoaderDispatcher`` (accelerate's default for iterable data) slices every tensor of a batch to the batch
+    dimension, which cuts the 1-D ``packed_seq_lengths`` / ``cu_seq_lens_*`` of a ``(1, T)`` packed batch. Each process
+    then reads its own batches (what TRL already does for an iterable training set).
+    """
+    config = copy.copy(args.accelerator_config)
+    if getattr(config, "dispatch_batches", None) is True:
+        log_once(
+            logger,
+            logging.WARNING,
+            "accelerator_config.dispatch_batches=True ignored: dispatching slices every tensor of a batch to its "
+            "first dimension, which would cut the packing metadata (packed_seq_lengths, cu_seq_lens); each process "
+            "reads its own batches instead. Set padding_free=False to keep dispatching.",
+        )
+    config.dispatch_batches = False
+    trl_args.accelerator_config = config
+
+
+def _attention_backend(model: Any, patched: bool) -> str:
+    if patched:
+        from unpack_trainer.models import resolve_backend
+
+        return str(resolve_backend(model))
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return f"{implementation} (transformers' own packed-position path, unpatched)"
+
+
+EVAL_ITEMS_KEY = "unpack_eval_items"  # an evaluation batch's number of dataset items (int), read and removed
+
+
+class _ItemCountingCollator:
+    """``collator``'s batch plus how many dataset items it was built from (``EVAL_ITEMS_KEY``, a Python int), so
+    that evaluation can weigh each batch by what it holds (see [`PackedTrainerMixin.evaluation_loop`])."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collator(features)
+        batch[EVAL_ITEMS_KEY] = len(features)
+        return batch
+
+
+class PackedTrainerMixin:
+    """The packed-trainer core, in front of a TRL trainer class; see the module docstring for the hooks.
+
+    Attributes:
+        unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
+        unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the estimated speedup
+            ([`unpack_trainer.estimate`]) for the training set; for a streamed training set, the truncation counts
+            (``"truncation"``) as they are read.
+        unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
+            started (``None`` before, and when nothing is packed).
+    """
+
+    unpack_config_class: type
+    unpack_trl_class: type
+    unpack_name: str = "Trainer"
+    _unpack_trl_methods: tuple[str, ...] = ()  # private methods of the TRL class the subclass relies on
+    _unpack_trl_attributes: tuple[str, ...] = ()  # attributes TRL's __init__ sets that the subclass reads
+
+    # ------------------------------------------------------------------------------------------------ hooks
+
+    def _packed_collator(self) -> Any:
+        """The collator of packed (and padding-free) batches."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _packed_collator")
+
+    def _padded_collator(self) -> Any:
+        """The collator of padded batches (one row per example): padded evaluation and the padded fallback."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _padded_collator")
+
+    def _prepare_padded_datasets(self, raw_train: Any, raw_eval: Any) -> None:
+        """Prepare the raw datasets again for padded batches (``self.unpack_decision`` is already ``"padded"``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _prepare_padded_datasets")
+
+    def _count_samples(self, batch: dict[str, Any]) -> int:
+        """The samples with at least one trained token in one collated batch (``loss_normalization="sample"``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _count_samples")
+
+    def _check_sample_loss(self) -> None:
+        """Raise ``ValueError`` if ``loss_normalization="sample"`` is not supported with this configuration."""
+
+    # ------------------------------------------------------------------------------------------------ construction
+
+    def _unpack_before_init(
+        self,
+        model: Any,
+        args: Any,
+        *,
+        data_collator: Any,
+        processing_class: Any,
+        train_dataset: Any,
+        eval_dataset: Any,
+        peft_config: Any,
+        has_metrics: bool,
+    ) -> Any:
+        """Convert the config, decide, and return the config TRL's ``__init__`` should see (a copy of ours with
+        ``packing`` / ``padding_free`` set for TRL's own data path, and batches kept whole when they are packed)."""
+        trl_class = self.unpack_trl_class
+        _trl_compat.require_methods(trl_class, _trl_compat.TRAINER_METHODS, "transformers.Trainer")
+        _trl_compat.require_methods(trl_class, self._unpack_trl_methods, f"trl.{trl_class.__name__}")
+        env = os.environ
+        self.unpack_stats: dict[str, Any] = {}
+        self.unpack_selfcheck: ContaminationReport | None = None
+        self._unpack_mode = "stock"
+        self._unpack_disabled = env_flag(env, "UNPACK_DISABLE")
+        self._unpack_checked = True
+        self._unpack_train_prepared = False
+        self._unpack_eval_flattened = False
+        self._unpack_user_collator = data_collator is not None
+        self._unpack_counts: list[TruncationCounts] = []
+        self._unpack_sample_loss = False
+        self._unpack_batches_whole = False
+        self._unpack_eval_weights: list[tuple[torch.Tensor, int]] | None = None
+        self._unpack_raw = {"train": train_dataset, "eval": eval_dataset}
+        if args is not None:
+            args = convert_config(args, self.unpack_config_class)
+        if self._unpack_disabled:
+            self.unpack_decision = decide(args, model_config=None, env=env)
+            if args is not None and args.loss_normalization != "token":
+                log_once(logger, logging.WARNING, "loss_normalization ignored: UNPACK_DISABLE=1 trains as trl does")
+            return args
+        if args is None:
+            args = self._default_args(model)
+        if peft_config is None and not isinstance(model, str):
+            peft_config = getattr(model, "peft_config", None)
+        supported, blocklist = _registry()
+        decision = decide(
+            args,
+            model_config=_model_config(model, args),
+            data_collator=data_collator,
+            processing_class=processing_class,
+            dataset_sample=_first_example(train_dataset),
+            supported_model_types=supported,
+            blocklist=blocklist,
+            env=env,
+            peft_config=peft_config,
+        )
+        self.unpack_decision = decision
+        self._unpack_args = args
+        self._unpack_eval_flattened, self._unpack_eval_note = eval_batches(args, decision, has_metrics=has_metrics)
+        trl_args = copy.copy(args)
+        trl_args.padding_free = False
+        trl_args.packing = bool(args.packing) and decision.mode in ("pack", "stock")
+        if decision.packed:
+            _keep_batches_whole(trl_args, args)
+            self._unpack_batches_whole = True
+        self._unpack_mode = decision.mode
+        return trl_args
+
+    def _default_args(self, model: Any) -> Any:
+        name = model if isinstance(model, str) else getattr(model.config, "name_or_path", None) or "model"
+        suffix = self.unpack_name.removesuffix("Trainer")
+        return self.unpack_config_class(f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
+
+    def _unpack_after_init(self, train_dataset: Any, eval_dataset: Any) -> None:
+        """After TRL's ``__init__``: check what TRL set, log the notes, enable the per-sample loss and the packed
+        path, and log the start line."""
+        if self._unpack_disabled:
+            return
+        _trl_compat.require_attributes(self, _trl_compat.TRAINER_ATTRIBUTES, "transformers.Trainer")
+        _trl_compat.require_attributes(self, self._unpack_trl_attributes, f"trl.{self.unpack_trl_class.__name__}")
+        if isinstance(self.train_dataset, Dataset) and len(self.train_dataset) == 0:
+            total = len(train_dataset) if isinstance(train_dataset, Dataset) else "all"
+            raise ValueError(
+                f"The training dataset is empty after preparation: all {total} examples were dropped (no trained "
+                "token left, e.g. every prompt longer than max_length or every label masked). Raise max_length or "
+                "check the labels."
+            )
+        decision = self.unpack_decision
+        args = self._unpack_args
+        if decision.mode == "pack" and args.padding_free is False:
+            log_once(
+                logger,
+                logging.WARNING,
+                "padding_free=False has no effect with packing=True: packed rows are always padding-free (samples "
+                "share a row without padding between them, positions restart per sample and attention stays inside "
+                "each sample). Set packing=False to train on padded batches, or leave padding_free unset to silence "
+                "this.",
+            )
+        note = neftune_note(args, decision)
+        if note is not None:
+            log_once(logger, logging.WARNING, note)
+        if self._unpack_eval_note is not None and eval_dataset is not None:
+            level = logging.INFO if not self._unpack_eval_flattened else logging.WARNING
+            log_once(logger, level, self._unpack_eval_note)
+        self._enable_sample_loss()
+        if decision.packed:
+            self._enable_packed_path()
+        self._log_start_line()
+
+    # ------------------------------------------------------------------------------------------------ packed path
+
+    def _enable_packed_path(self) -> None:
+        self.data_collator = self._packed_collator()
+        if self.unpack_decision.patch:
+            from unpack_trainer.models import patch_model, resolve_backend
+
+            resolve_backend(self.model)  # an impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable
+            patch_model(self.model)
+        self._unpack_checked = False  # the self-check runs right before the first data loader is built
+
+    def get_train_dataloader(self) -> Any:
+        self._unpack_check_before_first_batch()
+        return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        self._unpack_check_before_first_batch()
+        if eval_dataset is None or isinstance(eval_dataset, str):
+            named = self.eval_dataset
+            dataset = named[eval_dataset] if isinstance(eval_dataset, str) and isinstance(named, dict) else named
+        else:
+            dataset = eval_dataset
+        with self._unpack_eval_collator(dataset):
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        self._unpack_check_before_first_batch()
+        with self._unpack_eval_collator(test_dataset):
+            return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _unpack_eval_collator(self, dataset: Any) -> Iterator[None]:
+        """Evaluation batches padded (one row per example) when [`eval_batches`] said so, flattened otherwise; and
+        counted (each batch carries its number of dataset items) when transformers would weigh them wrongly: a
+        dataset without a length read without batch dispatching (accelerate cannot know the short last batch), or
+        ``loss_normalization="sample"`` (a batch weighs its samples, not its rows)."""
+        collator = self.data_collator
+        if self.unpack_decision.packed and not self._unpack_eval_flattened:
+            self.data_collator = self._padded_collator()
+        streamed = self._unpack_batches_whole and not has_length(dataset)
+        if streamed or self._unpack_sample_loss:
+            self.data_collator = _ItemCountingCollator(self.data_collator)
+        try:
+            yield
+        finally:
+            self.data_collator = collator
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, with ``eval_loss`` the mean of the batch losses weighed by what each batch holds when its
+        batches were counted ([`_unpack_eval_collator`]): its dataset items (what transformers weighs by, but it
+        counts a short last batch of a stream as full), or with ``loss_normalization="sample"`` its samples with a
+        trained token (a packed row holds several). Non-finite batch losses are left out as transformers does
+        (``logging_nan_inf_filter``). Across processes, the sums are added up."""
+        self._unpack_eval_weights = []
+        try:
+            output = super().evaluation_loop(*args, **kwargs)
+            recorded = self._unpack_eval_weights
+        finally:
+            self._unpack_eval_weights = None
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        key = f"{prefix}_loss"
+        if recorded and key in output.metrics:
+            losses = torch.stack([loss for loss, _ in recorded]).double()
+            weights = torch.tensor([weight for _, weight in recorded], dtype=torch.float64, device=losses.device)
+            finite = torch.isfinite(losses)
+            if self.args.logging_nan_inf_filter and bool(finite.any()):
+                losses, weights = losses[finite], weights[finite]
+            totals = torch.stack([(losses * weights).sum(), weights.sum()]).to(self.args.device)
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals, reduction="sum")
+            output.metrics[key] = float(totals[0] / totals[1].clamp(min=1))
+        return output
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> Any:
+        """The parent's, after taking the batch's item count off ``inputs`` (see [`evaluation_loop`])."""
+        items = inputs.pop(EVAL_ITEMS_KEY, None)
+        output = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        loss = output[0]
+        if items is not None and loss is not None and self._unpack_eval_weights is not None:
+            weight = self._count_samples(inputs) if self._unpack_sample_loss else items
+            self._unpack_eval_weights.append((loss.detach().float().mean(), weight))
+        return output
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for counts in self._unpack_counts:
+                if counts.read:
+                    log_once(logger, logging.WARNING if counts.changed else logging.INFO, counts.summary())
+
+    def _unpack_check_before_first_batch(self) -> None:
+        """Run the contamination self-check once, on ``self.model`` as it is when its first data loader is built
+        (``train()`` has applied liger kernels, loaded a checkpoint, ... by then), and fall back to padded batches
+        before any batch is drawn if it fails."""
+        if self._unpack_checked:
+            return
+        self._unpack_checked = True
+        report = check_uncontaminated(self.model, measure_contamination=False)
+        self.unpack_selfcheck = report
+        if report.ok:
+            if not report.conclusive:
+                log_once(logger, logging.WARNING, f"Self-check inconclusive on this model: {report.summary()}")
+            log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
+            return
+        if report.error is not None:
+            what = f"the packed forward raised {report.error}"
+        else:
+            what = (
+                f"contamination measured: max |packed - one-by-one| = {report.max_abs_diff:.3g} > tolerance "
+                f"{report.tolerance:.3g} ({report.dtype})"
+            )
+        message = f"Contamination self-check failed ({what}); training padded instead"
+        if env_flag(os.environ, "UNPACK_STRICT"):
+            raise RuntimeError(message + " (UNPACK_STRICT=1)")
+        log_once(logger, logging.ERROR, message)
+        self._fall_back_to_padded(f"contamination self-check failed: {what}")
+
+    def _fall_back_to_padded(self, reason: str = "contamination self-check failed") -> None:
+        if self.unpack_decision.patch:
+            from unpack_trainer.models import unpatch_model
+
+            unpatch_model(self.model)
+        self.unpack_decision = PackingDecision("padded", reason, automatic=True)
+        self._unpack_mode = "padded"
+        self.data_collator = self._padded_collator()
+        self._prepare_padded_datasets(self._unpack_raw["train"], self._unpack_raw["eval"])
+
+    def _log_start_line(self) -> None:
+        """One line, once, on the main process: the decision, its reason and the training set's statistics. INFO;
+        WARNING when a request (packing / padding-free) was overridden."""
+        decision = self.unpack_decision
+        stats = self.unpack_stats
+        parts = [f"mode={decision.mode}", f"reason: {decision.reason}"]
+        if decision.packed:
+            parts.append(f"attention={_attention_backend(self.model, decision.patch)}")
+        if stats.get("samples"):
+            parts.append(f"samples={stats['samples']:,}")
+            if "rows" in stats:
+                parts.append(f"rows={stats['rows']:,}")
+                parts.append(f"packing efficiency={stats['efficiency']:.2%}")
+            if "estimated_speedup" in stats:
+                parts.append(
+                    f"estimated speedup vs padded batches of {stats['padded_batch_size']:.3g} samples="
+                    f"{stats['estimated_speedup']:.2f}x (token count)"
+                )
+        if decision.packed:
+            parts.append("the contamination self-check runs when training starts")
+        level = logging.WARNING if decision.overridden_request else logging.INFO
+        log_once(logger, level, f"{self.unpack_name}: " + ", ".join(parts))
+
+    # ------------------------------------------------------------------------------------------------ step composition
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """With ``balance_samples_per_step`` and packed rows: a sampler whose optimizer steps hold balanced numbers of
+        samples ([`unpack_trainer.packing.balanced_step_order`]); otherwise the Trainer's own sampler."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        args = self.args
+        if (
+            self._unpack_mode == "pack"
+            and args.balance_samples_per_step
+            and isinstance(dataset, Dataset)
+            and "seq_lengths" in dataset.column_names
+        ):
+            rows_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+            return BalancedStepSampler(samples_per_row(dataset), rows_per_step, seed=args.seed)
+        return super()._get_train_sampler(train_dataset)
+
+    # ------------------------------------------------------------------------------------------------ loss
+
+    def _enable_sample_loss(self) -> None:
+        if self.args.loss_normalization != "sample":
+            return
+        self._check_sample_loss()
+        self._unpack_sample_loss = True
+        if self.loss_is_scaled_for_ga is None:
+            self.loss_is_scaled_for_ga = True  # divided by the samples of the whole accumulated step
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """The Trainer's, but with ``loss_normalization="sample"`` the count returned is that of the samples with a
+        trained token in the whole accumulated step (all processes when ``average_tokens_across_devices``)."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._unpack_sample_loss and batch_samples:
+            count = torch.tensor(sum(self._count_samples(batch) for batch in batch_samples), device=device)
+            if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+                count = self.accelerator.gather(count).sum()
+            num_items_in_batch = count
+        return batch_samples, num_items_in_batch

@@ -1,0 +1,263 @@
+"""``SFTTrainer``: ``trl.SFTTrainer`` that packs without cross-sample contamination, or turns padding-free on itself.
+
+The decision ([`unpack_trainer.decision.decide`]) is made once, before TRL's ``__init__``; then TRL prepares the
+data (tokenization, labels) and this class truncates it with counts, packs it with the global packer, swaps in the
+packed collator and patches the model's attention. The contamination self-check runs when training (or evaluation)
+starts, right before its data loader is built, on the model exactly as it will run (after everything ``train()``
+applies: liger kernels, a resumed checkpoint, ...); if it fails, the collator and the datasets are switched to padded
+before the first batch is drawn. Everything but the SFT data path and loss lives in the packed-trainer core
+([`unpack_trainer.trainers._packed.PackedTrainerMixin`]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import trl
+from datasets import Dataset, IterableDataset
+from transformers import TrainingArguments
+
+from unpack_trainer import _trl_compat
+from unpack_trainer._validation import check_dataset_token_ids
+from unpack_trainer.collator import DataCollatorForPacking
+from unpack_trainer.config import SFTConfig
+from unpack_trainer.data_utils import (
+    check_packed_rows,
+    column_names,
+    pack_dataset,
+    pack_iterable_dataset,
+    sample_lengths,
+    split_packed_rows,
+    truncate_dataset,
+)
+from unpack_trainer.estimate import estimated_speedup
+from unpack_trainer.loss import sample_weights
+from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
+
+
+class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
+    """Drop-in for [`trl.SFTTrainer`]: ``from unpack_trainer import SFTTrainer`` and nothing else changes.
+
+    With ``packing=True`` the whole training set is packed into rows of ``max_length`` tokens (``packing_order``:
+    by default rows of samples that follow each other in a seeded random order, see [`SFTConfig`]); with packing off
+    and ``padding_free`` not set, each batch is flattened into one row (padding-free). Either way positions restart
+    per sample, no label crosses a sample boundary, and attention never crosses a sample: the model's attention is
+    patched for registered architectures, and a contamination probe runs on the actual model before training. Every
+    decision is logged once with its reason; see [`unpack_trainer.decision`] for the full table. ``UNPACK_DISABLE=1``
+    makes this class behave exactly like ``trl.SFTTrainer``.
+
+    ``args`` may be any ``TrainingArguments``: a plain ``trl.SFTConfig`` (or ``TrainingArguments``) is converted to
+    [`SFTConfig`] here, every shared field copied and ours at their documented defaults (a plain config's
+    ``padding_free=False`` cannot be told from its default, so it counts as not set).
+
+    Attributes:
+        unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
+        unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the estimated speedup
+            ([`unpack_trainer.estimate`]) for the training set; for a streamed training set, the truncation counts
+            (``"truncation"``) as they are read.
+        unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
+            started (``None`` before, and when nothing is packed).
+    """
+
+    unpack_config_class = SFTConfig
+    unpack_trl_class = trl.SFTTrainer
+    unpack_name = "SFTTrainer"
+    _unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
+    _unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
+
+    def __init__(
+        self,
+        model: Any,
+        args: TrainingArguments | None = None,
+        data_collator: Any = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = self._unpack_before_init(
+            model,
+            args,
+            data_collator=data_collator,
+            processing_class=processing_class,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=kwargs.get("peft_config"),
+            has_metrics=any(
+                kwargs.get(name) is not None for name in ("compute_metrics", "preprocess_logits_for_metrics")
+            ),
+        )
+        try:
+            super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        except StopIteration:  # TRL reads the first example of the training set: an empty stream
+            if self._unpack_disabled:
+                raise
+            raise empty_train_dataset_error() from None
+        self._unpack_after_init(train_dataset, eval_dataset)
+
+    # ------------------------------------------------------------------------------------------------ hooks
+
+    def _packed_collator(self) -> DataCollatorForPacking:
+        return DataCollatorForPacking(
+            pad_token_id=self._tokenizer.pad_token_id,
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
+            completion_only_loss=self.completion_only_loss,
+        )
+
+    def _padded_collator(self) -> Any:
+        return _trl_compat.sft_padded_collator_class()(
+            pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.args.pad_to_multiple_of
+        )
+
+    def _prepare_padded_datasets(self, raw_train: Any, raw_eval: Any) -> None:
+        if self._skip_prepare_dataset:
+            return
+        args = self.args
+        if raw_train is not None:
+            self.train_dataset = self._prepare_dataset(
+                raw_train, self.processing_class, args, False, self._formatting_func, "train"
+            )
+        if raw_eval is not None:
+            if isinstance(raw_eval, dict):
+                self.eval_dataset = {
+                    key: self._prepare_dataset(ds, self.processing_class, args, False, self._formatting_func, key)
+                    for key, ds in raw_eval.items()
+                }
+            else:
+                self.eval_dataset = self._prepare_dataset(
+                    raw_eval, self.processing_class, args, False, self._formatting_func, "eval"
+                )
+
+    def _count_samples(self, batch: dict[str, Any]) -> int:
+        return sample_weights(batch)[1]
+
+    def _check_sample_loss(self) -> None:
+        if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ValueError(
+                "`loss_normalization='sample'` is not supported with `loss_type='dft'`, label smoothing or a custom "
+                "`compute_loss_func`; use `loss_normalization='token'`."
+            )
+
+    # ------------------------------------------------------------------------------------------------ data
+
+    def _prepare_dataset(
+        self,
+        dataset: Dataset | IterableDataset,
+        processing_class: Any,
+        args: Any,
+        packing: bool,
+        formatting_func: Any,
+        dataset_name: str,
+    ) -> Dataset | IterableDataset:
+        is_train = dataset_name == "train" and not self._unpack_train_prepared  # an eval split may be named "train"
+        self._unpack_train_prepared = True
+        if self._unpack_mode == "stock":
+            return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        packed_ahead = "seq_lengths" in column_names(dataset)
+        flatten = self._unpack_mode in ("pack", "padding_free") and (is_train or self._unpack_eval_flattened)
+        if not flatten:
+            if self._unpack_user_collator:  # the user's collator decides what seq_lengths mean
+                return super()._prepare_dataset(
+                    dataset, processing_class, args, packing, formatting_func, dataset_name
+                )
+            if packed_ahead:  # padded batches cannot keep boundaries inside a row: one row per sample
+                dataset = split_packed_rows(dataset, dataset_name)
+            return super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
+        if packed_ahead and packing:
+            dataset = split_packed_rows(dataset, dataset_name)  # boundaries kept; the samples are packed anew
+            packed_ahead = False
+        max_length = args.max_length
+        args.max_length = None  # tokenize and build labels only; truncation is done here, with counts
+        try:
+            dataset = super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
+        finally:
+            args.max_length = max_length
+        check_dataset_token_ids(dataset, dataset_name)
+        split = packing and args.packing_strategy == "bfd_split"
+        if max_length is not None:
+            if packed_ahead:
+                dataset = check_packed_rows(dataset, max_length, dataset_name)
+            else:
+                dataset, counts = truncate_dataset(
+                    dataset, max_length, truncation_mode=args.truncation_mode, split=split, name=dataset_name
+                )
+                if isinstance(dataset, IterableDataset):
+                    self._unpack_counts.append(counts)
+                    if is_train:
+                        self.unpack_stats["truncation"] = counts
+        if packing:
+            if max_length is None:
+                raise ValueError("When packing is enabled, `max_length` can't be `None`.")
+            if isinstance(dataset, IterableDataset):
+                return pack_iterable_dataset(dataset, max_length, buffer_size=args.packing_buffer_size, seed=args.seed)
+        stats: dict[str, Any] = {}
+        if packing or isinstance(dataset, Dataset):
+            lengths = sample_lengths(dataset, packed_ahead)  # of the samples, in the dataset's order
+            if packing:
+                dataset = pack_dataset(
+                    dataset,
+                    max_length,
+                    seed=args.seed,
+                    order=args.packing_order,
+                    max_samples_per_row=args.max_samples_per_row,
+                )
+            stats = {"samples": int(lengths.size), "tokens": int(lengths.sum()), "lengths": lengths}
+            if (packing or packed_ahead) and max_length is not None:
+                stats["rows"] = len(dataset)
+                stats["efficiency"] = stats["tokens"] / max(len(dataset) * max_length, 1)
+        if is_train and stats:
+            lengths = stats.pop("lengths", None)
+            if lengths is not None and lengths.size:
+                rows = stats.get("rows") or len(dataset)
+                batch = args.per_device_train_batch_size * lengths.size / max(rows, 1)
+                stats["padded_batch_size"] = batch
+                stats["estimated_speedup"] = estimated_speedup(lengths, batch, seed=args.seed)
+            self.unpack_stats.update(stats)
+        stats.pop("lengths", None)
+        return dataset
+
+    # ------------------------------------------------------------------------------------------------ loss
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """TRL's loss, or with ``loss_normalization="sample"`` the sum over samples of each sample's mean token loss,
+        divided by the number of samples in the step (``num_items_in_batch``, see [`get_batch_samples`]) or, outside
+        a training step, in the batch."""
+        if not self._unpack_sample_loss:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        if "shift_labels" in inputs:
+            raise ValueError(
+                "`loss_normalization='sample'` does not support pre-shifted `shift_labels` (context parallel)."
+            )
+        weights, num_samples = sample_weights(inputs)
+        fused: list[Any] = []
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            # TRL's loss calls the model once with fused_lm_head=True (per-token log-probs); keep those outputs
+            out = model(*args, **kwargs)
+            if kwargs.get("fused_lm_head"):
+                fused.append(out)
+            return out
+
+        result = super().compute_loss(
+            forward, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not fused:
+            raise RuntimeError(
+                "`loss_normalization='sample'` needs TRL's fused LM head outputs, which were not computed."
+            )
+        outputs = fused[0]
+        log_probs = outputs.log_probs
+        denominator = num_samples if num_items_in_batch is None else num_items_in_batch
+        denominator = torch.as_tensor(denominator, device=log_probs.device).clamp(min=1)
+        loss = -(log_probs.float() * weights.to(log_probs.device)).sum() / denominator
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / steps
+        return (loss, result[1]) if return_outputs else loss
