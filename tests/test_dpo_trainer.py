@@ -125,7 +125,7 @@ def assert_same_step(ours: dict, stock: dict) -> None:
 def compare(tmp_path, *, prefix_sharing: bool = True, **kwargs) -> dict:
     stock = one_step(trl.DPOTrainer, trl.DPOConfig, tmp_path / "stock", **kwargs)
     ours = one_step(DPOTrainer, DPOConfig, tmp_path / "ours", prefix_sharing=prefix_sharing, **kwargs)
-    assert ours["trainer"].unpack_packed, ours["trainer"].unpack_reason
+    assert ours["trainer"].unpack_decision.packed, ours["trainer"].unpack_decision.reason
     assert "packed_input_ids" in ours["trainer"].data_collator([ours["trainer"].train_dataset[0]])
     assert_same_step(ours, stock)
     return ours
@@ -200,12 +200,12 @@ def _trainer(tmp_path, *, args=None, **kwargs):
     )
 
 
-def test_packing_false_is_stock(tmp_path):
+def test_padding_free_false_is_stock(tmp_path):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    args = DPOConfig(output_dir=str(tmp_path), packing=False, report_to=[], bf16=False, use_cpu=True)
+    args = DPOConfig(output_dir=str(tmp_path), padding_free=False, report_to=[], bf16=False, use_cpu=True)
     trainer = _trainer(tmp_path, args=args)
-    assert not trainer.unpack_packed and "packing=False" in trainer.unpack_reason
+    assert not trainer.unpack_decision.packed and "padding_free=False" in trainer.unpack_decision.reason
     assert type(trainer.data_collator) is DataCollatorForPreference
 
 
@@ -214,24 +214,29 @@ def test_unpack_disable_is_stock(tmp_path, monkeypatch):
 
     monkeypatch.setenv("UNPACK_DISABLE", "1")
     trainer = _trainer(tmp_path)
-    assert not trainer.unpack_packed
+    assert trainer.unpack_decision.mode == "stock"
     assert type(trainer.data_collator) is DataCollatorForPreference
 
 
-def test_custom_collator_turns_packing_off_with_the_reason(tmp_path, caplog):
+def test_packing_true_is_logged_as_per_batch_rows(tmp_path):
+    args = DPOConfig(output_dir=str(tmp_path), packing=True, report_to=[], bf16=False, use_cpu=True)
+    trainer = _trainer(tmp_path, args=args)
+    assert trainer.unpack_decision.packed and "pairs of each batch" in trainer.unpack_decision.reason
+
+
+def test_custom_collator_keeps_padded_batches_with_the_reason(tmp_path):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     collator = DataCollatorForPreference(pad_token_id=0)
-    with caplog.at_level("WARNING", logger="unpack_trainer"):
-        trainer = _trainer(tmp_path, data_collator=collator)
-    assert not trainer.unpack_packed and trainer.data_collator is collator
-    assert "custom data_collator" in caplog.text
+    trainer = _trainer(tmp_path, data_collator=collator)
+    assert not trainer.unpack_decision.packed and trainer.data_collator is collator
+    assert "custom data_collator" in trainer.unpack_decision.reason
 
 
 def test_a_plain_trl_config_gets_our_defaults(tmp_path):
     args = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, beta=0.3)
     trainer = _trainer(tmp_path, args=args)
-    assert trainer.unpack_packed and trainer.args.prefix_sharing and trainer.args.beta == 0.3
+    assert trainer.unpack_decision.packed and trainer.args.prefix_sharing and trainer.args.beta == 0.3
     assert trainer.data_collator.prefix_sharing
 
 
@@ -239,15 +244,24 @@ def test_a_failed_self_check_trains_padded(tmp_path, monkeypatch):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     from unpack_trainer import selfcheck
+    from unpack_trainer.trainers import _packed
 
     failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
-    monkeypatch.setattr(selfcheck, "check_uncontaminated", lambda *a, **k: failed)
+    monkeypatch.setattr(_packed, "check_uncontaminated", lambda *a, **k: failed)
     trainer = _trainer(tmp_path)
-    assert not trainer.unpack_packed and "self-check failed" in trainer.unpack_reason
+    assert trainer.unpack_decision.packed
+    trainer.get_train_dataloader()
+    assert not trainer.unpack_decision.packed and "self-check failed" in trainer.unpack_decision.reason
     assert type(trainer.data_collator) is DataCollatorForPreference
     monkeypatch.setenv("UNPACK_STRICT", "1")
     with pytest.raises(RuntimeError, match="UNPACK_STRICT"):
-        _trainer(tmp_path)
+        _trainer(tmp_path).get_train_dataloader()
+
+
+def test_the_self_check_passes_on_a_real_run(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.get_train_dataloader()
+    assert trainer.unpack_selfcheck.ok and trainer.unpack_decision.packed
 
 
 @pytest.mark.parametrize("conversational", [False, True])
@@ -276,7 +290,7 @@ def test_train_and_evaluate_on_the_embedded_preference_set(conversational, tmp_p
         processing_class=tokenizer,
         peft_config=LoraConfig(r=4, target_modules="all-linear"),
     )
-    assert trainer.unpack_packed
+    assert trainer.unpack_decision.packed
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     metrics = trainer.evaluate()

@@ -164,9 +164,9 @@ class DataCollatorForPackedPreference(DataCollatorMixin):
     return_tensors: str = "pt"
 
     def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        from trl.trainer.dpo_trainer import DataCollatorForPreference
+        from unpack_trainer._trl_compat import dpo_padded_collator_class
 
-        view = DataCollatorForPreference(
+        view = dpo_padded_collator_class()(
             pad_token_id=self.pad_token_id,
             max_length=self.max_length,
             truncation_mode=self.truncation_mode,
