@@ -89,7 +89,7 @@ def run_case(provider: str, share: float, steps: int, batch_size: int, threads: 
     trainer = trainer_class(
         model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=tokenizer
     )
-    assert provider == "stock" or trainer.unpack_packed, trainer.unpack_reason
+    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
     model = trainer.model
     model.train()
     pairs = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
