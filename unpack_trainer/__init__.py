@@ -39,6 +39,11 @@ _EXPORTS: dict[str, str] = {
     "SFTConfig": "unpack_trainer.config",
     "SFTTrainer": "unpack_trainer.trainers.sft",
     "check_uncontaminated": "unpack_trainer.selfcheck",
+    # preference training (DPO)
+    "DPOConfig": "unpack_trainer.dpo_config",
+    "DPOTrainer": "unpack_trainer.trainers.dpo",
+    "DataCollatorForPackedPreference": "unpack_trainer.preference",
+    "load_default_preference_dataset": "unpack_trainer.preference_data",
     # dataset preparation (what the trainer calls)
     "pack_dataset": "unpack_trainer.data_utils",
     "truncate_dataset": "unpack_trainer.data_utils",
@@ -52,6 +57,9 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "DPOConfig",
+    "DPOTrainer",
+    "DataCollatorForPackedPreference",
     "DataCollatorForPacking",
     "PACKED_BATCH_KEYS",
     "SFTConfig",
@@ -63,6 +71,7 @@ __all__ = [
     "check_uncontaminated",
     "concatenate_and_pack",
     "first_fit",
+    "load_default_preference_dataset",
     "load_smollm2",
     "pack_dataset",
     "pack_iterable_dataset",

@@ -39,6 +39,11 @@ SFT_TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "router_aux_loss_coef",
 )
 
+# ``trl.DPOTrainer``: the packed path keeps TRL's ``_compute_loss`` whole and hooks the decoder its fused LM head calls
+# (``model.base_model``); it reads the reference model TRL set up.
+DPO_TRAINER_METHODS: tuple[str, ...] = ("_compute_loss", "compute_ref_log_probs")
+DPO_TRAINER_ATTRIBUTES: tuple[str, ...] = ("ref_model", "precompute_ref_logps")
+
 # Set by transformers (``utils/output_capturing.py``) on a model once a forward asked for hidden states or attentions
 # and its output-capturing forward hooks are installed; the self-check puts it back as found, with the hooks.
 OUTPUT_CAPTURING_HOOKS_FLAG = "_output_capturing_hooks_installed"
@@ -74,4 +79,15 @@ def sft_padded_collator_class() -> type:
     collator = getattr(sft_trainer, "DataCollatorForLanguageModeling", None)
     if collator is None:
         raise _missing("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling", "class")
+    return collator
+
+
+def dpo_padded_collator_class() -> type:
+    """TRL's padded preference collator (``trl.trainer.dpo_trainer.DataCollatorForPreference``): the view of every
+    packed preference batch, padded evaluation and the padded fallback."""
+    from trl.trainer import dpo_trainer
+
+    collator = getattr(dpo_trainer, "DataCollatorForPreference", None)
+    if collator is None:
+        raise _missing("trl.trainer.dpo_trainer", "DataCollatorForPreference", "class")
     return collator

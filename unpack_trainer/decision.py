@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unpack_trainer.config import SFTConfig
+from unpack_trainer.dpo_config import DPOConfig
 
 Mode = Literal["stock", "pack", "padding_free", "padded"]
 
@@ -199,7 +200,7 @@ def decide(
 
     padding_free = getattr(config, "padding_free", None)
     explicit_padding_free = padding_free is True
-    explicit_off = padding_free is False and isinstance(config, SFTConfig)
+    explicit_off = padding_free is False and isinstance(config, (SFTConfig, DPOConfig))
 
     reason = blocked_reason(
         model_config=model_config,

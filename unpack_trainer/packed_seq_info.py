@@ -9,6 +9,18 @@ Worked example, one row of two samples of lengths 3 and 2::
     cu_seqlens     [0, 3, 5]           (num_seqs + 1,)  int32, zero-prefixed cumsum
     max_seqlen     3                   Python int
     position_ids   [[0, 1, 2, 0, 1]]   (B, T)           int64, restarting at 0 per sample
+
+Branched segments (a shared prefix, preference pairs): a sample may continue an earlier sample of its row, its
+*parent*, instead of starting fresh. ``seq_parents[i]`` is ``-1`` for a sample that starts at position 0, else the
+index of the sample it continues. A prompt ``p`` (3 tokens) with chosen ``c`` (2) and rejected ``r`` (1)::
+
+    seq_lengths    [3, 2, 1]           samples p, c, r
+    seq_parents    [-1, 0, 0]          c and r both continue p
+    position_ids   [[0, 1, 2, 3, 4, 3]]
+    attention      p: causal in p; c: p and causal in c; r: p and causal in r (never c)
+
+Attention runs over *units*, each an ordinary causal sample: ``[p; c]`` and ``[p; r]``, the prefix's keys gathered
+in front of each branch (:meth:`PackedSeqInfo.branch_units`).
 """
 
 from __future__ import annotations
@@ -59,6 +71,26 @@ def restart_positions(seq_lengths: torch.Tensor, cu_seqlens: torch.Tensor | None
     return torch.arange(starts.numel(), dtype=torch.int64) - starts
 
 
+def _checked_parents(seq_parents: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``seq_parents`` as ``(num_seqs,)`` int64 CPU after checking that every parent is an earlier sample of the same
+    row that continues nothing itself (one level of branching)."""
+    parents = torch.as_tensor(seq_parents).detach().to(device="cpu", dtype=torch.int64).reshape(-1)
+    num_seqs = cu_seqlens.numel() - 1
+    if parents.numel() != num_seqs:
+        raise ValueError(f"`packed_seq_parents` has {parents.numel()} entries for {num_seqs} packed samples.")
+    index = torch.arange(num_seqs, dtype=torch.int64)
+    rows = torch.div(cu_seqlens[:-1], seq_len, rounding_mode="floor")
+    safe = parents.clamp(min=0)
+    bad = (parents < -1) | ((parents >= 0) & ((parents >= index) | (parents[safe] >= 0) | (rows[safe] != rows)))
+    if bool(bad.any()):
+        sample = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"Packed sample {sample} has parent {int(parents[sample])}: a parent must be -1 or an earlier sample of the "
+            "same row that continues no other sample."
+        )
+    return parents
+
+
 class PackedSeqInfo:
     """Packing metadata of one batch, computed once per forward on the CPU and shared by every layer.
 
@@ -70,6 +102,9 @@ class PackedSeqInfo:
         cu_seqlens: ``(num_seqs + 1,)`` int32 CPU, zero-prefixed cumsum of ``seq_lengths``.
         max_seqlen: the longest sample, a Python int.
         batch_size, seq_len: ``B`` and ``T``.
+        seq_parents: ``None`` (no sample continues another), or ``(num_seqs,)`` int64 CPU: ``-1`` for a sample that
+            starts at position 0, else the index of the earlier sample of the same row it continues (a shared
+            prefix, see the module docstring). Positions, attention and the first prediction of a branch follow it.
 
     What a consumer derives from the metadata (device copies, the SDPA buckets, masks, flash-attn chunks, xformers
     biases, the backend choice) is built on first use and cached on the object through :meth:`plan`, one namespace
@@ -82,7 +117,9 @@ class PackedSeqInfo:
         ([0, 3, 5], 3)
     """
 
-    def __init__(self, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int) -> None:
+    def __init__(
+        self, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int, seq_parents: torch.Tensor | None = None
+    ) -> None:
         lengths = torch.as_tensor(seq_lengths).detach().to(device="cpu", dtype=torch.int64).reshape(-1)
         if lengths.numel() == 0:
             raise ValueError("Packed attention got no samples: `packed_seq_lengths` is empty.")
@@ -109,6 +146,7 @@ class PackedSeqInfo:
                     f"Packed sample {sample} crosses the boundary between rows {row} and {row + 1} (row length "
                     f"{seq_len}); samples must not span rows."
                 )
+        self.seq_parents = None if seq_parents is None else _checked_parents(seq_parents, cu_seqlens, seq_len)
         self.seq_lengths = lengths.to(torch.int32)
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.max_seqlen = int(lengths.max())
@@ -123,6 +161,11 @@ class PackedSeqInfo:
         )
 
     @property
+    def is_branched(self) -> bool:
+        """Whether some sample continues another (a shared prefix); see :meth:`branch_units`."""
+        return self.seq_parents is not None and bool((self.seq_parents >= 0).any())
+
+    @property
     def num_seqs(self) -> int:
         return int(self.seq_lengths.numel())
 
@@ -133,9 +176,12 @@ class PackedSeqInfo:
     # -- constructors ------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_seq_lengths(cls, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int) -> PackedSeqInfo:
-        """From ``packed_seq_lengths``: ``(num_seqs,)`` integer lengths, row-major over the batch (any device)."""
-        return cls(seq_lengths, batch_size=batch_size, seq_len=seq_len)
+    def from_seq_lengths(
+        cls, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int, seq_parents: torch.Tensor | None = None
+    ) -> PackedSeqInfo:
+        """From ``packed_seq_lengths``: ``(num_seqs,)`` integer lengths, row-major over the batch (any device), and
+        optionally ``packed_seq_parents``: ``(num_seqs,)`` integer, ``-1`` or the sample each one continues."""
+        return cls(seq_lengths, batch_size=batch_size, seq_len=seq_len, seq_parents=seq_parents)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, *, batch_size: int, seq_len: int) -> PackedSeqInfo:
@@ -167,8 +213,67 @@ class PackedSeqInfo:
 
     def position_ids(self, device: torch.device | str | None = None) -> torch.Tensor:
         """``(B, T)`` int64 positions restarting at 0 for every sample, on ``device`` (the CPU when ``None``)."""
-        positions = restart_positions(self.seq_lengths, self.cu_seqlens).view(self.batch_size, self.seq_len)
+        positions = restart_positions(self.seq_lengths, self.cu_seqlens)
+        if self.is_branched:
+            parents = self.seq_parents
+            offsets = torch.where(parents >= 0, self.seq_lengths.to(torch.int64)[parents.clamp(min=0)], 0)
+            positions = positions + torch.repeat_interleave(offsets, self.seq_lengths.to(torch.int64))
+        positions = positions.view(self.batch_size, self.seq_len)
         return positions if device is None else positions.to(device)
+
+    def branch_units(self) -> tuple[PackedSeqInfo, torch.Tensor, torch.Tensor]:
+        """The attention units of a branched batch: every branch with its prefix gathered in front, as plain samples.
+
+        A sample without branches is a unit of its own. A prefix with branches ``b1, ..., bk`` gives the units
+        ``[prefix; b1], ..., [prefix; bk]``: each is ordinary causal attention, so every backend runs it unchanged
+        (the same kernel call, no alignment question, no ``(T, T)`` mask). The prefix's outputs are taken from its
+        first unit; its queries in the other units are computed and dropped (attention only, the projections and
+        MLPs of the prefix still run once).
+
+        Returns:
+            ``(unit_info, gather, owner)``: ``unit_info`` a plain :class:`PackedSeqInfo` of one row over the
+            ``num_slots`` gathered tokens; ``gather`` ``(num_slots,)`` int64, the token (row-major over ``B * T``)
+            each slot reads; ``owner`` ``(B * T,)`` int64, the slot whose output is each token's output. CPU, built
+            once per batch.
+
+        Example (p, c, r of lengths 3, 2, 1 as in the module docstring)::
+
+            unit lengths [5, 4]; gather [0, 1, 2, 3, 4, 0, 1, 2, 5]; owner [0, 1, 2, 3, 4, 8]
+        """
+        return self.plan("branch_units", None, self._build_branch_units)
+
+    def _build_branch_units(self) -> tuple[PackedSeqInfo, torch.Tensor, torch.Tensor]:
+        starts = self.cu_seqlens[:-1].tolist()
+        lengths = self.seq_lengths.tolist()
+        parents = self.seq_parents.tolist() if self.seq_parents is not None else [-1] * len(lengths)
+        children: dict[int, list[int]] = {}
+        for index, parent in enumerate(parents):
+            if parent >= 0:
+                children.setdefault(parent, []).append(index)
+        pieces: list[torch.Tensor] = []
+        unit_lengths: list[int] = []
+        owner = torch.empty(self.total_tokens, dtype=torch.int64)
+        slot = 0
+
+        def span(index: int) -> torch.Tensor:
+            return torch.arange(starts[index], starts[index] + lengths[index], dtype=torch.int64)
+
+        for index, parent in enumerate(parents):
+            if parent >= 0:
+                continue
+            branches = children.get(index, [])
+            prefix = span(index)
+            owner[prefix] = torch.arange(slot, slot + lengths[index], dtype=torch.int64)
+            for branch in branches or [None]:
+                tokens = prefix if branch is None else torch.cat([prefix, span(branch)])
+                if branch is not None:
+                    owner[span(branch)] = torch.arange(slot + lengths[index], slot + len(tokens), dtype=torch.int64)
+                pieces.append(tokens)
+                unit_lengths.append(len(tokens))
+                slot += len(tokens)
+        gather = torch.cat(pieces)
+        unit_info = PackedSeqInfo(torch.tensor(unit_lengths, dtype=torch.int64), batch_size=1, seq_len=slot)
+        return unit_info, gather, owner
 
     def plan(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
         """The value ``owner`` cached under ``key`` for these samples, made by ``build()`` on first use.

@@ -139,6 +139,37 @@ def test_packed_mixer_with_a_cache_is_refused():
     assert not is_mixer_patched(scan) and "forward" not in scan.__dict__
 
 
+def test_a_branched_packed_batch_is_refused_by_a_mixer():
+    """A branch (a DPO completion continuing its prompt) would restart the mixer's state at the branch instead of
+    carrying the prompt's: refused with the reason, never computed wrong."""
+    scan = _Scan()
+    handler = PerSampleMixers()
+    handler.patch(scan)
+    branched = PackedSeqInfo.from_seq_lengths(
+        torch.tensor([3, 2, 2]), batch_size=1, seq_len=7, seq_parents=torch.tensor([-1, 0, 0])
+    )
+    try:
+        with pytest.raises(ValueError, match=r"_Scan.*branched.*prefix_sharing=False"):
+            scan(torch.randn(1, 7, 6), packed_seq_info=branched)
+    finally:
+        handler.unpatch(scan)
+
+
+@pytest.mark.parametrize("model_type", ["lfm2"])
+def test_a_branched_batch_on_a_hybrid_model_is_refused(model_type):
+    model = tiny_model(model_type).eval()
+    patch_model(model)
+    try:
+        with pytest.raises(ValueError, match="branched"), torch.no_grad():
+            model(
+                input_ids=torch.randint(3, 50, (1, 7)),
+                packed_seq_lengths=torch.tensor([3, 2, 2]),
+                packed_seq_parents=torch.tensor([-1, 0, 0]),
+            )
+    finally:
+        unpatch_model(model)
+
+
 def test_mixer_kind_from_the_structure():
     assert mixer_kind(torch.nn.Conv1d(2, 2, 3)) == "convolution"
     assert mixer_kind(torch.nn.Linear(2, 2)) is None

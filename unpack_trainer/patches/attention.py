@@ -160,6 +160,11 @@ def packed_info_from_kwargs(
     """
     if "packed_seq_info" in kwargs:
         return kwargs["packed_seq_info"]
+    if kwargs.get("packed_seq_parents") is not None:
+        raise ValueError(
+            "Branched packed samples (`packed_seq_parents`) reach attention through the patched model's hook, which "
+            "passes `packed_seq_info`; patch the model with unpack_trainer.models.patch_model."
+        )
     batch_size, _, seq_len, _ = query.shape
     for name in ("packed_seq_lengths", "cu_seq_lens_q"):
         source = kwargs.get(name)
@@ -1165,7 +1170,35 @@ def packed_attention_forward(
         if reason is not None:
             raise ValueError(f"Packed attention backend={backend!r} cannot run here: {reason}.")
     options = _CallOptions(scaling, dropout, sliding_window, softcap, sinks, module, alibi_slopes)
+    if info.is_branched:
+        return _branched(_BACKEND_FUNCTIONS[backend], query, key, value, info, options), None
     return _BACKEND_FUNCTIONS[backend](query, key, value, info, options), None
+
+
+def _branched(
+    backend: _BackendFunction, query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions
+) -> Tensor:
+    """A backend on branched samples (shared prefixes): every branch runs as the plain causal unit
+    ``[prefix; branch]`` (:meth:`PackedSeqInfo.branch_units`), so each backend applies its own causal mask, window,
+    softcap and sinks to it unchanged, and no branch sees a sibling.
+
+    The tokens are gathered into the units (a prefix read once per branch; autograd sums the prefix's key/value
+    gradients over its branches), the backend runs on one row of ``num_slots`` tokens, and each token's output is
+    read back from its own slot. Shapes as :class:`_BackendFunction`: ``(B, num_heads, T, head_dim)`` in,
+    ``(B, T, num_heads, head_dim_v)`` out.
+    """
+    batch_size, num_heads, seq_len, _ = query.shape
+    unit_info, gather, owner = info.branch_units()
+    device = query.device
+    gather, owner = info.plan(
+        "branch_units_device", str(device), lambda: (gather.to(device, non_blocking=True), owner.to(device))
+    )
+
+    def units(x: Tensor) -> Tensor:
+        return _tokens_major(x).index_select(0, gather).unsqueeze(0).transpose(1, 2)
+
+    out = backend(units(query), units(key), units(value), unit_info, options)  # (1, num_slots, H, Dv)
+    return out[0].index_select(0, owner).view(batch_size, seq_len, num_heads, out.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------------------------------

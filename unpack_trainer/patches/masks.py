@@ -23,6 +23,7 @@ import torch
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 __all__ = [
+    "SEQ_PARENTS_KEY",
     "current_packed_info",
     "detect_packed",
     "make_mask_function",
@@ -34,6 +35,9 @@ __all__ = [
 # Per thread (nn.DataParallel runs its replicas in threads): a stack of (decoder, PackedSeqInfo) for the packed
 # forwards now running, innermost last.
 _state = threading.local()
+
+# The batch key of the branch structure (shared prefixes): ``(num_seqs,)`` int, ``-1`` or the sample each continues.
+SEQ_PARENTS_KEY = "packed_seq_parents"
 
 # Keys of a decoder forward's kwargs that mark a batch as explicitly packed.
 _METADATA_KEYS = ("packed_seq_lengths", "cu_seq_lens_q")
@@ -141,6 +145,7 @@ def detect_packed(
     *,
     packed_seq_lengths: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    seq_parents: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     attention_mask: Any = None,
     cached: int = 0,
@@ -151,14 +156,18 @@ def detect_packed(
     (``packed_seq_lengths`` ``(num_seqs,)`` int, else ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, zero-prefixed), or
     when ``position_ids`` ``(B, T)`` or ``(1, T)`` int restart inside a row and the batch has more than one token, no
     ``cached`` tokens before it and no ``attention_mask`` (or a ``(B, T)`` one of all ones; a 4D mask counts as one
-    that hides tokens). With metadata the mask is not looked at (the caller checks it).
+    that hides tokens). With metadata the mask is not looked at (the caller checks it). ``seq_parents``
+    ``(num_seqs,)`` int (with ``packed_seq_lengths`` only): for each sample, -1 or the index of the earlier sample
+    whose prefix it continues (branched segments, e.g. a DPO prompt with its chosen and rejected completions).
 
     :func:`packed_info_for_forward` (the model hook, once per forward) and
     :func:`unpack_trainer.patches.attention.packed_info_from_kwargs` (a direct call of the packed attention helper)
     both decide with it.
     """
     if packed_seq_lengths is not None:
-        return PackedSeqInfo.from_seq_lengths(packed_seq_lengths, batch_size=batch_size, seq_len=seq_len)
+        return PackedSeqInfo.from_seq_lengths(
+            packed_seq_lengths, batch_size=batch_size, seq_len=seq_len, seq_parents=seq_parents
+        )
     if cu_seq_lens_q is not None:
         return PackedSeqInfo.from_cu_seqlens(cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len)
     if position_ids is None or seq_len <= 1 or cached or not _hides_nothing(attention_mask):
@@ -199,11 +208,15 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
 
     lengths, cu_q, cu_k = kwargs.get("packed_seq_lengths"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     explicit = lengths is not None or cu_q is not None
+    parents = kwargs.pop(SEQ_PARENTS_KEY, None)
+    if parents is not None and lengths is None:
+        raise ValueError(f"`{SEQ_PARENTS_KEY}` needs `packed_seq_lengths` (the samples the parents refer to).")
     info = detect_packed(
         batch_size,
         seq_len,
         packed_seq_lengths=lengths,
         cu_seq_lens_q=cu_q,
+        seq_parents=parents,
         position_ids=position_ids,
         attention_mask=attention_mask,
         cached=cached,
@@ -231,6 +244,11 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             kwargs["attention_mask"] = None
         if position_ids is None:
             kwargs["position_ids"] = info.position_ids(reference.device)
+        elif info.is_branched and not torch.equal(position_ids.detach().cpu().expand(batch_size, -1), info.position_ids()):
+            raise ValueError(
+                "`position_ids` do not match the branched samples (`packed_seq_parents`): every branch continues its "
+                "prefix's positions; pass no `position_ids` to have them filled in."
+            )
     elif info is not None:
         kwargs["attention_mask"] = None
 

@@ -374,6 +374,13 @@ class _PackedMixerForward:
         if info is None:
             return forward(module, *args, **kwargs)
         owner = type(module).__name__
+        if info.is_branched:
+            raise ValueError(
+                f"{owner} is a token mixer that carries state along the sequence, and this packed batch is branched "
+                "(samples continuing an earlier sample's prefix, e.g. DPO with prefix sharing): run per sample, a "
+                "branch would restart the state instead of continuing its prefix's. Use prefix_sharing=False (each "
+                "[prompt, completion] packed as a sample of its own) for this model."
+            )
         if self.path == "conv":
             (x,) = args if args else tuple(kwargs.values())
             return packed_conv1d(module, x, info)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from unpack_trainer.cli.commands import CLIError
 
-__all__ = ["add_smollm2_command", "add_sft_command", "make_parser", "run_sft"]
+__all__ = ["add_smollm2_command", "add_sft_command", "launch_script", "make_parser", "run_sft"]
 
 PROG = "unpack-trainer sft"
 ERROR_EXIT_CODE = 2  # a user error, as `unpack-trainer analyze` and argparse
@@ -89,15 +89,22 @@ def run_sft(argv: Sequence[str]) -> int:
     Returns the exit status: 0; 2 on a user error (one line on stderr, here or from the training script, which
     reports its own the same way); the training script's status if it failed otherwise (its traceback is its own).
     """
+    from unpack_trainer.sft_command import check_arguments
+
+    return launch_script(argv, make_parser(), SCRIPT, check=check_arguments)
+
+
+def launch_script(argv: Sequence[str], parser, script: str, *, check=None) -> int:
+    """Parse ``argv`` with ``parser`` (a ``TrlParser``) as ``trl <command>`` does, run ``check`` (if given) on the
+    parsed dataclasses (a [`CLIError`] there is one line on stderr and exit status 2), then ``accelerate launch`` the
+    module ``script`` with the script's arguments; the arguments the parser does not know go to ``accelerate
+    launch``. Returns the exit status (the script's own if it failed)."""
     import subprocess
 
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
-    from unpack_trainer.sft_command import check_arguments
-
     all_args = list(argv)
-    parser = make_parser()
     try:
         *parsed, config_remaining, cli_remaining = parser.parse_args_and_config(
             all_args, return_remaining_strings=True, separate_remaining_strings=True
@@ -105,13 +112,14 @@ def run_sft(argv: Sequence[str]) -> int:
     except SystemExit as exit_:  # --help, or a usage error argparse already printed
         return exit_.code if isinstance(exit_.code, int) else 0
     try:
-        check_arguments(*parsed)
+        if check is not None:
+            check(*parsed)
     except CLIError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return ERROR_EXIT_CODE
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     script_args = _subtract_subsequence(all_args, cli_remaining)
-    launch = launch_command_parser().parse_args([*launch_args, "--module", SCRIPT, *script_args])
+    launch = launch_command_parser().parse_args([*launch_args, "--module", script, *script_args])
     try:
         launch_command(launch)
     except subprocess.CalledProcessError as failed:  # the script said why on stderr (one line for a user error)

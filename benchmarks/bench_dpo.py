@@ -1,0 +1,173 @@
+"""DPO step throughput and peak memory: stock ``trl.DPOTrainer`` (padded) vs ``unpack_trainer.DPOTrainer`` packed
+without prefix sharing vs packed with prefix sharing, on pairs whose prompts are 20%, 50% and 80% of their tokens.
+
+    python benchmarks/bench_dpo.py                         # tiny Llama, 8 pairs per batch, 3 repeats
+    python benchmarks/bench_dpo.py --repeats 5 --threads 1 # steadier on a busy machine
+
+Each (provider, prompt share) case runs in its own process: one warm-up step, then ``--steps`` training steps
+(policy forward + backward and the reference model's forward, through the trainers' own ``compute_loss``) on the same
+pre-tokenized pairs. The providers are interleaved (stock, plain, shared, stock, ...) for ``--repeats`` rounds; the
+table gives the median and spread (min-max) of tokens/s and of each ratio, paired within a round. Tokens/s counts the
+tokens of ``[p, c]`` and ``[p, r]`` (what stock TRL runs without its padding), the same numerator for every provider.
+Peak memory: the growth of the process's peak RSS over the training steps, warm-up included (ru_maxrss; CPU).
+
+Data: pair lengths ``|p| + |c| + |r|`` lognormal (median 360 tokens, sigma 0.6, clipped to [16, 2048]), the prompt
+the given share of them, the rest split between chosen and rejected at a uniform 35-65% ratio; random token ids.
+Model: tiny Llama (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096) with a separate reference model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment_line, format_table, run_in_subprocess, tiny_llama_config  # noqa: E402
+
+PROVIDERS = ("stock", "plain", "shared")
+SHARES = (0.2, 0.5, 0.8)
+
+
+def make_pairs(num_pairs: int, share: float, seed: int = 0) -> list[dict[str, list[int]]]:
+    """``num_pairs`` pre-tokenized pairs whose prompts hold ``share`` of the pair's tokens (see the docstring)."""
+    rng = np.random.default_rng(seed)
+    totals = np.clip(np.rint(rng.lognormal(np.log(360), 0.6, size=num_pairs)), 16, 2048).astype(int)
+    pairs = []
+    for total in totals:
+        prompt = max(1, int(round(share * total)))
+        rest = max(2, total - prompt)
+        chosen = max(1, int(round(rest * rng.uniform(0.35, 0.65))))
+        rejected = max(1, rest - chosen)
+        pairs.append({name: rng.integers(3, 4096, size=n).tolist() for name, n in
+                      (("prompt_ids", prompt), ("chosen_ids", chosen), ("rejected_ids", rejected))})  # fmt: skip
+    return pairs
+
+
+def run_case(provider: str, share: float, steps: int, batch_size: int, threads: int | None) -> dict:
+    """Train ``steps`` + 1 steps of ``provider`` in this process; tokens/s and the growth of peak RSS (MiB)."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    import trl
+    from datasets import Dataset
+    from datasets.utils.logging import disable_progress_bar
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
+    config = tiny_llama_config(pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    torch.manual_seed(1)
+    ref_model = LlamaForCausalLM(config)
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+    texts = [
+        {name.removesuffix("_ids"): " ".join(f"t{i}" for i in ids) for name, ids in pair.items()}
+        for pair in make_pairs(batch_size * (steps + 1), share)
+    ]
+    dataset = Dataset.from_list(texts)
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
+                  use_cpu=True, gradient_checkpointing=False, max_length=None)  # fmt: skip
+    if provider == "stock":
+        trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
+    else:
+        trainer_class, args = DPOTrainer, DPOConfig(**common, prefix_sharing=provider == "shared")
+    trainer = trainer_class(
+        model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    model = trainer.model
+    model.train()
+    pairs = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batches = [
+        trainer._prepare_inputs(trainer.data_collator(pairs[i * batch_size : (i + 1) * batch_size]))
+        for i in range(steps + 1)
+    ]
+
+    def step(batch):
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step(batches[0])  # warm-up
+    start = time.perf_counter()
+    for batch in batches[1:]:
+        step(batch)
+    seconds = time.perf_counter() - start
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tokens = sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs[batch_size:])
+    return {"tokens_per_s": tokens / seconds, "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds}
+
+
+def _spread(values, fmt: str) -> str:
+    return f"{format(float(np.median(values)), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="pairs per batch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
+    args = parser.parse_args(argv)
+    if args.case:
+        provider, share = args.case.split(":")
+        print(json.dumps(run_case(provider, float(share), args.steps, args.batch_size, args.threads)))
+        return
+
+    print(environment_line())
+    results: dict[tuple[str, float], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for share in args.shares:
+            order = PROVIDERS[repeat % 3 :] + PROVIDERS[: repeat % 3]
+            for provider in order:
+                command = [os.path.abspath(__file__), "--case", f"{provider}:{share}", "--steps", str(args.steps)]
+                command += ["--batch-size", str(args.batch_size)]
+                if args.threads is not None:
+                    command += ["--threads", str(args.threads)]
+                results.setdefault((provider, share), []).append(run_in_subprocess(command, timeout=3600))
+                print(f"  round {repeat + 1}, prompt {share:.0%}, {provider}: "
+                      f"{results[(provider, share)][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
+    rows = []
+    for share in args.shares:
+        stock, plain, shared = (results[(p, share)] for p in PROVIDERS)
+        tps = {p: [r["tokens_per_s"] for r in results[(p, share)]] for p in PROVIDERS}
+        rows.append([
+            f"{share:.0%}",
+            _spread(tps["stock"], ",.0f"),
+            _spread(tps["plain"], ",.0f"),
+            _spread(tps["shared"], ",.0f"),
+            _spread([b / a for a, b in zip(tps["stock"], tps["plain"])], ".2f"),
+            _spread([b / a for a, b in zip(tps["stock"], tps["shared"])], ".2f"),
+            _spread([b / a for a, b in zip(tps["plain"], tps["shared"])], ".2f"),
+            " / ".join(f"{np.median([r['peak_mib'] for r in rs]):.0f}" for rs in (stock, plain, shared)),
+        ])  # fmt: skip
+    print()
+    print(f"DPO step, tiny Llama, {args.batch_size} pairs per batch, {args.steps} steps x {args.repeats} rounds "
+          "(median (min-max)):")  # fmt: skip
+    print(format_table(
+        ["prompt share", "stock tokens/s", "packed tokens/s", "shared tokens/s", "packed / stock",
+         "shared / stock", "shared / packed", "peak MiB stock / packed / shared"],
+        rows,
+    ))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Branched packed segments (a shared prompt with two continuations) == each branch run alone with its prompt.
+
+A segment ``[p, c, r]`` is one packed sample ``p`` with two branches ``c`` and ``r`` that both continue from ``|p|``
+(``packed_seq_parents``). Its logits and every parameter gradient must equal those of ``[p, c]`` and ``[p, r]`` run
+separately and unpatched, fp32, relative 1e-5, on every CPU backend, with sliding windows, softcap and a MoE.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unpack_trainer.models import patch_model
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
+from unpack_trainer.tiny import tiny_model
+
+REL = 1e-5
+SIZES = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512, head_dim=16, sliding_window=5)
+# model_type -> overrides; windows of 5 tokens are shorter than the segments below, so they cut inside the branches.
+ARCHITECTURES = {
+    "llama": {},
+    "qwen3": dict(use_sliding_window=True, max_window_layers=1),
+    "gemma2": dict(attn_logit_softcapping=20.0, final_logit_softcapping=None, query_pre_attn_scalar=16),
+    "qwen3_moe": dict(use_sliding_window=True, max_window_layers=1),
+}
+# (|p|, |c|, |r|) per pair; one pair with a single-token prompt, one with equal branch lengths.
+PAIRS = [(6, 4, 7), (1, 3, 2), (9, 5, 5)]
+
+
+def _pairs(vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(3, vocab, (n,), generator=generator) for n in sizes) for sizes in PAIRS]
+
+
+def branched_batch(pairs) -> dict:
+    """One packed row ``[p1, c1, r1, p2, ...]`` with ``packed_seq_lengths`` and ``packed_seq_parents``."""
+    ids, lengths, parents = [], [], []
+    for p, c, r in pairs:
+        root = len(lengths)
+        ids += [p, c, r]
+        lengths += [len(p), len(c), len(r)]
+        parents += [-1, root, root]
+    return {
+        "input_ids": torch.cat(ids).unsqueeze(0),
+        "packed_seq_lengths": torch.tensor(lengths, dtype=torch.int32),
+        SEQ_PARENTS_KEY: torch.tensor(parents),
+    }
+
+
+def _weights(pairs, vocab: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(len(p) + len(c) + len(r), vocab, generator=generator) for p, c, r in pairs]
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = expected.abs().max().clamp(min=1e-6)
+    error = (actual - expected).abs().max() / scale
+    assert error <= REL, f"{what}: relative error {float(error):.2e}"
+
+
+def test_positions_and_units_of_a_branched_segment():
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2, 1]), batch_size=1, seq_len=6, seq_parents=[-1, 0, 0])
+    assert info.is_branched
+    assert info.position_ids().tolist() == [[0, 1, 2, 3, 4, 3]]
+    unit_info, gather, owner = info.branch_units()
+    assert unit_info.seq_lengths.tolist() == [5, 4]
+    assert gather.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5]
+    assert owner.tolist() == [0, 1, 2, 3, 4, 8]
+
+
+@pytest.mark.parametrize(
+    "parents, message",
+    [([-1, 1, 0], "parent 1"), ([-1, 0, 1], "parent 1"), ([-1, 0], "2 entries"), ([0, -1, -1], "parent 0")],
+)
+def test_bad_parents_are_refused(parents, message):
+    with pytest.raises(ValueError, match=message):
+        PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2, 1]), batch_size=1, seq_len=6, seq_parents=parents)
+
+
+def test_a_parent_in_another_row_is_refused():
+    with pytest.raises(ValueError, match="same row"):
+        PackedSeqInfo.from_seq_lengths(torch.tensor([3, 3]), batch_size=2, seq_len=3, seq_parents=[-1, 0])
+
+
+# gemma2 has no SDPA implementation in transformers (softcap); eager is its backend.
+CASES = [
+    (arch, backend) for arch in ARCHITECTURES for backend in ("sdpa", "eager") if (arch, backend) != ("gemma2", "sdpa")
+]
+
+
+@pytest.mark.parametrize("arch, backend", CASES)
+def test_branched_logits_and_gradients_equal_each_branch_alone(arch, backend):
+    model = tiny_model(arch, attn_implementation=backend, **{**SIZES, **ARCHITECTURES[arch]}).eval()
+    vocab = model.config.vocab_size
+    pairs = _pairs(vocab)
+    weights = _weights(pairs, vocab)
+
+    # Reference: [p, c] and [p, r] one by one, unpatched; p's logits are taken from [p, c] only.
+    expected_logits = []
+    for (p, c, r), w in zip(pairs, weights):
+        chosen = model(input_ids=torch.cat([p, c]).unsqueeze(0)).logits[0]
+        rejected = model(input_ids=torch.cat([p, r]).unsqueeze(0)).logits[0]
+        logits = torch.cat([chosen, rejected[len(p) :]])
+        (logits * w).sum().backward()
+        expected_logits.append(logits.detach())
+    expected_grads = _grads(model)
+
+    patch_model(model)
+    logits = model(**branched_batch(pairs)).logits[0]
+    (logits * torch.cat(weights)).sum().backward()
+    _close(logits.detach(), torch.cat(expected_logits), f"{arch}/{backend} logits")
+    grads = _grads(model)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        _close(grad, expected_grads[name], f"{arch}/{backend} grad {name}")
+
+
+def test_branches_never_see_each_other():
+    """Changing the rejected branch leaves the prompt's and the chosen branch's logits bit-identical."""
+    model = tiny_model("llama", **SIZES).eval()
+    patch_model(model)
+    pairs = _pairs(model.config.vocab_size)
+    batch = branched_batch(pairs)
+    before = model(**batch).logits[0]
+    p, c, r = pairs[0]
+    batch["input_ids"][0, len(p) + len(c) : len(p) + len(c) + len(r)] = 3
+    after = model(**batch).logits[0]
+    assert torch.equal(before[: len(p) + len(c)], after[: len(p) + len(c)])
+    assert torch.equal(before[sum(map(len, pairs[0])) :], after[sum(map(len, pairs[0])) :])
+
+
+def test_mismatched_position_ids_are_refused():
+    model = tiny_model("llama", **SIZES).eval()
+    patch_model(model)
+    batch = branched_batch(_pairs(model.config.vocab_size))
+    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0)
+    with pytest.raises(ValueError, match="branched"):
+        model(**batch)
+
+
+# -- the attention helper alone: every backend, window, softcap, GQA; the GPU kernels with @pytest.mark.gpu ----------
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _reference_attention(q, k, v, info, *, scaling, window, softcap):
+    """fp64 attention of every branch over ``[prefix; branch]`` (prefix alone for a root), one unit at a time."""
+    q, k, v = (x[0].double() for x in (q, k, v))  # (H, T, D)
+    heads_per_kv = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(heads_per_kv, 0), v.repeat_interleave(heads_per_kv, 0)
+    out = torch.zeros(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float64)
+    starts, lengths, parents = info.cu_seqlens.tolist(), info.seq_lengths.tolist(), info.seq_parents.tolist()
+    for index, parent in enumerate(parents):
+        own = list(range(starts[index], starts[index] + lengths[index]))
+        keys = (list(range(starts[parent], starts[parent] + lengths[parent])) if parent >= 0 else []) + own
+        scores = q[:, own] @ k[:, keys].transpose(1, 2) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        i = torch.arange(len(own)).unsqueeze(1) + len(keys) - len(own)
+        j = torch.arange(len(keys)).unsqueeze(0)
+        allowed = (j <= i) & ((j > i - window) if window is not None else True)
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[own] = (weights @ v[:, keys]).transpose(0, 1)
+    return out
+
+
+def _attention_case(backend, window, softcap, dtype, device, monkeypatch):
+    from unpack_trainer.patches import attention
+
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    lengths, parents = [7, 3, 5, 4, 9, 2, 1, 6], [-1, 0, 0, -1, -1, 4, 4, 4]
+    info = PackedSeqInfo.from_seq_lengths(
+        torch.tensor(lengths), batch_size=1, seq_len=sum(lengths), seq_parents=parents
+    )
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, sum(lengths), 16, generator=generator) for h in (4, 2, 2))
+    q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
+    out, _ = attention.packed_attention_forward(
+        _Module(), q, k, v, None, scaling=0.25, sliding_window=window, softcap=softcap, packed_seq_info=info
+    )
+    expected = _reference_attention(
+        q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), info, scaling=0.25, window=window, softcap=softcap
+    )
+    return out[0].float().cpu(), expected
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("backend, softcap", [("sdpa", None), ("eager", None), ("eager", 2.0)])
+def test_branched_attention_equals_the_reference(backend, softcap, window, monkeypatch):
+    out, expected = _attention_case(backend, window, softcap, torch.float32, "cpu", monkeypatch)
+    _close(out.double(), expected, f"{backend} window={window} softcap={softcap}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+def test_branched_attention_on_the_cuda_kernels(backend, window, monkeypatch):
+    from unpack_trainer.patches import attention
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    if backend == "xformers":
+        pytest.importorskip("xformers")
+    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    out, expected = _attention_case(backend, window, None, torch.bfloat16, "cuda", monkeypatch)
+    error = (out.double() - expected).abs().max() / expected.abs().max()
+    assert error <= 2e-2, f"{backend}: relative error {float(error):.2e}"

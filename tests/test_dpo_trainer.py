@@ -1,0 +1,335 @@
+"""unpack_trainer.DPOTrainer == trl.DPOTrainer on the same pairs: one step's loss, every logged metric, the
+per-pair chosen/rejected log-probs and every gradient, fp32 relative 1e-5; every loss_type TRL 1.16 offers, lists
+with loss_weights, ld_alpha, use_weighting, every f_divergence_type, label smoothing; llama, qwen3 (window),
+gemma2 (softcap), a MoE with its auxiliary loss; full fine-tuning with a separate reference model, LoRA (reference =
+adapter disabled) and precomputed reference log-probs; prompts shared and not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+
+from unpack_trainer.dpo_config import DPOConfig
+from unpack_trainer.tiny import char_tokenizer, tiny_model
+from unpack_trainer.trainers.dpo import DPOTrainer
+
+REL = 1e-5
+LOSS_TYPES = [
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+]  # fmt: skip
+SIZES = dict(hidden_size=32, max_position_embeddings=256, sliding_window=6, head_dim=8)
+MODELS = {
+    "llama": {},
+    "qwen3": dict(use_sliding_window=True, max_window_layers=1),
+    "gemma2": dict(attn_logit_softcapping=20.0, final_logit_softcapping=15.0, query_pre_attn_scalar=8),
+    "qwen3_moe": dict(router_aux_loss_coef=0.3),
+}
+ATTENTION = {"gemma2": "eager"}
+NUM_PAIRS = 4
+
+
+def _pairs(n: int = NUM_PAIRS, seed: int = 0, conversational: bool = False) -> Dataset:
+    rng = random.Random(seed)
+
+    def text(low: int, high: int) -> str:
+        return "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(low, high)))
+
+    rows = [{"prompt": text(3, 12), "chosen": text(1, 9), "rejected": text(1, 9)} for _ in range(n)]
+    rows[0]["chosen"] = rows[0]["rejected"][:2] + "x"  # a pair whose completions share their first tokens (ld_alpha)
+    if conversational:
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in rows
+        ]
+    return Dataset.from_list(rows)
+
+
+def _model(model_type: str, seed: int):
+    tokenizer = char_tokenizer()
+    overrides = {**SIZES, **MODELS[model_type], "vocab_size": len(tokenizer)}
+    return tiny_model(model_type, seed=seed, attn_implementation=ATTENTION.get(model_type, "sdpa"), **overrides)
+
+
+def one_step(
+    trainer_class, config_class, tmp_path, *, model_type="llama", reference="model", dataset=None, **config
+) -> dict:
+    """One training step's loss, metrics, per-pair log-probs and gradients of ``trainer_class`` on the dataset's
+    first ``NUM_PAIRS`` pairs (one batch)."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = char_tokenizer()
+    policy = _model(model_type, seed=0)
+    ref_model = None
+    if reference == "model":
+        ref_model = _model(model_type, seed=1)
+    elif reference == "peft":
+        policy = get_peft_model(
+            policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
+    args = config_class(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=NUM_PAIRS,
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        precompute_ref_log_probs=reference == "precompute",
+        **config,
+    )
+    trainer = trainer_class(
+        model=policy, ref_model=ref_model, args=args, train_dataset=dataset or _pairs(), processing_class=tokenizer
+    )
+    examples = [trainer.train_dataset[i] for i in range(NUM_PAIRS)]
+    batch = trainer._prepare_inputs(trainer.data_collator(examples))
+    model = trainer.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        logps = torch.stack(trainer.compute_ref_log_probs(model, batch))
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    return {"loss": loss.detach(), "grads": grads, "metrics": metrics, "logps": logps, "trainer": trainer}
+
+
+def _close(actual, expected, what: str, scale: float | None = None) -> None:
+    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    scale = expected.abs().max().clamp(min=1e-6) if scale is None else scale
+    error = float((actual - expected).abs().max() / scale)
+    assert error <= REL, f"{what}: relative error {error:.2e} ({actual.tolist()} vs {expected.tolist()})"
+
+
+def assert_same_step(ours: dict, stock: dict) -> None:
+    _close(ours["loss"], stock["loss"], "loss")
+    _close(ours["logps"], stock["logps"], "chosen/rejected log-probs")
+    assert ours["metrics"].keys() == stock["metrics"].keys()
+    beta = stock["trainer"].beta
+    for key, value in stock["metrics"].items():
+        # Rewards and margins are beta * (differences of log-probs): relative to the log-probs they come from.
+        scale = beta * float(stock["logps"].abs().max()) if key.startswith("rewards/") else None
+        _close(ours["metrics"][key], value, f"metric {key}", scale)
+    assert ours["grads"].keys() == stock["grads"].keys()
+    for name, grad in stock["grads"].items():
+        _close(ours["grads"][name], grad, f"gradient of {name}")
+
+
+def compare(tmp_path, *, prefix_sharing: bool = True, **kwargs) -> dict:
+    stock = one_step(trl.DPOTrainer, trl.DPOConfig, tmp_path / "stock", **kwargs)
+    ours = one_step(DPOTrainer, DPOConfig, tmp_path / "ours", prefix_sharing=prefix_sharing, **kwargs)
+    assert ours["trainer"].unpack_decision.packed, ours["trainer"].unpack_decision.reason
+    assert "packed_input_ids" in ours["trainer"].data_collator([ours["trainer"].train_dataset[0]])
+    assert_same_step(ours, stock)
+    return ours
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_equals_stock(loss_type, tmp_path):
+    label_smoothing = 0.1 if loss_type in ("exo_pair", "robust", "aot", "aot_unpaired") else 0.0
+    compare(tmp_path, loss_type=[loss_type], label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(loss_type=["sigmoid", "sft", "ipo"], loss_weights=[1.0, 0.5, 0.25]),
+        dict(ld_alpha=0.5),
+        dict(use_weighting=True),
+        dict(f_divergence_type="forward_kl"),
+        dict(f_divergence_type="js_divergence"),
+        dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5),
+        dict(label_smoothing=0.2),
+    ],
+    ids=["loss_weights", "ld_alpha", "use_weighting", "forward_kl", "js_divergence", "alpha_divergence", "smoothing"],
+)
+def test_loss_options_equal_stock(config, tmp_path):
+    compare(tmp_path, **config)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "qwen3_moe"])
+def test_architectures_equal_stock(model_type, tmp_path):
+    ours = compare(tmp_path, model_type=model_type)
+    if model_type == "qwen3_moe":
+        assert "aux_loss" in ours["metrics"]
+
+
+@pytest.mark.parametrize("reference", ["peft", "precompute"])
+def test_reference_variants_equal_stock(reference, tmp_path):
+    compare(tmp_path, reference=reference)
+
+
+def test_without_prefix_sharing_equals_stock(tmp_path):
+    ours = compare(tmp_path, prefix_sharing=False)
+    batch = ours["trainer"].data_collator([ours["trainer"].train_dataset[0]])
+    assert batch["packed_seq_parents"].tolist() == [-1, -1]
+
+
+def test_truncation_equals_stock(tmp_path):
+    for mode in ("keep_start", "keep_end"):
+        compare(tmp_path / mode, max_length=10, truncation_mode=mode)
+
+
+def test_conversational_pairs_equal_stock(tmp_path):
+    compare(tmp_path, dataset=_pairs(conversational=True))
+
+
+# -- decisions, switches, fallbacks and a real run ------------------------------------------------------------------
+
+
+def _trainer(tmp_path, *, args=None, **kwargs):
+    tokenizer = char_tokenizer()
+    if args is None:
+        args = DPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[], bf16=False, use_cpu=True
+        )
+    return DPOTrainer(
+        model=_model("llama", 0),
+        ref_model=_model("llama", 1),
+        args=args,
+        train_dataset=_pairs(),
+        processing_class=tokenizer,
+        **kwargs,
+    )
+
+
+def test_padding_free_false_is_stock(tmp_path):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    args = DPOConfig(output_dir=str(tmp_path), padding_free=False, report_to=[], bf16=False, use_cpu=True)
+    trainer = _trainer(tmp_path, args=args)
+    assert not trainer.unpack_decision.packed and "padding_free=False" in trainer.unpack_decision.reason
+    assert type(trainer.data_collator) is DataCollatorForPreference
+
+
+def test_unpack_disable_is_stock(tmp_path, monkeypatch):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    monkeypatch.setenv("UNPACK_DISABLE", "1")
+    trainer = _trainer(tmp_path)
+    assert trainer.unpack_decision.mode == "stock"
+    assert type(trainer.data_collator) is DataCollatorForPreference
+
+
+def test_packing_true_is_logged_as_per_batch_rows(tmp_path):
+    args = DPOConfig(output_dir=str(tmp_path), packing=True, report_to=[], bf16=False, use_cpu=True)
+    trainer = _trainer(tmp_path, args=args)
+    assert trainer.unpack_decision.packed and "pairs of each batch" in trainer.unpack_decision.reason
+
+
+def test_custom_collator_keeps_padded_batches_with_the_reason(tmp_path):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    collator = DataCollatorForPreference(pad_token_id=0)
+    trainer = _trainer(tmp_path, data_collator=collator)
+    assert not trainer.unpack_decision.packed and trainer.data_collator is collator
+    assert "custom data_collator" in trainer.unpack_decision.reason
+
+
+def test_a_plain_trl_config_gets_our_defaults(tmp_path):
+    args = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, beta=0.3)
+    trainer = _trainer(tmp_path, args=args)
+    assert trainer.unpack_decision.packed and trainer.args.prefix_sharing and trainer.args.beta == 0.3
+    assert trainer.data_collator.prefix_sharing
+
+
+def test_a_failed_self_check_trains_padded(tmp_path, monkeypatch):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from unpack_trainer import selfcheck
+    from unpack_trainer.trainers import _packed
+
+    failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
+    monkeypatch.setattr(_packed, "check_uncontaminated", lambda *a, **k: failed)
+    trainer = _trainer(tmp_path)
+    assert trainer.unpack_decision.packed
+    trainer.get_train_dataloader()
+    assert not trainer.unpack_decision.packed and "self-check failed" in trainer.unpack_decision.reason
+    assert type(trainer.data_collator) is DataCollatorForPreference
+    monkeypatch.setenv("UNPACK_STRICT", "1")
+    with pytest.raises(RuntimeError, match="UNPACK_STRICT"):
+        _trainer(tmp_path).get_train_dataloader()
+
+
+def test_the_self_check_passes_on_a_real_run(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.get_train_dataloader()
+    assert trainer.unpack_selfcheck.ok and trainer.unpack_decision.packed
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_train_and_evaluate_on_the_embedded_preference_set(conversational, tmp_path):
+    from peft import LoraConfig
+    from transformers import LlamaForCausalLM
+
+    from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
+    from unpack_trainer.preference_data import load_default_preference_dataset
+
+    tokenizer = load_default_tokenizer()
+    config = tiny_model_config(tokenizer)
+    config.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8))  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    train = load_default_preference_dataset("train", conversational=conversational).select(range(16))
+    evaluation = load_default_preference_dataset("eval", conversational=conversational).select(range(8))
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, max_length=256,
+                     report_to=[], bf16=False, use_cpu=True, eval_strategy="no")  # fmt: skip
+    trainer = DPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, target_modules="all-linear"),
+    )
+    assert trainer.unpack_decision.packed
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    metrics = trainer.evaluate()
+    assert "eval_rewards/accuracies" in metrics and torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_the_collator_matches_its_worked_example():
+    from unpack_trainer.preference import DataCollatorForPackedPreference
+
+    batch = DataCollatorForPackedPreference(pad_token_id=0)(
+        [{"prompt_ids": [5, 6], "chosen_ids": [7], "rejected_ids": [8, 9]}]
+    )
+    assert batch["packed_input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert batch["packed_seq_lengths"].tolist() == [2, 1, 2]
+    assert batch["packed_seq_parents"].tolist() == [-1, 0, 0]
+    assert batch["packed_position_ids"].tolist() == [[0, 1, 2, 2, 3]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert batch["packed_token_index"].tolist() == [[0, 1, 2, 0], [0, 1, 3, 4]]
+    assert batch["input_ids"].tolist() == [[6, 7, 0], [6, 8, 9]]
+    assert batch["completion_mask"].tolist() == [[0, 1, 0], [0, 1, 1]]
+    assert batch["packed_view_index"].tolist() == [[1, 2, 0], [1, 3, 4]]
+
+
+def test_a_model_whose_mixers_carry_state_packs_pairs_unshared_and_says_why(tmp_path, caplog):
+    """A branch cannot continue a recurrent or convolution state from its prompt when mixers run per sample, so the
+    default prefix sharing is turned off for such a model (logged with the reason) instead of failing at the first
+    step; the pairs are still packed, as [p, c] and [p, r]."""
+    tokenizer = char_tokenizer()
+    sizes = dict(hidden_size=32, vocab_size=len(tokenizer), max_position_embeddings=256)
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[], bf16=False, use_cpu=True)
+    with caplog.at_level("INFO", logger="unpack_trainer"):
+        trainer = DPOTrainer(
+            model=tiny_model("lfm2", seed=0, **sizes),
+            ref_model=tiny_model("lfm2", seed=1, **sizes),
+            args=args,
+            train_dataset=_pairs(),
+            processing_class=tokenizer,
+        )
+    assert trainer.unpack_decision.packed
+    assert trainer.data_collator.prefix_sharing is False
+    assert any("prefix_sharing" in r.getMessage() and "Lfm2ShortConv" in r.getMessage() for r in caplog.records)
+    trainer.train()
