@@ -23,7 +23,9 @@ import torch
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 __all__ = [
+    "ATTENTION_FORWARDS",
     "SEQ_PARENTS_KEY",
+    "PackedForwards",
     "current_packed_info",
     "detect_packed",
     "make_mask_function",
@@ -32,9 +34,6 @@ __all__ = [
     "reset_packed_forward",
 ]
 
-# Per thread (nn.DataParallel runs its replicas in threads): a stack of (decoder, PackedSeqInfo) for the packed
-# forwards now running, innermost last.
-_state = threading.local()
 
 # The batch key of the branch structure (shared prefixes): ``(num_seqs,)`` int, ``-1`` or the sample each continues.
 SEQ_PARENTS_KEY = "packed_seq_parents"
@@ -43,41 +42,66 @@ SEQ_PARENTS_KEY = "packed_seq_parents"
 _METADATA_KEYS = ("packed_seq_lengths", "cu_seq_lens_q")
 
 
-def _stack() -> list[tuple[Any, PackedSeqInfo]]:
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    return stack
+class PackedForwards:
+    """Per thread (``nn.DataParallel`` runs its replicas in threads): ``(decoder, PackedSeqInfo)`` of the packed
+    forwards now running, innermost last, in a plain list in a ``threading.local`` (``torch.compile(fullgraph=True)``
+    traces it, where it cannot trace a ``ContextVar``). Attention (:data:`ATTENTION_FORWARDS`) and the token mixers
+    (``unpack_trainer.patches.mixers``) each read one, since a forward can be packed for one and not the other
+    (``output_attentions`` sends attention down transformers' dense path while the mixers stay per sample)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def stack(self) -> list[tuple[Any, PackedSeqInfo]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def clear(self) -> None:
+        self._local.stack = []
+
+    def start(self, decoder: Any, info: PackedSeqInfo) -> None:
+        """Mark the forward of ``decoder`` now starting as packed with ``info``; undo with :meth:`end`."""
+        self.end(decoder)  # an entry a failed forward or trace left behind
+        self.stack.append((decoder, info))
+
+    def end(self, decoder: Any) -> None:
+        """End the packed forward of ``decoder`` (no-op when its forward was not packed)."""
+        stack = self.stack
+        if any(entry[0] is decoder for entry in stack):
+            stack[:] = [entry for entry in stack if entry[0] is not decoder]
+
+    def innermost(self, config: Any = None) -> tuple[Any, PackedSeqInfo] | None:
+        """``(decoder, info)`` of the innermost packed forward (of the decoder whose config is ``config``, when
+        given), or ``None``."""
+        for decoder, info in reversed(self.stack):
+            if config is None or getattr(decoder, "config", None) is config:
+                return decoder, info
+        return None
+
+
+# The packed forwards attention and the mask function see.
+ATTENTION_FORWARDS = PackedForwards()
 
 
 def packed_forward_active(decoder: Any, info: PackedSeqInfo) -> None:
-    """Mark the forward of ``decoder`` now starting as packed with ``info``; undo with :func:`reset_packed_forward`."""
-    reset_packed_forward(decoder)  # an entry a failed trace left behind
-    _stack().append((decoder, info))
+    """Mark the forward of ``decoder`` now starting as packed with ``info`` for attention and the mask function; undo
+    with :func:`reset_packed_forward`."""
+    ATTENTION_FORWARDS.start(decoder, info)
 
 
 def reset_packed_forward(decoder: Any) -> None:
     """End the packed forward of ``decoder`` (no-op when its forward was not packed)."""
-    stack = _stack()
-    if any(entry[0] is decoder for entry in stack):
-        stack[:] = [entry for entry in stack if entry[0] is not decoder]
+    ATTENTION_FORWARDS.end(decoder)
 
 
 def current_packed_info(config: Any = None) -> PackedSeqInfo | None:
     """The packing metadata of the innermost packed forward running in this thread (of the decoder whose config is
     ``config``, when given), or ``None``."""
-    entry = _current_entry(config)
+    entry = ATTENTION_FORWARDS.innermost(config)
     return None if entry is None else entry[1]
-
-
-def _current_entry(config: Any = None) -> tuple[Any, PackedSeqInfo] | None:
-    stack = getattr(_state, "stack", None)
-    if not stack:
-        return None
-    for decoder, info in reversed(stack):
-        if config is None or getattr(decoder, "config", None) is config:
-            return decoder, info
-    return None
 
 
 # A decoder whose own code needs a tensor where the mask goes (mpt calls ``.to(torch.bool)`` on it) carries this
@@ -104,7 +128,7 @@ def make_mask_function(
     returned function can be registered under the same name)."""
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
-        entry = _current_entry(kwargs.get("config"))
+        entry = ATTENTION_FORWARDS.innermost(kwargs.get("config"))
         if entry is not None:
             return entry[0].__dict__.get(MASK_PLACEHOLDER_ATTRIBUTE)
         from transformers.masking_utils import AttentionMaskInterface

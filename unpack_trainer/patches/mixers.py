@@ -38,7 +38,6 @@ one sample's state into the next.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +45,7 @@ import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.masks import PackedForwards
 
 __all__ = [
     "PerSampleMixers",
@@ -123,33 +123,23 @@ def conv_problem(module: torch.nn.Module) -> str | None:
 # Packing metadata of the running forward
 # --------------------------------------------------------------------------------------------------------------------
 
-# Per thread: (decoder, PackedSeqInfo) of the packed forwards now running, innermost last. Published by the model
-# hook for decoders with token mixers, also where attention takes transformers' own dense path (output_attentions).
-_published = threading.local()
+# The packed forwards the token mixers see: published by the model hook for decoders with token mixers, also where
+# attention takes transformers' own dense path (output_attentions).
+_MIXER_FORWARDS = PackedForwards()
 # On a patched mixer: the packing metadata of its last forward, for its recomputation in the backward (gradient
 # checkpointing recomputes a layer after the forward's published state is gone).
 _LAST_INFO_ATTRIBUTE = "_unpack_mixer_last_info"
 
 
-def _stack() -> list[tuple[Any, PackedSeqInfo]]:
-    stack = getattr(_published, "stack", None)
-    if stack is None:
-        stack = _published.stack = []
-    return stack
-
-
 def publish_packed_forward(decoder: Any, info: PackedSeqInfo) -> None:
     """Tell the token mixers of ``decoder`` that its forward now starting is packed with ``info``; undo with
     :func:`end_packed_forward`."""
-    end_packed_forward(decoder)  # an entry a failed forward left behind
-    _stack().append((decoder, info))
+    _MIXER_FORWARDS.start(decoder, info)
 
 
 def end_packed_forward(decoder: Any) -> None:
     """End the packed forward of ``decoder`` (no-op when none is published)."""
-    stack = _stack()
-    if any(entry[0] is decoder for entry in stack):
-        stack[:] = [entry for entry in stack if entry[0] is not decoder]
+    _MIXER_FORWARDS.end(decoder)
 
 
 def _in_backward() -> bool:
@@ -165,8 +155,8 @@ def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqI
 
     info = kwargs.get("packed_seq_info")
     if info is None:
-        stack = getattr(_published, "stack", None)
-        info = stack[-1][1] if stack else None
+        entry = _MIXER_FORWARDS.innermost()
+        info = None if entry is None else entry[1]
     if is_tracing():
         return info  # a compiled / exported forward: no state kept on the module, no backward recomputation here
     if _in_backward():
