@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from unpack_trainer.cli.commands.dpo import make_parser
-from unpack_trainer.sft_command import load_sft_dataset, resolve_model_name
+from unpack_trainer.sft_command import load_sft_dataset, resolve_model_name, set_model_init_kwargs, train_and_save
 
 __all__ = ["load_dpo_dataset", "main", "make_parser"]
 
@@ -52,15 +52,7 @@ def main(script_args: Any, training_args: Any, model_args: Any, dataset_args: An
     from unpack_trainer.trainers.dpo import DPOTrainer
 
     logger = get_logger(__name__)
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
+    set_model_init_kwargs(training_args, model_args)
 
     if dataset_args.datasets:
         if script_args.dataset_name:
@@ -90,15 +82,7 @@ def main(script_args: Any, training_args: Any, model_args: Any, dataset_args: An
         trainer.model._ddp_params_and_buffers_to_ignore = [
             name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
         ]
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.accelerator.print("Training completed.")
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-        trainer.accelerator.print(f"Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
-    if hasattr(trainer, "end"):  # finish the trackers and destroy the process group (newer transformers)
-        trainer.end()
+    train_and_save(trainer, training_args, dataset_name=script_args.dataset_name)
 
 
 if __name__ == "__main__":  # launched by `unpack-trainer dpo` through accelerate: python -m unpack_trainer.dpo_command

@@ -200,15 +200,7 @@ def main(script_args: Any, training_args: Any, model_args: Any, dataset_args: An
 
     logger = get_logger(__name__)
     check_arguments(script_args, training_args, model_args, dataset_args)
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
+    set_model_init_kwargs(training_args, model_args)
 
     if dataset_args.datasets:
         if script_args.dataset_name:
@@ -237,12 +229,32 @@ def main(script_args: Any, training_args: Any, model_args: Any, dataset_args: An
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    train_and_save(trainer, training_args, dataset_name=script_args.dataset_name)
+
+
+def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
+    """``training_args.model_init_kwargs`` from the model arguments, as ``trl sft`` / ``trl dpo`` set them (revision,
+    trust_remote_code, attention implementation, dtype), the recipe's own ``model_init_kwargs`` taking precedence."""
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+
+
+def train_and_save(trainer: Any, training_args: Any, *, dataset_name: str | None) -> None:
+    """The end of TRL's training scripts: train (resuming when asked), save, push to the Hub when asked, and finish
+    the trackers and the process group."""
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+        trainer.push_to_hub(dataset_name=dataset_name)
         trainer.accelerator.print(f"Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
     if hasattr(trainer, "end"):  # finish the trackers and destroy the process group (newer transformers)
         trainer.end()
