@@ -110,6 +110,14 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8, layer_group_size=2
     ),
     "zaya": dict(num_experts_per_tok=1),
+    # Attention and feed-forward settings live in sub-configs: the modeling code reads the rotary base from the
+    # attention sub-config (and clamps with clip_qkv, which fails when unset: 8 as in the released model); the
+    # feed-forward sub-config copies d_model before the hidden_size alias is applied, so d_model is given by name.
+    "dbrx": dict(
+        hidden_size=None, d_model=32,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+    ),
     "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 

@@ -57,6 +57,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "cohere2",
         "cohere2_moe",
         "cwm",
+        "dbrx",
         "deepseek_v2",
         "deepseek_v3",
         "diffllama",
