@@ -118,6 +118,10 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
     ),
+    # Full-attention layers take their own head size (global_head_dim, a per-layer override; Gemma 4 uses twice the
+    # sliding layers' head_dim); per-layer input embeddings at the tiny vocabulary.
+    "gemma4_text": dict(global_head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
+    "gemma4_unified_text": dict(global_head_dim=16),
     "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 
@@ -153,6 +157,15 @@ def config_class(model_type: str) -> type:
     return CONFIG_MAPPING[model_type]
 
 
+def _has_attribute(config: Any, name: str) -> bool:
+    """Whether ``config`` has ``name``; a per-layer attribute of a heterogeneous config (Gemma 4's ``head_dim``),
+    which refuses a global read, counts as present."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError is no AttributeError
+        return True
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """A tiny config of ``model_type``.
 
@@ -171,7 +184,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     cls = config_class(model_type)
     with _quiet():
         default = cls()
-    present = set(default.to_dict()) | {name for name in TINY_SIZES if hasattr(default, name)}
+    present = set(default.to_dict()) | {name for name in TINY_SIZES if _has_attribute(default, name)}
     values = {name: value for name, value in TINY_SIZES.items() if name in present}
     if "kv_lora_rank" in values:  # multi-head latent attention: as many key/value heads as query heads
         values["num_key_value_heads"] = values.get("num_attention_heads", 4)

@@ -73,6 +73,8 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "gemma",
         "gemma2",
         "gemma3_text",
+        "gemma4_text",
+        "gemma4_unified_text",
         "glm",
         "glm4",
         "glm4_moe",
