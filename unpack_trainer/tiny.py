@@ -122,6 +122,13 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     # sliding layers' head_dim); per-layer input embeddings at the tiny vocabulary.
     "gemma4_text": dict(global_head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
     "gemma4_unified_text": dict(global_head_dim=16),
+    # Its last num_kv_shared_layers layers reuse the keys and values of the last earlier layer of their type: four
+    # layers, the last two sharing (one sliding, one full), the first with sparse activations as in the released model.
+    "gemma3n_text": dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], laurel_rank=4, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+    ),
     "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 

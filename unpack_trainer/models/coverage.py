@@ -73,6 +73,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "gemma",
         "gemma2",
         "gemma3_text",
+        "gemma3n_text",
         "gemma4_text",
         "gemma4_unified_text",
         "glm",
