@@ -129,6 +129,15 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], laurel_rank=4, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=128,
     ),
+    # Rotary settings per layer type (None: no rotary embedding), with M-RoPE sections summing to head_dim / 2; one
+    # sliding layer with rotary positions and one full-attention layer without, as Cohere's interleaved models.
+    "cohere_compass_text": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+            "full_attention": None,
+        },
+    ),
     "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 

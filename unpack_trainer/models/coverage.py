@@ -56,6 +56,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "cohere",
         "cohere2",
         "cohere2_moe",
+        "cohere_compass_text",
         "cwm",
         "dbrx",
         "deepseek_v2",
