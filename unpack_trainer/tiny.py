@@ -138,6 +138,13 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
             "full_attention": None,
         },
     ),
+    # A causal LM only as a decoder; one local-chunk and one LSH layer, chunks smaller than the samples, axial position
+    # embeddings factoring max_position_embeddings (64 = 8 x 8) and summing to the hidden size.
+    "reformer": dict(
+        is_decoder=True, attn_layers=["local", "lsh"], attention_head_size=8, feed_forward_size=64,
+        axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4, lsh_attn_chunk_length=4,
+        num_buckets=2, hash_seed=0, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+    ),
     "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 
