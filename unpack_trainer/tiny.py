@@ -110,6 +110,41 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8, layer_group_size=2
     ),
     "zaya": dict(num_experts_per_tok=1),
+    # Attention and feed-forward settings live in sub-configs: the modeling code reads the rotary base from the
+    # attention sub-config (and clamps with clip_qkv, which fails when unset: 8 as in the released model); the
+    # feed-forward sub-config copies d_model before the hidden_size alias is applied, so d_model is given by name.
+    "dbrx": dict(
+        hidden_size=None, d_model=32,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+    ),
+    # Full-attention layers take their own head size (global_head_dim, a per-layer override; Gemma 4 uses twice the
+    # sliding layers' head_dim); per-layer input embeddings at the tiny vocabulary.
+    "gemma4_text": dict(global_head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
+    "gemma4_unified_text": dict(global_head_dim=16),
+    # Its last num_kv_shared_layers layers reuse the keys and values of the last earlier layer of their type: four
+    # layers, the last two sharing (one sliding, one full), the first with sparse activations as in the released model.
+    "gemma3n_text": dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], laurel_rank=4, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+    ),
+    # Rotary settings per layer type (None: no rotary embedding), with M-RoPE sections summing to head_dim / 2; one
+    # sliding layer with rotary positions and one full-attention layer without, as Cohere's interleaved models.
+    "cohere_compass_text": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]),
+            "full_attention": None,
+        },
+    ),
+    # A causal LM only as a decoder; one local-chunk and one LSH layer, chunks smaller than the samples, axial position
+    # embeddings factoring max_position_embeddings (64 = 8 x 8) and summing to the hidden size.
+    "reformer": dict(
+        is_decoder=True, attn_layers=["local", "lsh"], attention_head_size=8, feed_forward_size=64,
+        axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4, lsh_attn_chunk_length=4,
+        num_buckets=2, hash_seed=0, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+    ),
     "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 
@@ -145,6 +180,15 @@ def config_class(model_type: str) -> type:
     return CONFIG_MAPPING[model_type]
 
 
+def _has_attribute(config: Any, name: str) -> bool:
+    """Whether ``config`` has ``name``; a per-layer attribute of a heterogeneous config (Gemma 4's ``head_dim``),
+    which refuses a global read, counts as present."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError is no AttributeError
+        return True
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """A tiny config of ``model_type``.
 
@@ -163,7 +207,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     cls = config_class(model_type)
     with _quiet():
         default = cls()
-    present = set(default.to_dict()) | {name for name in TINY_SIZES if hasattr(default, name)}
+    present = set(default.to_dict()) | {name for name in TINY_SIZES if _has_attribute(default, name)}
     values = {name: value for name, value in TINY_SIZES.items() if name in present}
     if "kv_lora_rank" in values:  # multi-head latent attention: as many key/value heads as query heads
         values["num_key_value_heads"] = values.get("num_attention_heads", 4)

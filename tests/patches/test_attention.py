@@ -249,6 +249,32 @@ def test_sinks_on_eager_buckets(window, kv_heads):
     assert_matches_reference(out, [q, k, v, sinks], lengths, scaling=0.4, window=window, sinks=sinks)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_eager_rounds_as_transformers_eager(kv_heads):
+    """One sample in the row: the eager buckets give bit for bit transformers' own eager attention (scores
+    ``(QK^T) * scaling`` then the mask, softmax in float32), forward and every gradient. Scaling q before the matmul
+    instead rounds differently, which CTRL's tied embedding gradient amplifies past rel 1e-5 against the padded batch."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    length, scaling = 29, 8**-0.5
+    q, k, v = random_qkv([length], kv_heads=kv_heads, seed=3)
+    module = FakeModule()
+    module.num_key_value_groups = 4 // kv_heads
+    module.training = False
+    mask = torch.full((length, length), torch.finfo(torch.float32).min).triu(1)[None, None]
+    upstream = torch.randn(1, length, 4, 8, generator=torch.Generator().manual_seed(7))
+    stock, _ = eager_attention_forward(module, q, k, v, mask, scaling=scaling)
+    (stock * upstream).sum().backward()
+    stock_grads = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    out, _ = packed_attention_forward(module, q, k, v, None, scaling=scaling, backend="eager", **info_kwargs([length]))
+    (out * upstream).sum().backward()
+    assert torch.equal(out, stock)
+    for name, got, expected in zip("qkv", grads([q, k, v]), stock_grads):
+        assert torch.equal(got, expected), f"gradient of {name}"
+
+
 def test_softcap_on_eager_buckets():
     lengths = [6, 3, 9, 1, 20]
     q, k, v = random_qkv(lengths, kv_heads=1)

@@ -56,7 +56,10 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "cohere",
         "cohere2",
         "cohere2_moe",
+        "cohere_compass_text",
+        "ctrl",
         "cwm",
+        "dbrx",
         "deepseek_v2",
         "deepseek_v3",
         "diffllama",
@@ -72,6 +75,9 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "gemma",
         "gemma2",
         "gemma3_text",
+        "gemma3n_text",
+        "gemma4_text",
+        "gemma4_unified_text",
         "glm",
         "glm4",
         "glm4_moe",
@@ -165,11 +171,15 @@ IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Model types that cannot be checked here, and why.
 _SKIP: dict[str, str] = {
-    "ctrl": (
-        "not verified: on eager the packed gradient of the tied embedding differs from the padded batch by 5e-3 "
-        "relative (SDPA agrees); the trainer leaves it unpatched, on transformers' own packed path"
-    ),
     "fuyu": "a vision-language model (image patches are fed to the decoder): not a text-only decoder",
+    # Speculative-decoding drafters: every layer reads the target model's keys and values.
+    **{
+        drafter: (
+            "a speculative-decoding assistant: its forward needs the target model's inputs_embeds and "
+            "shared_kv_states (every layer attends to the target's keys and values), not a standalone decoder"
+        )
+        for drafter in ("gemma4_assistant", "gemma4_unified_assistant")
+    },
 }
 
 _MODALITIES = ("vision", "visual", "audio", "speech", "image", "patch", "vq", "depth")
@@ -200,9 +210,7 @@ class Outcome:
     seconds: float = 0.0
 
 
-def _skip_reason(model_type: str, default: Any) -> str | None:
-    if model_type in _SKIP:
-        return _SKIP[model_type]
+def _skip_reason(default: Any) -> str | None:
     if getattr(default, "is_encoder_decoder", False):
         return "an encoder-decoder model, not decoder-only"
     present = [key for key in _MULTIMODAL_KEYS if getattr(default, key, None) is not None]
@@ -349,13 +357,15 @@ def check_model_type(model_type: str) -> Outcome:
     def outcome(status: str, reason: str, **extra: Any) -> Outcome:
         return Outcome(model_type, status, reason, seconds=time.perf_counter() - started, **extra)
 
+    if model_type in _SKIP:
+        return outcome("skipped", _SKIP[model_type])
     try:
         cls = config_class(model_type)
         with _quiet():
             default = cls()
     except Exception as error:  # noqa: BLE001 - reported in the table
         return outcome("skipped", f"its config cannot be built here: {type(error).__name__}: {error}"[:200])
-    reason = _skip_reason(model_type, default)
+    reason = _skip_reason(default)
     if reason is not None:
         return outcome("skipped", reason)
     try:

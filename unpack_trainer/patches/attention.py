@@ -743,9 +743,11 @@ def _eager_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
         chunks = []
         for q, k, v in zip(q_bucket.split(per_chunk), k_bucket.split(per_chunk), v_bucket.split(per_chunk)):
             k, v = _repeat_heads(k, heads_per_kv), _repeat_heads(v, heads_per_kv)
-            # The scale goes on q (n, H, L, D), or into the softcap's tanh, instead of one more (n, H, L, L) pass.
+            # (QK^T) * scaling, in place, rounded as transformers' eager functions round it (scaling q first differs
+            # by an ulp, which a model can amplify: CTRL's tied embedding gradient by ~1e-4); the softcap's tanh takes
+            # the scale with the cap.
             if softcap is None:
-                scores = torch.matmul(q * scaling, k.transpose(2, 3))
+                scores = torch.matmul(q, k.transpose(2, 3)).mul_(scaling)
             else:
                 scores = torch.tanh(torch.matmul(q * (scaling / softcap), k.transpose(2, 3))) * softcap
             scores.add_(mask)  # in place: neither the matmul nor the softcap's multiply needs its output back
