@@ -1,7 +1,7 @@
 """Quality of packed DPO: held-out DPO loss and reward accuracy of stock ``trl.DPOTrainer`` (padded) vs
 ``unpack_trainer.DPOTrainer`` (packed rows, prefix sharing), paired per seed.
 
-    python benchmarks/bench_dpo_quality.py                 # the README table: 5 seeds x 2 arms, 2 processes
+    python benchmarks/bench_dpo_quality.py                 # the README table: 8 seeds x 3 arms, 2 processes
     python benchmarks/bench_dpo_quality.py --seeds 0 --train-pairs 64 --eval-pairs 32   # smoke test
 
 For each seed both arms start from the same initial weights (the policy is ``torch.manual_seed(seed)``'s tiny Llama,
@@ -12,6 +12,11 @@ epoch in fp32 on the CPU:
 - ``stock``: ``trl.DPOTrainer``, padded batches (chosen rows, then rejected rows);
 - ``ours``: ``unpack_trainer.DPOTrainer`` with its defaults: each batch's pairs packed into one row, each prompt run
   once (``prefix_sharing=True``).
+- ``control``: stock again, with every initial policy weight multiplied by ``1 + 1e-6 * N(0, 1)`` (about fp32
+  rounding, a few ulp; the reference model is not perturbed). Packed and padded steps agree to fp32 rounding
+  (``tests/test_dpo_trainer.py``), but one epoch of 500 steps at this learning rate amplifies rounding-level
+  differences (they grow from ~1e-6 to ~1e-3 in the per-step loss between steps 110 and 150 of seed 0): the control
+  measures how far a rounding-size perturbation alone moves the results, the yardstick for ``ours - stock``.
 
 Both trained policies are then evaluated by the same code, a stock ``trl.DPOTrainer.evaluate`` on the same held-out
 pairs against the same reference model: ``eval_loss`` (TRL's mean DPO loss over the evaluation batches) and
@@ -46,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, format_table, run_in_subprocess  # noqa: E402
 
-ARMS = ("stock", "ours")
+ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
 
 
@@ -97,6 +102,12 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     ref_model = copy.deepcopy(model)
+    if arm == "control":
+        generator = torch.Generator().manual_seed(10_000 + seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+                parameter.mul_(1 + 1e-6 * noise)
     common = dict(
         output_dir=tempfile.mkdtemp(),
         num_train_epochs=1,
@@ -119,7 +130,7 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
         dataloader_num_workers=0,
         **checkpointing_off(trl.DPOConfig),
     )
-    if arm == "stock":
+    if arm in ("stock", "control"):
         trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
     else:
         trainer_class, args = DPOTrainer, DPOConfig(**common)
@@ -157,9 +168,11 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(runs: list[dict]) -> str:
-    """Markdown table: per metric, each arm's mean ± std over seeds and the paired difference ``ours - stock``."""
+    """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
+    (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
     by = {(r["arm"], r["seed"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs if ("stock", r["seed"]) in by and ("ours", r["seed"]) in by})
+    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
+    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
     rows = []
     for key, name in (
         ("eval_loss", "held-out DPO loss"),
@@ -167,21 +180,18 @@ def summarize(runs: list[dict]) -> str:
         ("eval_reward_margin", "held-out reward margin"),
         ("train_loss", "train loss (epoch mean)"),
     ):
-        stock = [by["stock", s][key] for s in seeds]
-        ours = [by["ours", s][key] for s in seeds]
-        diffs = [b - a for a, b in zip(stock, ours)]
-        d_mean, d_std = _mean_std(diffs)
-        rows.append([
-            name,
-            "%.4f ± %.4f" % _mean_std(stock),
-            "%.4f ± %.4f" % _mean_std(ours),
-            f"{d_mean:+.2e} ± {d_std:.2e}",
-            f"{d_std / math.sqrt(len(diffs)):.2e}",
-            f"{max(abs(d) for d in diffs):.2e}",
-        ])  # fmt: skip
-    seconds = {arm: statistics.fmean(by[arm, s]["train_s"] for s in seeds) for arm in ARMS}
-    rows.append(["train seconds (mean)", f"{seconds['stock']:.0f}", f"{seconds['ours']:.0f}", "", "", ""])
-    headers = ["metric", "stock (padded)", "ours (packed, shared)", "ours - stock (paired)", "std error", "max |diff|"]
+        row = [name]
+        values = {arm: [by[arm, s][key] for s in seeds] for arm in arms}
+        row += ["{:.4f} ± {:.4f}".format(*_mean_std(values[arm])) for arm in arms]
+        for arm in arms[1:]:
+            diffs = [b - a for a, b in zip(values["stock"], values[arm])]
+            mean, std = _mean_std(diffs)
+            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(diffs)):.4f})")
+        rows.append(row)
+    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
+    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
+    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
+    headers = ["metric", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
     return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
 
 
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="pairs per batch (train and eval)")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each")
     parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write the per-seed runs")
     options = parser.parse_args(argv)
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
     shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
     shared += ["--learning-rate", str(options.learning_rate), "--beta", str(options.beta)]
-    cases = [(arm, seed) for seed in options.seeds for arm in ARMS]
+    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
 
     def one(case: tuple[str, int]) -> dict:
         run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
