@@ -4,7 +4,7 @@
     python benchmarks/bench_dpo_quality.py                 # the README table: 8 seeds x 3 arms, 2 processes
     python benchmarks/bench_dpo_quality.py --seeds 0 --train-pairs 64 --eval-pairs 32   # smoke test
 
-For each seed both arms start from the same initial weights (the policy is ``torch.manual_seed(seed)``'s tiny Llama,
+For each seed all arms start from the same initial weights (the policy is ``torch.manual_seed(seed)``'s tiny Llama,
 the reference model a copy of it), see the same training pairs in the same order (the trainers' own seeded sampler,
 ``seed`` = ``data_seed`` = the seed) with the same optimizer, learning-rate schedule and ``beta``, and train one
 epoch in fp32 on the CPU:
@@ -18,15 +18,16 @@ epoch in fp32 on the CPU:
   differences (they grow from ~1e-6 to ~1e-3 in the per-step loss between steps 110 and 150 of seed 0): the control
   measures how far a rounding-size perturbation alone moves the results, the yardstick for ``ours - stock``.
 
-Both trained policies are then evaluated by the same code, a stock ``trl.DPOTrainer.evaluate`` on the same held-out
+Every trained policy is then evaluated by the same code, a stock ``trl.DPOTrainer.evaluate`` on the same held-out
 pairs against the same reference model: ``eval_loss`` (TRL's mean DPO loss over the evaluation batches) and
 ``eval_rewards/accuracies`` (share of pairs whose implicit reward of the chosen answer exceeds the rejected one's).
-The table gives per arm the mean ± std over seeds, and the paired difference ``ours - stock``: mean ± std and standard
-error over seeds. The per-seed runs go to ``benchmarks/RESULTS_dpo_quality.json`` (``--json``).
+The table gives per arm the mean ± std over seeds, and the paired differences ``ours - stock`` and
+``control - stock``: mean ± std and standard error over seeds. The per-seed runs go to ``benchmarks/RESULTS_dpo_quality.json`` (``--json``).
 
 Data: the embedded preference set ([`unpack_trainer.preference_data.load_default_preference_dataset`], standard
 format): the first ``--train-pairs`` training pairs and the first ``--eval-pairs`` held-out pairs whose
-``[prompt, chosen]`` and ``[prompt, rejected]`` fit in ``--max-length`` tokens (no truncation in either arm).
+``[prompt, chosen]`` and ``[prompt, rejected]`` fit in ``--max-length`` tokens (no truncation in any arm). Defaults: 2,000 training pairs (500 steps of 4
+pairs), 180 held-out pairs, ``max_length=256``, learning rate 1e-3 with a cosine schedule and 5% warm-up, ``beta=0.1``.
 Model: the default data's tiny Llama ([`unpack_trainer.default_data.tiny_model_config`]) made smaller (hidden 64,
 MLP 128, 2 layers, 4 heads, 2 key/value heads) with the embedded tokenizer. Each (seed, arm) run is its own process
 with torch on one thread, ``--jobs`` at a time.
