@@ -1,0 +1,245 @@
+"""Quality of packed DPO: held-out DPO loss and reward accuracy of stock ``trl.DPOTrainer`` (padded) vs
+``unpack_trainer.DPOTrainer`` (packed rows, prefix sharing), paired per seed.
+
+    python benchmarks/bench_dpo_quality.py                 # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_dpo_quality.py --seeds 0 --train-pairs 64 --eval-pairs 32   # smoke test
+
+For each seed all arms start from the same initial weights (the policy is ``torch.manual_seed(seed)``'s tiny Llama,
+the reference model a copy of it), see the same training pairs in the same order (the trainers' own seeded sampler,
+``seed`` = ``data_seed`` = the seed) with the same optimizer, learning-rate schedule and ``beta``, and train one
+epoch in fp32 on the CPU:
+
+- ``stock``: ``trl.DPOTrainer``, padded batches (chosen rows, then rejected rows);
+- ``ours``: ``unpack_trainer.DPOTrainer`` with its defaults: each batch's pairs packed into one row, each prompt run
+  once (``prefix_sharing=True``).
+- ``control``: stock again, with every initial policy weight multiplied by ``1 + 1e-6 * N(0, 1)`` (about fp32
+  rounding, a few ulp; the reference model is not perturbed). Packed and padded steps agree to fp32 rounding
+  (``tests/test_dpo_trainer.py``), but one epoch of 500 steps at this learning rate amplifies rounding-level
+  differences (they grow from ~1e-6 to ~1e-3 in the per-step loss between steps 110 and 150 of seed 0): the control
+  measures how far a rounding-size perturbation alone moves the results, the yardstick for ``ours - stock``.
+
+Every trained policy is then evaluated by the same code, a stock ``trl.DPOTrainer.evaluate`` on the same held-out
+pairs against the same reference model: ``eval_loss`` (TRL's mean DPO loss over the evaluation batches) and
+``eval_rewards/accuracies`` (share of pairs whose implicit reward of the chosen answer exceeds the rejected one's).
+The table gives per arm the mean ± std over seeds, and the paired differences ``ours - stock`` and
+``control - stock``: mean ± std and standard error over seeds. The per-seed runs go to ``benchmarks/RESULTS_dpo_quality.json`` (``--json``).
+
+Data: the embedded preference set ([`unpack_trainer.preference_data.load_default_preference_dataset`], standard
+format): the first ``--train-pairs`` training pairs and the first ``--eval-pairs`` held-out pairs whose
+``[prompt, chosen]`` and ``[prompt, rejected]`` fit in ``--max-length`` tokens (no truncation in any arm). Defaults: 2,000 training pairs (500 steps of 4
+pairs), 180 held-out pairs, ``max_length=256``, learning rate 1e-3 with a cosine schedule and 5% warm-up, ``beta=0.1``.
+Model: the default data's tiny Llama ([`unpack_trainer.default_data.tiny_model_config`]) made smaller (hidden 64,
+MLP 128, 2 layers, 4 heads, 2 key/value heads) with the embedded tokenizer. Each (seed, arm) run is its own process
+with torch on one thread, ``--jobs`` at a time.
+
+Recorded run (README): python 3.11.7, torch 2.13.0+cpu, transformers 5.23.0, trl 1.16.0, 2 shared CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, format_table, run_in_subprocess  # noqa: E402
+
+ARMS = ("stock", "ours", "control")
+RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
+
+
+def pair_subset(split: str, count: int, tokenizer, max_length: int):
+    """The first ``count`` pairs of ``split`` whose prompt + chosen and prompt + rejected fit in ``max_length``
+    tokens (counted with BOS and EOS, as TRL tokenizes them)."""
+    from unpack_trainer.preference_data import load_default_preference_dataset
+
+    pairs = load_default_preference_dataset(split, conversational=False)
+    keep = []
+    for i, pair in enumerate(pairs):
+        prompt = len(tokenizer(pair["prompt"])["input_ids"])
+        answers = max(len(tokenizer(pair[k], add_special_tokens=False)["input_ids"]) for k in ("chosen", "rejected"))
+        if prompt + answers + 1 <= max_length:
+            keep.append(i)
+        if len(keep) == count:
+            break
+    if len(keep) < count:
+        raise ValueError(f"only {len(keep)} {split} pairs fit in max_length={max_length}, asked for {count}")
+    return pairs.select(keep)
+
+
+def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
+    """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
+    import copy
+
+    import torch
+
+    torch.set_num_threads(1)
+    import trl
+    from datasets.utils.logging import disable_progress_bar
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+    from unpack_trainer.cli.sft_comparison import checkpointing_off
+    from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
+
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
+    tokenizer = load_default_tokenizer()
+    train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
+    eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)
+    config = tiny_model_config(
+        tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    ref_model = copy.deepcopy(model)
+    if arm == "control":
+        generator = torch.Generator().manual_seed(10_000 + seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+                parameter.mul_(1 + 1e-6 * noise)
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        num_train_epochs=1,
+        per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        weight_decay=0.0,
+        beta=options.beta,
+        max_length=options.max_length,
+        seed=seed,
+        data_seed=seed,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **checkpointing_off(trl.DPOConfig),
+    )
+    if arm in ("stock", "control"):
+        trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
+    else:
+        trainer_class, args = DPOTrainer, DPOConfig(**common)
+    trainer = trainer_class(
+        model=model, ref_model=ref_model, args=args, train_dataset=train_dataset, processing_class=tokenizer
+    )
+    if arm == "ours":
+        assert trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    start = time.perf_counter()
+    output = trainer.train()
+    train_s = time.perf_counter() - start
+    evaluator = trl.DPOTrainer(
+        model=trainer.model,
+        ref_model=ref_model,
+        args=trl.DPOConfig(**common),
+        train_dataset=eval_dataset,  # required by trl.DPOTrainer; never trained on
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
+    metrics = evaluator.evaluate()
+    return {
+        "arm": arm,
+        "seed": seed,
+        "eval_loss": metrics["eval_loss"],
+        "eval_reward_accuracy": metrics["eval_rewards/accuracies"],
+        "eval_reward_margin": metrics["eval_rewards/margins"],
+        "train_loss": output.training_loss,
+        "steps": output.global_step,
+        "train_s": train_s,
+    }
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(runs: list[dict]) -> str:
+    """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
+    (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
+    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
+    rows = []
+    for key, name in (
+        ("eval_loss", "held-out DPO loss"),
+        ("eval_reward_accuracy", "held-out reward accuracy"),
+        ("eval_reward_margin", "held-out reward margin"),
+        ("train_loss", "train loss (epoch mean)"),
+    ):
+        row = [name]
+        values = {arm: [by[arm, s][key] for s in seeds] for arm in arms}
+        row += ["{:.4f} ± {:.4f}".format(*_mean_std(values[arm])) for arm in arms]
+        for arm in arms[1:]:
+            diffs = [b - a for a, b in zip(values["stock"], values[arm])]
+            mean, std = _mean_std(diffs)
+            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(diffs)):.4f})")
+        rows.append(row)
+    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
+    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
+    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
+    headers = ["metric", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
+    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
+    parser.add_argument("--train-pairs", type=int, default=2000)
+    parser.add_argument("--eval-pairs", type=int, default=180)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4, help="pairs per batch (train and eval)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each")
+    parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write the per-seed runs")
+    options = parser.parse_args(argv)
+    if options.case:
+        arm, seed = options.case.split(":")
+        print(json.dumps(run_case(arm, int(seed), options)))
+        return
+
+    shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
+    shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
+    shared += ["--learning-rate", str(options.learning_rate), "--beta", str(options.beta)]
+    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
+
+    def one(case: tuple[str, int]) -> dict:
+        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
+        print(f"  seed {run['seed']} {run['arm']}: eval loss {run['eval_loss']:.6f}, "
+              f"reward accuracy {run['eval_reward_accuracy']:.4f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
+        return run
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        runs = list(pool.map(one, cases))
+    command = "python benchmarks/bench_dpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    payload = {"command": command.strip(), "environment": environment(), "options": {
+        k: v for k, v in vars(options).items() if k not in ("case", "json")
+    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
+    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    print()
+    print(f"DPO quality, tiny Llama (hidden 64, 2 layers), {options.train_pairs} training pairs, one epoch, "
+          f"{options.batch_size} pairs per batch, {options.eval_pairs} held-out pairs, fp32, CPU:")  # fmt: skip
+    print(summarize(runs))
+    print(f"\nruns written to {options.json}")
+
+
+if __name__ == "__main__":
+    main()
