@@ -16,7 +16,13 @@ import sys
 from typing import Any
 
 from unpack_trainer.cli.commands.dpo import make_parser
-from unpack_trainer.sft_command import load_sft_dataset, resolve_model_name, set_model_init_kwargs, train_and_save
+from unpack_trainer.sft_command import (
+    embedded_splits,
+    load_sft_dataset,
+    resolve_model_name,
+    set_model_init_kwargs,
+    train_and_save,
+)
 
 __all__ = ["load_dpo_dataset", "main", "make_parser"]
 
@@ -28,19 +34,11 @@ def load_dpo_dataset(name: str, *, config: str | None = None, streaming: bool = 
     ``unpack_trainer:preference_chat`` (``train`` and ``test`` splits), else as ``unpack-trainer sft`` loads it
     ([`unpack_trainer.sft_command.load_sft_dataset`]: a local file or saved folder, or ``datasets.load_dataset``)."""
     if name in DATASET_NAMES:
-        from datasets import DatasetDict
-
-        from unpack_trainer import data_files
         from unpack_trainer.preference_data import load_default_preference_dataset
 
-        conversational = DATASET_NAMES[name]
-        dataset = DatasetDict(
-            {
-                "train": load_default_preference_dataset("train", conversational=conversational),
-                "test": load_default_preference_dataset("eval", conversational=conversational),
-            }
+        return embedded_splits(
+            load_default_preference_dataset, conversational=DATASET_NAMES[name], streaming=streaming
         )
-        return data_files.iterable_splits(dataset) if streaming else dataset
     return load_sft_dataset(name, config=config, streaming=streaming)
 
 

@@ -95,19 +95,12 @@ def load_sft_dataset(name: str, *, config: str | None = None, streaming: bool = 
     Raises:
         ValueError: a local file or folder that cannot be read: unknown suffix, empty, damaged (the message names it).
     """
-    from datasets import DatasetDict, load_dataset
+    from datasets import load_dataset
 
     if name in DATASET_NAMES:
         from unpack_trainer.default_data import load_default_dataset
 
-        conversational = DATASET_NAMES[name]
-        dataset = DatasetDict(
-            {
-                "train": load_default_dataset("train", conversational=conversational),
-                "test": load_default_dataset("eval", conversational=conversational),
-            }
-        )
-        return data_files.iterable_splits(dataset) if streaming else dataset
+        return embedded_splits(load_default_dataset, conversational=DATASET_NAMES[name], streaming=streaming)
     path = Path(name).expanduser()
     if path.is_file() or data_files.is_saved_dataset(path):
         return data_files.read_splits(path, streaming=streaming)
@@ -230,6 +223,21 @@ def main(script_args: Any, training_args: Any, model_args: Any, dataset_args: An
         peft_config=get_peft_config(model_args),
     )
     train_and_save(trainer, training_args, dataset_name=script_args.dataset_name)
+
+
+def embedded_splits(load: Any, *, conversational: bool, streaming: bool) -> Any:
+    """A shipped dataset as ``trl sft`` / ``trl dpo`` expect one: a ``DatasetDict`` of ``load("train")`` as
+    ``train`` and ``load("eval")`` as ``test`` (``load`` takes the split and ``conversational=``), as streams when
+    ``streaming``."""
+    from datasets import DatasetDict
+
+    dataset = DatasetDict(
+        {
+            split: load(source, conversational=conversational)
+            for split, source in (("train", "train"), ("test", "eval"))
+        }
+    )
+    return data_files.iterable_splits(dataset) if streaming else dataset
 
 
 def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
