@@ -11,15 +11,12 @@ import bisect
 import contextlib
 import dataclasses
 import gc
-import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
 
 from unpack_trainer._validation import as_sequence, check_positive_int
-
-logger = logging.getLogger(__name__)
 
 Strategy = Literal["first_fit", "bfd"]
 
