@@ -48,24 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import format_table, lognormal_lengths, print_header, run_in_subprocess  # noqa: E402
+from common import tiny_config as _sized_config  # noqa: E402
 
 CASES = ("lognormal-4096", "lognormal-16384", "tiny-8192")
 PARTS = ("model", "attention")
 ARCHS = ("llama", "gemma2", "gemma3_text", "phi3", "olmo2")
-# The sizes of common.tiny_llama_config, for every architecture.
-TINY_SIZES = dict(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    intermediate_size=688,
-    vocab_size=4096,
-    max_position_embeddings=32768,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 # Family-specific overrides that keep the tiny model consistent (gemma scales by query_pre_attn_scalar ** -0.5).
 ARCH_OVERRIDES: dict[str, dict] = {
     "gemma2": dict(query_pre_attn_scalar=32),
@@ -74,10 +61,8 @@ ARCH_OVERRIDES: dict[str, dict] = {
 
 
 def tiny_config(arch: str):
-    """A tiny config of ``arch`` (any ``model_type`` of transformers' causal-LM mapping) with :data:`TINY_SIZES`."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(arch, **{**TINY_SIZES, **ARCH_OVERRIDES.get(arch, {})})
+    """A tiny config of ``arch`` (any ``model_type`` of transformers' causal-LM mapping) at ``common.TINY_SIZES``."""
+    return _sized_config(arch, **ARCH_OVERRIDES.get(arch, {}))
 
 
 def case_lengths(case: str) -> list[int]:

@@ -37,23 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from common import format_table, lognormal_lengths, print_header  # noqa: E402
+from common import TINY_SIZES, format_table, lognormal_lengths, print_header, tiny_config  # noqa: E402
 
 ARCHS = ("qwen3_5_text", "lfm2", "granitemoehybrid", "falcon_h1")
 PROVIDERS = ("unpack", "stock_padded", "one_by_one")
-SIZES = dict(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    intermediate_size=688,
-    vocab_size=4096,
-    max_position_embeddings=32768,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 # Each family's layer pattern and mixer sizes at this width.
 ARCH_OVERRIDES: dict[str, dict] = {
     "qwen3_5_text": dict(
@@ -78,9 +65,9 @@ ARCH_OVERRIDES: dict[str, dict] = {
 
 
 def build_model(arch: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(arch, **{**SIZES, **ARCH_OVERRIDES.get(arch, {})})
+    config = tiny_config(arch, **ARCH_OVERRIDES.get(arch, {}))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return model.to(device=device, dtype=dtype).train()
@@ -137,7 +124,7 @@ def time_arch(arch: str, args, device, dtype) -> dict[str, list[float]]:
     model = build_model(arch, device, dtype)
     lengths = row_lengths(args.tokens, seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-    samples = [torch.randint(3, SIZES["vocab_size"], (n,), generator=generator) for n in lengths]
+    samples = [torch.randint(3, TINY_SIZES["vocab_size"], (n,), generator=generator) for n in lengths]
     warm = samples[: max(2, len(samples) // 8)]
     times: dict[str, list[float]] = {p: [] for p in PROVIDERS}
     for _ in range(args.rounds):

@@ -19,13 +19,38 @@ from unpack_trainer.cli.trainer_comparison import (
 
 __all__ = [
     "environment",
+    "TINY_SIZES",
     "format_table",
     "lognormal_lengths",
     "lognormal_lengths_with_mean",
     "print_header",
     "run_in_subprocess",
+    "tiny_config",
     "tiny_llama_config",
 ]
+
+# The sizes of tiny_llama_config, for any architecture: hidden 256, 4 layers, 8 heads, 4 kv heads of 32, vocab 4096.
+TINY_SIZES = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    intermediate_size=688,
+    vocab_size=4096,
+    max_position_embeddings=32768,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(model_type: str, **overrides):
+    """A config of ``model_type`` (any ``model_type`` of transformers' causal-LM mapping) at :data:`TINY_SIZES`,
+    ``overrides`` (the family's own fields at this width) applied last."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**TINY_SIZES, **overrides})
 
 
 def print_header(title: str) -> None:
