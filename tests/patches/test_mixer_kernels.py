@@ -41,6 +41,7 @@ EXPECTED_KEYWORDS = {
     "qwen3_5_text": (("seq_idx", "seq_idx"), ("cu_seq_lens_q", "cu_seqlens")),
     "granitemoehybrid": (("seq_idx", "seq_idx"),),
     "lfm2": (("seq_idx", "seq_idx"),),
+    "kimi_linear": (("seq_idx", "seq_idx"), ("cu_seqlens", "cu_seqlens")),
 }
 FAMILIES = list(EXPECTED_KEYWORDS)
 # The import name of each kernel's package, as transformers' modeling code names it.

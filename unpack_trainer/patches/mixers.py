@@ -522,7 +522,8 @@ class _PackedMixerForward:
 class PerSampleMixers:
     """The mixer handler (:mod:`unpack_trainer.models.mixers`) of every causal token mixer the model's structure
     shows (:func:`unpack_trainer.models.discovery.find_token_mixers`): a bare depthwise causal ``nn.Conv1d`` gets the
-    masked taps, anything else the padded buckets (see the module docstring)."""
+    masked taps, anything else its installed kernels' varlen entry points where it can (on their device), else the
+    padded buckets (see the module docstring)."""
 
     name = "per_sample"
 
