@@ -173,6 +173,36 @@ def _mixer_forwards(model):
 # -- which path --------------------------------------------------------------------------------------------------------
 
 
+def _func_module(func):
+    """What the `kernels` package makes of a function decorated with its ``use_kernel_forward_from_hub`` (0.17): an
+    ``nn.Module`` instance whose class forward calls it."""
+
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    return Func()
+
+
+def test_kernel_entry_reads_the_kernels_package_function_modules():
+    from transformers.models.lfm2 import modeling_lfm2
+
+    fallback = kernel_entry(modeling_lfm2.causal_conv1d_fn)
+    assert fallback is not None and not fallback.installed and fallback.distribution == "causal-conv1d"
+    wrapped = _func_module(modeling_lfm2.causal_conv1d_fn)
+    assert kernel_entry(wrapped) == fallback
+    wrapped.forward = types.MethodType(type(wrapped).forward, wrapped)  # kernelize without a kernel for it
+    assert kernel_entry(wrapped) == fallback
+
+    def hub_forward(self, x, weight, bias=None, seq_idx=None, activation=None):
+        return x
+
+    wrapped.forward = types.MethodType(hub_forward, wrapped)  # kernelize with a hub kernel layer
+    entry = kernel_entry(wrapped)
+    assert entry.installed and entry.accepts == ("seq_idx",)
+    assert kernel_entry(torch.nn.functional.conv1d) is None
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_without_the_kernels_the_plan_names_the_torch_fallbacks(model_type):
     model = tiny_model(model_type)

@@ -117,8 +117,9 @@ def kernel_entry(obj: Any) -> KernelEntry | None:
     hub_name, package = closure["func_name"], closure["package"]
     installed = bool(closure["is_new_implementation"])
     implementation = closure["implementation"]
-    replaced = isinstance(obj, torch.nn.Module) and "forward" in vars(obj)
-    if replaced:  # kernelize put a hub kernel's forward on this instance
+    forward = vars(obj).get("forward") if isinstance(obj, torch.nn.Module) else None
+    if forward is not None and getattr(forward, "__func__", None) is not type(obj).forward:
+        # kernelize put a hub kernel layer's forward on this instance (it puts the class's own back where it has none)
         installed, implementation = True, vars(obj)["forward"]
     accepts = tuple(name for name in VARLEN_PARAMETERS if name in _parameters(implementation)) if installed else ()
     return KernelEntry(hub_name, _DISTRIBUTIONS.get(package, package), installed, accepts)
