@@ -290,6 +290,29 @@ def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monk
         _close(grads[name], grad, f"gradient of {name}")
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_varlen_path_under_gradient_checkpointing(reentrant, monkeypatch, cpu_kernels):
+    """A checkpointed layer recomputes its mixer in the backward with the metadata of its forward."""
+    model = tiny_model("qwen3_5_text")
+    calls = install_stand_in_kernels(monkeypatch, model)
+    samples = _samples()
+    padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    calls["chunk_gated_delta_rule"].clear()
+    patch_model(model)
+    try:
+        loss, grads = loss_and_grads(model, _two_rows(samples), skip_unused=True, use_cache=False)
+    finally:
+        unpatch_model(model)
+    layers = sum(t == "linear_attention" for t in model.config.layer_types)
+    recorded = calls["chunk_gated_delta_rule"]
+    assert len(recorded) == 2 * layers and all(c is not None for c in recorded)  # forward + recomputation
+    _close(loss, padded_loss, "loss")
+    for name, grad in padded_grads.items():
+        _close(grads[name], grad, f"gradient of {name}")
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_a_kernel_that_ignores_the_varlen_argument_is_caught(model_type, monkeypatch, cpu_kernels):
     """The metadata is what keeps samples apart: the same stand-ins ignoring it contaminate the packed row."""
