@@ -166,10 +166,6 @@ def cpu_kernels(monkeypatch):
     monkeypatch.setattr(mixer_kernels, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
 
 
-def _mixer_forwards(model):
-    return [m.module.__dict__["forward"] for m in discover(model).mixers]
-
-
 # -- which path --------------------------------------------------------------------------------------------------------
 
 

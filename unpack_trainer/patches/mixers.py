@@ -353,7 +353,7 @@ def _unflatten_rows(value: Any, info: PackedSeqInfo, owner: str) -> Any:
     if isinstance(value, Tensor):
         if value.dim() < 2 or tuple(value.shape[:2]) != (1, info.total_tokens):
             return None
-        return value.view(info.batch_size, info.seq_len, *value.shape[2:])
+        return value.reshape(info.batch_size, info.seq_len, *value.shape[2:])
     if isinstance(value, (tuple, list)):
         return type(value)(_unflatten_rows(item, info, owner) for item in value)
     raise TypeError(
