@@ -154,9 +154,10 @@ def test_generation_with_cache_and_padded_batches_unchanged(model_type):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"])
 def test_packed_row_on_cuda_in_bf16_with_the_installed_kernels(model_type):
-    """On CUDA the mixers run the model's own forward per bucket, with whatever kernels are installed
-    (flash-linear-attention, causal-conv1d, mamba-ssm from the `gpu` extra): packed == each sample alone, within a
-    small multiple of the bf16 error the same model makes against its fp32 self."""
+    """On CUDA the mixers run with whatever kernels are installed (flash-linear-attention, causal-conv1d, mamba-ssm
+    from the `gpu` extra; once on the packed row with their varlen arguments where the model hands them on, see
+    tests/patches/test_mixer_kernels.py): packed == each sample alone, within a small multiple of the bf16 error the
+    same model makes against its fp32 self."""
     samples = [s.cuda() for s in _samples()]
     model = tiny_model(model_type).eval().cuda()
     with torch.no_grad():

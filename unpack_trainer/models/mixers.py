@@ -9,7 +9,9 @@ owned is patched: :func:`~unpack_trainer.models.patch_model` calls ``handler.pat
 
 A handler makes the mixer's state restart at every sample's first token on a packed row. The one installed,
 :class:`unpack_trainer.patches.mixers.PerSampleMixers`, owns every mixer whose :attr:`TokenMixer.problem` is ``None``
-(a right-padded batch per bucket of similar lengths, or masked taps for a bare depthwise causal convolution). Inside a
+(a right-padded batch per bucket of similar lengths; once on the packed row through the installed kernels' own
+``seq_idx`` / ``cu_seqlens`` support where the mixer's code hands them on, see
+:mod:`unpack_trainer.patches.mixer_kernels`; or masked taps for a bare depthwise causal convolution). Inside a
 packed forward a handler finds the row's samples with :func:`unpack_trainer.patches.masks.current_packed_info` (pass
 the decoder's ``config``), which the decoder hook publishes before the decoder runs (and, for decoders with mixers,
 :func:`unpack_trainer.patches.mixers.publish_packed_forward`); ``None`` there means the batch is not packed and the
@@ -48,7 +50,8 @@ class MixerHandler(Protocol):
         """Undo :meth:`patch` on ``module`` (a no-op when it is not patched)."""
 
 
-# The handlers, tried in order: every causal mixer runs per sample (padded buckets, or masked convolution taps).
+# The handlers, tried in order: every causal mixer runs per sample (its kernels' varlen entry points, padded buckets,
+# or masked convolution taps).
 MIXER_HANDLERS: list[MixerHandler] = [PerSampleMixers()]
 
 

@@ -3,7 +3,7 @@
 A packed row holds several samples back to back. Attention is made per-sample by the attention helper; a token mixer
 that carries state along the sequence (a short causal convolution, a gated delta rule, Mamba's selective scan or SSD,
 linear / lightning attention, RG-LRU, RWKV, ...) would carry it from one sample into the next. This module makes each
-such mixer exact on packed rows, in one of two ways:
+such mixer exact on packed rows, in one of three ways:
 
 - **padded** (any causal mixer, the exact torch path): the mixer module runs on the row's samples as right-padded
   batches, samples bucketed by length so the padding stays small (the bucket plan of the SDPA backend with a linear
@@ -17,6 +17,18 @@ such mixer exact on packed rows, in one of two ways:
                b0 .  .
                c0 c1 .
       mixer    runs on (3, 3, hidden) with no cache; outputs at the padding slots are dropped
+
+- **varlen** (a mixer whose installed kernels keep samples apart themselves; read from its code by
+  :func:`unpack_trainer.patches.mixer_kernels.varlen_plan`, used when its tensors are on the kernels' device): the
+  mixer runs once on the packed rows flattened into one, its forward handed the packing metadata the way the model's
+  own kernel path expects it (``seq_idx`` for causal-conv1d and mamba-ssm, ``cu_seq_lens_q`` / ``cu_seqlens`` for
+  flash-linear-attention). Same example::
+
+      row      a0 a1 a2 b0 c0 c1          (1, 6, hidden)
+      seq_idx  0  0  0  1  2  2           (1, 6) int32
+      cu_seq_lens_q  [0, 3, 4, 6]         (4,) int32
+
+  Which path each mixer class takes, and why, is logged once.
 
 - **conv** (a bare depthwise ``nn.Conv1d`` with causal padding, e.g. inside an attention module): vectorised over the
   row, every tap that would read across a sample boundary is masked to zero: ``y[t] = b + sum_s w[k-1-s] x[t-s]`` over
@@ -37,6 +49,7 @@ one sample's state into the next.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,8 +57,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches import mixer_kernels
 from unpack_trainer.patches.masks import PackedForwards
+from unpack_trainer.patches.mixer_kernels import VarlenPlan, varlen_plan
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PerSampleMixers",
@@ -56,6 +74,7 @@ __all__ = [
     "packed_conv1d",
     "publish_packed_forward",
     "run_padded",
+    "run_varlen",
 ]
 
 # Token mixers that carry state along the sequence, by class name.
@@ -297,6 +316,84 @@ def run_padded(
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# The varlen path
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _varlen_metadata(info: PackedSeqInfo, device: torch.device) -> dict[str, Tensor]:
+    """``{"seq_idx": (1, B * T) int32 sample index of every token, "cu_seqlens": (num_seqs + 1,) int32}`` on
+    ``device`` (built once per batch)."""
+
+    def build() -> dict[str, Tensor]:
+        seq_idx = torch.repeat_interleave(torch.arange(info.num_seqs, dtype=torch.int32), info.seq_lengths.long())
+        return {
+            "seq_idx": seq_idx.view(1, -1).to(device, non_blocking=True),
+            "cu_seqlens": info.cu_seqlens.to(device, non_blocking=True),
+        }
+
+    return info.plan("mixer_varlen", str(device), build)
+
+
+def _flatten_rows(value: Any, info: PackedSeqInfo) -> Any:
+    """``value`` with every sequence tensor ``(B, T, *rest)`` (or ``(1, T, *rest)``) as one row ``(1, B * T, *rest)``."""
+    if _is_sequence(value, info):
+        if value.shape[0] != info.batch_size:
+            value = value.expand(info.batch_size, *value.shape[1:])
+        return value.reshape(1, info.total_tokens, *value.shape[2:])
+    if isinstance(value, (tuple, list)) and value:
+        return type(value)(_flatten_rows(item, info) for item in value)
+    return value
+
+
+def _unflatten_rows(value: Any, info: PackedSeqInfo, owner: str) -> Any:
+    """The mixer's output on the flattened row back to ``(B, T, *rest)``; a tensor that is not per token (a final
+    state) becomes ``None``, as on the padded path."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.dim() < 2 or tuple(value.shape[:2]) != (1, info.total_tokens):
+            return None
+        return value.reshape(info.batch_size, info.seq_len, *value.shape[2:])
+    if isinstance(value, (tuple, list)):
+        return type(value)(_unflatten_rows(item, info, owner) for item in value)
+    raise TypeError(
+        f"unpack_trainer: the token mixer {owner} returned a {type(value).__name__}; the packed path only puts back "
+        "tensors per token (and tuples of them)."
+    )
+
+
+def run_varlen(
+    forward: Callable[..., Any],
+    owner: str,
+    info: PackedSeqInfo,
+    plan: VarlenPlan,
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> Any:
+    """``forward(*args, **kwargs)`` run once on the packed rows of ``info``, its kernels told where samples start.
+
+    The rows are flattened into one (every sequence tensor ``(B, T, *rest)`` becomes ``(1, B * T, *rest)``; the
+    flash-linear-attention kernels take a batch of 1 with ``cu_seqlens``); the packing keywords
+    (:data:`PACKING_KEYS`) are replaced by ``plan.keywords``, each carrying its varlen argument: ``seq_idx``
+    ``(1, B * T)`` int32, the sample index of every token, or ``cu_seqlens`` ``(num_seqs + 1,)`` int32; per-token
+    outputs come back as ``(B, T, *rest)``. Exact when every sequence kernel the forward calls honours its varlen
+    argument (what :func:`~unpack_trainer.patches.mixer_kernels.varlen_plan` checks from the code; the self-check
+    verifies it on the model).
+    """
+    kwargs = {k: v for k, v in kwargs.items() if k not in PACKING_KEYS}
+    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
+    if reference is None:
+        raise TypeError(
+            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor to run packed."
+        )
+    metadata = _varlen_metadata(info, reference.device)
+    args = tuple(_flatten_rows(arg, info) for arg in args)
+    kwargs = {key: _flatten_rows(value, info) for key, value in kwargs.items()}
+    kwargs.update({key: metadata[argument] for key, argument in plan.keywords})
+    return _unflatten_rows(forward(*args, **kwargs), info, owner)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # The conv path
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -350,12 +447,48 @@ def packed_conv1d(module: torch.nn.Conv1d, x: Tensor, info: PackedSeqInfo) -> Te
 
 class _PackedMixerForward:
     """Installed as ``module.forward`` (an instance attribute, removed by :meth:`PerSampleMixers.unpatch`): the
-    module's own forward, except on packed forwards, where it runs per sample (``path``: ``"padded"`` or ``"conv"``)."""
+    module's own forward, except on packed forwards, where it runs per sample (``path``: ``"padded"`` or ``"conv"``;
+    a ``"padded"`` mixer whose installed kernels take varlen metadata (``varlen.reason is None``) runs through them
+    when its tensors are on their device)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.path = "conv" if isinstance(module, torch.nn.Conv1d) else "padded"
         self.parameters = _positional_names(module)
+        self.varlen = varlen_plan(module) if self.path == "padded" else None
+
+    def _takes_varlen(self, owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether this packed call runs through the installed kernels' varlen entry points; logs once per mixer
+        class, path and reason which path it takes."""
+        from unpack_trainer.patches.masks import is_tracing
+
+        if is_tracing():
+            return False  # a compiled / exported forward keeps the path it traced before: no logging inside a trace
+        plan = self.varlen
+        reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
+        device = None if reference is None else reference.device.type
+        if plan.reason is not None:
+            reason = plan.reason
+        elif device not in mixer_kernels.KERNEL_DEVICE_TYPES:
+            reason = (
+                f"its tensors are on {device}, the installed kernels ({', '.join(plan.kernels)}) run on "
+                f"{' / '.join(mixer_kernels.KERNEL_DEVICE_TYPES)}"
+            )
+        else:
+            keywords = ", ".join(f"`{key}`" for key, _ in plan.keywords)
+            log_once(
+                logger,
+                logging.INFO,
+                f"unpack_trainer: the token mixers {owner} run once on the packed row through their installed "
+                f"kernels' varlen entry points ({', '.join(plan.kernels)}; {keywords} handed to the forward).",
+            )
+            return True
+        log_once(
+            logger,
+            logging.INFO,
+            f"unpack_trainer: the token mixers {owner} run per sample in padded buckets on packed rows: {reason}.",
+        )
+        return False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -375,6 +508,8 @@ class _PackedMixerForward:
             (x,) = args if args else tuple(kwargs.values())
             return packed_conv1d(module, x, info)
         _refuse_cache(owner, kwargs, args, self.parameters)
+        if self._takes_varlen(owner, info, args, kwargs):
+            return run_varlen(lambda *a, **k: forward(module, *a, **k), owner, info, self.varlen, args, kwargs)
         return run_padded(lambda *a, **k: forward(module, *a, **k), owner, info, args, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -387,7 +522,8 @@ class _PackedMixerForward:
 class PerSampleMixers:
     """The mixer handler (:mod:`unpack_trainer.models.mixers`) of every causal token mixer the model's structure
     shows (:func:`unpack_trainer.models.discovery.find_token_mixers`): a bare depthwise causal ``nn.Conv1d`` gets the
-    masked taps, anything else the padded buckets (see the module docstring)."""
+    masked taps, anything else its installed kernels' varlen entry points where it can (on their device), else the
+    padded buckets (see the module docstring)."""
 
     name = "per_sample"
 

@@ -1,0 +1,385 @@
+"""The varlen path of the token mixers (unpack_trainer.patches.mixer_kernels + run_varlen): a mixer whose installed
+kernels take ``seq_idx`` / ``cu_seqlens`` runs once on the packed row with them, instead of the padded buckets.
+
+causal-conv1d, flash-linear-attention and mamba-ssm run on CUDA only. On the CPU their entry points are replaced the
+way transformers itself resolves them (``use_kernel_func_from_hub_with_fallback`` finding the package installed) by
+stand-ins: transformers' own torch fallback run on each sample the varlen argument marks (or, to prove that the
+metadata is what keeps samples apart, one that takes the argument and ignores it). With the kernels' device type
+widened to the CPU, that checks on tiny fp32 models:
+
+- which path each mixer takes, and the reason logged when it is not the varlen one;
+- packed logits == each sample alone, loss and every gradient == a padded batch (fp32, relative 1e-5);
+- a stand-in that ignores the varlen argument contaminates the packed row: the equivalence and the self-check fail.
+
+The ``gpu``-marked tests run the real kernels (the ``gpu`` extra) on CUDA.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from unpack_trainer._logging import reset_log_once
+from unpack_trainer.models import patch_model, unpatch_model
+from unpack_trainer.models.discovery import discover
+from unpack_trainer.patches import mixer_kernels
+from unpack_trainer.patches import mixers as mixer_patches
+from unpack_trainer.patches.mixer_kernels import DECODE_STEP_NAMES, kernel_entry, varlen_plan
+from unpack_trainer.selfcheck import check_uncontaminated
+from unpack_trainer.tiny import loss_and_grads, padded_batch, tiny_model
+
+REL = 1e-5
+# Two rows of 8 tokens: [5, 3] and [1, 7].
+ROWS = ((5, 3), (1, 7))
+# The keywords each family's forward needs for its kernels to keep samples apart (what its code hands on).
+EXPECTED_KEYWORDS = {
+    "qwen3_5_text": (("seq_idx", "seq_idx"), ("cu_seq_lens_q", "cu_seqlens")),
+    "granitemoehybrid": (("seq_idx", "seq_idx"),),
+    "lfm2": (("seq_idx", "seq_idx"),),
+    "kimi_linear": (("seq_idx", "seq_idx"), ("cu_seqlens", "cu_seqlens")),
+}
+FAMILIES = list(EXPECTED_KEYWORDS)
+# The import name of each kernel's package, as transformers' modeling code names it.
+PACKAGES = {"flash-linear-attention": "fla", "mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d"}
+
+
+def _close(actual, expected, what):
+    scale = expected.abs().max().clamp_min(1e-12)
+    error = float((actual - expected).abs().max())
+    assert error <= REL * float(scale) + 1e-8, f"{what}: max abs error {error:.3e} (max |expected| {float(scale):.3e})"
+
+
+def _samples(seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (length,), generator=generator) for row in ROWS for length in row]
+
+
+def _two_rows(samples):
+    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
+
+    ids = torch.stack([torch.cat(samples[:2]), torch.cat(samples[2:])])
+    labels = ids.clone()
+    for row, lengths in enumerate(ROWS):
+        labels[row, 0] = labels[row, lengths[0]] = IGNORE_INDEX
+    metadata = packed_metadata([length for row in ROWS for length in row])
+    metadata["position_ids"] = metadata["position_ids"].view(2, 8)
+    return {"input_ids": ids, "labels": labels, **metadata}
+
+
+# -- CPU stand-ins for the installed kernels ---------------------------------------------------------------------------
+
+
+def _segments(batch, length, seq_idx, cu_seqlens):
+    """``[(row, start, end)]`` of every sample the varlen argument marks (one per row without one)."""
+    if cu_seqlens is not None:
+        if batch != 1:  # as flash-linear-attention
+            raise ValueError(f"The batch size is expected to be 1 rather than {batch} when using `cu_seqlens`.")
+        bounds = cu_seqlens.tolist()
+        return [(0, start, end) for start, end in zip(bounds[:-1], bounds[1:])]
+    if seq_idx is not None:
+        assert seq_idx.shape == (batch, length) and seq_idx.dtype == torch.int32, (seq_idx.shape, seq_idx.dtype)
+        found = []
+        for row in range(batch):
+            _, counts = torch.unique_consecutive(seq_idx[row], return_counts=True)
+            start = 0
+            for count in counts.tolist():
+                found.append((row, start, start + count))
+                start += count
+        return found
+    return [(row, 0, length) for row in range(batch)]
+
+
+def _stand_in(torch_function, varlen, time_dim, *, honour, calls):
+    """A CPU kernel taking ``varlen`` (``"seq_idx"`` or ``"cu_seqlens"``): ``torch_function`` run on each sample it
+    marks (``honour=False``: on the whole rows, the argument ignored). Sequence tensors are the arguments with 3 or more
+    dimensions whose first is the batch; ``time_dim`` is their time axis. Records the varlen argument of every call in
+    ``calls``."""
+    signature = inspect.signature(torch_function)
+
+    def kernel(*args, **kwargs):
+        marker = kwargs.pop(varlen, None)
+        calls.append(marker)
+        bound = signature.bind(*args, **kwargs)
+        first = next(iter(bound.arguments.values()))
+        batch, length = first.shape[0], first.shape[time_dim]
+        if not honour:
+            marker = None
+        seq_idx, cu_seqlens = (marker, None) if varlen == "seq_idx" else (None, marker)
+        segments = _segments(batch, length, seq_idx, cu_seqlens)
+        rows: dict[int, list] = {}
+        for row, start, end in segments:
+            call = {}
+            for name, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.shape[0] == batch:
+                    value = value[row : row + 1].narrow(time_dim, start, end - start)
+                call[name] = value
+            kw = call.pop("kwargs", {})
+            rows.setdefault(row, []).append(torch_function(**call, **kw))
+        first = rows[min(rows)][0]
+        if first is None:  # a fused kernel declining, as transformers' fallback does: the model takes its unfused path
+            return None
+        per_token = (lambda part: part[0]) if isinstance(first, tuple) else (lambda part: part)
+        out = torch.cat([torch.cat([per_token(p) for p in rows[row]], dim=time_dim) for row in sorted(rows)])
+        return (out, None) if isinstance(first, tuple) else out  # no final state is requested on the packed path
+
+    parameters = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    parameters.append(inspect.Parameter(varlen, inspect.Parameter.KEYWORD_ONLY, default=None))
+    parameters += [p for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+    kernel.__signature__ = signature.replace(parameters=parameters)
+    return kernel
+
+
+def install_stand_in_kernels(monkeypatch, model, *, honour=True):
+    """Resolve every sequence kernel of ``model``'s modeling module(s) as transformers would with the package
+    installed, to a CPU stand-in (see :func:`_stand_in`). Returns ``{kernel name: [varlen argument of each call]}``."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    calls: dict[str, list] = {}
+    modules = {sys.modules[type(m.module).__module__] for m in discover(model).mixers}
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            entry = kernel_entry(value)
+            if entry is None or DECODE_STEP_NAMES.search(entry.hub_name):
+                continue
+            closure = inspect.getclosurevars(value).nonlocals
+            torch_function, package = closure["torch_function"], closure["package"]
+            varlen = "cu_seqlens" if package == "fla" else "seq_idx"
+            time_dim = -1 if entry.hub_name == "causal_conv1d_fn" else 1
+            record = calls.setdefault(entry.hub_name, [])
+            kernel = _stand_in(torch_function, varlen, time_dim, honour=honour, calls=record)
+            fake = types.ModuleType(package)
+            setattr(fake, entry.hub_name, kernel)
+            monkeypatch.setitem(sys.modules, package, fake)
+            wrapper = use_kernel_func_from_hub_with_fallback(entry.hub_name, package)(torch_function)
+            monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """The stand-in kernels run on the CPU: widen the kernels' device types."""
+    monkeypatch.setattr(mixer_kernels, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+
+
+# -- which path --------------------------------------------------------------------------------------------------------
+
+
+def _func_module(func):
+    """What the `kernels` package makes of a function decorated with its ``use_kernel_forward_from_hub`` (0.17): an
+    ``nn.Module`` instance whose class forward calls it."""
+
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    return Func()
+
+
+def test_kernel_entry_reads_the_kernels_package_function_modules():
+    from transformers.models.lfm2 import modeling_lfm2
+
+    fallback = kernel_entry(modeling_lfm2.causal_conv1d_fn)
+    assert fallback is not None and not fallback.installed and fallback.distribution == "causal-conv1d"
+    wrapped = _func_module(modeling_lfm2.causal_conv1d_fn)
+    assert kernel_entry(wrapped) == fallback
+    wrapped.forward = types.MethodType(type(wrapped).forward, wrapped)  # kernelize without a kernel for it
+    assert kernel_entry(wrapped) == fallback
+
+    def hub_forward(self, x, weight, bias=None, seq_idx=None, activation=None):
+        return x
+
+    wrapped.forward = types.MethodType(hub_forward, wrapped)  # kernelize with a hub kernel layer
+    entry = kernel_entry(wrapped)
+    assert entry.installed and entry.accepts == ("seq_idx",)
+    assert kernel_entry(torch.nn.functional.conv1d) is None
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_without_the_kernels_the_plan_names_the_torch_fallbacks(model_type):
+    model = tiny_model(model_type)
+    for mixer in discover(model).mixers:
+        plan = varlen_plan(mixer.module)
+        assert plan.reason is not None and "torch fallback" in plan.reason and "is not installed" in plan.reason
+        assert plan.keywords == ()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_with_varlen_kernels_the_plan_hands_the_model_its_own_keywords(model_type, monkeypatch):
+    model = tiny_model(model_type)
+    install_stand_in_kernels(monkeypatch, model)
+    for mixer in discover(model).mixers:
+        plan = varlen_plan(mixer.module)
+        assert plan.reason is None, plan
+        assert plan.keywords == EXPECTED_KEYWORDS[model_type]
+
+
+def test_a_kernel_fed_no_metadata_keeps_the_padded_path(monkeypatch):
+    """Mamba calls `selective_scan_fn` with no metadata, so even with every kernel installed it runs padded."""
+    model = tiny_model("mamba")
+    install_stand_in_kernels(monkeypatch, model)
+    (mixer, *_) = discover(model).mixers
+    plan = varlen_plan(mixer.module)
+    assert plan.reason is not None and "no packing metadata" in plan.reason, plan
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_the_path_taken_and_its_reason_are_logged(on_cpu, monkeypatch, caplog):
+    model = tiny_model("lfm2").eval()
+    calls = install_stand_in_kernels(monkeypatch, model)
+    if on_cpu:
+        monkeypatch.setattr(mixer_kernels, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    reset_log_once()
+    batch = _two_rows(_samples())
+    patch_model(model)
+    try:
+        with caplog.at_level(logging.INFO, logger=mixer_patches.__name__), torch.no_grad():
+            model(**{k: v for k, v in batch.items() if k != "labels"})
+    finally:
+        unpatch_model(model)
+    messages = [r.getMessage() for r in caplog.records if "Lfm2ShortConv" in r.getMessage()]
+    assert len(messages) == 1, messages
+    if on_cpu:
+        assert "varlen entry points" in messages[0] and "`seq_idx`" in messages[0]
+        assert calls["causal_conv1d_fn"] and all(c is not None for c in calls["causal_conv1d_fn"])
+    else:
+        assert "padded buckets" in messages[0] and "tensors are on cpu" in messages[0]
+        assert calls["causal_conv1d_fn"] and all(c is None for c in calls["causal_conv1d_fn"])
+
+
+# -- exactness ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monkeypatch, cpu_kernels):
+    model = tiny_model(model_type).eval()
+    calls = install_stand_in_kernels(monkeypatch, model)
+    padded_path = []
+    monkeypatch.setattr(mixer_patches, "run_padded", lambda *a, **k: padded_path.append(a) or pytest.fail("padded"))
+    samples = _samples()
+    with torch.no_grad():
+        alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
+    padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
+    for kernel_calls in calls.values():
+        kernel_calls.clear()
+    patch_model(model)
+    try:
+        batch = _two_rows(samples)
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        for index, (piece, expected) in enumerate(zip(torch.cat(list(logits)).split([5, 3, 1, 7]), alone)):
+            _close(piece, expected, f"sample {index} logits")
+        model.train()
+        loss, grads = loss_and_grads(model, batch, skip_unused=True, use_cache=False)
+    finally:
+        unpatch_model(model)
+    assert not padded_path
+    reached = {name: c for name, c in calls.items() if c}
+    assert reached and all(marker is not None for c in reached.values() for marker in c), calls
+    _close(loss, padded_loss, "loss")
+    assert grads.keys() == padded_grads.keys()
+    for name, grad in padded_grads.items():
+        _close(grads[name], grad, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_varlen_path_under_gradient_checkpointing(reentrant, monkeypatch, cpu_kernels):
+    """A checkpointed layer recomputes its mixer in the backward with the metadata of its forward."""
+    model = tiny_model("qwen3_5_text")
+    calls = install_stand_in_kernels(monkeypatch, model)
+    samples = _samples()
+    padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    calls["chunk_gated_delta_rule"].clear()
+    patch_model(model)
+    try:
+        loss, grads = loss_and_grads(model, _two_rows(samples), skip_unused=True, use_cache=False)
+    finally:
+        unpatch_model(model)
+    layers = sum(t == "linear_attention" for t in model.config.layer_types)
+    recorded = calls["chunk_gated_delta_rule"]
+    assert len(recorded) == 2 * layers and all(c is not None for c in recorded)  # forward + recomputation
+    _close(loss, padded_loss, "loss")
+    for name, grad in padded_grads.items():
+        _close(grads[name], grad, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_kernel_that_ignores_the_varlen_argument_is_caught(model_type, monkeypatch, cpu_kernels):
+    """The metadata is what keeps samples apart: the same stand-ins ignoring it contaminate the packed row."""
+    model = tiny_model(model_type).eval()
+    install_stand_in_kernels(monkeypatch, model, honour=False)
+    samples = _samples()
+    with torch.no_grad():
+        alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
+    patch_model(model)
+    try:
+        batch = _two_rows(samples)
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        report = check_uncontaminated(model)
+    finally:
+        unpatch_model(model)
+    pieces = torch.cat(list(logits)).split([5, 3, 1, 7])
+    error = max(float((piece - expected).abs().max()) for piece, expected in zip(pieces, alone))
+    assert error > 1e-3, f"a kernel ignoring seq_idx / cu_seqlens left the packed row exact ({error:.2e})"
+    assert not report.ok, f"the self-check passed a contaminated varlen path: {report.summary()}"
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_selfcheck_passes_on_the_varlen_path(model_type, monkeypatch, cpu_kernels):
+    model = tiny_model(model_type)
+    install_stand_in_kernels(monkeypatch, model)
+    patch_model(model)
+    try:
+        report = check_uncontaminated(model)
+    finally:
+        unpatch_model(model)
+    assert report.ok and report.conclusive, report.summary()
+
+
+# -- the real kernels --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"])
+def test_varlen_path_on_cuda_with_the_installed_kernels(model_type, monkeypatch):
+    """The `gpu` extra's kernels: the varlen path is taken, and packed == each sample alone within a small multiple
+    of the bf16 error the same model makes against its fp32 self; gradients flow through the kernels."""
+    model = tiny_model(model_type).eval().cuda()
+    for mixer in discover(model).mixers:
+        plan = varlen_plan(mixer.module)
+        if plan.reason is not None and "is not installed" in plan.reason:
+            pytest.skip(plan.reason)
+        assert plan.reason is None, plan
+    padded_path = []
+    original = mixer_patches.run_padded
+    monkeypatch.setattr(mixer_patches, "run_padded", lambda *a, **k: padded_path.append(1) or original(*a, **k))
+    samples = [s.cuda() for s in _samples()]
+    with torch.no_grad():
+        reference = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
+        model.to(torch.bfloat16)
+        alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
+    patch_model(model)
+    try:
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _two_rows(samples).items()}
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        model.train()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+    finally:
+        unpatch_model(model)
+    assert not padded_path
+    assert torch.isfinite(loss)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    packed = torch.cat(list(logits)).split([5, 3, 1, 7])
+    for index, (piece, single, exact) in enumerate(zip(packed, alone, reference)):
+        bf16_error = float((single - exact).abs().max())
+        error = float((piece - exact).abs().max())
+        assert error <= 4 * bf16_error + 1e-2, f"sample {index}: {error:.3e} vs bf16 error {bf16_error:.3e}"
