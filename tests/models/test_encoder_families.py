@@ -9,6 +9,8 @@ self-attention is causal only when the config says ``is_decoder=True``. On tiny 
 - the self-check passes on the patched model and fails when packed samples see each other (attention over the whole
   row) or when the RoBERTa positions are left as the packed row gives them;
 - ``generate()`` with the cache and a padded batch with ``attention_mask`` are bit-identical with and without the patch;
+  attention weights of a packed row (``output_attentions=True``) are a clear error, since their decoders build the
+  mask without ``position_ids`` and transformers' dense path would attend across samples;
 - loaded as an encoder (``is_decoder=False``: bidirectional self-attention) the model is refused before any forward,
   with the fix in the reason, and the trainer trains it padded.
 """
@@ -129,7 +131,7 @@ def _leaking_backends(monkeypatch):
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta", "xmod"])
 def test_selfcheck_passes_and_catches_a_leak(model_type, monkeypatch):
-    from unpack_trainer.models import positions
+    import unpack_trainer.models.patch as patch_module
 
     model = _decoder(model_type)
     patch_model(model)
@@ -144,7 +146,7 @@ def test_selfcheck_passes_and_catches_a_leak(model_type, monkeypatch):
         unpatch_model(model)
     if model_type in ROBERTA_STYLE:
         # The same patch without the positions: every packed token looked up padding_idx + 1 positions early.
-        monkeypatch.setattr(positions, "own_position_embeddings", lambda decoder: [])
+        monkeypatch.setattr(patch_module, "own_position_embeddings", lambda decoder: [])
         patch_model(model)
         try:
             report = check_uncontaminated(model)
@@ -176,6 +178,18 @@ def test_generation_with_cache_and_padded_batches_unchanged(model_type):
     assert torch.equal(patched, stock)
     assert torch.equal(patched_batch, stock_batch)
     assert torch.equal(patched_logits, stock_logits)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_attention_weights_of_a_packed_row_are_refused(model_type):
+    """Their decoders build the mask without ``position_ids``, so transformers' dense path (where
+    ``output_attentions=True`` goes) would attend across the samples of a packed row: a clear error instead."""
+    model = patch_model(_decoder(model_type, attn_implementation="eager").eval())
+    batch = _two_rows(_samples())
+    batch.pop("labels")
+    with torch.no_grad(), pytest.raises(ValueError, match="builds the mask without position_ids"):
+        model(**batch, output_attentions=True)
+    unpatch_model(model)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
@@ -211,7 +225,7 @@ def test_the_trainer_trains_an_encoder_padded_and_packs_it_as_a_decoder(
             train_dataset=prompt_completion(),
             processing_class=tokenizer,
         )
-    assert not trainer.unpack_decision.packed and not trainer.unpack_decision.padding_free
+    assert trainer.unpack_decision.mode == "padded", trainer.unpack_decision
     assert "is_decoder=True" in trainer.unpack_decision.reason
     assert "is_decoder=True" in caplog.text
     assert not is_patched(trainer.model)
