@@ -113,6 +113,26 @@ def test_packed_positions_without_input_ids(model_type):
         _close(piece, expected, f"sample {index} logits")
 
 
+def test_sample_positions_by_hand():
+    """RoBERTa's numbering (padding_idx 0 here) per sample, a padding token inside a sample, and branched samples
+    (a prompt with two completions: each branch numbered as [prompt; branch] alone)."""
+    from unpack_trainer.models.positions import own_position_embeddings, sample_positions
+
+    model = _decoder("roberta")
+    [(name, embeddings)] = own_position_embeddings(model.roberta)
+    assert name == "embeddings" and embeddings.padding_idx == PAD
+    ids = torch.tensor([[5, 6, 7, 8, PAD, 9]])
+    plain = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 3]), batch_size=1, seq_len=6)
+    assert sample_positions(embeddings, plain, input_ids=ids).tolist() == [[1, 2, 3, 1, 0, 2]]
+    branched = PackedSeqInfo.from_seq_lengths(
+        torch.tensor([3, 2, 1]), batch_size=1, seq_len=6, seq_parents=torch.tensor([-1, 0, 0])
+    )
+    assert sample_positions(embeddings, branched, input_ids=ids).tolist() == [[1, 2, 3, 4, 0, 4]]
+    embeds = torch.zeros(1, 6, 32)
+    assert sample_positions(embeddings, plain, inputs_embeds=embeds).tolist() == [[1, 2, 3, 1, 2, 3]]
+    assert own_position_embeddings(_decoder("bert").bert) == []  # BERT counts from 0 with a buffer: nothing to do
+
+
 def _leaking_backends(monkeypatch):
     """Every packed attention backend handed one sample per row: samples attend to the ones before them."""
 

@@ -17,6 +17,11 @@ be packed exactly). Then, on each decoder:
   survives gradient checkpointing) and token mixers through :func:`unpack_trainer.patches.masks.current_packed_info`.
   Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left as it came;
 - patches each token mixer with the handler that owns it (:mod:`unpack_trainer.models.mixers`);
+- hooks each embeddings module that numbers tokens itself (:mod:`unpack_trainer.models.positions`: the RoBERTa
+  family, from ``padding_idx + 1``) so that on a packed forward it gets each sample's own positions instead of the
+  restarting ``position_ids``;
+- refuses ``output_attentions=True`` on a packed batch where transformers' dense path would not be exact (ALiBi over
+  the whole row, a decoder that builds its mask without ``position_ids`` such as BERT's): a ``ValueError``;
 - with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
   model of that module is unpatched or collected);
