@@ -258,6 +258,9 @@ def test_the_trainer_trains_an_encoder_padded_and_packs_it_as_a_decoder(
         processing_class=tokenizer,
     )
     trainer.train()
-    assert trainer.unpack_decision.packed and trainer.unpack_decision.patch, trainer.unpack_decision
-    assert is_patched(trainer.model)
-    assert trainer.unpack_selfcheck is not None and trainer.unpack_selfcheck.ok, trainer.unpack_selfcheck
+    try:
+        assert trainer.unpack_decision.packed and trainer.unpack_decision.patch, trainer.unpack_decision
+        assert is_patched(trainer.model)
+        assert trainer.unpack_selfcheck is not None and trainer.unpack_selfcheck.ok, trainer.unpack_selfcheck
+    finally:
+        unpatch_model(trainer.model)  # hands transformers' interfaces back now, not when the trainer is collected
