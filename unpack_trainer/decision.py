@@ -15,10 +15,10 @@
 
 Blocked means: a custom ``data_collator``; a ``ProcessorMixin`` processing class; a vision-language model or a vision
 dataset; an encoder-decoder model; a model whose structure cannot be packed exactly
-(:func:`unpack_trainer.models.refusal_reason`: recurrent / state-space / convolution token mixers, ALiBi); PEFT prompt
-learning (prompt tuning, p-tuning, prefix tuning: virtual tokens or prefix keys are prepended to every row). A model
-type that is not verified is not blocked here: it runs without our patch if the contamination self-check passes on the
-user's model.
+(:func:`unpack_trainer.models.refusal_reason`: token mixers the per-sample path cannot take, an encoder's
+bidirectional self-attention, row-wide position biases); PEFT prompt learning (prompt tuning, p-tuning, prefix
+tuning: virtual tokens or prefix keys are prepended to every row). A model type that is not verified is not blocked
+here: it runs without our patch if the contamination self-check passes on the user's model.
 
 Also decided here, without overriding an explicit request:
 

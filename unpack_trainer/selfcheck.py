@@ -84,7 +84,9 @@ def check_uncontaminated(
     """Run a few short random samples packed into one row and each alone; compare every token's outputs.
 
     One forward of one packed batch of two rows does it (see [`_probe_batch`]): the samples in one order and in the
-    reverse order, so each end sample is alone in one row and after all the others in the other. The batch carries
+    reverse order, so each end sample is alone in one row and after all the others in the other; and one forward of
+    the first sample alone, unpacked (no packing metadata), so that positions a model numbers itself (RoBERTa's
+    embeddings count from ``padding_idx + 1``, not from the packed row's 0) are compared too. The batch carries
     exactly what the packed collator emits (``position_ids``, ``packed_seq_lengths``, ``cu_seq_lens_*``,
     ``max_length_*``, no attention mask), so this checks the attention path training will use, patched or not. What is
     compared is every token's final hidden state (what the LM head reads), so a model that accepts ``logits_to_keep``
@@ -124,6 +126,9 @@ def check_uncontaminated(
         options = _output_options(model)
         try:
             outputs = model(input_ids=input_ids, **options, **metadata)
+            # The first sample alone, as an unpacked batch: what a model that numbers positions itself (RoBERTa's
+            # embeddings start at padding_idx + 1) gives it outside a packed row.
+            first = _last_states(model(input_ids=input_ids[:1, : lengths[0]], **options))[0].float()
         except Exception as error:  # noqa: BLE001 - any failure of the packed path means "not safe"
             return ContaminationReport(
                 False, float("inf"), 0.0, 0.0, None, time.perf_counter() - start, f"{type(error).__name__}: {error}"
@@ -138,6 +143,8 @@ def check_uncontaminated(
         dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model)
         tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * float(alone.abs().max()) + 1e-5
         max_diff = float((packed - alone).abs().max())
+        if first.shape == packed[: lengths[0]].shape:
+            max_diff = max(max_diff, float((packed[: lengths[0]] - first).abs().max()))
         ok = bool(max_diff <= tolerance)
         return ContaminationReport(ok, max_diff, tolerance, contaminated_diff, dtype, time.perf_counter() - start)
     finally:

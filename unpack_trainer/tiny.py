@@ -145,6 +145,8 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4, lsh_attn_chunk_length=4,
         num_buckets=2, hash_seed=0, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
     ),
+    # Its language adapters need a language: the config's only default one.
+    "xmod": dict(default_language="en_XX"),
     "xlstm": dict(v_head_dim=None, qk_head_dim=None, head_dim=None, num_heads=4, num_key_value_heads=None),
 }
 

@@ -52,9 +52,10 @@ def llama(tiny_model):
 
 def test_no_module_per_architecture():
     """The patch is generic: the package holds one module per responsibility; the one architecture-specific module
-    (alibi: bloom's and mpt's attention, which no extension point reaches) is keyed by attention class."""
+    (alibi: bloom's and mpt's attention, which no extension point reaches) is keyed by attention class; positions
+    (embeddings that number tokens themselves, the RoBERTa family) is found from the structure."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
-    assert modules == {"__main__", "alibi", "coverage", "discovery", "mixers", "patch", "refusals"}
+    assert modules == {"__main__", "alibi", "coverage", "discovery", "mixers", "patch", "positions", "refusals"}
 
 
 def test_public_exports():
@@ -108,8 +109,9 @@ def test_refusal_checks_are_ordered_and_typed():
     """The checks run in a fixed order, each with an enum kind; the blocking kinds are the ones the trainer pads."""
     kinds = [kind for kind, _ in REFUSAL_CHECKS]
     assert all(isinstance(kind, RefusalKind) for kind in kinds)
+    assert kinds.index(RefusalKind.BIDIRECTIONAL) < kinds.index(RefusalKind.ALIBI)
     assert kinds.index(RefusalKind.ALIBI) < kinds.index(RefusalKind.STATE) < kinds.index(RefusalKind.UNREACHABLE)
-    assert {kind for kind in RefusalKind if kind.blocking} == {"blocklist", "alibi", "state"}
+    assert {kind for kind in RefusalKind if kind.blocking} == {"blocklist", "bidirectional", "alibi", "state"}
     assert PatchRefused("x", "why", "state").kind is RefusalKind.STATE
 
 

@@ -9,6 +9,8 @@ per responsibility:
   :class:`RefusalKind` (:func:`refusal_reason` asks before any forward, on the ``meta`` device);
 - :mod:`~unpack_trainer.models.mixers`: the seam where a handler makes a token mixer (convolution, recurrent scan)
   exact on packed rows;
+- :mod:`~unpack_trainer.models.positions`: each sample's own positions for embeddings that number tokens themselves
+  (the RoBERTa family counts from ``padding_idx + 1``), on packed rows;
 - :mod:`~unpack_trainer.models.patch`: the patch itself (registration in transformers' interfaces, the decoder hooks,
   RoPE, state and undo);
 - :mod:`~unpack_trainer.models.coverage`: which model types are verified, one by one (:func:`supported_model_types`;

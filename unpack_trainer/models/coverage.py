@@ -9,6 +9,9 @@ attention chunk smaller than the samples where the config has one) and returns o
   gradient equal a padded batch of the same samples, the packed helper runs in every attention layer, and transformers'
   mask function is never called for the packed batch (so no ``(T, T)`` mask is built);
 - ``"refused"``: ``patch_model`` refuses it with a named reason (:class:`~unpack_trainer.models.PatchRefused`);
+  an encoder whose causal-LM class is causal only as a decoder (BERT, RoBERTa, ...: refused by default for its
+  bidirectional self-attention) is checked built with ``is_decoder=True`` (:data:`AS_DECODER`) where its config takes
+  it, and the table says so;
 - ``"skipped"``: not a decoder-only text model, or it cannot be built here; the reason says which;
 - ``"failed"``: a check did not hold (never expected: ``tests/models/test_coverage.py`` fails on it).
 
@@ -50,20 +53,26 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "bailing_hybrid",
         "bamba",
         "beam",
+        "bert",
+        "bert-generation",
         "biogpt",
         "bitnet",
         "bloom",
+        "camembert",
         "cohere",
         "cohere2",
         "cohere2_moe",
         "cohere_compass_text",
         "ctrl",
         "cwm",
+        "data2vec-text",
         "dbrx",
         "deepseek_v2",
         "deepseek_v3",
         "diffllama",
         "dots1",
+        "electra",
+        "ernie",
         "ernie4_5",
         "ernie4_5_moe",
         "exaone4",
@@ -148,6 +157,9 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "qwen3_moe",
         "qwen3_next",
         "recurrent_gemma",
+        "roberta",
+        "roberta-prelayernorm",
+        "roc_bert",
         "rwkv",
         "seed_oss",
         "smollm3",
@@ -155,7 +167,10 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset(
         "stablelm",
         "starcoder2",
         "vaultgemma",
+        "xlm-roberta",
+        "xlm-roberta-xl",
         "xlstm",
+        "xmod",
         "youtu",
         "zamba",
         "zamba2",
@@ -199,6 +214,8 @@ class Outcome:
             ``"tiny"`` (:func:`tiny_config`).
         implementations: the attention implementations verified (fast).
         seconds: time the check took.
+        note: how the model was built where it matters to a user (an encoder checked as a decoder); shown in the
+            table's reason column.
     """
 
     model_type: str
@@ -208,6 +225,7 @@ class Outcome:
     source: str = "tiny"
     implementations: tuple[str, ...] = ()
     seconds: float = 0.0
+    note: str = ""
 
 
 def _skip_reason(default: Any) -> str | None:
@@ -220,14 +238,9 @@ def _skip_reason(default: Any) -> str | None:
     return None
 
 
-def _bidirectional(model: torch.nn.Module) -> str | None:
-    for module in model.modules():
-        if getattr(module, "is_causal", True) is False and "Attention" in type(module).__name__:
-            return (
-                f"an encoder ({type(module).__name__} is bidirectional): causal only as the decoder of an "
-                "encoder-decoder model (is_decoder=True)"
-            )
-    return None
+# An encoder whose causal-LM class is causal only as a decoder (BERT, RoBERTa, ...) is checked built as one, without
+# the cross-attention to an encoder's outputs that a causal LM of its own does not use.
+AS_DECODER: dict[str, bool] = dict(is_decoder=True, add_cross_attention=False)
 
 
 def _samples(lengths: tuple[int, ...] = SAMPLE_LENGTHS, seed: int = 1) -> list[torch.Tensor]:
@@ -350,7 +363,7 @@ def check_model_type(model_type: str) -> Outcome:
     """Build a tiny ``model_type`` model and decide its :class:`Outcome` (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from unpack_trainer.models.refusals import PatchRefused, check_model
+    from unpack_trainer.models.refusals import PatchRefused, RefusalKind, check_model
 
     started = time.perf_counter()
 
@@ -368,23 +381,41 @@ def check_model_type(model_type: str) -> Outcome:
     reason = _skip_reason(default)
     if reason is not None:
         return outcome("skipped", reason)
+    overrides: dict[str, Any] = {}
+    note = ""
+
+    def structural_check(config: Any) -> None:
+        # On the meta device (no memory), as the trainer's decision sees it; raises PatchRefused.
+        try:
+            with torch.device("meta"), _quiet():
+                check_model(AutoModelForCausalLM.from_config(config))
+        except PatchRefused:
+            raise
+        except Exception:  # noqa: BLE001 - some default configs are incomplete: the tiny model below decides
+            return
+
     try:
-        # The structure at full size first (on the meta device: no memory), as the trainer's decision sees it: a tiny
-        # config could drop the layers that refuse (e.g. the convolution layers of a hybrid pattern).
-        with torch.device("meta"), _quiet():
-            check_model(AutoModelForCausalLM.from_config(default))
+        # The structure at full size first: a tiny config could drop the layers that refuse (e.g. the convolution
+        # layers of a hybrid pattern).
+        structural_check(default)
     except PatchRefused as refused:
-        return outcome("refused", refused.reason, kind=refused.kind, source="default")
-    except Exception:  # noqa: BLE001 - some default configs are incomplete: the tiny model below decides
-        pass
+        if refused.kind is not RefusalKind.BIDIRECTIONAL:
+            return outcome("refused", refused.reason, kind=refused.kind, source="default")
+        try:  # an encoder: the causal LM it makes as a decoder, if its config can say so
+            with _quiet():
+                structural_check(cls(**AS_DECODER))
+        except Exception:  # noqa: BLE001 - PatchRefused, or a config that does not take is_decoder
+            return outcome("refused", refused.reason, kind=refused.kind, source="default")
+        overrides = AS_DECODER
+        note = (
+            "built with is_decoder=True (loaded as an encoder, is_decoder=False, it is refused for its bidirectional "
+            "self-attention and trained padded)"
+        )
     try:
-        config = tiny_config(model_type)
+        config = tiny_config(model_type, **overrides)
         model = tiny_model(model_type, config=config)
     except Exception as error:  # noqa: BLE001
         return outcome("skipped", f"a tiny model cannot be built: {type(error).__name__}: {error}"[:200])
-    reason = _bidirectional(model)
-    if reason is not None:
-        return outcome("skipped", reason)
     try:
         decoders = check_model(model).decoders
     except PatchRefused as refused:
@@ -403,7 +434,7 @@ def check_model_type(model_type: str) -> Outcome:
             return outcome("failed", problem)
         verified.append(implementation)
     checked = "packed logits == each sample alone, loss and gradients == padded, no (T, T) mask"
-    return outcome("fast", checked, implementations=tuple(verified))
+    return outcome("fast", checked, implementations=tuple(verified), note=note)
 
 
 def model_types() -> list[str]:
@@ -446,7 +477,7 @@ def coverage_table(outcomes: list[Outcome]) -> str:
         "|---|---|---|---|---|",
     ]
     for o in outcomes:
-        reason = "" if o.status == "fast" else o.reason.replace("|", "\\|")
+        reason = (o.note if o.status == "fast" else o.reason).replace("|", "\\|")
         lines.append(
             f"| `{o.model_type}` | {o.status} | {', '.join(o.implementations)} | {_trainer_action(o)} | {reason} |"
         )

@@ -123,6 +123,20 @@ def builds_mask_with_transformers(cls: type) -> bool:
     return any(id(value) in builders for value in class_references(cls).values())
 
 
+def mask_without_positions(cls: type) -> str | None:
+    """``"Class.method"`` of the first method of ``cls`` (transformers' modeling code) that builds a mask with one of
+    :data:`MASK_BUILDERS` without ``position_ids`` at hand (BERT's ``_create_attention_masks``), or ``None``. Such a
+    mask cannot be transformers' packed block mask, which is found from ``position_ids``."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for value in vars(klass).values():
+            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+            if code is not None and set(MASK_BUILDERS) & set(code.co_names) and "position_ids" not in code.co_varnames:
+                return f"{klass.__name__}.{code.co_name}"
+    return None
+
+
 def mentions_alibi(cls: type) -> bool:
     """Whether ``cls``'s code uses a global whose name mentions ALiBi (``build_alibi_tensor``, ...)."""
     return any("alibi" in name.lower() for name in class_references(cls))

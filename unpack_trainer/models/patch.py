@@ -17,6 +17,11 @@ be packed exactly). Then, on each decoder:
   survives gradient checkpointing) and token mixers through :func:`unpack_trainer.patches.masks.current_packed_info`.
   Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left as it came;
 - patches each token mixer with the handler that owns it (:mod:`unpack_trainer.models.mixers`);
+- hooks each embeddings module that numbers tokens itself (:mod:`unpack_trainer.models.positions`: the RoBERTa
+  family, from ``padding_idx + 1``) so that on a packed forward it gets each sample's own positions instead of the
+  restarting ``position_ids``;
+- refuses ``output_attentions=True`` on a packed batch where transformers' dense path would not be exact (ALiBi over
+  the whole row, a decoder that builds its mask without ``position_ids`` such as BERT's): a ``ValueError``;
 - with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
   model of that module is unpatched or collected);
@@ -41,8 +46,16 @@ import torch
 
 from unpack_trainer.models import alibi
 from unpack_trainer.models.alibi import packed_forward_for, patch_attention_class, unpatch_attention_class
-from unpack_trainer.models.discovery import Decoder, attention_chunks, class_references, mentions, pretrained_model
+from unpack_trainer.models.discovery import (
+    Decoder,
+    attention_chunks,
+    class_references,
+    mask_without_positions,
+    mentions,
+    pretrained_model,
+)
 from unpack_trainer.models.mixers import handler_for, handler_named
+from unpack_trainer.models.positions import POSITIONS_ATTRIBUTE, own_position_embeddings, sample_positions
 from unpack_trainer.models.refusals import check_model
 from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE
 
@@ -68,6 +81,10 @@ class _PatchState:
     mixers: list[tuple[str, str]] = field(default_factory=list)
     routed: bool = True  # False for a copy (deep copy, unpickled): its first forward adds it to the routed decoders
     own_forwards: bool = False  # attention with a packed forward of its class (unpack_trainer.models.alibi)
+    # Why transformers' dense path (what output_attentions=True takes) is not exact on packed rows, or None.
+    no_dense_path: str | None = None
+    # (qualified name under the decoder, hook id) of each embeddings module that numbers tokens itself (RoBERTa).
+    positions: list[tuple[str, int]] = field(default_factory=list)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A deep copy or an unpickled model (torch.load, maybe in a new process): the packed routing of its
@@ -222,12 +239,18 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
     info = packed_info_for_forward(kwargs)
     if info is None:
         return args, kwargs
-    if _wants_attention_weights(module, kwargs) and state is not None and state.own_forwards:
+    if _wants_attention_weights(module, kwargs) and state is not None and state.no_dense_path is not None:
         raise ValueError(
             f"output_attentions=True with a packed batch is not supported for {state.model_type}: its packed "
-            "attention returns no weights and the model has no exact dense path for packed rows; run the samples "
-            "unpacked (or padded) to get attention weights."
+            f"attention returns no weights and the model has no exact dense path for packed rows "
+            f"({state.no_dense_path}); run the samples unpacked (or padded) to get attention weights."
         )
+    if state is not None and state.positions:
+        for name, _ in state.positions:
+            embeddings = module.get_submodule(name)
+            embeddings.__dict__[POSITIONS_ATTRIBUTE] = sample_positions(
+                embeddings, info, input_ids=kwargs.get("input_ids"), inputs_embeds=kwargs.get("inputs_embeds")
+            )
     if state is not None and state.mixers:
         from unpack_trainer.patches.mixers import publish_packed_forward
 
@@ -300,6 +323,27 @@ def _decoder_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, outpu
 
     reset_packed_forward(module)
     end_packed_forward(module)
+    state: _PatchState | None = module.__dict__.get(_STATE_ATTRIBUTE)
+    for name, _ in state.positions if state is not None else ():
+        module.get_submodule(name).__dict__.pop(POSITIONS_ATTRIBUTE, None)
+
+
+_position_parameter: dict[type, int] = {}
+
+
+def _positions_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """On an embeddings module that numbers tokens itself: inside a packed forward, the positions each sample gets
+    alone (:mod:`unpack_trainer.models.positions`) replace the restarting ``position_ids``; otherwise nothing."""
+    positions = module.__dict__.pop(POSITIONS_ATTRIBUTE, None)
+    if positions is None:
+        return None
+    index = _position_parameter.get(type(module))
+    if index is None:
+        names = list(inspect.signature(module.forward).parameters)
+        index = _position_parameter[type(module)] = names.index("position_ids")
+    if len(args) > index:
+        return (*args[:index], positions, *args[index + 1 :]), kwargs
+    return args, {**kwargs, "position_ids": positions}
 
 
 def _same_code(a: Any, b: Any) -> bool:
@@ -444,12 +488,20 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
         if state.own_forwards:
             # Their decoders use the mask as a tensor (mpt: .to(torch.bool)); their packed attention ignores it.
             module.__dict__[MASK_PLACEHOLDER_ATTRIBUTE] = torch.zeros((1, 1, 1, 1), dtype=torch.bool)
+            state.no_dense_path = "its attention applies ALiBi over the whole row"
+        else:
+            builder = mask_without_positions(type(module))
+            if builder is not None:
+                state.no_dense_path = f"{builder} builds the mask without position_ids, so it cannot tell the samples apart"
+    for name, embeddings in own_position_embeddings(module):
+        hook = embeddings.register_forward_pre_hook(_positions_pre_hook, with_kwargs=True)
+        state.positions.append((name, hook.id))
     for mixer in decoder.mixers:
         handler = handler_for(mixer)  # every mixer has one: check_model refused the model otherwise
         handler.patch(mixer.module)
         state.mixers.append((mixer.name, handler.name))
-    if attention or state.mixers:
-        # The mixers read the packing metadata the hook publishes, so they need it even with attention=False.
+    if attention or state.mixers or state.positions:
+        # The mixers and the embeddings read what the hook publishes, so they need it even with attention=False.
         state.hook_ids.append(module.register_forward_pre_hook(_decoder_pre_hook, with_kwargs=True).id)
         post_hook = module.register_forward_hook(_decoder_post_hook, with_kwargs=True, always_call=True)
         state.hook_ids.append(post_hook.id)
@@ -464,6 +516,10 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
         return
     for hook_id in state.hook_ids:
         _remove_hook(module, hook_id)
+    for name, hook_id in state.positions:
+        embeddings = module.get_submodule(name)
+        _remove_hook(embeddings, hook_id)
+        embeddings.__dict__.pop(POSITIONS_ATTRIBUTE, None)
     if state.attention:
         _release_route(state.implementation, module)
         for layer in module.modules():

@@ -4,25 +4,28 @@
 The checks run in the order of :data:`REFUSAL_CHECKS`; the first that finds a reason refuses the model with its
 :class:`RefusalKind`:
 
-===============  ==================================================================  ==============================
-kind             found when                                                          the trainer then
-===============  ==================================================================  ==============================
-``BLOCKLIST``    ``config.model_type`` is in :data:`BLOCKLIST`                        trains padded
-``ALIBI``        ALiBi position biases (``config.alibi``, ``attn_config.alibi``,      trains padded
-                 or the modeling code uses an ``*alibi*`` helper) in attention
-                 without a packed forward (:mod:`.alibi` has bloom's and mpt's), or
-                 another ``position_bias`` over the row's token offsets
-``STATE``        a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
-                 layer with neither attention nor an owned mixer (nor declared an
-                 MLP / MoE layer in ``config.layer_types``)
-``UNSUPPORTED``  a feature the packed helper does not implement (a sparse-attention   self-check decides
-                 indexer; chunked attention whose layers do not show)
-``UNREACHABLE``  no decoder builds its mask through transformers' mask functions,   self-check decides
-                 or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
-===============  ==================================================================  ==============================
+=================  ==================================================================  ===================
+kind               found when                                                          the trainer then
+=================  ==================================================================  ===================
+``BLOCKLIST``      ``config.model_type`` is in :data:`BLOCKLIST`                       trains padded
+``BIDIRECTIONAL``  self-attention of the decoder that is not causal                    trains padded
+                   (``is_causal=False``: an encoder such as BERT or RoBERTa loaded as
+                   a causal LM without ``config.is_decoder=True``)
+``ALIBI``          ALiBi position biases (``config.alibi``, ``attn_config.alibi``,     trains padded
+                   or the modeling code uses an ``*alibi*`` helper) in attention
+                   without a packed forward (:mod:`.alibi` has bloom's and mpt's), or
+                   another ``position_bias`` over the row's token offsets
+``STATE``          a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
+                   layer with neither attention nor an owned mixer (nor declared an
+                   MLP / MoE layer in ``config.layer_types``)
+``UNSUPPORTED``    a feature the packed helper does not implement (a sparse-attention  self-check decides
+                   indexer; chunked attention whose layers do not show)
+``UNREACHABLE``    no decoder builds its mask through transformers' mask functions,    self-check decides
+                   or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
+=================  ==================================================================  ===================
 
-``BLOCKLIST``, ``ALIBI`` and ``STATE`` are *blocking*: packing would contaminate samples. For the other two
-transformers' own packed path (its dense mask) may still be exact, and the trainer's self-check decides.
+``BLOCKLIST``, ``BIDIRECTIONAL``, ``ALIBI`` and ``STATE`` are *blocking*: packing would contaminate samples. For the
+other two transformers' own packed path (its dense mask) may still be exact, and the trainer's self-check decides.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from unpack_trainer.models.alibi import packed_forward_for
 from unpack_trainer.models.discovery import (
     MASK_BUILDERS,
     PER_TOKEN_LAYER_TYPES,
+    Decoder,
     ModelStructure,
     attention_chunks,
     discover,
+    mentions,
     mentions_alibi,
 )
 from unpack_trainer.models.mixers import handler_for
@@ -56,6 +61,7 @@ class RefusalKind(enum.StrEnum):
     """Why a model is refused, by kind (a ``str``: ``RefusalKind.STATE == "state"``)."""
 
     BLOCKLIST = "blocklist"
+    BIDIRECTIONAL = "bidirectional"
     ALIBI = "alibi"
     STATE = "state"
     UNSUPPORTED = "unsupported"
@@ -64,7 +70,7 @@ class RefusalKind(enum.StrEnum):
     @property
     def blocking(self) -> bool:
         """Whether packing would contaminate samples (the trainer trains padded); otherwise the self-check decides."""
-        return self in (RefusalKind.BLOCKLIST, RefusalKind.ALIBI, RefusalKind.STATE)
+        return self in (RefusalKind.BLOCKLIST, RefusalKind.BIDIRECTIONAL, RefusalKind.ALIBI, RefusalKind.STATE)
 
 
 class PatchRefused(ValueError):
@@ -74,8 +80,8 @@ class PatchRefused(ValueError):
         model_type: ``config.model_type``.
         reason: why, in words.
         kind: a :class:`RefusalKind` (a ``str``): ``"state"`` (a token mixer carries state across samples),
-            ``"alibi"``, ``"blocklist"`` (see :data:`BLOCKLIST`): packing would contaminate, so the trainer trains
-            padded; ``"unreachable"`` (the attention or the mask is built outside transformers' interfaces, so the
+            ``"bidirectional"`` (an encoder's self-attention: every token sees the whole row), ``"alibi"``,
+            ``"blocklist"`` (see :data:`BLOCKLIST`): packing would contaminate, so the trainer trains padded; ``"unreachable"`` (the attention or the mask is built outside transformers' interfaces, so the
             patch cannot reach it) and ``"unsupported"`` (a feature the packed helper does not implement, e.g. a
             sparse-attention indexer): transformers' own packed path with its dense mask may still be exact, and the
             self-check decides.
@@ -93,6 +99,37 @@ class PatchRefused(ValueError):
 
 def _blocklisted(structure: ModelStructure) -> str | None:
     return BLOCKLIST.get(structure.model_type)
+
+
+def _cross_attention(decoder: Decoder) -> set[int]:
+    """ids of the decoder's cross-attention modules (run on an encoder's outputs, only when the forward gets them):
+    a module flagged ``is_cross_attention`` and everything under it, and classes named ``*CrossAttention``."""
+    found = set()
+    for module in decoder.module.modules():
+        if getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__:
+            found.update(map(id, module.modules()))
+    return found
+
+
+def _bidirectional(structure: ModelStructure) -> str | None:
+    """Self-attention that is not causal (``is_causal=False``): an encoder (BERT, RoBERTa, ...) loaded as a causal LM
+    without ``is_decoder=True``, whose every token attends to the tokens after it."""
+    for decoder in structure.decoders:
+        cross = _cross_attention(decoder)
+        for module in decoder.attention:
+            if id(module) in cross or getattr(module, "is_causal", True) is not False:
+                continue
+            reason = (
+                f"its self-attention ({type(module).__name__}) is bidirectional: every token attends to the tokens "
+                "after it, so it is not a causal LM and packed samples would attend to each other"
+            )
+            if any(mentions(cls, "is_decoder") for cls in structure.classes):
+                reason += (
+                    " (config.is_decoder=False); load it with is_decoder=True (e.g. "
+                    "AutoModelForCausalLM.from_pretrained(name, is_decoder=True)) to train it as a causal LM"
+                )
+            return reason
+    return None
 
 
 def _alibi(structure: ModelStructure) -> str | None:
@@ -196,6 +233,7 @@ def _attention_unreachable(structure: ModelStructure) -> str | None:
 # The checks in order: the first reason found refuses the model, with its kind.
 REFUSAL_CHECKS: tuple[tuple[RefusalKind, Callable[[ModelStructure], str | None]], ...] = (
     (RefusalKind.BLOCKLIST, _blocklisted),
+    (RefusalKind.BIDIRECTIONAL, _bidirectional),
     (RefusalKind.ALIBI, _alibi),
     (RefusalKind.ALIBI, _row_position_bias),
     (RefusalKind.STATE, _unowned_mixer),
