@@ -150,3 +150,97 @@ def test_selfcheck_keeps_hooks_installed_before_it(tiny_llama):
     assert check_uncontaminated(model).ok
     assert _hooks_and_flags(model) == before
     handle.remove()
+
+
+# -- the branched probe (prompts shared by their completions, DPO's prefix sharing) ---------------------------------
+
+BRANCHED_MODELS = {
+    "llama/sdpa": ("llama", "sdpa", {}),
+    "llama/eager": ("llama", "eager", {}),
+    "qwen3/window": ("qwen3", "sdpa", dict(use_sliding_window=True, max_window_layers=1, sliding_window=3)),
+    "gemma2/softcap": ("gemma2", "eager", dict(attn_logit_softcapping=20.0, sliding_window=3)),
+}
+
+
+def _branched_model(key):
+    from unpack_trainer.models import patch_model
+    from unpack_trainer.tiny import tiny_model
+
+    model_type, backend, overrides = BRANCHED_MODELS[key]
+    model = tiny_model(model_type, attn_implementation=backend, hidden_size=32, head_dim=8, **overrides)
+    patch_model(model)
+    return model
+
+
+@pytest.mark.parametrize("key", list(BRANCHED_MODELS))
+def test_branched_probe_passes_on_patched_models_and_is_conclusive(key):
+    report = check_uncontaminated(_branched_model(key), branched=True)
+    assert report.ok, report.summary()
+    assert report.conclusive, report.summary()
+
+
+def _sibling_leak(self):
+    """A broken ``branch_units``: each prompt and all of its branches as one causal unit, so the second branch
+    attends to the first (positions stay branched)."""
+    from unpack_trainer.packed_seq_info import PackedSeqInfo
+
+    lengths, parents = self.seq_lengths.tolist(), self.seq_parents.tolist()
+    units = []
+    for length, parent in zip(lengths, parents):
+        if parent < 0:
+            units.append(length)
+        else:
+            units[-1] += length
+    gather = torch.arange(self.total_tokens)
+    return PackedSeqInfo(torch.tensor(units), batch_size=1, seq_len=self.total_tokens), gather, gather
+
+
+def _parents_ignored(backend, query, key, value, info, options):
+    """A broken branched attention: every sample attends only to itself, so a branch never sees its prompt."""
+    return backend(query, key, value, info, options)
+
+
+def leak_branches(monkeypatch, kind):
+    """Make the branched attention path leak: ``"sibling"`` (a branch sees the other branch) or ``"parents"`` (a
+    branch does not see its prompt). Plain packed samples are untouched."""
+    from unpack_trainer.packed_seq_info import PackedSeqInfo
+    from unpack_trainer.patches import attention
+
+    if kind == "sibling":
+        monkeypatch.setattr(PackedSeqInfo, "_build_branch_units", _sibling_leak)
+    else:
+        monkeypatch.setattr(attention, "_branched", _parents_ignored)
+
+
+@pytest.mark.parametrize("kind", ["sibling", "parents"])
+def test_branched_probe_fails_when_branches_leak_and_the_plain_probe_still_passes(kind, monkeypatch):
+    model = _branched_model("llama/sdpa")
+    leak_branches(monkeypatch, kind)
+    assert check_uncontaminated(model).ok
+    report = check_uncontaminated(model, branched=True)
+    assert not report.ok and report.error is None, report.summary()
+    assert report.max_abs_diff > report.tolerance
+
+
+def test_branched_probe_fails_on_an_unpatched_model(tiny_llama):
+    """transformers' own packed-position path reads a branch as continuing its sibling (its positions do not
+    restart), which the probe sees."""
+    report = check_uncontaminated(tiny_llama(), branched=True)
+    assert not report.ok, report.summary()
+
+
+def test_branched_probe_is_read_only(tiny_llama):
+    from unpack_trainer.models import patch_model
+
+    model = tiny_llama()
+    patch_model(model)
+    model.train()
+    before = _hooks_and_flags(model)
+    state = {name: (t, t.data_ptr(), t.clone()) for name, t in model.state_dict(keep_vars=True).items()}
+    modes = {name: m.training for name, m in model.named_modules()}
+    assert check_uncontaminated(model, branched=True).ok
+    assert _hooks_and_flags(model) == before
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        found, pointer, values = state[name]
+        assert tensor is found and tensor.data_ptr() == pointer and torch.equal(tensor, values), name
