@@ -179,43 +179,10 @@ def test_branched_probe_passes_on_patched_models_and_is_conclusive(key):
     assert report.conclusive, report.summary()
 
 
-def _sibling_leak(self):
-    """A broken ``branch_units``: each prompt and all of its branches as one causal unit, so the second branch
-    attends to the first (positions stay branched)."""
-    from unpack_trainer.packed_seq_info import PackedSeqInfo
-
-    lengths, parents = self.seq_lengths.tolist(), self.seq_parents.tolist()
-    units = []
-    for length, parent in zip(lengths, parents):
-        if parent < 0:
-            units.append(length)
-        else:
-            units[-1] += length
-    gather = torch.arange(self.total_tokens)
-    return PackedSeqInfo(torch.tensor(units), batch_size=1, seq_len=self.total_tokens), gather, gather
-
-
-def _parents_ignored(backend, query, key, value, info, options):
-    """A broken branched attention: every sample attends only to itself, so a branch never sees its prompt."""
-    return backend(query, key, value, info, options)
-
-
-def leak_branches(monkeypatch, kind):
-    """Make the branched attention path leak: ``"sibling"`` (a branch sees the other branch) or ``"parents"`` (a
-    branch does not see its prompt). Plain packed samples are untouched."""
-    from unpack_trainer.packed_seq_info import PackedSeqInfo
-    from unpack_trainer.patches import attention
-
-    if kind == "sibling":
-        monkeypatch.setattr(PackedSeqInfo, "_build_branch_units", _sibling_leak)
-    else:
-        monkeypatch.setattr(attention, "_branched", _parents_ignored)
-
-
 @pytest.mark.parametrize("kind", ["sibling", "parents"])
-def test_branched_probe_fails_when_branches_leak_and_the_plain_probe_still_passes(kind, monkeypatch):
+def test_branched_probe_fails_when_branches_leak_and_the_plain_probe_still_passes(kind, leak_branches):
     model = _branched_model("llama/sdpa")
-    leak_branches(monkeypatch, kind)
+    leak_branches(kind)
     assert check_uncontaminated(model).ok
     report = check_uncontaminated(model, branched=True)
     assert not report.ok and report.error is None, report.summary()

@@ -50,6 +50,16 @@ class ContaminationReport:
         """False when contamination was measured and would not exceed the tolerance on this model (NaN: not measured)."""
         return not self.contaminated_diff <= self.tolerance
 
+    def failure(self) -> str:
+        """What failed, in words, for a report that is not ``ok``: the packed forward's error or the measured
+        difference."""
+        if self.error is not None:
+            return f"the packed forward raised {self.error}"
+        return (
+            f"contamination measured: max |packed - one-by-one| = {self.max_abs_diff:.3g} > tolerance "
+            f"{self.tolerance:.3g} ({self.dtype})"
+        )
+
     def summary(self) -> str:
         if self.error is not None:
             return f"packed forward failed ({self.error}) [{self.seconds * 1000:.0f} ms]"
