@@ -211,3 +211,15 @@ def test_branched_probe_is_read_only(tiny_llama):
     for name, tensor in model.state_dict(keep_vars=True).items():
         found, pointer, values = state[name]
         assert tensor is found and tensor.data_ptr() == pointer and torch.equal(tensor, values), name
+
+
+@pytest.mark.parametrize("branched", [False, True], ids=["plain", "branched"])
+def test_selfcheck_reads_every_stream_of_a_model_with_stacked_hidden_states(branched):
+    """Gemma3n's hidden states are ``(altup streams, batch, tokens, hidden)``: the probe crashed on them (the plain
+    probe split the streams as if they were rows). Every stream of every token is compared now."""
+    from unpack_trainer.models import patch_model
+    from unpack_trainer.tiny import tiny_model
+
+    model = patch_model(tiny_model("gemma3n_text").eval())
+    report = check_uncontaminated(model, branched=branched)
+    assert report.ok and report.conclusive, report.summary()

@@ -333,9 +333,18 @@ def _output_options(model: torch.nn.Module) -> dict[str, object]:
 
 
 def _last_states(outputs: object) -> torch.Tensor:
-    """``(batch, tokens, hidden)`` final hidden states, or the full logits for a model that returns none."""
+    """``(batch, tokens, hidden)`` final hidden states, or the full logits for a model that returns none.
+
+    Hidden states with leading dimensions before ``(batch, tokens, hidden)`` (Gemma3n's AltUp streams,
+    ``(streams, batch, tokens, hidden)``) come back with every stream of a token side by side:
+    ``(batch, tokens, streams * hidden)``."""
     hidden_states = getattr(outputs, "hidden_states", None)
-    return hidden_states[-1] if hidden_states else outputs.logits
+    if not hidden_states:
+        return outputs.logits
+    state = hidden_states[-1]
+    if state.dim() > 3:
+        state = state.movedim(-3, 0).movedim(-2, 1).flatten(2)
+    return state
 
 
 def _logits_dtype(model: torch.nn.Module) -> torch.dtype:
