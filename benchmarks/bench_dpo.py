@@ -3,6 +3,7 @@ without prefix sharing vs packed with prefix sharing, on pairs whose prompts are
 
     python benchmarks/bench_dpo.py                         # tiny Llama, 8 pairs per batch, 3 repeats
     python benchmarks/bench_dpo.py --repeats 5 --threads 1 # steadier on a busy machine
+    python benchmarks/bench_dpo.py --model smollm2         # SmolLM2-135M-Instruct with LoRA (the `real` extra)
 
 Each (provider, prompt share) case runs in its own process: one warm-up step, then ``--steps`` training steps
 (policy forward + backward and the reference model's forward, through the trainers' own ``compute_loss``) on the same
@@ -13,7 +14,11 @@ Peak memory: the growth of the process's peak RSS over the training steps, warm-
 
 Data: pair lengths ``|p| + |c| + |r|`` lognormal (median 360 tokens, sigma 0.6, clipped to [16, 2048]), the prompt
 the given share of them, the rest split between chosen and rejected at a uniform 35-65% ratio; random token ids.
-Model: tiny Llama (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096) with a separate reference model.
+Models: ``--model tiny_llama`` (default): tiny Llama (hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096), full
+fine-tuning with a separate reference model. ``--model smollm2``: SmolLM2-135M-Instruct (fp32, SDPA; the `real`
+extra) with LoRA (r 16 on every linear layer) and the reference = the adapter disabled (``ref_model=None``), the
+usual way to DPO a pretrained model on one device; the token ids stay below 4096 (valid SmolLM2 ids, a word-level
+tokenizer over them), since throughput does not depend on what the tokens say.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ PROVIDERS = ("stock", "plain", "shared")
 SHARES = (0.2, 0.5, 0.8)
 
 
-def make_pairs(num_pairs: int, share: float, seed: int = 0) -> list[dict[str, list[int]]]:
+MODELS = ("tiny_llama", "smollm2")
+
+
+def make_pairs(num_pairs: int, share: float, seed: int = 0, median: int = 360) -> list[dict[str, list[int]]]:
     """``num_pairs`` pre-tokenized pairs whose prompts hold ``share`` of the pair's tokens (see the docstring)."""
     rng = np.random.default_rng(seed)
-    totals = np.clip(np.rint(rng.lognormal(np.log(360), 0.6, size=num_pairs)), 16, 2048).astype(int)
+    totals = np.clip(np.rint(rng.lognormal(np.log(median), 0.6, size=num_pairs)), 16, 2048).astype(int)
     pairs = []
     for total in totals:
         prompt = max(1, int(round(share * total)))
@@ -50,7 +58,29 @@ def make_pairs(num_pairs: int, share: float, seed: int = 0) -> list[dict[str, li
     return pairs
 
 
-def run_case(provider: str, share: float, steps: int, batch_size: int, threads: int | None) -> dict:
+def _models(name: str) -> tuple[object, object, dict]:
+    """``(model, ref_model, trainer kwargs)`` of the benchmark's ``--model``: the two tiny Llamas, or SmolLM2 with a
+    LoRA config and no reference model."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if name == "smollm2":
+        from peft import LoraConfig
+
+        from unpack_trainer import load_smollm2
+
+        model, _ = load_smollm2(attn_implementation="sdpa")
+        return model, None, {"peft_config": LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")}
+    config = tiny_llama_config(pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    torch.manual_seed(1)
+    return model, LlamaForCausalLM(config), {}
+
+
+def run_case(
+    provider: str, share: float, steps: int, batch_size: int, threads: int | None, model_name: str, median: int
+) -> dict:
     """Train ``steps`` + 1 steps of ``provider`` in this process; tokens/s and the growth of peak RSS (MiB)."""
     import torch
 
@@ -60,24 +90,23 @@ def run_case(provider: str, share: float, steps: int, batch_size: int, threads: 
     from datasets import Dataset
     from datasets.utils.logging import disable_progress_bar
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import DPOConfig, DPOTrainer
 
     hf_logging.set_verbosity_error()
     disable_progress_bar()
-    config = tiny_llama_config(pad_token_id=0, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    torch.manual_seed(1)
-    ref_model = LlamaForCausalLM(config)
+    model, ref_model, extra = _models(model_name)
     backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
     texts = [
-        {name.removesuffix("_ids"): " ".join(f"t{i}" for i in ids) for name, ids in pair.items()}
-        for pair in make_pairs(batch_size * (steps + 1), share)
+        # completions start with a space: TRL tokenizes prompt + completion as one text, and the word-level
+        # tokenizer would merge the prompt's last word with the completion's first
+        {name.removesuffix("_ids"): ("" if name == "prompt_ids" else " ") + " ".join(f"t{i}" for i in ids)
+         for name, ids in pair.items()}  # fmt: skip
+        for pair in make_pairs(batch_size * (steps + 1), share, median=median)
     ]
     dataset = Dataset.from_list(texts)
     common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
@@ -87,7 +116,7 @@ def run_case(provider: str, share: float, steps: int, batch_size: int, threads: 
     else:
         trainer_class, args = DPOTrainer, DPOConfig(**common, prefix_sharing=provider == "shared")
     trainer = trainer_class(
-        model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra
     )
     assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
     model = trainer.model
@@ -126,10 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
+    parser.add_argument("--model", choices=MODELS, default="tiny_llama")
+    parser.add_argument("--median-tokens", type=int, default=360, help="median |p| + |c| + |r| of a pair")
     args = parser.parse_args(argv)
     if args.case:
         provider, share = args.case.split(":")
-        print(json.dumps(run_case(provider, float(share), args.steps, args.batch_size, args.threads)))
+        result = run_case(
+            provider, float(share), args.steps, args.batch_size, args.threads, args.model, args.median_tokens
+        )
+        print(json.dumps(result))
         return
 
     print(environment_line())
@@ -139,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             order = PROVIDERS[repeat % 3 :] + PROVIDERS[: repeat % 3]
             for provider in order:
                 command = [os.path.abspath(__file__), "--case", f"{provider}:{share}", "--steps", str(args.steps)]
-                command += ["--batch-size", str(args.batch_size)]
+                command += ["--batch-size", str(args.batch_size), "--model", args.model]
+                command += ["--median-tokens", str(args.median_tokens)]
                 if args.threads is not None:
                     command += ["--threads", str(args.threads)]
                 results.setdefault((provider, share), []).append(run_in_subprocess(command, timeout=3600))
@@ -160,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
             " / ".join(f"{np.median([r['peak_mib'] for r in rs]):.0f}" for rs in (stock, plain, shared)),
         ])  # fmt: skip
     print()
-    print(f"DPO step, tiny Llama, {args.batch_size} pairs per batch, {args.steps} steps x {args.repeats} rounds "
-          "(median (min-max)):")  # fmt: skip
+    what = {"tiny_llama": "tiny Llama, full", "smollm2": "SmolLM2-135M-Instruct, LoRA r 16"}[args.model]
+    print(f"DPO step, {what}, {args.batch_size} pairs per batch (median pair {args.median_tokens} tokens), "
+          f"{args.steps} steps x {args.repeats} rounds (median (min-max)):")  # fmt: skip
     print(format_table(
         ["prompt share", "stock tokens/s", "packed tokens/s", "shared tokens/s", "packed / stock",
          "shared / stock", "shared / packed", "peak MiB stock / packed / shared"],

@@ -168,3 +168,44 @@ def param_snapshot():
         return {name: p.detach().clone() for name, p in model.named_parameters()}
 
     return snapshot
+
+
+# ------------------------------------------------------------------------------- a leaking branched attention path
+
+
+def _sibling_leak(self):
+    """A broken ``branch_units``: each prompt and all of its branches as one causal unit, so the second branch
+    attends to the first (positions stay branched)."""
+    from unpack_trainer.packed_seq_info import PackedSeqInfo
+
+    lengths, parents = self.seq_lengths.tolist(), self.seq_parents.tolist()
+    units = []
+    for length, parent in zip(lengths, parents):
+        if parent < 0:
+            units.append(length)
+        else:
+            units[-1] += length
+    gather = torch.arange(self.total_tokens)
+    return PackedSeqInfo(torch.tensor(units), batch_size=1, seq_len=self.total_tokens), gather, gather
+
+
+def _parents_ignored(backend, query, key, value, info, options):
+    """A broken branched attention: every sample attends only to itself, so a branch never sees its prompt."""
+    return backend(query, key, value, info, options)
+
+
+@pytest.fixture
+def leak_branches(monkeypatch):
+    """``leak_branches(kind)``: make the patched branched attention path (shared prompts, ``packed_seq_parents``) leak
+    for the rest of the test: ``"sibling"`` (a branch sees the other branch) or ``"parents"`` (a branch does not see
+    its prompt). Plain packed samples are untouched."""
+    from unpack_trainer.packed_seq_info import PackedSeqInfo
+    from unpack_trainer.patches import attention
+
+    def leak(kind: str) -> None:
+        if kind == "sibling":
+            monkeypatch.setattr(PackedSeqInfo, "_build_branch_units", _sibling_leak)
+        else:
+            monkeypatch.setattr(attention, "_branched", _parents_ignored)
+
+    return leak

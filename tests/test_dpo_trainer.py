@@ -262,6 +262,38 @@ def test_the_self_check_passes_on_a_real_run(tmp_path):
     trainer = _trainer(tmp_path)
     trainer.get_train_dataloader()
     assert trainer.unpack_selfcheck.ok and trainer.unpack_decision.packed
+    assert trainer.unpack_selfcheck_branched.ok and trainer.data_collator.prefix_sharing
+
+
+def test_without_prefix_sharing_no_branched_row_is_probed(tmp_path):
+    args = DPOConfig(output_dir=str(tmp_path), prefix_sharing=False, report_to=[], bf16=False, use_cpu=True)
+    trainer = _trainer(tmp_path, args=args)
+    trainer.get_train_dataloader()
+    assert trainer.unpack_selfcheck.ok and trainer.unpack_selfcheck_branched is None
+
+
+@pytest.mark.parametrize("kind", ["sibling", "parents"])
+def test_a_leaking_branched_path_turns_prefix_sharing_off_and_says_why(kind, tmp_path, leak_branches, caplog):
+    """With prefix sharing the self-check also probes a branched row; when only that probe fails (a branch that sees
+    its sibling, or misses its prompt), the narrowest fallback: the pairs stay packed, unshared ([p, c] and [p, r],
+    which the plain probe passed), logged once with the measured difference. UNPACK_STRICT=1 raises instead."""
+    leak_branches(kind)
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], bf16=False,
+                     use_cpu=True)  # fmt: skip
+    trainer = _trainer(tmp_path, args=args)
+    assert trainer.data_collator.prefix_sharing
+    with caplog.at_level("INFO", logger="unpack_trainer"):
+        trainer.train()
+        trainer.evaluate(_pairs(2))
+    assert trainer.unpack_selfcheck.ok and not trainer.unpack_selfcheck_branched.ok
+    assert trainer.unpack_decision.packed and trainer.data_collator.prefix_sharing is False
+    messages = [r.getMessage() for r in caplog.records if "prefix sharing is off" in r.getMessage()]
+    assert len(messages) == 1, messages
+    assert "max |packed - one-by-one|" in messages[0] and "[prompt, rejected]" in messages[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UNPACK_STRICT", "1")
+        with pytest.raises(RuntimeError, match="UNPACK_STRICT"):
+            _trainer(tmp_path).get_train_dataloader()
 
 
 @pytest.mark.parametrize("conversational", [False, True])

@@ -6,6 +6,9 @@ What random tiny models can hide: outlier hidden dimensions, real attention patt
   eager;
 - the self-check is conclusive (a contaminated row would exceed its tolerance) and passes;
 - LoRA: the loss and every LoRA gradient of a packed batch == the padded batch of the same samples;
+- DPO with LoRA on conversational preference pairs (SmolLM2's chat template): one step of our packed
+  ``DPOTrainer`` with shared prompts == stock ``trl.DPOTrainer`` padded (loss, log-probs, every metric, every LoRA
+  gradient);
 - a short ``SFTTrainer(packing=True)`` run, ``save_model``, a fresh process that never imports unpack_trainer loads
   and generates; greedy generation of the still-patched model == an unpatched copy.
 
@@ -183,11 +186,12 @@ def test_packed_logits_match_each_sample_alone_bf16(backend, folder, samples, fp
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_selfcheck_is_conclusive_and_passes(folder):
+@pytest.mark.parametrize("branched", [False, True], ids=["plain", "branched"])
+def test_selfcheck_is_conclusive_and_passes(folder, branched):
     from unpack_trainer import check_uncontaminated, patch_model
 
     model = patch_model(_load(folder))
-    report = check_uncontaminated(model)
+    report = check_uncontaminated(model, branched=branched)
     assert report.ok and report.conclusive, report.summary()
     # A contaminated row would exceed the tolerance by far, not by a hair.
     assert report.contaminated_diff > 10 * report.tolerance, report.summary()
@@ -217,7 +221,116 @@ def test_lora_loss_and_grads_packed_match_padded(folder, samples, tokenizer):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# (d) SFTTrainer(packing=True), save, a fresh process without unpack_trainer, generation unchanged by the patch
+# (d) DPO with LoRA: our packed step with shared prompts == stock trl.DPOTrainer's padded step
+# --------------------------------------------------------------------------------------------------------------------
+
+DPO_PAIRS = 3
+DPO_MAX_TOKENS = 64  # prompt + the longer completion, rendered by the chat template: 3 pairs of 43 to 64 tokens
+
+
+def dpo_pairs(tokenizer):
+    """The first ``DPO_PAIRS`` conversational pairs of the embedded preference set whose longer rendered sequence
+    (SmolLM2's chat template, system prompt included) has at most ``DPO_MAX_TOKENS`` tokens."""
+    from datasets import Dataset
+
+    from unpack_trainer.preference_data import load_default_preference_dataset
+
+    pairs = []
+    for pair in load_default_preference_dataset("train", conversational=True):
+        longest = max(
+            len(
+                tokenizer.apply_chat_template(pair["prompt"] + pair[side], tokenize=True, return_dict=True)[
+                    "input_ids"
+                ]
+            )
+            for side in ("chosen", "rejected")
+        )
+        if longest <= DPO_MAX_TOKENS:
+            pairs.append(pair)
+        if len(pairs) == DPO_PAIRS:
+            return Dataset.from_list(pairs)
+    raise AssertionError("not enough short preference pairs in the embedded data")
+
+
+def dpo_step(trainer_class, config_class, folder, tokenizer, pairs, tmp_path, **config) -> dict:
+    """One step of ``trainer_class`` on ``pairs`` (one batch): SmolLM2 with a LoRA config (r 4 on the attention
+    projections, initialised at random so that the policy differs from the reference, the adapter disabled)."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    args = config_class(output_dir=str(tmp_path), per_device_train_batch_size=len(pairs), report_to=[], bf16=False,
+                        use_cpu=True, max_length=DPO_MAX_TOKENS, **config)  # fmt: skip
+    torch.manual_seed(0)
+    trainer = trainer_class(
+        model=_load(folder), args=args, train_dataset=pairs, processing_class=tokenizer, peft_config=lora
+    )
+    trainer.get_train_dataloader()  # ours: the self-check, plain and branched, on the real model
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(len(pairs))]))
+    model = trainer.model.train()
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        logps = torch.stack(trainer.compute_ref_log_probs(model, batch))
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    return {
+        "loss": loss.detach(),
+        "grads": grads,
+        "metrics": metrics,
+        "logps": logps,
+        "trainer": trainer,
+        "batch": batch,
+    }
+
+
+DPO_GRAD_REL = 5e-5  # per LoRA gradient tensor, relative to its own largest entry (see the test's docstring)
+
+
+@pytest.mark.slow
+def test_dpo_lora_packed_with_shared_prompts_matches_stock_padded(folder, tokenizer, tmp_path):
+    """Tolerances, fp32 on this 30-layer model: loss, log-probs and every metric within ``FP32_REL`` (1e-5; the
+    largest difference measured is 2e-6); every LoRA gradient within 1e-5 of the largest LoRA gradient (measured
+    3.8e-6) and within ``DPO_GRAD_REL`` (5e-5) of its own largest entry (measured 1.2e-5). The per-tensor bound is
+    looser than 1e-5 because stock TRL itself moves that far from rounding alone: the same stock step with only the
+    padding width changed (``pad_to_multiple_of=80``) differs from the default by up to 2.5e-5 per tensor (5.8e-6 of
+    the largest gradient); a leak between pairs or branches shows at the percent level (see the self-check)."""
+    import trl
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+
+    pairs = dpo_pairs(tokenizer)
+    stock = dpo_step(trl.DPOTrainer, trl.DPOConfig, folder, tokenizer, pairs, tmp_path / "stock")
+    ours = dpo_step(DPOTrainer, DPOConfig, folder, tokenizer, pairs, tmp_path / "ours")
+    trainer = ours["trainer"]
+    assert trainer.unpack_decision.packed and trainer.data_collator.prefix_sharing, trainer.unpack_decision.reason
+    assert trainer.unpack_selfcheck.ok and trainer.unpack_selfcheck_branched.ok
+    assert (ours["batch"]["packed_seq_parents"] >= 0).sum() == 2 * DPO_PAIRS  # every prompt shared by two branches
+
+    def close(actual, expected, what, scale=None, rel=FP32_REL):
+        actual, expected = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+        scale = float(expected.abs().max()) if scale is None else scale
+        error = float((actual - expected).abs().max()) / max(scale, 1e-12)
+        assert error <= rel, f"{what}: relative error {error:.2e} > {rel}"
+
+    close(ours["loss"], stock["loss"], "loss")
+    close(ours["logps"], stock["logps"], "chosen/rejected log-probs")
+    assert ours["metrics"].keys() == stock["metrics"].keys()
+    assert stock["metrics"]["rewards/margins"] != 0  # the reference (adapter disabled) differs from the policy
+    for key, value in stock["metrics"].items():
+        # rewards and margins are beta * (differences of log-probs): relative to the log-probs they come from
+        scale = trainer.beta * float(stock["logps"].abs().max()) if key.startswith("rewards/") else None
+        close(ours["metrics"][key], value, f"metric {key}", scale)
+    assert len(stock["grads"]) == 30 * 4 * 2 and ours["grads"].keys() == stock["grads"].keys()
+    largest = max(float(grad.abs().max()) for grad in stock["grads"].values())
+    for name, grad in stock["grads"].items():
+        assert grad.abs().max() > 0, f"{name} got no gradient"
+        close(ours["grads"][name], grad, f"gradient of {name} (of the largest gradient)", scale=largest)
+        close(ours["grads"][name], grad, f"gradient of {name}", rel=DPO_GRAD_REL)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# (e) SFTTrainer(packing=True), save, a fresh process without unpack_trainer, generation unchanged by the patch
 # --------------------------------------------------------------------------------------------------------------------
 
 _GENERATE_ELSEWHERE = textwrap.dedent(

@@ -150,3 +150,76 @@ def test_selfcheck_keeps_hooks_installed_before_it(tiny_llama):
     assert check_uncontaminated(model).ok
     assert _hooks_and_flags(model) == before
     handle.remove()
+
+
+# -- the branched probe (prompts shared by their completions, DPO's prefix sharing) ---------------------------------
+
+BRANCHED_MODELS = {
+    "llama/sdpa": ("llama", "sdpa", {}),
+    "llama/eager": ("llama", "eager", {}),
+    "qwen3/window": ("qwen3", "sdpa", dict(use_sliding_window=True, max_window_layers=1, sliding_window=3)),
+    "gemma2/softcap": ("gemma2", "eager", dict(attn_logit_softcapping=20.0, sliding_window=3)),
+}
+
+
+def _branched_model(key):
+    from unpack_trainer.models import patch_model
+    from unpack_trainer.tiny import tiny_model
+
+    model_type, backend, overrides = BRANCHED_MODELS[key]
+    model = tiny_model(model_type, attn_implementation=backend, hidden_size=32, head_dim=8, **overrides)
+    patch_model(model)
+    return model
+
+
+@pytest.mark.parametrize("key", list(BRANCHED_MODELS))
+def test_branched_probe_passes_on_patched_models_and_is_conclusive(key):
+    report = check_uncontaminated(_branched_model(key), branched=True)
+    assert report.ok, report.summary()
+    assert report.conclusive, report.summary()
+
+
+@pytest.mark.parametrize("kind", ["sibling", "parents"])
+def test_branched_probe_fails_when_branches_leak_and_the_plain_probe_still_passes(kind, leak_branches):
+    model = _branched_model("llama/sdpa")
+    leak_branches(kind)
+    assert check_uncontaminated(model).ok
+    report = check_uncontaminated(model, branched=True)
+    assert not report.ok and report.error is None, report.summary()
+    assert report.max_abs_diff > report.tolerance
+
+
+def test_branched_probe_fails_on_an_unpatched_model(tiny_llama):
+    """transformers' own packed-position path reads a branch as continuing its sibling (its positions do not
+    restart), which the probe sees."""
+    report = check_uncontaminated(tiny_llama(), branched=True)
+    assert not report.ok, report.summary()
+
+
+def test_branched_probe_is_read_only(tiny_llama):
+    from unpack_trainer.models import patch_model
+
+    model = tiny_llama()
+    patch_model(model)
+    model.train()
+    before = _hooks_and_flags(model)
+    state = {name: (t, t.data_ptr(), t.clone()) for name, t in model.state_dict(keep_vars=True).items()}
+    modes = {name: m.training for name, m in model.named_modules()}
+    assert check_uncontaminated(model, branched=True).ok
+    assert _hooks_and_flags(model) == before
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        found, pointer, values = state[name]
+        assert tensor is found and tensor.data_ptr() == pointer and torch.equal(tensor, values), name
+
+
+@pytest.mark.parametrize("branched", [False, True], ids=["plain", "branched"])
+def test_selfcheck_reads_every_stream_of_a_model_with_stacked_hidden_states(branched):
+    """Gemma3n's hidden states are ``(altup streams, batch, tokens, hidden)``: the probe crashed on them (the plain
+    probe split the streams as if they were rows). Every stream of every token is compared now."""
+    from unpack_trainer.models import patch_model
+    from unpack_trainer.tiny import tiny_model
+
+    model = patch_model(tiny_model("gemma3n_text").eval())
+    report = check_uncontaminated(model, branched=branched)
+    assert report.ok and report.conclusive, report.summary()

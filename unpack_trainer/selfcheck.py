@@ -12,6 +12,8 @@ import torch
 from unpack_trainer import _trl_compat
 from unpack_trainer._validation import check_lengths
 from unpack_trainer.collator import packed_metadata
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
 
 # Relative tolerance on logits, by the dtype the model computes in: packed and one-by-one runs sum in different orders.
 _RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -48,6 +50,16 @@ class ContaminationReport:
         """False when contamination was measured and would not exceed the tolerance on this model (NaN: not measured)."""
         return not self.contaminated_diff <= self.tolerance
 
+    def failure(self) -> str:
+        """What failed, in words, for a report that is not ``ok``: the packed forward's error or the measured
+        difference."""
+        if self.error is not None:
+            return f"the packed forward raised {self.error}"
+        return (
+            f"contamination measured: max |packed - one-by-one| = {self.max_abs_diff:.3g} > tolerance "
+            f"{self.tolerance:.3g} ({self.dtype})"
+        )
+
     def summary(self) -> str:
         if self.error is not None:
             return f"packed forward failed ({self.error}) [{self.seconds * 1000:.0f} ms]"
@@ -77,11 +89,17 @@ def check_uncontaminated(
     model: torch.nn.Module,
     *,
     lengths: tuple[int, ...] = _PROBE_LENGTHS,
+    branched: bool = False,
     seed: int = 0,
     rtol: float | None = None,
     measure_contamination: bool = True,
 ) -> ContaminationReport:
     """Run a few short random samples packed into one row and each alone; compare every token's outputs.
+
+    With ``branched=True`` the probe is a branched segment instead (a prompt whose two completions both continue it,
+    ``packed_seq_parents``, the batches of ``DPOTrainer``'s prefix sharing; see [`_branched_probe_batch`]): every
+    token of the prompt and of each completion must give what ``[prompt; completion]`` gives alone, so a branch
+    that sees its sibling, or misses its prompt, fails it.
 
     One forward of one packed batch of two rows does it (see [`_probe_batch`]): the samples in one order and in the
     reverse order, so each end sample is alone in one row and after all the others in the other; and one forward of
@@ -100,7 +118,9 @@ def check_uncontaminated(
 
     Args:
         model: a causal LM (plain, ``PeftModel`` or quantized) whose forward returns ``logits``.
-        lengths: probe sample lengths (a length-1 sample included by default).
+        lengths: probe sample lengths (a length-1 sample included by default); with ``branched=True``, the lengths of
+            the prompt and of its two completions (the first three).
+        branched: probe a branched segment (shared prompt) instead of plain packed samples.
         seed: seed of the random token ids.
         rtol: relative tolerance; ``None`` picks it by dtype (fp32 1e-4, fp16 1e-2, bf16 4e-2).
         measure_contamination: also run the row as one plain causal sequence, to report how large contamination
@@ -109,7 +129,7 @@ def check_uncontaminated(
     Returns:
         A [`ContaminationReport`]; ``report.ok`` says whether packing is safe on this model.
     """
-    lengths = check_lengths(lengths, "lengths", min_count=2)
+    lengths = check_lengths(lengths, "lengths", min_count=3 if branched else 2)
     start = time.perf_counter()
     device = _device(model)
     threads = torch.get_num_threads()
@@ -120,7 +140,8 @@ def check_uncontaminated(
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        input_ids, metadata = _probe_batch(lengths, _vocab_size(model), seed)
+        build = _branched_probe_batch if branched else _probe_batch
+        input_ids, metadata, packed_index, alone_index = build(lengths, _vocab_size(model), seed)
         input_ids = input_ids.to(device)
         metadata = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in metadata.items()}
         options = _output_options(model)
@@ -134,12 +155,12 @@ def check_uncontaminated(
                 False, float("inf"), 0.0, 0.0, None, time.perf_counter() - start, f"{type(error).__name__}: {error}"
             )
         states = _last_states(outputs).float()
-        packed = states[0]
-        alone = torch.cat(states[1].split(list(lengths[::-1]))[::-1])
+        states = states.reshape(-1, states.shape[-1])
+        packed, alone = states[packed_index.to(states.device)], states[alone_index.to(states.device)]
         contaminated_diff = float("nan")
-        if measure_contamination:
+        if measure_contamination:  # the first row (every compared packed token) as one plain causal sequence
             contaminated = _last_states(model(input_ids=input_ids[:1], **options))[0].float()
-            contaminated_diff = float((contaminated - alone).abs().max())
+            contaminated_diff = float((contaminated[packed_index.to(states.device)] - alone).abs().max())
         dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model)
         tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * float(alone.abs().max()) + 1e-5
         max_diff = float((packed - alone).abs().max())
@@ -229,22 +250,79 @@ class _Snapshot:
                 vars(module)[_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG] = flag
 
 
-def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> tuple[torch.Tensor, dict[str, object]]:
+_ProbeBatch = tuple[torch.Tensor, dict[str, object], torch.Tensor, torch.Tensor]
+
+
+def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _ProbeBatch:
     """One packed batch of two rows holding the same samples in opposite orders.
 
     The first sample of each row has nothing before it, so in any causal model its outputs there are what it gives
     alone; in the other row it comes last, after every other sample. Without contamination every sample's outputs
     are the same in both rows; with it, at least the two end samples differ.
 
-    Returns ``input_ids`` ``(2, total)`` int64 and the collator's metadata for it (``position_ids`` ``(2, total)``,
-    ``packed_seq_lengths`` row-major, ``cu_seq_lens_*``, ``max_length_*``).
+    Returns ``input_ids`` ``(2, total)`` int64, the collator's metadata for it (``position_ids`` ``(2, total)``,
+    ``packed_seq_lengths`` row-major, ``cu_seq_lens_*``, ``max_length_*``), and the tokens to compare (row-major
+    indices over ``2 * total``, ``(total,)`` int64 each): every token of the first row, and the same token in the
+    second row.
     """
     generator = torch.Generator().manual_seed(seed)
     samples = [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
     rows = torch.stack([torch.cat(samples), torch.cat(samples[::-1])])
     metadata = packed_metadata(list(lengths) + list(lengths[::-1]))
     metadata["position_ids"] = metadata["position_ids"].view(2, -1)
-    return rows, metadata
+    total = rows.shape[1]
+    second = torch.arange(total, 2 * total, dtype=torch.int64)
+    alone_index = torch.cat(second.split(list(lengths[::-1]))[::-1])
+    return rows, metadata, torch.arange(total, dtype=torch.int64), alone_index
+
+
+def _branched_probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _ProbeBatch:
+    """A packed batch of four rows: a branched segment and each of its branches alone.
+
+    With ``p, c, r`` of ``lengths[:3]`` (a prompt and its two completions), ``a`` of ``|r|`` tokens and ``b`` of
+    one, and fillers ``x`` (plain samples of random tokens that make the rows equally long)::
+
+        row 0   [a] [p c r] [b]        a, the segment p -> c, p -> r (packed_seq_parents [-1, -1, 1, 1, -1]), b
+        row 1   [p c] [x]              c continues p, alone at the start of its row
+        row 2   [p r] [x]              r continues p, alone at the start of its row
+        row 3   [b] [x]                b alone
+
+    The segment comes after another sample and before one, and each reference starts its row, where any causal
+    model gives what it gives alone. Compared: ``p`` and ``c`` of row 0 with row 1, ``r`` with row 2, ``b`` with
+    row 3. The metadata is what [`DPOTrainer`]'s packed view hands the decoder: ``position_ids`` ``(4, T)`` int64
+    (each branch continuing its prompt's), ``packed_seq_lengths`` ``(num_seqs,)`` int32 row-major and
+    ``packed_seq_parents`` ``(num_seqs,)`` int64.
+
+    Returns ``input_ids`` ``(4, T)`` int64, the metadata, and the tokens to compare (row-major indices over
+    ``4 * T``, ``(|p| + |c| + |r| + 1,)`` int64 each): the packed ones and their references.
+    """
+    p, c, r = lengths[:3]
+    generator = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, vocab_size, (n,), generator=generator)
+
+    prompt, chosen, rejected, before, after = tokens(p), tokens(c), tokens(r), tokens(r), tokens(1)
+    total = r + p + c + r + 1
+    rows = [([before, prompt, chosen, rejected, after], [-1, -1, 1, 1, -1])]
+    for start in (torch.cat([prompt, chosen]), torch.cat([prompt, rejected]), after):
+        rows.append(([start, tokens(total - len(start))], [-1, -1]))
+    input_ids = torch.stack([torch.cat(samples) for samples, _ in rows])
+    seq_lengths = torch.tensor([len(x) for samples, _ in rows for x in samples], dtype=torch.int32)
+    parents, offset = [], 0
+    for samples, row_parents in rows:
+        parents += [parent if parent < 0 else parent + offset for parent in row_parents]
+        offset += len(samples)
+    seq_parents = torch.tensor(parents, dtype=torch.int64)
+    info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=4, seq_len=total, seq_parents=seq_parents)
+    metadata = {"position_ids": info.position_ids(), "packed_seq_lengths": seq_lengths, SEQ_PARENTS_KEY: seq_parents}
+    segment = torch.arange(r, r + p + c + r + 1, dtype=torch.int64)
+    references = torch.cat([
+        torch.arange(total, total + p + c),  # p, c: row 1
+        torch.arange(2 * total + p, 2 * total + p + r),  # r: row 2
+        torch.tensor([3 * total]),  # b: row 3
+    ])  # fmt: skip
+    return input_ids, metadata, segment, references.to(torch.int64)
 
 
 def _output_options(model: torch.nn.Module) -> dict[str, object]:
@@ -262,9 +340,18 @@ def _output_options(model: torch.nn.Module) -> dict[str, object]:
 
 
 def _last_states(outputs: object) -> torch.Tensor:
-    """``(batch, tokens, hidden)`` final hidden states, or the full logits for a model that returns none."""
+    """``(batch, tokens, hidden)`` final hidden states, or the full logits for a model that returns none.
+
+    Hidden states with leading dimensions before ``(batch, tokens, hidden)`` (Gemma3n's AltUp streams,
+    ``(streams, batch, tokens, hidden)``) come back with every stream of a token side by side:
+    ``(batch, tokens, streams * hidden)``."""
     hidden_states = getattr(outputs, "hidden_states", None)
-    return hidden_states[-1] if hidden_states else outputs.logits
+    if not hidden_states:
+        return outputs.logits
+    state = hidden_states[-1]
+    if state.dim() > 3:
+        state = state.movedim(-3, 0).movedim(-2, 1).flatten(2)
+    return state
 
 
 def _logits_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -57,7 +57,7 @@ from unpack_trainer.models.discovery import (
 from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.positions import POSITIONS_ATTRIBUTE, own_position_embeddings, sample_positions
 from unpack_trainer.models.refusals import check_model
-from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE
+from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE, SEQ_PARENTS_KEY
 
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
@@ -282,6 +282,7 @@ _CARRIED_KEYS = (
     "max_length_q",
     "max_length_k",
     "position_ids",
+    SEQ_PARENTS_KEY,
 )
 _CARRIED_ATTRIBUTE = "_unpack_carried_kwargs"
 _OUTER_ATTRIBUTE = "_unpack_trainer_outer"  # on the outer model: {"decoders": [qualified names], "hook_ids": [...]}

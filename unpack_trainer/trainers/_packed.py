@@ -396,13 +396,7 @@ class PackedTrainerMixin:
                 log_once(logger, logging.WARNING, f"Self-check inconclusive on this model: {report.summary()}")
             log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
             return
-        if report.error is not None:
-            what = f"the packed forward raised {report.error}"
-        else:
-            what = (
-                f"contamination measured: max |packed - one-by-one| = {report.max_abs_diff:.3g} > tolerance "
-                f"{report.tolerance:.3g} ({report.dtype})"
-            )
+        what = report.failure()
         message = f"Contamination self-check failed ({what}); training padded instead"
         if env_flag(os.environ, "UNPACK_STRICT"):
             raise RuntimeError(message + " (UNPACK_STRICT=1)")

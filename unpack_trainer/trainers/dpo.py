@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import trl
@@ -24,8 +25,10 @@ from accelerate.utils import is_peft_model
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
+from unpack_trainer.decision import env_flag
 from unpack_trainer.dpo_config import DPOConfig
 from unpack_trainer.preference import DataCollatorForPackedPreference, install_packed_view
+from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.trainers._packed import PackedTrainerMixin
 
 __all__ = ["DPOTrainer"]
@@ -41,10 +44,18 @@ class DPOTrainer(PackedTrainerMixin, trl.DPOTrainer):
     once with its reason; ``padding_free=False`` trains exactly as TRL. ``UNPACK_DISABLE=1`` makes the class behave
     exactly as ``trl.DPOTrainer``. With ``prefix_sharing`` (default) each prompt runs once for both completions.
 
+    The self-check runs the plain probe of [`check_uncontaminated`] and, when prompts are shared, the branched one
+    (``branched=True``: a prompt and its two completions against each ``[prompt; completion]`` alone). If the plain
+    probe fails, training falls back to TRL's padded batches; if only the branched one fails, to the narrowest
+    fallback: pairs still packed, unshared (``[prompt, chosen]`` and ``[prompt, rejected]``); each logged once with
+    the measured difference (``UNPACK_STRICT=1`` raises instead).
+
     Attributes:
         unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
         unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
             started (``None`` before, and when nothing is packed).
+        unpack_selfcheck_branched (`ContaminationReport` or `None`): the branched probe's result, once training or
+            evaluation has started with prompts shared (``None`` before, and when no prompt is shared).
     """
 
     unpack_config_class = DPOConfig
@@ -68,6 +79,8 @@ class DPOTrainer(PackedTrainerMixin, trl.DPOTrainer):
         quantization_config: Any = None,
         peft_config: Any = None,
     ) -> None:
+        self.unpack_selfcheck_branched: ContaminationReport | None = None
+        self._unpack_sharing_failed = False
         args = self._unpack_before_init(
             model,
             args,
@@ -102,13 +115,38 @@ class DPOTrainer(PackedTrainerMixin, trl.DPOTrainer):
 
     def _packed_collator(self) -> DataCollatorForPackedPreference:
         padded = self._padded_collator()
+        sharing = self.args.prefix_sharing and not self._unpack_sharing_failed and self._stateful_mixer() is None
         return DataCollatorForPackedPreference(
             pad_token_id=padded.pad_token_id,
             max_length=padded.max_length,
             truncation_mode=padded.truncation_mode,
             pad_to_multiple_of=padded.pad_to_multiple_of,
-            prefix_sharing=self.args.prefix_sharing and self._stateful_mixer() is None,
+            prefix_sharing=sharing,
         )
+
+    def _unpack_check_before_first_batch(self) -> None:
+        """The core's self-check, then (with prompts shared) the branched probe; if that fails, the pairs are packed
+        unshared from the first batch on."""
+        first = not self._unpack_checked
+        super()._unpack_check_before_first_batch()
+        if not (first and self.unpack_decision.packed and getattr(self.data_collator, "prefix_sharing", False)):
+            return
+        report = check_uncontaminated(self.model, branched=True, measure_contamination=False)
+        self.unpack_selfcheck_branched = report
+        if report.ok:
+            log_once(logger, logging.INFO, f"Self-check of shared prompts passed: {report.summary()}")
+            return
+        message = (
+            f"Self-check of shared prompts failed ({report.failure()}): on this model a completion packed after its "
+            "shared prompt does not give what [prompt; completion] gives alone, so prefix sharing is off; each pair "
+            "is packed as [prompt, chosen] and [prompt, rejected] (the plain packed self-check passed). Set "
+            "prefix_sharing=False to silence this"
+        )
+        if env_flag(os.environ, "UNPACK_STRICT"):
+            raise RuntimeError(message + " (UNPACK_STRICT=1)")
+        log_once(logger, logging.ERROR, message + ".")
+        self._unpack_sharing_failed = True
+        self.data_collator = self._packed_collator()
 
     def _stateful_mixer(self) -> str | None:
         """The class name of a token mixer of the model that carries state along the sequence (a convolution or a
