@@ -159,6 +159,8 @@ BRANCHED_MODELS = {
     "llama/eager": ("llama", "eager", {}),
     "qwen3/window": ("qwen3", "sdpa", dict(use_sliding_window=True, max_window_layers=1, sliding_window=3)),
     "gemma2/softcap": ("gemma2", "eager", dict(attn_logit_softcapping=20.0, sliding_window=3)),
+    # numbers its own positions from padding_idx + 1: the branches' must continue the prompt's
+    "roberta/decoder": ("roberta", "sdpa", dict(is_decoder=True)),
 }
 
 

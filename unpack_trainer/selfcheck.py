@@ -141,15 +141,18 @@ def check_uncontaminated(
         torch.set_num_threads(1)
     try:
         build = _branched_probe_batch if branched else _probe_batch
-        input_ids, metadata, packed_index, alone_index = build(lengths, _vocab_size(model), seed)
+        input_ids, metadata, packed_index, alone_index, (first_row, first_tokens) = build(
+            lengths, _vocab_size(model), seed
+        )
         input_ids = input_ids.to(device)
         metadata = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in metadata.items()}
         options = _output_options(model)
         try:
             outputs = model(input_ids=input_ids, **options, **metadata)
-            # The first sample alone, as an unpacked batch: what a model that numbers positions itself (RoBERTa's
-            # embeddings start at padding_idx + 1) gives it outside a packed row.
-            first = _last_states(model(input_ids=input_ids[:1, : lengths[0]], **options))[0].float()
+            # The first compared sample alone, as an unpacked batch: what a model that numbers positions itself
+            # (RoBERTa's embeddings start at padding_idx + 1) gives it outside a packed row.
+            first_ids = input_ids[first_row : first_row + 1, :first_tokens]
+            first = _last_states(model(input_ids=first_ids, **options))[0].float()
         except Exception as error:  # noqa: BLE001 - any failure of the packed path means "not safe"
             return ContaminationReport(
                 False, float("inf"), 0.0, 0.0, None, time.perf_counter() - start, f"{type(error).__name__}: {error}"
@@ -164,8 +167,8 @@ def check_uncontaminated(
         dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model)
         tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * float(alone.abs().max()) + 1e-5
         max_diff = float((packed - alone).abs().max())
-        if first.shape == packed[: lengths[0]].shape:
-            max_diff = max(max_diff, float((packed[: lengths[0]] - first).abs().max()))
+        if first.shape == packed[:first_tokens].shape:
+            max_diff = max(max_diff, float((packed[:first_tokens] - first).abs().max()))
         ok = bool(max_diff <= tolerance)
         return ContaminationReport(ok, max_diff, tolerance, contaminated_diff, dtype, time.perf_counter() - start)
     finally:
@@ -250,7 +253,7 @@ class _Snapshot:
                 vars(module)[_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG] = flag
 
 
-_ProbeBatch = tuple[torch.Tensor, dict[str, object], torch.Tensor, torch.Tensor]
+_ProbeBatch = tuple[torch.Tensor, dict[str, object], torch.Tensor, torch.Tensor, tuple[int, int]]
 
 
 def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _ProbeBatch:
@@ -263,7 +266,8 @@ def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _Probe
     Returns ``input_ids`` ``(2, total)`` int64, the collator's metadata for it (``position_ids`` ``(2, total)``,
     ``packed_seq_lengths`` row-major, ``cu_seq_lens_*``, ``max_length_*``), and the tokens to compare (row-major
     indices over ``2 * total``, ``(total,)`` int64 each): every token of the first row, and the same token in the
-    second row.
+    second row; and ``(0, len(first sample))``, the row and length of the unpacked run of the first sample, which
+    gives the first compared tokens.
     """
     generator = torch.Generator().manual_seed(seed)
     samples = [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
@@ -273,7 +277,7 @@ def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _Probe
     total = rows.shape[1]
     second = torch.arange(total, 2 * total, dtype=torch.int64)
     alone_index = torch.cat(second.split(list(lengths[::-1]))[::-1])
-    return rows, metadata, torch.arange(total, dtype=torch.int64), alone_index
+    return rows, metadata, torch.arange(total, dtype=torch.int64), alone_index, (0, lengths[0])
 
 
 def _branched_probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _ProbeBatch:
@@ -294,7 +298,8 @@ def _branched_probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) 
     ``packed_seq_parents`` ``(num_seqs,)`` int64.
 
     Returns ``input_ids`` ``(4, T)`` int64, the metadata, and the tokens to compare (row-major indices over
-    ``4 * T``, ``(|p| + |c| + |r| + 1,)`` int64 each): the packed ones and their references.
+    ``4 * T``, ``(|p| + |c| + |r| + 1,)`` int64 each): the packed ones and their references; and ``(1, |p| + |c|)``,
+    the row and length of the unpacked run of ``[p; c]``, which gives the first compared tokens.
     """
     p, c, r = lengths[:3]
     generator = torch.Generator().manual_seed(seed)
@@ -322,7 +327,7 @@ def _branched_probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) 
         torch.arange(2 * total + p, 2 * total + p + r),  # r: row 2
         torch.tensor([3 * total]),  # b: row 3
     ])  # fmt: skip
-    return input_ids, metadata, segment, references.to(torch.int64)
+    return input_ids, metadata, segment, references.to(torch.int64), (1, p + c)
 
 
 def _output_options(model: torch.nn.Module) -> dict[str, object]:
