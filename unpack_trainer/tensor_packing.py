@@ -20,7 +20,18 @@ With ``eos_token_id=9`` each sample gets a separator appended before packing (``
 belongs to the sample it ends (same sample index, next position) and its label is ``9`` when the sample's last token
 is trained, so the model learns to end the sample from inside it; the next sample's first label is still ``-100``.
 
-How it runs, in whole arrays (no loop per token):
+How it runs, in whole arrays (no loop per token). The common case, Python lists (or tuples) of ints whose samples
+all fit a row whole (masks, if any, all ones), goes straight into the rows ([`_write_whole_lists`]):
+
+1. the lengths (``len`` of each list) and the mask check (``count(1)`` and ``sum`` per mask) decide the rows;
+2. the outputs are allocated once, and each sample's ids (then labels) are written at their place in the rows by one
+   ``struct.pack_into`` per sample, which converts and checks every value in one C loop (a ``sum`` per sample and
+   a look at the values equal to 0 or 1 complete the check: see [`_write_lists`]);
+3. separators and the first label of every sample are set by index, the sample index by a cumulative sum.
+
+No flat copy of the tokens is made and none is scattered: at 1M sequences that saves 2 GB per field, and fresh
+memory costs about 3 ns per int64 to fault in (measured on the 2-core CI box). Everything else (tensors, arrays, masks with padding, ``overflow="truncate"`` /
+``"split"`` with long samples) takes the general path:
 
 1. flatten: every sample's ids end to end in one ``(total_tokens,)`` int64 array (``np.fromiter`` over the chained
    lists, in chunks of 64k tokens; ``torch.cat`` for tensors; ``bytes`` for masks), every id checked on the way (see
