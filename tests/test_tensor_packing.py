@@ -274,6 +274,8 @@ def test_whole_list_samples_check_every_value(kind):
     ):
         with pytest.raises(ValueError, match=f"^Sample 1 holds a {message}"):
             pack_sequences([good, kind([3, bad])], 8, 0)
+        with pytest.raises(ValueError, match=f"^Sample 1 holds a {message}"):  # rows reordered, separators of 1
+            pack_sequences([good, kind([3, bad]), good], 5, 0, strategy="bfd", seed=0, eos_token_id=1)
         with pytest.raises(ValueError, match=f"^Labels of sample 1 holds a {message}"):
             concatenate_and_pack([good, kind([3, 4])], [good, kind([3, bad])], None, 8, 0)
 
