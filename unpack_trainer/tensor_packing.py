@@ -30,8 +30,8 @@ all fit a row whole (masks, if any, all ones), goes straight into the rows ([`_w
 3. separators and the first label of every sample are set by index, the sample index by a cumulative sum.
 
 No flat copy of the tokens is made and none is scattered: at 1M sequences that saves 2 GB per field, and fresh
-memory costs about 3 ns per int64 to fault in (measured on the 2-core CI box). Everything else (tensors, arrays, masks with padding, ``overflow="truncate"`` /
-``"split"`` with long samples) takes the general path:
+memory costs about 3 ns per int64 to fault in (measured on the 2-core CI box). Everything else (tensors, arrays,
+masks with padding, ``overflow="truncate"`` / ``"split"`` with long samples) takes the general path:
 
 1. flatten: every sample's ids end to end in one ``(total_tokens,)`` int64 array (``np.fromiter`` over the chained
    lists, in chunks of 64k tokens; ``torch.cat`` for tensors; ``bytes`` for masks), every id checked on the way (see
