@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         providers.append("fast_axolotl")
         print(f"fast-axolotl {fa.get_version()}\n")
     print(f"rows of {args.max_length}, {args.repeats} interleaved repeats, one thread\n")
-    rows, notes = [], []
+    headers = ["sequences", "input", "function", "provider", "seconds", "CPU seconds", "tokens/s", "peak MB"]
+    print(format_table([*headers, "unpack speed-up"], []), flush=True)  # rows follow as each case ends
+    notes = []
     peak_per_token: dict[tuple[str, str], float] = {}  # (kind, provider) -> MB per token at the last size run
     for n in args.sizes:
         tokens = int(_lengths(n, args.max_length).sum())
@@ -231,7 +233,14 @@ def main(argv: list[str] | None = None) -> None:
             estimates = ",".join(f"{p}={peak_per_token.get((kind, p), 0.0) * tokens:.0f}" for p in providers)
             command = [os.path.abspath(__file__), "--case", f"{n}:{kind}:{estimates}"]
             command += ["--max-length", str(args.max_length), "--repeats", str(args.repeats)]
-            data = run_in_subprocess(command, timeout=7200)
+            try:
+                data = run_in_subprocess(command, timeout=7200)
+            except RuntimeError as error:  # e.g. killed for memory by the kernel: say so, go on with the rest
+                last = str(error).strip().splitlines()[-1]
+                if last.startswith("benchmark case"):
+                    last = "its process ended without an error message: killed, for memory?"
+                notes.append(f"{n:,} {kind}: failed ({last[:200]})")
+                continue
             for provider, reason in data["skipped"].items():
                 notes.append(f"{n:,} {kind}: {provider} {reason}")
             for function in FUNCTIONS:
@@ -245,21 +254,19 @@ def main(argv: list[str] | None = None) -> None:
                     speedup = ""
                     if provider != "unpack" and ours is not None:
                         speedup = ratio_cell([o / f for o, f in zip(entry["cpu"], ours["cpu"])])
-                    rows.append(
-                        [
-                            f"{n:,}",
-                            kind,
-                            function,
-                            provider,
-                            _cell(entry["wall"]),
-                            _cell(entry["cpu"]),
-                            f"{data['tokens'] / float(np.median(entry['wall'])) / 1e6:.1f}M",
-                            f"{max(entry['peak_mb']):,.0f}",
-                            speedup,
-                        ]
-                    )
-    headers = ["sequences", "input", "function", "provider", "seconds", "CPU seconds", "tokens/s", "peak MB"]
-    print(format_table([*headers, "unpack speed-up"], rows))
+                    row = [
+                        f"{n:,}",
+                        kind,
+                        function,
+                        provider,
+                        _cell(entry["wall"]),
+                        _cell(entry["cpu"]),
+                        f"{data['tokens'] / float(np.median(entry['wall'])) / 1e6:.1f}M",
+                        f"{max(entry['peak_mb']):,.0f}",
+                        speedup,
+                    ]
+                    print(format_table(headers, [row]).splitlines()[-1], flush=True)
+    print()
     for note in notes:
         print(f"- {note}")
 
