@@ -32,8 +32,8 @@ speed-up of ``unpack`` over fast-axolotl per repeat (CPU time, paired within a r
 
 Memory guard: a size and input kind whose inputs would not fit in the available memory is skipped, and so is a
 provider whose peak per token at the previous size, scaled to this one, would not (a line says which, with the
-figures). On a 23 GB machine that leaves out ``lists`` at 1M sequences (about 21 GB of inputs) and fast-axolotl at
-1M (its Python-list outputs: about 80 bytes per token, 19 GB).
+figures). On the 24 GB CI box that leaves out ``lists`` at 1M sequences (its inputs: about 24 GB) and fast-axolotl
+at 1M (its Python-list outputs, about 85 bytes per token: 22 GB for ``pooled``, 39 GB for ``tensors``).
 """
 
 from __future__ import annotations
