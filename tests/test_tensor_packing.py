@@ -162,7 +162,10 @@ def test_eos_separator_hand_example():
     # sample 0 ends trained: its separator is trained to predict 9 from 3, inside the sample. Sample 1's labels are
     # all -100 (not trained): its separator is not trained either. Every sample's first label stays -100.
     assert rows.input_ids.tolist() == [[1, 2, 3, 9, 4, 5, 9, 0], [6, 9, 0, 0, 0, 0, 0, 0]]
-    assert rows.labels.tolist() == [[-100, 2, 3, 9, -100, -100, -100, -100], [-100, 9, -100, -100, -100, -100, -100, -100]]
+    assert rows.labels.tolist() == [
+        [-100, 2, 3, 9, -100, -100, -100, -100],
+        [-100, 9, -100, -100, -100, -100, -100, -100],
+    ]
     assert rows.sample_index.tolist() == [[1, 1, 1, 1, 2, 2, 2, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
     assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 0, 1, 2, 3, 4, 5]]
     packed, boundaries = pack_sequences([[1, 2, 3], [4, 5], [6]], 8, 0, return_boundaries=True, eos_token_id=9)
@@ -171,7 +174,9 @@ def test_eos_separator_hand_example():
 
 
 def test_eos_separator_counts_toward_max_length(caplog):
-    with pytest.raises(ValueError, match=r"Sample 1 \(with its `eos_token_id` separator\) has 5 tokens, more than max"):
+    with pytest.raises(
+        ValueError, match=r"Sample 1 \(with its `eos_token_id` separator\) has 5 tokens, more than max"
+    ):
         pack_sequences([[1], [1, 2, 3, 4]], 4, 0, eos_token_id=9)
     assert pack_sequences([[1], [1, 2, 3]], 4, 0, eos_token_id=9).tolist() == [[1, 9, 0, 0], [1, 2, 3, 9]]
     with caplog.at_level(logging.WARNING, logger="unpack_trainer.tensor_packing"):
@@ -251,3 +256,38 @@ def test_empty_input_and_the_old_import_path():
     assert packing.PackedRows is tensor_packing.PackedRows
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         packing.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_whole_list_samples_check_every_value(kind):
+    """Samples that all fit a row are written straight into it (``struct.pack_into``, which takes anything with
+    ``__index__``): a value that is not an ``int`` still goes to the per-sample checks, which convert or name it."""
+    good = kind([1, 0, 1])
+    assert pack_sequences([good, kind([np.int64(4), 5])], 8, 0, eos_token_id=9).tolist() == [[1, 0, 1, 9, 4, 5, 9, 0]]
+    rows = concatenate_and_pack([good, kind([6])], [good, kind([np.int32(7)])], None, 8, 0)
+    assert rows.labels.tolist() == [[-100, 0, 1, -100, -100, -100, -100, -100]]
+    for bad, message in (
+        (t(5), "nested sequence at position 1"),
+        (np.array(5), "nested sequence at position 1"),
+        (np.float64(5.0), "non-integer id np.float64"),
+        (True, "non-integer id True"),
+    ):
+        with pytest.raises(ValueError, match=f"^Sample 1 holds a {message}"):
+            pack_sequences([good, kind([3, bad])], 8, 0)
+        with pytest.raises(ValueError, match=f"^Sample 1 holds a {message}"):  # rows reordered, separators of 1
+            pack_sequences([good, kind([3, bad]), good], 5, 0, strategy="bfd", seed=0, eos_token_id=1)
+        with pytest.raises(ValueError, match=f"^Labels of sample 1 holds a {message}"):
+            concatenate_and_pack([good, kind([3, 4])], [good, kind([3, bad])], None, 8, 0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_mask_values_are_checked_like_ids(padded):
+    """All-ones masks are recognised with ``count(1)`` (``1.0`` and ``tensor(1)`` equal 1 too); masks with padding go
+    through ``bytes`` (which takes ``tensor(1)``): both refuse what the per-sample check refuses."""
+    ids, lead = ([[1, 2, 3]], [0]) if padded else ([[1, 2]], [])
+    for bad in (1.0, np.float64(1.0), t(1), np.array(1)):
+        with pytest.raises(ValueError, match="^Attention mask of sample 0 holds a"):
+            concatenate_and_pack(ids, None, [[*lead, 1, bad]], 8, 0)
+    rows = concatenate_and_pack([[1, 2], [3]], [[5, 6], [7]], [[True, 1], [np.int64(1)]], 8, 0)
+    assert rows.input_ids.tolist() == [[1, 2, 3, 0, 0, 0, 0, 0]]
+    assert rows.labels.tolist() == [[-100, 6, -100, -100, -100, -100, -100, -100]]

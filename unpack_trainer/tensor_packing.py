@@ -20,7 +20,18 @@ With ``eos_token_id=9`` each sample gets a separator appended before packing (``
 belongs to the sample it ends (same sample index, next position) and its label is ``9`` when the sample's last token
 is trained, so the model learns to end the sample from inside it; the next sample's first label is still ``-100``.
 
-How it runs, in whole arrays (no loop per token):
+How it runs, in whole arrays (no loop per token). The common case, Python lists (or tuples) of ints whose samples
+all fit a row whole (masks, if any, all ones), goes straight into the rows ([`_write_whole_lists`]):
+
+1. the lengths (``len`` of each list) and the mask check (``count(1)`` and ``sum`` per mask) decide the rows;
+2. the outputs are allocated once, and each sample's ids (then labels) are written at their place in the rows by one
+   ``struct.pack_into`` per sample, which converts and checks every value in one C loop (a ``sum`` per sample and
+   a look at the values equal to 0 or 1 complete the check: see [`_write_lists`]);
+3. separators and the first label of every sample are set by index, the sample index by a cumulative sum.
+
+No flat copy of the tokens is made and none is scattered: at 1M sequences that saves 2 GB per field, and fresh
+memory costs about 3 ns per int64 to fault in (measured on the 2-core CI box). Everything else (tensors, arrays,
+masks with padding, ``overflow="truncate"`` / ``"split"`` with long samples) takes the general path:
 
 1. flatten: every sample's ids end to end in one ``(total_tokens,)`` int64 array (``np.fromiter`` over the chained
    lists, in chunks of 64k tokens; ``torch.cat`` for tensors; ``bytes`` for masks), every id checked on the way (see
@@ -41,7 +52,9 @@ import numbers
 import warnings
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, methodcaller
+from struct import Struct
+from struct import error as StructError
 
 import numpy as np
 import torch
@@ -64,6 +77,9 @@ logger = logging.getLogger(__name__)
 #: Tensor dtypes whose values all fit in int64 (uint64 does not: such samples are checked value by value).
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 _dtype_of = attrgetter("dtype")
+_numel = methodcaller("numel")
+_count_ones = methodcaller("count", 1)
+_LIST_TYPES = frozenset({list, tuple})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -150,7 +166,9 @@ def _flatten_tensors(samples: Sequence[torch.Tensor], allow_bool: bool) -> tuple
         return None
     if flat.dim() != 1:
         return None
-    lengths = np.fromiter(map(len, samples), dtype=np.int64, count=len(samples))
+    # every sample is 1-D here (an empty one may be skipped by `cat`, but it is 1-D too): numel is its length, and
+    # a C method where `len` goes through Tensor.__len__ in Python (23 ms for 30,000 samples)
+    lengths = np.fromiter(map(_numel, samples), dtype=np.int64, count=len(samples))
     return flat.to(device="cpu", dtype=torch.int64).numpy(), lengths
 
 
@@ -376,13 +394,115 @@ class _Layout:
         _runs(np.zeros(self.segments.size, dtype=np.int64), self.segments, flat, ramp=True)
         return out.view(self.shape)
 
+    def _row_starts(self) -> np.ndarray:
+        """``(num_rows,)`` int64: where each row starts in the row-major token stream."""
+        return np.cumsum(self.fill) - self.fill
+
+    def piece_offsets(self) -> np.ndarray:
+        """``(num_pieces,)`` int64, in input order: where each piece starts in the rows flattened to
+        ``(num_rows * max_length,)``."""
+        rows = np.repeat(np.arange(self.shape[0]), self.row_counts)
+        offsets = np.empty_like(self.order)
+        offsets[self.order] = rows * self.shape[1] + self.starts - self._row_starts()[rows]
+        return offsets
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The piece (input order) and the offset in it of filled slots of the flattened rows.
+
+        Args:
+            positions: ``(k,)`` int64 indices into ``(num_rows * max_length,)``, all in filled slots.
+
+        Returns:
+            ``(piece, offset)``, both ``(k,)`` int64.
+        """
+        stream = self._row_starts()[positions // self.shape[1]] + positions % self.shape[1]
+        k = np.searchsorted(self.starts, stream, side="right") - 1
+        return self.order[k], stream - self.starts[k]
+
     def boundaries(self) -> list[list[tuple[int, int]]]:
         """Per row, the ``(start, end)`` column span of every piece, in row order."""
-        row_start = np.repeat(np.cumsum(self.fill) - self.fill, self.row_counts)
+        row_start = np.repeat(self._row_starts(), self.row_counts)
         columns = self.starts - row_start
         spans = list(zip(columns.tolist(), (columns + self.lengths).tolist()))
         cuts = np.cumsum(self.row_counts).tolist()
         return [spans[a:b] for a, b in zip([0, *cuts[:-1]], cuts)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lists of whole samples: straight into the rows
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _whole_list_lengths(
+    inputs: Sequence, others: Iterable[Sequence | None], max_length: int, extra: int
+) -> np.ndarray | None:
+    """``(num_samples,)`` int64 sample lengths when [`_write_lists`] can take the samples: every sample of ``inputs``
+    and of each of ``others`` (``None`` skipped) is a list or tuple, their lengths match, and every sample fits a row
+    whole (1 to ``max_length - extra`` tokens; ``extra``: 1 with a separator). ``None`` otherwise: the general path
+    then checks, and names what is off."""
+    if not len(inputs) or not set(map(type, inputs)) <= _LIST_TYPES:
+        return None
+    lengths = np.fromiter(map(len, inputs), dtype=np.int64, count=len(inputs))
+    if lengths.min() < 1 or lengths.max() > max_length - extra:
+        return None
+    for other in others:
+        if other is None:
+            continue
+        if not set(map(type, other)) <= _LIST_TYPES:
+            return None
+        if not np.array_equal(np.fromiter(map(len, other), dtype=np.int64, count=len(other)), lengths):
+            return None
+    return lengths
+
+
+def _whole_samples_layout(lengths: np.ndarray, max_length: int, strategy: Strategy, seed: int | None) -> _Layout:
+    """The rows of samples of ``lengths`` (separators included) that all fit a row: each sample is one piece."""
+    return _Layout(np.cumsum(lengths) - lengths, lengths, True, max_length, strategy, seed)
+
+
+def _all_ones(masks: Sequence[Sequence[int]], lengths: np.ndarray) -> bool:
+    """Whether every attention mask (a list or tuple of ``lengths[i]`` values) is all ``1`` or ``True``: nothing to
+    remove. ``count(1)`` finds the ones (a C loop that compares by identity first, and ``1`` is a cached object), and a
+    ``sum`` of type ``int`` proves they are all ``int`` or ``bool`` (``1.0`` or ``numpy.int64(1)`` also equal 1 but
+    make the sum a ``float`` or a numpy scalar)."""
+    ones = np.fromiter(map(_count_ones, masks), dtype=np.int64, count=len(masks))
+    return np.array_equal(ones, lengths) and set(map(type, map(sum, masks))) == {int}
+
+
+def _write_lists(
+    samples: Sequence[Sequence[int]], lengths: np.ndarray, layout: _Layout, offsets: np.ndarray, fill_value: int
+) -> torch.Tensor | None:
+    """``(num_rows, max_length)`` int64: sample ``i`` (a list or tuple of ``lengths[i]`` ids, from
+    [`_whole_list_lengths`]) written at ``offsets[i]`` of the flattened rows, ``fill_value`` everywhere else (the
+    caller writes a separator there, if any). ``None`` when a value is not an ``int`` or is outside int64 (the
+    general path then names it).
+
+    One ``struct.pack_into`` per sample converts and checks in one C loop, straight into the output: a value must
+    have ``__index__`` (no float, string, ``None`` or list) and fit in int64. A ``sum`` of type ``int`` then rules out
+    what else has ``__index__`` (numpy scalars, tensors: the general path converts or refuses them), and the few
+    values equal to 0 or 1 are looked up, since a ``bool`` is an ``int`` to both.
+    """
+    out = torch.full(layout.shape, fill_value, dtype=torch.int64)
+    flat = out.numpy().reshape(-1)
+    buffer = memoryview(flat)
+    sizes = lengths.tolist()
+    packers = {size: Struct(f"{size}q").pack_into for size in set(sizes)}
+    try:
+        for pack, offset, sample in zip(map(packers.__getitem__, sizes), (8 * offsets).tolist(), samples):
+            pack(buffer, offset, *sample)
+            if sum(sample).__class__ is not int:
+                return None
+    except (TypeError, StructError):
+        return None
+    maybe_bool = np.flatnonzero(flat.view(np.uint64) <= 1)
+    if maybe_bool.size:
+        maybe_bool = maybe_bool[layout.slots.reshape(-1)[maybe_bool]]
+        sample, position = layout.locate(maybe_bool)
+        written = position < lengths[sample]  # not a separator's slot
+        for i, j in zip(sample[written].tolist(), position[written].tolist()):
+            if samples[i][j].__class__ is bool:
+                return None
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -436,11 +556,20 @@ def pack_sequences(
     _check_pack_args(max_length, pad_token_id, eos_token_id)
     check_overflow(overflow)
     sequences = as_sequence(sequences, "sequences")
+    extra = eos_token_id is not None
+    lengths = _whole_list_lengths(sequences, (), max_length, extra)
+    if lengths is not None:  # lists of samples that fit: written straight into the rows
+        layout = _whole_samples_layout(lengths + extra, max_length, strategy, seed)
+        offsets = layout.piece_offsets()
+        input_ids = _write_lists(sequences, lengths, layout, offsets, pad_token_id)
+        if input_ids is not None:
+            if extra:
+                input_ids.numpy().reshape(-1)[offsets + lengths] = eos_token_id
+            return (input_ids, layout.boundaries()) if return_boundaries else input_ids
     flat = _flatten(sequences)
     if flat is None:
         flat = _concat_checked(_check_samples_one_by_one(sequences, None, None)[0])
     ids, lengths = flat
-    extra = eos_token_id is not None
     _first_bad_length(lengths, max_length, overflow, extra)
     if extra:
         streams = [ids]
@@ -564,6 +693,22 @@ def concatenate_and_pack(
         if other is not None and len(other) != num:
             raise ValueError(f"`{name}` has {len(other)} entries but there are {num} input sequences.")
 
+    extra = eos_token_id is not None
+    lengths = _whole_list_lengths(input_sequences, (label_sequences, attention_masks), max_length, extra)
+    if lengths is not None and (attention_masks is None or _all_ones(attention_masks, lengths)):
+        written = _write_whole_lists(
+            input_sequences,
+            label_sequences,
+            lengths,
+            max_length,
+            pad_token_id,
+            label_pad_id,
+            eos_token_id,
+            strategy,
+            seed,
+        )
+        if written is not None:
+            return _packed_rows(*written, return_position_ids)
     streams = _flatten_all(input_sequences, label_sequences, attention_masks)
     if streams is None:
         checked = _check_samples_one_by_one(input_sequences, label_sequences, attention_masks)
@@ -583,7 +728,6 @@ def concatenate_and_pack(
         ids_kept = np.compress(keep, ids, out=_empty(kept_total)[1])
         labels = ids_kept if labels is ids else np.compress(keep, labels, out=_empty(kept_total)[1])
         ids, lengths = ids_kept, new_lengths
-    extra = eos_token_id is not None
     _first_bad_length(lengths, max_length, overflow, extra)
     if extra:
         last_label = labels[np.cumsum(lengths) - 1]
@@ -598,14 +742,53 @@ def concatenate_and_pack(
         labels = _empty(ids.size)[1]
         labels[:] = ids
     labels[piece_starts] = label_pad_id  # every piece's first token: predicted from the previous sample
-    outputs: tuple[torch.Tensor, ...] = (
-        layout.write(ids, pad_token_id),
-        layout.write(labels, label_pad_id),
-        layout.index_in_row(),
+    return _packed_rows(
+        layout, layout.write(ids, pad_token_id), layout.write(labels, label_pad_id), return_position_ids
     )
+
+
+def _packed_rows(
+    layout: _Layout, input_ids: torch.Tensor, labels: torch.Tensor, return_position_ids: bool
+) -> PackedRows:
+    outputs: tuple[torch.Tensor, ...] = (input_ids, labels, layout.index_in_row())
     if return_position_ids:
         outputs += (layout.position_ids(),)
     return PackedRows(outputs)
+
+
+def _write_whole_lists(
+    inputs: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]] | None,
+    lengths: np.ndarray,
+    max_length: int,
+    pad_token_id: int,
+    label_pad_id: int,
+    eos_token_id: int | None,
+    strategy: Strategy,
+    seed: int | None,
+) -> tuple[_Layout, torch.Tensor, torch.Tensor] | None:
+    """[`concatenate_and_pack`]'s rows for samples that [`_whole_list_lengths`] accepted (their masks, if any, all
+    ones): ``(layout, input_ids, labels)``, or ``None`` when a value is off (the general path then names it)."""
+    extra = eos_token_id is not None
+    layout = _whole_samples_layout(lengths + extra, max_length, strategy, seed)
+    offsets = layout.piece_offsets()
+    input_ids = _write_lists(inputs, lengths, layout, offsets, pad_token_id)
+    if input_ids is None:
+        return None
+    if labels is None:
+        out = torch.full(layout.shape, label_pad_id, dtype=torch.int64)
+        np.copyto(out.numpy(), input_ids.numpy(), where=layout.slots)
+    else:
+        out = _write_lists(labels, lengths, layout, offsets, label_pad_id)
+        if out is None:
+            return None
+    flat_ids, flat_labels = input_ids.numpy().reshape(-1), out.numpy().reshape(-1)
+    if extra:  # the separator after each sample, its label as in `concatenate_and_pack`'s docstring
+        ends = offsets + lengths
+        flat_labels[ends] = np.where(flat_labels[ends - 1] != label_pad_id, eos_token_id, label_pad_id)
+        flat_ids[ends] = eos_token_id
+    flat_labels[offsets] = label_pad_id  # every sample's first token: predicted from the previous sample
+    return layout, input_ids, out
 
 
 def _flatten_all(
@@ -639,14 +822,17 @@ def _flatten_all(
 def _flatten_masks(masks: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
     """[`_flatten`] for attention masks: ``(values (total,) uint8 or int64, lengths (num_samples,) int64)``.
 
-    Lists (or tuples) go through ``bytes``, a C loop that takes ints and bools (anything with ``__index__``) in
-    ``[0, 255]`` and refuses floats, strings and ``None``: the check and the conversion in one pass, five times faster
-    than ``np.fromiter``. Values other than 0 and 1 are refused later by [`_mask_keep`].
+    Lists (or tuples) go through ``bytes``, a C loop that takes anything with ``__index__`` in ``[0, 255]`` and
+    refuses floats, strings and ``None``: the conversion in one pass, five times faster than ``np.fromiter``. A
+    ``sum`` of type ``int`` per mask then rules out the rest of what has ``__index__`` (numpy scalars, tensors:
+    the per-sample check converts or names them). Values other than 0 and 1 are refused later by [`_mask_keep`].
     """
-    if len(masks) and set(map(type, masks)) <= {list, tuple}:
+    if len(masks) and set(map(type, masks)) <= _LIST_TYPES:
         try:
             values = np.frombuffer(b"".join(map(bytes, masks)), dtype=np.uint8)
         except (TypeError, ValueError):
+            return None
+        if set(map(type, map(sum, masks))) != {int}:
             return None
         return values, np.fromiter(map(len, masks), dtype=np.int64, count=len(masks))
     return _flatten(masks, allow_bool=True)
