@@ -22,7 +22,9 @@ models and their image data sets, ``tiny-RemoteForCausalLM`` (remote code), the 
 sets, whose chat templates SmolLM2's cannot render) therefore fail the same way for stock TRL and for ours.
 
 ``--unpack-swap`` replaces ``trl.DPOTrainer`` / ``trl.DPOConfig`` by ``unpack_trainer.DPOTrainer`` / ``DPOConfig``
-before the test module imports them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class.
+before the test module imports them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class;
+the run ends with the path each of our trainers took (``padding_free`` / ``pack`` / ``padded`` / ``stock``) and its
+self-check, so a test that passed by falling back to the stock path shows.
 
 Commands (from the repository root; TRL's tests in ``$TRL_TESTS``, a copy of TRL's ``tests/`` folder; this file is
 not collected by our own suite)::
@@ -203,6 +205,41 @@ def pytest_configure(config):
 
         trl.DPOTrainer = unpack_trainer.DPOTrainer
         trl.DPOConfig = unpack_trainer.DPOConfig
+        _record_modes(unpack_trainer.DPOTrainer)
+
+
+_built: list[Any] = []  # the swapped trainers of the running test
+_paths: dict[str, list[str]] = {}  # "mode, self-check ..." -> the tests whose trainers took that path
+
+
+def _record_modes(trainer_class: type) -> None:
+    """Keep the swapped trainers of the running test, so the summary can say which path each test ran."""
+    init = trainer_class.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _built.append(self)
+
+    trainer_class.__init__ = __init__
+
+
+def pytest_runtest_teardown(item):
+    for trainer in _built:
+        check = trainer.unpack_selfcheck
+        outcome = "not run" if check is None else "passed" if check.ok else "failed"
+        _paths.setdefault(f"{trainer.unpack_decision.mode}, self-check {outcome}", []).append(item.name)
+    _built.clear()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not terminalreporter.config.getoption("--unpack-swap"):
+        return
+    terminalreporter.write_sep("=", "unpack_trainer.DPOTrainer instances by path taken")
+    for path, tests in sorted(_paths.items()):
+        names = sorted(set(tests))
+        shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} tests"
+        terminalreporter.write_line(f"{len(tests):4d}  {path}: {shown}")
 
 
 def pytest_report_header(config):
