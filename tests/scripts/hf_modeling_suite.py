@@ -16,21 +16,46 @@ Not collected by our own suite; run from transformers' test tree of the installe
         python -m pytest -q -p no:cacheprovider --noconftest --timeout=300 -k "HF_lfm2 and not HF_lfm2_" \\
         [-p patch_every_model] $REPO/tests/scripts/hf_modeling_suite.py
 
-``UNPACK_HF_TYPES="lfm2 mamba2"`` restricts the classes built.
+``$HF_TESTS`` is the folder holding transformers' ``tests/`` of the installed version: its common mixins are in the PyPI
+sdist (``pip download transformers==<installed version> --no-deps --no-binary :all:``, then untar it: ``$HF_TESTS`` is
+the ``transformers-<version>/`` folder). Its ``exporters/``, ``generation/`` and ``utils/`` helpers are not in the sdist:
+this module puts empty stand-ins for the three names ``test_modeling_common`` imports from them into ``sys.modules``
+(so the ``torch.export`` tests and transformers' ``GenerationTesterMixin`` tests are not run; the checks below stand
+in for the second). ``UNPACK_HF_TYPES="lfm2 mamba2"`` restricts the classes built.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import types
 import unittest
 
 import torch
 import transformers
-from tests.generation.test_utils import GenerationTesterMixin  # transformers' tests/ package ($HF_TESTS)
-from tests.test_modeling_common import ModelTesterMixin, ids_tensor
 from transformers.models.auto import modeling_auto
 
 from unpack_trainer.tiny import tiny_config
+
+
+def _stand_in(name: str, **attributes) -> None:
+    """An empty module ``name`` (and its package) in ``sys.modules``, unless transformers' tests tree has it."""
+    try:
+        __import__(name)
+    except ImportError:
+        package = name.rpartition(".")[0]
+        sys.modules.setdefault(package, types.ModuleType(package))
+        module = types.ModuleType(name)
+        module.__dict__.update(attributes)
+        sys.modules[name] = module
+
+
+_stand_in("tests.exporters.test_export", ExportTesterMixin=type("ExportTesterMixin", (), {}))
+_stand_in("tests.generation.test_utils", GenerationTesterMixin=type("GenerationTesterMixin", (), {}))
+_stand_in("tests.utils.test_configuration_utils", config_common_kwargs={})
+
+from tests.generation.test_utils import GenerationTesterMixin  # noqa: E402  transformers' tests/ ($HF_TESTS)
+from tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
 
 # The token-mixer types patched for issue 18 (hybrid, state-space, recurrent), the ALiBi and chunked-attention types,
 # and the others newly patched with them.

@@ -7,9 +7,10 @@ wrapped: the model just built is patched; a refusal (:class:`unpack_trainer.Patc
 module holding no decoder) leaves it stock, as the trainer would. Any other error of ``patch_model`` fails the test that
 built the model. At the end the terminal summary counts the models patched and refused, per class.
 
-Not collected by our own suite (the file name does not start with ``test_``). With transformers' test tree of the
-installed version in ``$HF_TESTS`` (its ``tests/`` package: the common mixins are in the PyPI sdist of transformers),
-the per-type driver ``tests/scripts/hf_modeling_suite.py`` of this folder runs stock and patched::
+Not collected by our own suite (the file name does not start with ``test_``). With ``$HF_TESTS`` the untarred PyPI
+sdist of the installed transformers (``pip download transformers==<version> --no-deps --no-binary :all:``; its
+``tests/`` holds the common mixins), the per-type driver ``tests/scripts/hf_modeling_suite.py`` of this folder runs
+stock and patched::
 
     cd $HF_TESTS && OMP_NUM_THREADS=1 PYTHONPATH=$HF_TESTS:$REPO:$REPO/tests/scripts \\
         python -m pytest -q -p no:cacheprovider --noconftest --timeout=300 -k lfm2 \\
