@@ -5,9 +5,10 @@ One ``unittest`` class per ``model_type`` of :data:`MODEL_TYPES`, named ``HF_<mo
 save / load, resizing, gradient checkpointing, attention implementations, training, ...) with a tester in the shape of
 transformers' ``CausalLMModelTester`` (batch 13, length 7, a lower-triangular ``attention_mask``) on
 :func:`unpack_trainer.tiny.tiny_config` of the type, and every model class the auto mappings have for it (base model,
-causal LM, sequence / token classification, question answering). Three generation checks stand in for transformers'
+causal LM, sequence / token classification, question answering). Five generation checks stand in for transformers'
 ``GenerationTesterMixin`` (not in transformers' sdist): greedy ``generate`` with the model's cache equals greedy
-decoding without a cache, on a left-padded batch too, and beam search runs.
+decoding without a cache (on a left-padded batch too), continuing from the returned cache equals generating at once,
+``inputs_embeds`` generates what ``input_ids`` does, and beam search runs.
 
 Not collected by our own suite; run from transformers' test tree of the installed version, stock and with
 ``-p patch_every_model`` (see ``tests/scripts/patch_every_model.py`` for the commands)::
@@ -144,6 +145,34 @@ class GenerationChecks(GenerationTesterMixin):
             )
             reference = self._greedy_without_cache(model, input_ids, attention_mask, 4)
         torch.testing.assert_close(cached, reference)
+
+    def test_generate_continue_from_past_key_values(self):
+        model, inputs = self._causal_lm()
+        input_ids = inputs["input_ids"][:2, :5]
+        greedy = {"do_sample": False, "return_dict_in_generate": True}
+        with torch.no_grad():
+            whole = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=4, **greedy)
+            first = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2, **greedy)
+            rest = model.generate(
+                first.sequences,
+                attention_mask=torch.ones_like(first.sequences),
+                past_key_values=first.past_key_values,
+                max_new_tokens=2,
+                **greedy,
+            )
+        torch.testing.assert_close(rest.sequences, whole.sequences)
+
+    def test_generate_from_inputs_embeds_equals_input_ids(self):
+        model, inputs = self._causal_lm()
+        input_ids = inputs["input_ids"][:2, :5]
+        attention_mask = torch.ones_like(input_ids)
+        with torch.no_grad():
+            from_ids = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3, do_sample=False)
+            embeds = model.get_input_embeddings()(input_ids)
+            from_embeds = model.generate(
+                inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=3, do_sample=False
+            )
+        torch.testing.assert_close(from_embeds, from_ids[:, input_ids.shape[1] :])
 
     def test_generate_beam_search_runs(self):
         model, inputs = self._causal_lm()
