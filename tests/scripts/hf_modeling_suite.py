@@ -13,9 +13,9 @@ decoding without a cache (on a left-padded batch too), continuing from the retur
 Not collected by our own suite; run from transformers' test tree of the installed version, stock and with
 ``-p patch_every_model`` (see ``tests/scripts/patch_every_model.py`` for the commands)::
 
-    cd $HF_TESTS && OMP_NUM_THREADS=1 PYTHONPATH=$HF_TESTS:$REPO:$REPO/tests/scripts \\
-        python -m pytest -q -p no:cacheprovider --noconftest --timeout=300 -k "HF_lfm2 and not HF_lfm2_" \\
-        [-p patch_every_model] $REPO/tests/scripts/hf_modeling_suite.py
+    cd $HF_TESTS && OMP_NUM_THREADS=1 PYTHONPATH=$HF_TESTS:$REPO:$REPO/tests/scripts UNPACK_HF_TYPES=lfm2 \\
+        python -m pytest -q -p no:cacheprovider --noconftest --timeout=240 -rA [-p patch_every_model] \\
+        $REPO/tests/scripts/hf_modeling_suite.py
 
 ``$HF_TESTS`` is the folder holding transformers' ``tests/`` of the installed version: its common mixins are in the PyPI
 sdist (``pip download transformers==<installed version> --no-deps --no-binary :all:``, then untar it: ``$HF_TESTS`` is

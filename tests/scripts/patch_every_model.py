@@ -12,8 +12,8 @@ sdist of the installed transformers (``pip download transformers==<version> --no
 ``tests/`` holds the common mixins), the per-type driver ``tests/scripts/hf_modeling_suite.py`` of this folder runs
 stock and patched::
 
-    cd $HF_TESTS && OMP_NUM_THREADS=1 PYTHONPATH=$HF_TESTS:$REPO:$REPO/tests/scripts \\
-        python -m pytest -q -p no:cacheprovider --noconftest --timeout=300 -k lfm2 \\
+    cd $HF_TESTS && OMP_NUM_THREADS=1 PYTHONPATH=$HF_TESTS:$REPO:$REPO/tests/scripts UNPACK_HF_TYPES=lfm2 \\
+        python -m pytest -q -p no:cacheprovider --noconftest --timeout=240 -rA \\
         $REPO/tests/scripts/hf_modeling_suite.py                      # stock
     ... the same with ``-p patch_every_model`` added                  # every model patched
 
