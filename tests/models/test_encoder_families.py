@@ -21,6 +21,7 @@ import logging
 
 import pytest
 import torch
+from packed_rows import assert_close, assert_packed_equals_alone, assert_same_loss_and_grads, random_samples, two_rows
 
 from unpack_trainer.models import PatchRefused, RefusalKind, patch_model, refusal_reason, unpatch_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
@@ -34,35 +35,13 @@ BERT_STYLE = ["bert", "bert-generation", "electra", "ernie", "roc_bert"]
 ROBERTA_STYLE = ["roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "roberta-prelayernorm", "xmod"]
 FAMILIES = BERT_STYLE + ROBERTA_STYLE
 AS_DECODER = dict(is_decoder=True, add_cross_attention=False)
-REL = 1e-5
 PAD = 0  # the tiny configs' pad_token_id, the RoBERTa embeddings' padding_idx
-# Two rows of 8 tokens: [5, 3] and [1, 7].
-ROWS = ((5, 3), (1, 7))
-
-
-def _close(actual, expected, what):
-    scale = expected.abs().max().clamp_min(1e-12)
-    error = float((actual - expected).abs().max())
-    assert error <= REL * float(scale) + 1e-8, f"{what}: max abs error {error:.3e} (max |expected| {float(scale):.3e})"
 
 
 def _samples(seed=3):
-    generator = torch.Generator().manual_seed(seed)
-    samples = [torch.randint(3, 128, (length,), generator=generator) for row in ROWS for length in row]
+    samples = random_samples(seed)
     samples[3][4] = PAD  # a padding token inside a sample: RoBERTa's embeddings skip it when numbering positions
     return samples
-
-
-def _two_rows(samples):
-    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
-
-    ids = torch.stack([torch.cat(samples[:2]), torch.cat(samples[2:])])
-    labels = ids.clone()
-    for row, lengths in enumerate(ROWS):
-        labels[row, 0] = labels[row, lengths[0]] = IGNORE_INDEX
-    metadata = packed_metadata([length for row in ROWS for length in row])
-    metadata["position_ids"] = metadata["position_ids"].view(2, 8)
-    return {"input_ids": ids, "labels": labels, **metadata}
 
 
 def _decoder(model_type, **kwargs):
@@ -79,18 +58,12 @@ def test_two_packed_rows_equal_each_sample_alone_and_padded(model_type, implemen
     padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), use_cache=False)
     patch_model(model)
     try:
-        batch = _two_rows(samples)
-        with torch.no_grad():
-            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-        for index, (piece, expected) in enumerate(zip(torch.cat(list(logits)).split([5, 3, 1, 7]), alone)):
-            _close(piece, expected, f"sample {index} logits")
+        batch = two_rows(samples)
+        assert_packed_equals_alone(model, batch, alone)
         loss, grads = loss_and_grads(model, batch, use_cache=False)
     finally:
         unpatch_model(model)
-    _close(loss, padded_loss, "loss")
-    assert grads.keys() == padded_grads.keys()
-    for name, grad in padded_grads.items():
-        _close(grads[name], grad, f"gradient of {name}")
+    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "xmod"])
@@ -104,13 +77,13 @@ def test_packed_positions_without_input_ids(model_type):
         alone = [model(inputs_embeds=embed(s.unsqueeze(0)), use_cache=False).logits[0] for s in samples]
         patch_model(model)
         try:
-            batch = _two_rows(samples)
+            batch = two_rows(samples)
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "input_ids")}
             logits = model(inputs_embeds=embed(batch["input_ids"]), **inputs).logits
         finally:
             unpatch_model(model)
     for index, (piece, expected) in enumerate(zip(torch.cat(list(logits)).split([5, 3, 1, 7]), alone)):
-        _close(piece, expected, f"sample {index} logits")
+        assert_close(piece, expected, f"sample {index} logits")
 
 
 def test_sample_positions_by_hand():
@@ -205,7 +178,7 @@ def test_attention_weights_of_a_packed_row_are_refused(model_type):
     """Their decoders build the mask without ``position_ids``, so transformers' dense path (where
     ``output_attentions=True`` goes) would attend across the samples of a packed row: a clear error instead."""
     model = patch_model(_decoder(model_type, attn_implementation="eager").eval())
-    batch = _two_rows(_samples())
+    batch = two_rows(_samples())
     batch.pop("labels")
     with torch.no_grad(), pytest.raises(ValueError, match="builds the mask without position_ids"):
         model(**batch, output_attentions=True)

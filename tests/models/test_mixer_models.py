@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packed_rows import assert_packed_equals_alone, assert_same_loss_and_grads, random_samples, two_rows
 
 from unpack_trainer.models import mixers, patch_model, unpatch_model
 from unpack_trainer.models.coverage import VERIFIED_MODEL_TYPES
@@ -39,32 +40,6 @@ FAMILIES = [
     "kimi_linear",
 ]
 ATTENTION_FREE = {"mamba", "mamba2", "rwkv"}
-REL = 1e-5
-# Two rows of 8 tokens: [5, 3] and [1, 7].
-ROWS = ((5, 3), (1, 7))
-
-
-def _close(actual, expected, what):
-    scale = expected.abs().max().clamp_min(1e-12)
-    error = float((actual - expected).abs().max())
-    assert error <= REL * float(scale) + 1e-8, f"{what}: max abs error {error:.3e} (max |expected| {float(scale):.3e})"
-
-
-def _samples(seed=3):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (length,), generator=generator) for row in ROWS for length in row]
-
-
-def _two_rows(samples):
-    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
-
-    ids = torch.stack([torch.cat(samples[:2]), torch.cat(samples[2:])])
-    labels = ids.clone()
-    for row, lengths in enumerate(ROWS):
-        labels[row, 0] = labels[row, lengths[0]] = IGNORE_INDEX
-    metadata = packed_metadata([length for row in ROWS for length in row])
-    metadata["position_ids"] = metadata["position_ids"].view(2, 8)
-    return {"input_ids": ids, "labels": labels, **metadata}
 
 
 def test_families_are_verified_types():
@@ -77,24 +52,18 @@ def test_two_packed_rows_equal_each_sample_alone_and_padded(model_type, implemen
     if implementation == "sdpa" and model_type in ATTENTION_FREE:
         pytest.skip("attention-free: no SDPA")
     model = tiny_model(model_type, attn_implementation=implementation).eval()
-    samples = _samples()
+    samples = random_samples()
     with torch.no_grad():
         alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
     padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
     patch_model(model)
     try:
-        batch = _two_rows(samples)
-        with torch.no_grad():
-            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-        for index, (piece, expected) in enumerate(zip(torch.cat(list(logits)).split([5, 3, 1, 7]), alone)):
-            _close(piece, expected, f"sample {index} logits")
+        batch = two_rows(samples)
+        assert_packed_equals_alone(model, batch, alone)
         loss, grads = loss_and_grads(model, batch, skip_unused=True, use_cache=False)
     finally:
         unpatch_model(model)
-    _close(loss, padded_loss, "loss")
-    assert grads.keys() == padded_grads.keys()
-    for name, grad in padded_grads.items():
-        _close(grads[name], grad, f"gradient of {name}")
+    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
 
 
 class _LeakyHandler:
@@ -158,7 +127,7 @@ def test_packed_row_on_cuda_in_bf16_with_the_installed_kernels(model_type):
     from the `gpu` extra; once on the packed row with their varlen arguments where the model hands them on, see
     tests/patches/test_mixer_kernels.py): packed == each sample alone, within a small multiple of the bf16 error the
     same model makes against its fp32 self."""
-    samples = [s.cuda() for s in _samples()]
+    samples = [s.cuda() for s in random_samples()]
     model = tiny_model(model_type).eval().cuda()
     with torch.no_grad():
         reference = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
@@ -166,7 +135,7 @@ def test_packed_row_on_cuda_in_bf16_with_the_installed_kernels(model_type):
         alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
         patch_model(model)
         try:
-            batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _two_rows(samples).items()}
+            batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in two_rows(samples).items()}
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         finally:
             unpatch_model(model)

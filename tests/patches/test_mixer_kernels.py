@@ -23,6 +23,7 @@ import types
 
 import pytest
 import torch
+from packed_rows import assert_packed_equals_alone, assert_same_loss_and_grads, random_samples, two_rows
 
 from unpack_trainer._logging import reset_log_once
 from unpack_trainer.models import patch_model, unpatch_model
@@ -33,9 +34,6 @@ from unpack_trainer.patches.mixer_kernels import DECODE_STEP_NAMES, kernel_entry
 from unpack_trainer.selfcheck import check_uncontaminated
 from unpack_trainer.tiny import loss_and_grads, padded_batch, tiny_model
 
-REL = 1e-5
-# Two rows of 8 tokens: [5, 3] and [1, 7].
-ROWS = ((5, 3), (1, 7))
 # The keywords each family's forward needs for its kernels to keep samples apart (what its code hands on).
 EXPECTED_KEYWORDS = {
     "qwen3_5_text": (("seq_idx", "seq_idx"), ("cu_seq_lens_q", "cu_seqlens")),
@@ -46,29 +44,6 @@ EXPECTED_KEYWORDS = {
 FAMILIES = list(EXPECTED_KEYWORDS)
 # The import name of each kernel's package, as transformers' modeling code names it.
 PACKAGES = {"flash-linear-attention": "fla", "mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d"}
-
-
-def _close(actual, expected, what):
-    scale = expected.abs().max().clamp_min(1e-12)
-    error = float((actual - expected).abs().max())
-    assert error <= REL * float(scale) + 1e-8, f"{what}: max abs error {error:.3e} (max |expected| {float(scale):.3e})"
-
-
-def _samples(seed=3):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (length,), generator=generator) for row in ROWS for length in row]
-
-
-def _two_rows(samples):
-    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
-
-    ids = torch.stack([torch.cat(samples[:2]), torch.cat(samples[2:])])
-    labels = ids.clone()
-    for row, lengths in enumerate(ROWS):
-        labels[row, 0] = labels[row, lengths[0]] = IGNORE_INDEX
-    metadata = packed_metadata([length for row in ROWS for length in row])
-    metadata["position_ids"] = metadata["position_ids"].view(2, 8)
-    return {"input_ids": ids, "labels": labels, **metadata}
 
 
 # -- CPU stand-ins for the installed kernels ---------------------------------------------------------------------------
@@ -234,7 +209,7 @@ def test_the_path_taken_and_its_reason_are_logged(on_cpu, monkeypatch, caplog):
     if on_cpu:
         monkeypatch.setattr(mixer_kernels, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
     reset_log_once()
-    batch = _two_rows(_samples())
+    batch = two_rows(random_samples())
     patch_model(model)
     try:
         with caplog.at_level(logging.INFO, logger=mixer_patches.__name__), torch.no_grad():
@@ -260,7 +235,7 @@ def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monk
     calls = install_stand_in_kernels(monkeypatch, model)
     padded_path = []
     monkeypatch.setattr(mixer_patches, "run_padded", lambda *a, **k: padded_path.append(a) or pytest.fail("padded"))
-    samples = _samples()
+    samples = random_samples()
     with torch.no_grad():
         alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
     padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
@@ -268,11 +243,8 @@ def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monk
         kernel_calls.clear()
     patch_model(model)
     try:
-        batch = _two_rows(samples)
-        with torch.no_grad():
-            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-        for index, (piece, expected) in enumerate(zip(torch.cat(list(logits)).split([5, 3, 1, 7]), alone)):
-            _close(piece, expected, f"sample {index} logits")
+        batch = two_rows(samples)
+        assert_packed_equals_alone(model, batch, alone)
         model.train()
         loss, grads = loss_and_grads(model, batch, skip_unused=True, use_cache=False)
     finally:
@@ -280,10 +252,7 @@ def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monk
     assert not padded_path
     reached = {name: c for name, c in calls.items() if c}
     assert reached and all(marker is not None for c in reached.values() for marker in c), calls
-    _close(loss, padded_loss, "loss")
-    assert grads.keys() == padded_grads.keys()
-    for name, grad in padded_grads.items():
-        _close(grads[name], grad, f"gradient of {name}")
+    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -291,22 +260,20 @@ def test_varlen_path_under_gradient_checkpointing(reentrant, monkeypatch, cpu_ke
     """A checkpointed layer recomputes its mixer in the backward with the metadata of its forward."""
     model = tiny_model("qwen3_5_text")
     calls = install_stand_in_kernels(monkeypatch, model)
-    samples = _samples()
+    samples = random_samples()
     padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
     calls["chunk_gated_delta_rule"].clear()
     patch_model(model)
     try:
-        loss, grads = loss_and_grads(model, _two_rows(samples), skip_unused=True, use_cache=False)
+        loss, grads = loss_and_grads(model, two_rows(samples), skip_unused=True, use_cache=False)
     finally:
         unpatch_model(model)
     layers = sum(t == "linear_attention" for t in model.config.layer_types)
     recorded = calls["chunk_gated_delta_rule"]
     assert len(recorded) == 2 * layers and all(c is not None for c in recorded)  # forward + recomputation
-    _close(loss, padded_loss, "loss")
-    for name, grad in padded_grads.items():
-        _close(grads[name], grad, f"gradient of {name}")
+    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -314,12 +281,12 @@ def test_a_kernel_that_ignores_the_varlen_argument_is_caught(model_type, monkeyp
     """The metadata is what keeps samples apart: the same stand-ins ignoring it contaminate the packed row."""
     model = tiny_model(model_type).eval()
     install_stand_in_kernels(monkeypatch, model, honour=False)
-    samples = _samples()
+    samples = random_samples()
     with torch.no_grad():
         alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
     patch_model(model)
     try:
-        batch = _two_rows(samples)
+        batch = two_rows(samples)
         with torch.no_grad():
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         report = check_uncontaminated(model)
@@ -360,14 +327,14 @@ def test_varlen_path_on_cuda_with_the_installed_kernels(model_type, monkeypatch)
     padded_path = []
     original = mixer_patches.run_padded
     monkeypatch.setattr(mixer_patches, "run_padded", lambda *a, **k: padded_path.append(1) or original(*a, **k))
-    samples = [s.cuda() for s in _samples()]
+    samples = [s.cuda() for s in random_samples()]
     with torch.no_grad():
         reference = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
         model.to(torch.bfloat16)
         alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0].float() for s in samples]
     patch_model(model)
     try:
-        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _two_rows(samples).items()}
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in two_rows(samples).items()}
         with torch.no_grad():
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         model.train()
