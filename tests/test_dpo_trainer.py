@@ -6,6 +6,7 @@ adapter disabled) and precomputed reference log-probs; prompts shared and not.""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -209,6 +210,14 @@ def test_the_lm_head_scores_only_the_completion_tokens(reference, tmp_path):
             handle.remove()
     hidden = trainer.model.config.hidden_size
     assert [tuple(shape) for shape in shapes] == [(1, scored + 1, hidden)] * 2  # the policy, then the reference
+    for model in (trainer.model, trainer.ref_model):  # the class's signature stays (`generate` checks kwargs on it)
+        if model is not None:
+            model = trainer.accelerator.unwrap_model(model)
+            lm = model.get_base_model() if is_peft_model(model) else model
+            assert (
+                list(inspect.signature(lm.forward).parameters)
+                == list(inspect.signature(type(lm).forward).parameters)[1:]
+            )
 
 
 # -- decisions, switches, fallbacks and a real run ------------------------------------------------------------------

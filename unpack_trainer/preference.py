@@ -30,6 +30,7 @@ values of its padded batch.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,9 +317,8 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
     """Let TRL's fused LM head score only the labelled positions of a packed preference batch; idempotent.
 
     ``model`` is the causal LM whose ``forward`` TRL's ``add_fused_lm_head`` replaced (under PEFT, the base model).
-    Off CUDA, TRL's fused head scores every position of the padded view ``(2 * num_pairs, L)``, padding and
-    unlabelled columns included (on CPU about 2.7x the completion tokens of the benchmark's batches), then zeroes
-    them. A call with ``fused_lm_head=True``, ``labels`` and ``packed_view_index`` instead runs TRL's forward on one
+    Without Triton (on CPU, for one), TRL's fused head scores every position of the padded view
+    ``(2 * num_pairs, L)``, padding and unlabelled columns included, then zeroes them. A call with ``fused_lm_head=True``, ``labels`` and ``packed_view_index`` instead runs TRL's forward on one
     compact row ``(1, K + 1)``: the ``K`` positions whose next-token label is not ``-100``, in the view's row-major
     order, then one unscored position (TRL shifts labels by one: the row's labels are ``[-100, l_1, .., l_K]``). The
     decoder hook ([`install_packed_view`]) reads each one's hidden state from its packed token as before, and every
@@ -332,7 +332,8 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
         return
     fused_forward = model.forward
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(type(model).forward)  # the class's signature, as TRL keeps it (`generate` checks kwargs on it)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         labels = kwargs.get("labels")
         index = kwargs.get("packed_view_index")
         if (
@@ -365,6 +366,5 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
             output.label_mask = mask.to(output.label_mask.device)
         return output
 
-    functools.update_wrapper(forward, fused_forward)
-    model.forward = forward
+    model.forward = types.MethodType(forward, model)
     model._unpack_compact_lm_head = True
