@@ -6,6 +6,7 @@ adapter disabled) and precomputed reference log-probs; prompts shared and not.""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -179,6 +180,44 @@ def test_truncation_equals_stock(tmp_path):
 
 def test_conversational_pairs_equal_stock(tmp_path):
     compare(tmp_path, dataset=_pairs(conversational=True))
+
+
+@pytest.mark.parametrize("reference", ["model", "peft"])
+def test_the_lm_head_scores_only_the_completion_tokens(reference, tmp_path):
+    """The fused LM head of the policy and of the reference runs on one compact row of the positions whose next
+    token is a completion token (plus the one TRL's shift drops), not on the padded view; the step still equals
+    stock (``compare``), so the scattered-back log-probs, metrics and gradients are the view's."""
+    from accelerate.utils import is_peft_model
+
+    trainer = compare(tmp_path, reference=reference)["trainer"]
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(NUM_PAIRS)]))
+    scored = int(batch["completion_mask"][:, 1:].sum())
+    assert scored < batch["completion_mask"][:, 1:].numel()  # the view has padding the head no longer scores
+    shapes = []
+    handles = []
+    for model in (trainer.model, trainer.ref_model):  # no ref_model with LoRA: the policy, its adapter disabled
+        if model is not None:
+            model = trainer.accelerator.unwrap_model(model)
+            decoder = (model.get_base_model() if is_peft_model(model) else model).base_model
+            hook = decoder.register_forward_hook(
+                lambda module, args, output: shapes.append(output.last_hidden_state.shape)
+            )
+            handles.append(hook)
+    try:
+        trainer.compute_loss(trainer.model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    hidden = trainer.model.config.hidden_size
+    assert [tuple(shape) for shape in shapes] == [(1, scored + 1, hidden)] * 2  # the policy, then the reference
+    for model in (trainer.model, trainer.ref_model):  # the class's signature stays (`generate` checks kwargs on it)
+        if model is not None:
+            model = trainer.accelerator.unwrap_model(model)
+            lm = model.get_base_model() if is_peft_model(model) else model
+            assert (
+                list(inspect.signature(lm.forward).parameters)
+                == list(inspect.signature(type(lm).forward).parameters)[1:]
+            )
 
 
 # -- decisions, switches, fallbacks and a real run ------------------------------------------------------------------

@@ -27,7 +27,7 @@ from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
 from unpack_trainer.decision import env_flag
 from unpack_trainer.dpo_config import DPOConfig
-from unpack_trainer.preference import DataCollatorForPackedPreference, install_packed_view
+from unpack_trainer.preference import DataCollatorForPackedPreference, install_compact_lm_head, install_packed_view
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.trainers._packed import PackedTrainerMixin
 
@@ -191,7 +191,8 @@ class DPOTrainer(PackedTrainerMixin, trl.DPOTrainer):
 
     def _enable_packed_path(self) -> None:
         """The core's (packed collator, patched policy), and the reference model patched too, and both decoders
-        hooked to run packed preference batches. Branched segments need the patch, so an unverified model type is
+        hooked to run packed preference batches, their fused LM heads scoring only the labelled positions
+        ([`install_compact_lm_head`]). Branched segments need the patch, so an unverified model type is
         patched as well (the self-check guards it)."""
         from unpack_trainer.models import patch_model
 
@@ -206,3 +207,4 @@ class DPOTrainer(PackedTrainerMixin, trl.DPOTrainer):
             patch_model(model)
             pretrained = model.get_base_model() if is_peft_model(model) else model
             install_packed_view(pretrained.base_model)
+            install_compact_lm_head(pretrained)
