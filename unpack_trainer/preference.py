@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers.data.data_collator import DataCollatorMixin
 
+from unpack_trainer.collator import IGNORE_INDEX
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
 
@@ -317,16 +318,17 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
     """Let TRL's fused LM head score only the labelled positions of a packed preference batch; idempotent.
 
     ``model`` is the causal LM whose ``forward`` TRL's ``add_fused_lm_head`` replaced (under PEFT, the base model).
-    Without Triton (on CPU, for one), TRL's fused head scores every position of the padded view
-    ``(2 * num_pairs, L)``, padding and unlabelled columns included, then zeroes them. A call with ``fused_lm_head=True``, ``labels`` and ``packed_view_index`` instead runs TRL's forward on one
-    compact row ``(1, K + 1)``: the ``K`` positions whose next-token label is not ``-100``, in the view's row-major
-    order, then one unscored position (TRL shifts labels by one: the row's labels are ``[-100, l_1, .., l_K]``). The
-    decoder hook ([`install_packed_view`]) reads each one's hidden state from its packed token as before, and every
-    per-token field of TRL's output is scattered back into the view's ``(2 * num_pairs, L - 1)`` with zeros where the
-    label is ``-100``, as TRL returns it. So each scored value is computed from the same hidden state and label as in
-    the view (the LM head projects each position on its own), the loss TRL's trainer computes from them and the
-    gradients are those of the view (fp32 rel 1e-5: the sums run in another order); the MoE auxiliary loss still sees
-    the view's ``attention_mask`` and the router logits in its layout. Any other call goes to TRL's forward unchanged.
+    Without Triton (on CPU, for one), TRL's fused head scores every position of the padded view ``(2 * num_pairs, L)``,
+    padding and unlabelled columns included, then zeroes them. A call with ``fused_lm_head=True``, ``labels`` and
+    ``packed_view_index`` instead runs TRL's forward on one compact row ``(1, K + 1)``: the ``K`` positions whose
+    next-token label is not ``-100``, in the view's row-major order, then one unscored position (TRL shifts labels by
+    one: the row's labels are ``[-100, l_1, .., l_K]``). The decoder hook ([`install_packed_view`]) reads each one's
+    hidden state from its packed token as before, and every per-token field of TRL's output is scattered back into the
+    view's ``(2 * num_pairs, L - 1)`` with zeros where the label is ``-100``, as TRL returns it. So each scored value
+    is computed from the same hidden state and label as in the view (the LM head projects each position on its own),
+    the loss TRL's trainer computes from them and the gradients are those of the view (fp32 rel 1e-5: the sums run in
+    another order); the MoE auxiliary loss still sees the view's ``attention_mask`` and the router logits in its
+    layout. Any other call goes to TRL's forward unchanged.
     """
     if getattr(model, "_unpack_compact_lm_head", False):
         return
@@ -347,12 +349,12 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
             raise ValueError(
                 f"`labels` has shape {tuple(labels.shape)} but `packed_view_index` is {tuple(index.shape)}."
             )
-        mask = labels[:, 1:] != -100
+        mask = labels[:, 1:] != IGNORE_INDEX
         num_scored = int(mask.sum())
         if num_scored == 0:  # nothing to score: TRL's own path keeps the output connected to the model
             return fused_forward(*args, **kwargs)
         compact_index = torch.cat([index[:, :-1][mask], index.new_zeros(1)]).unsqueeze(0)
-        compact_labels = torch.cat([labels.new_full((1,), -100), labels[:, 1:][mask]]).unsqueeze(0)
+        compact_labels = torch.cat([labels.new_full((1,), IGNORE_INDEX), labels[:, 1:][mask]]).unsqueeze(0)
         kwargs["labels"] = compact_labels
         kwargs["packed_view_index"] = compact_index
         if kwargs.get("input_ids") is not None:  # the decoder hook checks the view's shape against the index's
