@@ -488,10 +488,9 @@ def test_llama4_temperature_tuning_counts_positions_within_each_sample(backend, 
     assert_loss_and_grads_match(model, samples)
 
 
-@MATRIX
-def test_chunked_attention_generates_as_stock(backend, llama4):
-    samples = make_samples([9, 4, 13], seed=4)
-    model = llama4(backend)
+def _patch_and_assert_generation_unchanged(model, samples):
+    """Greedy ``generate()`` of ``samples`` left-padded, 6 new tokens: sequences and every step's scores bit-identical
+    before and after ``patch_model`` (which leaves ``model`` patched)."""
     left = padded_batch(samples, left=True)
     generate = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
     inputs = {"input_ids": left["input_ids"], "attention_mask": left["attention_mask"]}
@@ -502,6 +501,11 @@ def test_chunked_attention_generates_as_stock(backend, llama4):
     assert torch.equal(generated.sequences, expected.sequences)
     for got, want in zip(generated.scores, expected.scores):
         assert torch.equal(got, want)
+
+
+@MATRIX
+def test_chunked_attention_generates_as_stock(backend, llama4):
+    _patch_and_assert_generation_unchanged(llama4(backend), make_samples([9, 4, 13], seed=4))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -564,17 +568,7 @@ def test_alibi_builds_no_dense_mask(model_type, monkeypatch, alibi_model):
 def test_alibi_generates_as_stock_and_refuses_weights_of_a_packed_batch(model_type, alibi_model):
     samples = make_samples([9, 4, 13], seed=4)
     model = alibi_model(model_type)
-    left = padded_batch(samples, left=True)
-    generate = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    inputs = {"input_ids": left["input_ids"], "attention_mask": left["attention_mask"]}
-    with torch.no_grad():
-        expected = model.generate(**inputs, **generate, pad_token_id=0)
-        patch_model(model)
-        generated = model.generate(**inputs, **generate, pad_token_id=0)
-        assert torch.equal(generated.sequences, expected.sequences)
-        for got, want in zip(generated.scores, expected.scores):
-            assert torch.equal(got, want)
-        with pytest.raises(
-            ValueError, match=f"output_attentions=True with a packed batch is not supported for {model_type}"
-        ):
-            model(**packed_batch(samples), output_attentions=True)
+    _patch_and_assert_generation_unchanged(model, samples)
+    match = f"output_attentions=True with a packed batch is not supported for {model_type}"
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        model(**packed_batch(samples), output_attentions=True)
