@@ -191,7 +191,9 @@ def _sibling_leak(self):
 
 def _parents_ignored(backend, query, key, value, info, options):
     """A broken branched attention: every sample attends only to itself, so a branch never sees its prompt."""
-    return backend(query, key, value, info, options)
+    from unpack_trainer.patches import attention
+
+    return attention._BACKEND_FUNCTIONS[backend](query, key, value, info, options)
 
 
 @pytest.fixture
@@ -204,6 +206,8 @@ def leak_branches(monkeypatch):
 
     def leak(kind: str) -> None:
         if kind == "sibling":
+            # Every backend takes the [prefix; branch] units (no query-once spans), and the units leak.
+            monkeypatch.setattr(PackedSeqInfo, "_build_branch_spans", lambda self: None)
             monkeypatch.setattr(PackedSeqInfo, "_build_branch_units", _sibling_leak)
         else:
             monkeypatch.setattr(attention, "_branched", _parents_ignored)

@@ -102,14 +102,28 @@ def one_step(
     return {"loss": loss.detach(), "grads": grads, "metrics": metrics, "logps": logps, "trainer": trainer}
 
 
-def _close(actual, expected, what: str, scale: float | None = None) -> None:
+def _error(actual, expected, scale: float | None = None) -> float:
     actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
     scale = expected.abs().max().clamp(min=1e-6) if scale is None else scale
-    error = float((actual - expected).abs().max() / scale)
-    assert error <= REL, f"{what}: relative error {error:.2e} ({actual.tolist()} vs {expected.tolist()})"
+    return float((actual - expected).abs().max() / scale)
 
 
-def assert_same_step(ours: dict, stock: dict) -> None:
+def _close(actual, expected, what: str, scale: float | None = None, tolerance: float = REL) -> None:
+    error = _error(actual, expected, scale)
+    values = [torch.as_tensor(x).tolist() for x in (actual, expected)]
+    assert error <= tolerance, f"{what}: relative error {error:.2e} ({values[0]} vs {values[1]})"
+
+
+def stock_noise_floor(stock: dict, stock_repadded: dict) -> float:
+    """The largest per-tensor relative gradient difference of stock TRL to itself when only its padding width
+    changes: the fp32 rounding floor of a comparison (f-divergence losses amplify it to ~1e-5 on this model)."""
+    return max(_error(stock_repadded["grads"][name], grad) for name, grad in stock["grads"].items())
+
+
+def assert_same_step(ours: dict, stock: dict, floor=None) -> None:
+    """``ours`` == ``stock``: loss, log-probs and metrics within ``REL``; every gradient within ``REL`` relative to
+    its tensor's largest entry, or, where the loss amplifies rounding past that, within twice ``floor()`` (stock's
+    own difference when only its padding width changes, :func:`stock_noise_floor`)."""
     _close(ours["loss"], stock["loss"], "loss")
     _close(ours["logps"], stock["logps"], "chosen/rejected log-probs")
     assert ours["metrics"].keys() == stock["metrics"].keys()
@@ -119,8 +133,11 @@ def assert_same_step(ours: dict, stock: dict) -> None:
         scale = beta * float(stock["logps"].abs().max()) if key.startswith("rewards/") else None
         _close(ours["metrics"][key], value, f"metric {key}", scale)
     assert ours["grads"].keys() == stock["grads"].keys()
+    tolerance = REL
+    if floor is not None and max(_error(ours["grads"][name], grad) for name, grad in stock["grads"].items()) > REL:
+        tolerance = max(REL, 2 * floor())
     for name, grad in stock["grads"].items():
-        _close(ours["grads"][name], grad, f"gradient of {name}")
+        _close(ours["grads"][name], grad, f"gradient of {name}", tolerance=tolerance)
 
 
 def compare(tmp_path, *, prefix_sharing: bool = True, **kwargs) -> dict:
@@ -128,7 +145,12 @@ def compare(tmp_path, *, prefix_sharing: bool = True, **kwargs) -> dict:
     ours = one_step(DPOTrainer, DPOConfig, tmp_path / "ours", prefix_sharing=prefix_sharing, **kwargs)
     assert ours["trainer"].unpack_decision.packed, ours["trainer"].unpack_decision.reason
     assert "packed_input_ids" in ours["trainer"].data_collator([ours["trainer"].train_dataset[0]])
-    assert_same_step(ours, stock)
+
+    def floor() -> float:
+        repadded = one_step(trl.DPOTrainer, trl.DPOConfig, tmp_path / "stock64", pad_to_multiple_of=64, **kwargs)
+        return stock_noise_floor(stock, repadded)
+
+    assert_same_step(ours, stock, floor)
     return ours
 
 

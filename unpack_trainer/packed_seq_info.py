@@ -25,14 +25,29 @@ in front of each branch (:meth:`PackedSeqInfo.branch_units`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["PackedSeqInfo", "restart_positions", "zero_prefixed_cumsum"]
+__all__ = ["BranchSpans", "PackedSeqInfo", "restart_positions", "zero_prefixed_cumsum"]
 
 _T = TypeVar("_T")
+
+
+class BranchSpans(NamedTuple):
+    """The attention units of a branched batch, each query computed once (:meth:`PackedSeqInfo.branch_spans`).
+
+    Units are in token order; unit ``u`` queries the ``query_lengths[u]`` tokens from ``query_starts[u]`` (row-major
+    over ``B * T``) and attends to ``key_lengths[u] >= query_lengths[u]`` keys, its slice of ``key_gather``; its
+    queries are aligned to the end of its keys: query ``i`` sees keys ``j <= key_lengths[u] - query_lengths[u] + i``.
+    """
+
+    query_lengths: torch.Tensor  # (num_units,) int64 CPU
+    query_starts: torch.Tensor  # (num_units,) int64 CPU
+    key_lengths: torch.Tensor  # (num_units,) int64 CPU
+    key_gather: torch.Tensor  # (sum(key_lengths),) int64 CPU: the token each key slot reads, unit after unit
 
 
 def zero_prefixed_cumsum(seq_lengths: torch.Tensor) -> torch.Tensor:
@@ -274,6 +289,59 @@ class PackedSeqInfo:
         gather = torch.cat(pieces)
         unit_info = PackedSeqInfo(torch.tensor(unit_lengths, dtype=torch.int64), batch_size=1, seq_len=slot)
         return unit_info, gather, owner
+
+    def branch_spans(self) -> BranchSpans | None:
+        """The attention units of a branched batch with every query computed once: ``None`` when some prefix's
+        first branch does not start right after it (then :meth:`branch_units` serves).
+
+        A sample without branches is a unit of its own (queries = keys = its tokens). A prefix with branches
+        ``b1, ..., bk`` gives the unit ``[prefix; b1]`` (queries = keys, contiguous in the row) and, for each later
+        branch, a unit whose queries are the branch's own tokens and whose keys are ``[prefix; branch]``: its queries
+        are aligned to the end of its keys (bottom-right causal), so the prefix's queries run once, not once per
+        branch. Every token is the query of exactly one unit, in token order.
+
+        Example (p, c, r of lengths 3, 2, 1 as in the module docstring)::
+
+            query lengths [5, 1]; query starts [0, 5]; key lengths [5, 4]; key gather [0, 1, 2, 3, 4, 0, 1, 2, 5]
+        """
+        return self.plan("branch_spans", None, self._build_branch_spans)
+
+    def _build_branch_spans(self) -> BranchSpans | None:
+        starts = self.cu_seqlens[:-1].tolist()
+        lengths = self.seq_lengths.tolist()
+        parents = self.seq_parents.tolist() if self.seq_parents is not None else [-1] * len(lengths)
+        first_branch: dict[int, int] = {}
+        for index, parent in enumerate(parents):
+            if parent >= 0 and parent not in first_branch:
+                if starts[index] != starts[parent] + lengths[parent]:
+                    return None
+                first_branch[parent] = index
+        query_lengths, query_starts, key_lengths, keys = [], [], [], []
+        for index, parent in enumerate(parents):
+            if index in first_branch.values():
+                continue  # queried with its prefix
+            own = torch.arange(starts[index], starts[index] + lengths[index], dtype=torch.int64)
+            if parent < 0:
+                branch = first_branch.get(index)
+                count = lengths[index] + (lengths[branch] if branch is not None else 0)
+                query_starts.append(starts[index])
+                query_lengths.append(count)
+                key_lengths.append(count)
+                keys.append(torch.arange(starts[index], starts[index] + count, dtype=torch.int64))
+                continue
+            prefix = torch.arange(starts[parent], starts[parent] + lengths[parent], dtype=torch.int64)
+            query_starts.append(starts[index])
+            query_lengths.append(lengths[index])
+            key_lengths.append(lengths[parent] + lengths[index])
+            keys.append(torch.cat([prefix, own]))
+        order = torch.argsort(torch.tensor(query_starts, dtype=torch.int64))
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+        return BranchSpans(
+            as_tensor(query_lengths)[order],
+            as_tensor(query_starts)[order],
+            as_tensor(key_lengths)[order],
+            torch.cat([keys[i] for i in order.tolist()]),
+        )
 
     def plan(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
         """The value ``owner`` cached under ``key`` for these samples, made by ``build()`` on first use.

@@ -160,7 +160,7 @@ class _Module(torch.nn.Module):
 
 def _reference_attention(q, k, v, info, *, scaling, window, softcap):
     """fp64 attention of every branch over ``[prefix; branch]`` (prefix alone for a root), one unit at a time."""
-    q, k, v = (x[0].double() for x in (q, k, v))  # (H, T, D)
+    q, k, v = (x.transpose(0, 1).flatten(1, 2).double() for x in (q, k, v))  # (H, B * T, D), rows one after another
     heads_per_kv = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(heads_per_kv, 0), v.repeat_interleave(heads_per_kv, 0)
     out = torch.zeros(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float64)
@@ -179,16 +179,27 @@ def _reference_attention(q, k, v, info, *, scaling, window, softcap):
     return out
 
 
-def _attention_case(backend, window, softcap, dtype, device, monkeypatch):
+# (lengths, parents, rows): a prefix with two branches, a sample alone, a prefix with three; a later branch after
+# another sample; a first branch that does not follow its prefix (run as [prefix; branch] units); two rows.
+LAYOUTS = {
+    "mixed": ([7, 3, 5, 4, 9, 2, 1, 6], [-1, 0, 0, -1, -1, 4, 4, 4], 1),
+    "late_branch": ([5, 3, 4, 6], [-1, 0, -1, 0], 1),
+    "apart": ([5, 4, 3, 6], [-1, -1, 0, 1], 1),
+    "two_rows": ([4, 2, 3, 5, 4], [-1, 0, 0, -1, 3], 2),
+}
+
+
+def _attention_case(backend, window, softcap, dtype, device, monkeypatch, layout="mixed"):
     from unpack_trainer.patches import attention
 
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
-    lengths, parents = [7, 3, 5, 4, 9, 2, 1, 6], [-1, 0, 0, -1, -1, 4, 4, 4]
+    lengths, parents, rows = LAYOUTS[layout]
+    seq_len = sum(lengths) // rows
     info = PackedSeqInfo.from_seq_lengths(
-        torch.tensor(lengths), batch_size=1, seq_len=sum(lengths), seq_parents=parents
+        torch.tensor(lengths), batch_size=rows, seq_len=seq_len, seq_parents=parents
     )
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, sum(lengths), 16, generator=generator) for h in (4, 2, 2))
+    q, k, v = (torch.randn(rows, h, seq_len, 16, generator=generator) for h in (4, 2, 2))
     q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
     out, _ = attention.packed_attention_forward(
         _Module(), q, k, v, None, scaling=0.25, sliding_window=window, softcap=softcap, packed_seq_info=info
@@ -196,14 +207,77 @@ def _attention_case(backend, window, softcap, dtype, device, monkeypatch):
     expected = _reference_attention(
         q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), info, scaling=0.25, window=window, softcap=softcap
     )
-    return out[0].float().cpu(), expected
+    return out.flatten(0, 1).float().cpu(), expected
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("backend, softcap", [("sdpa", None), ("eager", None), ("eager", 2.0)])
-def test_branched_attention_equals_the_reference(backend, softcap, window, monkeypatch):
-    out, expected = _attention_case(backend, window, softcap, torch.float32, "cpu", monkeypatch)
-    _close(out.double(), expected, f"{backend} window={window} softcap={softcap}")
+def test_branched_attention_equals_the_reference(backend, softcap, window, layout, monkeypatch):
+    out, expected = _attention_case(backend, window, softcap, torch.float32, "cpu", monkeypatch, layout)
+    _close(out.double(), expected, f"{backend} window={window} softcap={softcap} {layout}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_branched_attention_gradients_equal_the_reference(backend, layout, monkeypatch):
+    """q, k and v gradients through the branch buckets (a prefix's keys read by several units) == fp64 reference."""
+    from unpack_trainer.patches import attention
+
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    lengths, parents, rows = LAYOUTS[layout]
+    seq_len = sum(lengths) // rows
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=rows, seq_len=seq_len, seq_parents=parents)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, h, seq_len, 16, generator=generator, dtype=torch.float64) for h in (4, 2, 2)]
+    weight = torch.randn(sum(lengths), 4, 16, generator=generator, dtype=torch.float64)
+    grads = []
+    for run in ("packed", "reference"):
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
+        if run == "packed":
+            out = attention.packed_attention_forward(
+                _Module(), q, k, v, None, scaling=0.25, sliding_window=3, packed_seq_info=info
+            )[0].flatten(0, 1)
+        else:
+            out = _reference_attention(q, k, v, info, scaling=0.25, window=3, softcap=None)
+        (out * weight).sum().backward()
+        grads.append([x.grad for x in (q, k, v)])
+    for name, actual, expected in zip("qkv", *grads):
+        _close(actual, expected, f"{backend} {layout} d{name}")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_the_prompt_is_queried_once(backend, monkeypatch):
+    """A segment [p, c, r] computes p's queries once: attention runs [p; c] causally and r's queries alone against
+    the keys [p; r] (aligned to the end of its keys), so the query rows computed are |p| + |c| + |r|, not
+    2|p| + |c| + |r| (each branch re-running the prompt)."""
+    from unpack_trainer.patches import attention
+
+    monkeypatch.setenv(attention.ENV_BACKEND, backend)
+    rows = []
+    if backend == "sdpa":
+        original = attention.F.scaled_dot_product_attention
+
+        def counting(q, k, v, **kwargs):
+            rows.append(q.shape[0] * q.shape[2])
+            return original(q, k, v, **kwargs)
+
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    else:
+        original = attention.F.softmax
+
+        def counting(scores, *args, **kwargs):
+            rows.append(scores.shape[0] * scores.shape[2])
+            return original(scores, *args, **kwargs)
+
+        monkeypatch.setattr(attention.F, "softmax", counting)
+    lengths = [6, 4, 7]
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=17, seq_parents=[-1, 0, 0])
+    q, k, v = (torch.randn(1, h, 17, 16) for h in (4, 2, 2))
+    out, _ = attention.packed_attention_forward(_Module(), q, k, v, None, scaling=0.25, packed_seq_info=info)
+    assert sum(rows) == 17
+    expected = _reference_attention(q, k, v, info, scaling=0.25, window=None, softcap=None)
+    _close(out[0].double(), expected, backend)
 
 
 @pytest.mark.gpu

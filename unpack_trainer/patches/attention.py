@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer._logging import log_once
-from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.packed_seq_info import PackedSeqInfo, zero_prefixed_cumsum
 from unpack_trainer.patches.masks import current_packed_info, detect_packed
 
 __all__ = [
@@ -464,17 +464,26 @@ def _repeat_heads(x: Tensor, heads_per_kv: int) -> Tensor:
 class _Bucket(NamedTuple):
     length: int  # L: the longest sample of the bucket; every sample is padded to it
     count: int  # n: samples in the bucket
+    # Branch buckets (shared prefixes, :meth:`PackedSeqInfo.branch_spans`) only: Lk, the longest key span; each
+    # unit's queries are aligned to the end of its keys. 0 for a causal bucket (the keys are the queries).
+    key_length: int = 0
+    query_lengths: Tensor | None = None  # (n,) int64 CPU q_u, branch buckets only
+    key_lengths: Tensor | None = None  # (n,) int64 CPU k_u >= q_u, branch buckets only
 
 
 class _SdpaPlan(NamedTuple):
     """Samples grouped by length. Slots are the padded tokens of all buckets, bucket after bucket, each bucket
-    ``(n, L)`` row-major; a sample's real tokens fill the first slots of its row, padding the rest."""
+    ``(n, L)`` row-major; a sample's real tokens fill the first slots of its row, padding the rest.
+
+    A branch plan (:func:`_branch_plan`) also has key slots, ``(n, Lk)`` per bucket, read through ``key_gather``."""
 
     buckets: list[_Bucket]
     sizes: list[int]  # n * L slots per bucket
     gather: Tensor  # (num_slots,) int64: token read by each slot (padding repeats the sample's first token)
     scatter: Tensor  # (total_tokens,) int64: slot of each token
     pad_slots: Tensor  # (num_slots,) bool: True at padding slots
+    key_gather: Tensor | None = None  # (num_key_slots,) int64: token read by each key slot (branch plans only)
+    key_sizes: list[int] | None = None  # n * Lk key slots per bucket (branch plans only)
 
 
 def _group_sorted_lengths(
@@ -548,6 +557,106 @@ def _build_sdpa_plan(
         scatter.to(device, non_blocking=True),
         torch.cat(pads).to(device, non_blocking=True),
     )
+
+
+def _branch_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan | None:
+    """The units of a branched batch (:meth:`PackedSeqInfo.branch_spans`) bucketed for SDPA and eager, every query
+    computed once; ``None`` when the spans are not contiguous. Built once per batch and device.
+
+    Units whose keys are their queries (a prefix with its first branch, a sample without branches) are bucketed as in
+    :func:`_build_sdpa_plan` and run causally; the later branches of a prefix (queries = the branch, keys =
+    ``[prefix; branch]``) are bucketed by key length and run with a bottom-right causal mask (:func:`_branch_mask`).
+    """
+
+    def build() -> _SdpaPlan | None:
+        spans = info.branch_spans()
+        if spans is None:
+            return None
+        key_starts = zero_prefixed_cumsum(spans.key_lengths)[:-1]
+        same = spans.key_lengths == spans.query_lengths
+        buckets: list[_Bucket] = []
+        gathers, pads, key_gathers, key_sizes = [], [], [], []
+        scatter = torch.empty(info.total_tokens, dtype=torch.int64)
+        offset = 0
+        for units in (torch.nonzero(same).reshape(-1), torch.nonzero(~same).reshape(-1)):
+            if units.numel() == 0:
+                continue
+            branch = not bool(same[units[0]])
+            sort_by = (spans.key_lengths if branch else spans.query_lengths)[units]
+            order = units[torch.argsort(sort_by, stable=True)]
+            for begin, end in _group_sorted_lengths(sort_by.sort(stable=True).values):
+                members = order[begin:end]
+                q_lengths, k_lengths = spans.query_lengths[members], spans.key_lengths[members]
+                length, key_length, count = int(q_lengths.max()), int(k_lengths.max()), end - begin
+                steps = torch.arange(length, dtype=torch.int64)
+                valid = steps.unsqueeze(0) < q_lengths.unsqueeze(1)  # (n, L)
+                tokens = spans.query_starts[members].unsqueeze(1) + steps.unsqueeze(0)
+                gathers.append(torch.where(valid, tokens, spans.query_starts[members].unsqueeze(1)).reshape(-1))
+                pads.append(~valid.reshape(-1))
+                slots = offset + torch.arange(count * length, dtype=torch.int64).view(count, length)
+                scatter[tokens[valid]] = slots[valid]
+                offset += count * length
+                # Key slots: the unit's keys, padding repeating its first key (masked out, or after every real query).
+                key_steps = torch.arange(key_length, dtype=torch.int64)
+                key_valid = key_steps.unsqueeze(0) < k_lengths.unsqueeze(1)  # (n, Lk)
+                first = key_starts[members].unsqueeze(1)
+                key_gathers.append(spans.key_gather[torch.where(key_valid, first + key_steps, first)].reshape(-1))
+                key_sizes.append(count * key_length)
+                if branch:
+                    buckets.append(_Bucket(length, count, key_length, q_lengths, k_lengths))
+                else:
+                    buckets.append(_Bucket(length, count))
+        return _SdpaPlan(
+            buckets,
+            [bucket.count * bucket.length for bucket in buckets],
+            torch.cat(gathers).to(device, non_blocking=True),
+            scatter.to(device, non_blocking=True),
+            torch.cat(pads).to(device, non_blocking=True),
+            torch.cat(key_gathers).to(device, non_blocking=True),
+            key_sizes,
+        )
+
+    return info.plan("branch_buckets", str(device), build)
+
+
+def _branch_mask(
+    info: PackedSeqInfo, bucket_index: int, bucket: _Bucket, sliding_window: int | None, device: torch.device
+) -> Tensor:
+    """``(n, 1, L, Lk)`` bool on ``device`` of a branch bucket, True where query ``i`` of unit ``u`` may see key ``j``:
+    the query sits at position ``p = k_u - q_u + i`` of its keys (bottom-right alignment), so ``j <= p``, ``j < k_u``
+    and, with a window ``w``, ``j > p - w``. A padding query (``i >= q_u``) sees key 0 only (finite, dropped)."""
+
+    def build() -> Tensor:
+        q_lengths = bucket.query_lengths.view(-1, 1, 1, 1)
+        k_lengths = bucket.key_lengths.view(-1, 1, 1, 1)
+        i = torch.arange(bucket.length).view(1, 1, -1, 1)
+        j = torch.arange(bucket.key_length).view(1, 1, 1, -1)
+        position = k_lengths - q_lengths + i
+        allowed = (j <= position) & (j < k_lengths)
+        if sliding_window is not None:
+            allowed &= j > position - sliding_window
+        padding = (i >= q_lengths) & (j == 0)
+        return (torch.where(i < q_lengths, allowed, padding)).to(device, non_blocking=True)
+
+    return info.plan("branch_masks", (bucket_index, sliding_window, str(device)), build)
+
+
+def _branch_additive_mask(
+    info: PackedSeqInfo,
+    bucket_index: int,
+    bucket: _Bucket,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """:func:`_branch_mask` as an ``(n, 1, L, Lk)`` ``dtype`` additive mask: 0 where allowed, ``finfo(dtype).min``
+    elsewhere (finite, as :func:`_additive_mask`)."""
+
+    def build() -> Tensor:
+        allowed = _branch_mask(info, bucket_index, bucket, sliding_window, device)
+        return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+
+    return info.plan("branch_additive_masks", (bucket_index, sliding_window, dtype, str(device)), build)
 
 
 def _band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: torch.device) -> Tensor:
@@ -655,6 +764,20 @@ def _bucketed(x_tokens: Tensor, plan: _SdpaPlan) -> list[Tensor]:
     ]
 
 
+def _key_bucketed(x_tokens: Tensor, plan: _SdpaPlan) -> list[Tensor]:
+    """(total_tokens, num_kv_heads, head_dim) keys or values -> one (n, num_kv_heads, Lk, head_dim) batch per bucket:
+    :func:`_bucketed` for a plain plan; the key slots of a branch plan (a prefix's keys read by each of its units,
+    autograd summing their gradients)."""
+    if plan.key_gather is None:
+        return _bucketed(x_tokens, plan)
+    num_heads, head_dim = x_tokens.shape[1:]
+    slots = x_tokens.index_select(0, plan.key_gather)
+    return [
+        part.view(bucket.count, bucket.key_length or bucket.length, num_heads, head_dim).transpose(1, 2)
+        for part, bucket in zip(slots.split(plan.key_sizes), plan.buckets)
+    ]
+
+
 def _unbucketed(outputs: list[Tensor], plan: _SdpaPlan, batch_size: int, seq_len: int) -> Tensor:
     """One (n, num_heads, L, head_dim) output per bucket -> (B, T, num_heads, head_dim) in token order."""
     num_heads, head_dim = outputs[0].shape[1], outputs[0].shape[3]
@@ -678,15 +801,25 @@ def _sdpa_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo,
     row is fully masked (each sees itself, padded ones included). ALiBi: a float ``(num_heads, L, L)`` mask of the
     per-sample biases (:func:`_alibi_bias`) on every bucket.
     """
+    return _sdpa_buckets(query, key, value, info, options, _sdpa_plan(info, query.device))
+
+
+def _sdpa_buckets(
+    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions, plan: _SdpaPlan
+) -> Tensor:
+    """:func:`_sdpa_packed` on the buckets of ``plan``: a plain plan, or a branch plan (:func:`_branch_plan`) whose
+    branch buckets run with their bottom-right causal masks (windows applied; ALiBi never reaches one)."""
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
     window = options.sliding_window
-    plan = _sdpa_plan(info, query.device)
-    qs, ks, vs = (_bucketed(_tokens_major(x), plan) for x in (query, key, value))
+    qs = _bucketed(_tokens_major(query), plan)
+    ks, vs = (_key_bucketed(_tokens_major(x), plan) for x in (key, value))
     outputs = []
-    for bucket, q, k, v in zip(plan.buckets, qs, ks, vs):
+    for index, (bucket, q, k, v) in enumerate(zip(plan.buckets, qs, ks, vs)):
         mask = None
-        if options.alibi_slopes is not None:
+        if bucket.key_length:
+            mask = _branch_mask(info, index, bucket, window, query.device)
+        elif options.alibi_slopes is not None:
             mask = _alibi_bias(info, bucket.length, window, options.alibi_slopes, query.dtype, query.device)
         elif window is not None and bucket.length > window:
             mask = _band_mask(info, bucket.length, window, query.device)
@@ -726,22 +859,36 @@ def _eager_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
     weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column. Dropout: on the
     weights, only while ``options.module.training``. ALiBi: ``-slopes[h] * (i - j)`` added to the scores.
     """
+    return _eager_buckets(query, key, value, info, options, _sdpa_plan(info, query.device))
+
+
+def _eager_buckets(
+    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions, plan: _SdpaPlan
+) -> Tensor:
+    """:func:`_eager_packed` on the buckets of ``plan``: a plain plan, or a branch plan (:func:`_branch_plan`) whose
+    branch buckets add their bottom-right causal masks as ``(n, 1, L, Lk)`` additive masks (ALiBi never reaches
+    one)."""
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
     scaling, softcap = options.scaling, options.softcap
-    plan = _sdpa_plan(info, query.device)
-    qs, ks, vs = (_bucketed(_tokens_major(x), plan) for x in (query, key, value))
+    qs = _bucketed(_tokens_major(query), plan)
+    ks, vs = (_key_bucketed(_tokens_major(x), plan) for x in (key, value))
     dropout = options.dropout if getattr(options.module, "training", False) else 0.0
     sink_logits = None
     if options.sinks is not None:
         sink_logits = options.sinks.to(device=query.device, dtype=torch.float32).view(1, num_heads, 1, 1)
     outputs = []
-    for bucket, q_bucket, k_bucket, v_bucket in zip(plan.buckets, qs, ks, vs):
-        length = bucket.length
-        mask = _additive_mask(info, length, options.sliding_window, query.dtype, query.device)
-        per_chunk = max(1, _EAGER_MAX_SCORE_ELEMENTS // (num_heads * length * length))
+    for index, (bucket, q_bucket, k_bucket, v_bucket) in enumerate(zip(plan.buckets, qs, ks, vs)):
+        length, key_length = bucket.length, bucket.key_length or bucket.length
+        if bucket.key_length:
+            mask = _branch_additive_mask(info, index, bucket, options.sliding_window, query.dtype, query.device)
+        else:
+            mask = _additive_mask(info, length, options.sliding_window, query.dtype, query.device)
+        per_chunk = max(1, _EAGER_MAX_SCORE_ELEMENTS // (num_heads * length * key_length))
+        masks = mask.split(per_chunk) if mask.dim() == 4 else [mask] * (-(-bucket.count // per_chunk))
         chunks = []
-        for q, k, v in zip(q_bucket.split(per_chunk), k_bucket.split(per_chunk), v_bucket.split(per_chunk)):
+        splits = (q_bucket.split(per_chunk), k_bucket.split(per_chunk), v_bucket.split(per_chunk), masks)
+        for q, k, v, mask in zip(*splits):
             k, v = _repeat_heads(k, heads_per_kv), _repeat_heads(v, heads_per_kv)
             # (QK^T) * scaling, in place, rounded as transformers' eager functions round it (scaling q first differs
             # by an ulp, which a model can amplify: CTRL's tied embedding gradient by ~1e-4); the softcap's tanh takes
@@ -1173,22 +1320,35 @@ def packed_attention_forward(
             raise ValueError(f"Packed attention backend={backend!r} cannot run here: {reason}.")
     options = _CallOptions(scaling, dropout, sliding_window, softcap, sinks, module, alibi_slopes)
     if info.is_branched:
-        return _branched(_BACKEND_FUNCTIONS[backend], query, key, value, info, options), None
+        return _branched(backend, query, key, value, info, options), None
     return _BACKEND_FUNCTIONS[backend](query, key, value, info, options), None
 
 
-def _branched(
-    backend: _BackendFunction, query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions
-) -> Tensor:
-    """A backend on branched samples (shared prefixes): every branch runs as the plain causal unit
-    ``[prefix; branch]`` (:meth:`PackedSeqInfo.branch_units`), so each backend applies its own causal mask, window,
-    softcap and sinks to it unchanged, and no branch sees a sibling.
+# SDPA and eager run a branched batch with each query computed once (:func:`_branch_plan`).
+_BRANCH_BUCKET_FUNCTIONS: dict[str, Callable[..., Tensor]] = {"sdpa": _sdpa_buckets, "eager": _eager_buckets}
 
-    The tokens are gathered into the units (a prefix read once per branch; autograd sums the prefix's key/value
-    gradients over its branches), the backend runs on one row of ``num_slots`` tokens, and each token's output is
-    read back from its own slot. Shapes as :class:`_BackendFunction`: ``(B, num_heads, T, head_dim)`` in,
-    ``(B, T, num_heads, head_dim_v)`` out.
+
+def _branched(
+    backend: str, query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions
+) -> Tensor:
+    """Backend ``backend`` on branched samples (shared prefixes); no branch sees a sibling.
+
+    SDPA and eager (without ALiBi) compute every query once: the prefix with its first branch as one causal unit,
+    each later branch's queries against the keys ``[prefix; branch]``, aligned to the end of its keys
+    (:func:`_branch_plan`, :func:`_branch_mask`). The other backends, ALiBi, and a batch whose first branch does not
+    follow its prefix run every branch as the plain causal unit ``[prefix; branch]``
+    (:meth:`PackedSeqInfo.branch_units`), so each backend applies its own causal mask, window, softcap and sinks to
+    it unchanged; the prefix's queries are then computed once per branch and dropped after the first.
+
+    On the units path the tokens are gathered into the units (a prefix read once per branch; autograd sums the
+    prefix's key/value gradients over its branches), the backend runs on one row of ``num_slots`` tokens, and each
+    token's output is read back from its own slot. Shapes as :class:`_BackendFunction`: ``(B, num_heads, T,
+    head_dim)`` in, ``(B, T, num_heads, head_dim_v)`` out.
     """
+    if backend in _BRANCH_BUCKET_FUNCTIONS and options.alibi_slopes is None:
+        plan = _branch_plan(info, query.device)
+        if plan is not None:
+            return _BRANCH_BUCKET_FUNCTIONS[backend](query, key, value, info, options, plan)
     batch_size, num_heads, seq_len, _ = query.shape
     unit_info, gather, owner = info.branch_units()
     device = query.device
@@ -1199,7 +1359,7 @@ def _branched(
     def units(x: Tensor) -> Tensor:
         return _tokens_major(x).index_select(0, gather).unsqueeze(0).transpose(1, 2)
 
-    out = backend(units(query), units(key), units(value), unit_info, options)  # (1, num_slots, H, Dv)
+    out = _BACKEND_FUNCTIONS[backend](units(query), units(key), units(value), unit_info, options)  # (1, slots, H, Dv)
     return out[0].index_select(0, owner).view(batch_size, seq_len, num_heads, out.shape[-1])
 
 
