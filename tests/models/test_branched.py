@@ -280,6 +280,76 @@ def test_the_prompt_is_queried_once(backend, monkeypatch):
     _close(out[0].double(), expected, backend)
 
 
+class _BottomRightFlash:
+    """A CPU stand-in for ``flash_attn_varlen_func`` with flash-attn's documented semantics (2.1 and later): with
+    ``causal=True`` each sequence's queries are aligned to the end of its keys (query ``i`` of ``n_q`` sees keys
+    ``j <= i + n_k - n_q``), the window ``(left, 0)`` counted from there; grouped kv heads as they are."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal, **options):
+        assert causal is True and dropout_p == 0.0
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and int(cu_q[-1]) == q.shape[0] and int(cu_k[-1]) == k.shape[0]
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash-attn 2 takes one head dim for q, k and v"
+        q_lengths, k_lengths = (x[1:] - x[:-1] for x in (cu_q, cu_k))
+        assert max_q == int(q_lengths.max()) and max_k == int(k_lengths.max())
+        self.calls.append((q.shape[0], k.shape[0]))
+        left = options.get("window_size", (-1, -1))[0]
+        heads_per_kv = q.shape[1] // k.shape[1]
+        outputs = []
+        for u in range(len(q_lengths)):
+            qs = q[int(cu_q[u]) : int(cu_q[u + 1])]
+            ks, vs = (x[int(cu_k[u]) : int(cu_k[u + 1])].repeat_interleave(heads_per_kv, 1) for x in (k, v))
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * softmax_scale
+            if options.get("softcap") is not None:
+                scores = torch.tanh(scores / options["softcap"]) * options["softcap"]
+            i = torch.arange(qs.shape[0]).unsqueeze(1) + ks.shape[0] - qs.shape[0]
+            j = torch.arange(ks.shape[0]).unsqueeze(0)
+            allowed = (j <= i) & ((j >= i - left) if left >= 0 else True)
+            outputs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vs))
+        return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 2.0)])
+def test_branched_attention_on_flash_queries_each_token_once(window, softcap, layout, monkeypatch):
+    """flash-attn gets the row's tokens as queries once and ``[prefix; branch]`` keys per unit (cu_seqlens_q !=
+    cu_seqlens_k, bottom-right causal); a first branch apart from its prefix runs as ``[prefix; branch]`` units.
+    Output and q/k/v gradients == the fp64 reference."""
+    from unpack_trainer.patches import attention
+
+    kernel = _BottomRightFlash()
+    monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float32,))
+    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setenv(attention.ENV_BACKEND, "flash")
+    lengths, parents, rows = LAYOUTS[layout]
+    seq_len = sum(lengths) // rows
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=rows, seq_len=seq_len, seq_parents=parents)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, h, seq_len, 16, generator=generator) for h in (4, 2, 2)]
+    weight = torch.randn(sum(lengths), 4, 16, generator=generator, dtype=torch.float64)
+    results = []
+    for run in ("flash", "reference"):
+        q, k, v = (x.clone().double().requires_grad_() if run == "reference" else x.clone().requires_grad_()
+                   for x in inputs)  # fmt: skip
+        if run == "flash":
+            out = attention.packed_attention_forward(
+                _Module(), q, k, v, None, scaling=0.25, sliding_window=window, softcap=softcap, packed_seq_info=info
+            )[0].flatten(0, 1)
+        else:
+            out = _reference_attention(q, k, v, info, scaling=0.25, window=window, softcap=softcap)
+        (out.double() * weight).sum().backward()
+        results.append([out.detach().double()] + [x.grad.double() for x in (q, k, v)])
+    for name, actual, expected in zip(["out", "dq", "dk", "dv"], *results):
+        _close(actual, expected, f"flash {layout} window={window} softcap={softcap} {name}")
+    ((queries, keys),) = kernel.calls
+    assert queries == sum(lengths)
+    # the units path (apart) hands the kernel the same units as queries and keys
+    assert (keys == queries) == (layout == "apart")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])

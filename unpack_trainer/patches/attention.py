@@ -1069,6 +1069,51 @@ def _flash_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
     return _varlen_packed(call, "flash-attn", query, key, value, info, options, head_dim_multiple=1)
 
 
+def _flash_branched(
+    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions
+) -> Tensor | None:
+    """flash-attn on a branched batch with every query computed once, or ``None`` where the ``[prefix; branch]``
+    units serve instead (spans not contiguous, ALiBi, or a batch past the kernel's 32-bit offsets).
+
+    One ``flash_attn_varlen_func`` call over the units of :meth:`PackedSeqInfo.branch_spans`: the queries are the
+    row's tokens as they are (``cu_seqlens_q`` from the units' query lengths), the keys and values are gathered as
+    ``[prefix; branch]`` per unit (``cu_seqlens_k``), and ``causal=True`` aligns each unit's queries to the end of its
+    keys (bottom-right, flash-attn's alignment since 2.1; the window ``(w - 1, 0)`` too). Shapes as
+    :func:`_flash_packed`.
+    """
+    spans = info.branch_spans()
+    if spans is None or options.alibi_slopes is not None:
+        return None
+    batch_size, num_heads, seq_len, head_dim = query.shape
+    head_dim_v = value.shape[-1]
+    padded = max(head_dim, head_dim_v)
+    num_key_slots = int(spans.key_gather.numel())
+    per_token = num_heads * _flash_rounded_head_dim(padded)
+    if (num_key_slots + 128 * int(spans.key_lengths.numel())) * per_token > _FLASH_MAX_ELEMENTS:
+        return None
+    device = query.device
+
+    def build() -> tuple[Tensor, Tensor, Tensor]:
+        cu_q, cu_k = (zero_prefixed_cumsum(x).to(device, torch.int32) for x in (spans.query_lengths, spans.key_lengths))
+        return cu_q, cu_k, spans.key_gather.to(device, non_blocking=True)
+
+    cu_q, cu_k, key_gather = info.plan("flash_branch", str(device), build)
+    q_tokens = _tokens_major(query).contiguous()
+    k_tokens, v_tokens = (_tokens_major(x).index_select(0, key_gather) for x in (key, value))
+    q_in, k_in = (F.pad(x, (0, padded - head_dim)) if padded != head_dim else x for x in (q_tokens, k_tokens))
+    v_in = F.pad(v_tokens, (0, padded - head_dim_v)) if padded != head_dim_v else v_tokens
+    kernel_options: dict[str, Any] = {"dropout_p": options.dropout, "softmax_scale": options.scaling, "causal": True}
+    max_k = int(spans.key_lengths.max())
+    if options.sliding_window is not None and max_k > options.sliding_window:
+        kernel_options["window_size"] = (options.sliding_window - 1, 0)
+    if options.softcap is not None:
+        kernel_options["softcap"] = options.softcap
+    out = _flash_varlen_kernel()(q_in, k_in, v_in, cu_q, cu_k, int(spans.query_lengths.max()), max_k, **kernel_options)
+    if padded != head_dim_v:
+        out = out[..., :head_dim_v]
+    return out.reshape(batch_size, seq_len, num_heads, head_dim_v)
+
+
 def _torch_varlen_packed(
     query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: _CallOptions
 ) -> Tensor:
@@ -1333,10 +1378,11 @@ def _branched(
 ) -> Tensor:
     """Backend ``backend`` on branched samples (shared prefixes); no branch sees a sibling.
 
-    SDPA and eager (without ALiBi) compute every query once: the prefix with its first branch as one causal unit,
-    each later branch's queries against the keys ``[prefix; branch]``, aligned to the end of its keys
-    (:func:`_branch_plan`, :func:`_branch_mask`). The other backends, ALiBi, and a batch whose first branch does not
-    follow its prefix run every branch as the plain causal unit ``[prefix; branch]``
+    SDPA, eager and flash-attn (without ALiBi) compute every query once: the prefix with its first branch as one
+    causal unit, each later branch's queries against the keys ``[prefix; branch]``, aligned to the end of its keys
+    (:func:`_branch_plan` and :func:`_branch_mask`; :func:`_flash_branched`). torch's varlen_attn and xformers (whose
+    alignment for more keys than queries this package does not rely on), ALiBi, and a batch whose first branch does
+    not follow its prefix run every branch as the plain causal unit ``[prefix; branch]``
     (:meth:`PackedSeqInfo.branch_units`), so each backend applies its own causal mask, window, softcap and sinks to
     it unchanged; the prefix's queries are then computed once per branch and dropped after the first.
 
@@ -1349,6 +1395,10 @@ def _branched(
         plan = _branch_plan(info, query.device)
         if plan is not None:
             return _BRANCH_BUCKET_FUNCTIONS[backend](query, key, value, info, options, plan)
+    if backend == "flash":
+        out = _flash_branched(query, key, value, info, options)
+        if out is not None:
+            return out
     batch_size, num_heads, seq_len, _ = query.shape
     unit_info, gather, owner = info.branch_units()
     device = query.device
