@@ -19,8 +19,10 @@ index of the sample it continues. A prompt ``p`` (3 tokens) with chosen ``c`` (2
     position_ids   [[0, 1, 2, 3, 4, 3]]
     attention      p: causal in p; c: p and causal in c; r: p and causal in r (never c)
 
-Attention runs over *units*, each an ordinary causal sample: ``[p; c]`` and ``[p; r]``, the prefix's keys gathered
-in front of each branch (:meth:`PackedSeqInfo.branch_units`).
+Attention runs over *units* that compute every query once (:meth:`PackedSeqInfo.branch_spans`): ``[p; c]`` as an
+ordinary causal sample, then ``r``'s queries against the keys ``[p; r]``, aligned to the end of its keys. Backends
+that cannot align queries that way run ``[p; c]`` and ``[p; r]`` as two ordinary causal samples, the prefix's keys
+gathered in front of each branch (:meth:`PackedSeqInfo.branch_units`).
 """
 
 from __future__ import annotations

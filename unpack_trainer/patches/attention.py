@@ -536,26 +536,54 @@ def _build_sdpa_plan(
     offset = 0
     for begin, end in groups:
         members = order[begin:end]
-        bucket_lengths = lengths[members]
-        bucket_starts = starts[members]
-        length = int(bucket_lengths.max())
-        count = end - begin
-        steps = torch.arange(length, dtype=torch.int64)
-        valid = steps.unsqueeze(0) < bucket_lengths.unsqueeze(1)  # (n, L)
-        tokens = bucket_starts.unsqueeze(1) + steps.unsqueeze(0)  # (n, L)
-        # Padding slots repeat the sample's first token: finite values that only padded queries ever see.
-        gathers.append(torch.where(valid, tokens, bucket_starts.unsqueeze(1)).reshape(-1))
-        pads.append(~valid.reshape(-1))
-        slots = offset + torch.arange(count * length, dtype=torch.int64).view(count, length)
-        scatter[tokens[valid]] = slots[valid]
-        buckets.append(_Bucket(length, count))
-        offset += count * length
+        bucket = _Bucket(int(lengths[members].max()), end - begin)
+        gather, pad = _fill_slots(starts[members], lengths[members], bucket.length, offset, scatter)
+        gathers.append(gather)
+        pads.append(pad)
+        buckets.append(bucket)
+        offset += bucket.count * bucket.length
+    return _finish_plan(buckets, gathers, scatter, pads, device)
+
+
+def _padded_spans(starts: Tensor, lengths: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """``(n, length)`` int64 indices of ``n`` spans (``starts``, ``lengths``: ``(n,)`` int64), padding repeating each
+    span's first index, and the ``(n, length)`` bool mask of the real entries."""
+    steps = torch.arange(length, dtype=torch.int64)
+    valid = steps.unsqueeze(0) < lengths.unsqueeze(1)
+    index = starts.unsqueeze(1) + steps.unsqueeze(0)
+    return torch.where(valid, index, starts.unsqueeze(1)), valid
+
+
+def _fill_slots(
+    starts: Tensor, lengths: Tensor, length: int, offset: int, scatter: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The ``(n, L)`` query slots of one bucket from slot ``offset`` on: ``(gather, pad)`` flattened, the token each
+    slot reads (padding repeats the sample's first token: finite values that only padded queries ever see) and True
+    at padding slots; ``scatter[token] = slot`` is set for the bucket's real tokens."""
+    tokens, valid = _padded_spans(starts, lengths, length)
+    slots = offset + torch.arange(tokens.numel(), dtype=torch.int64).view_as(tokens)
+    scatter[tokens[valid]] = slots[valid]
+    return tokens.reshape(-1), ~valid.reshape(-1)
+
+
+def _finish_plan(
+    buckets: list[_Bucket],
+    gathers: list[Tensor],
+    scatter: Tensor,
+    pads: list[Tensor],
+    device: torch.device,
+    key_gathers: list[Tensor] | None = None,
+    key_sizes: list[int] | None = None,
+) -> _SdpaPlan:
+    """The :class:`_SdpaPlan` of the buckets, index tensors moved to ``device``."""
     return _SdpaPlan(
         buckets,
         [bucket.count * bucket.length for bucket in buckets],
         torch.cat(gathers).to(device, non_blocking=True),
         scatter.to(device, non_blocking=True),
         torch.cat(pads).to(device, non_blocking=True),
+        None if key_gathers is None else torch.cat(key_gathers).to(device, non_blocking=True),
+        key_sizes,
     )
 
 
@@ -588,33 +616,19 @@ def _branch_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan | None:
                 members = order[begin:end]
                 q_lengths, k_lengths = spans.query_lengths[members], spans.key_lengths[members]
                 length, key_length, count = int(q_lengths.max()), int(k_lengths.max()), end - begin
-                steps = torch.arange(length, dtype=torch.int64)
-                valid = steps.unsqueeze(0) < q_lengths.unsqueeze(1)  # (n, L)
-                tokens = spans.query_starts[members].unsqueeze(1) + steps.unsqueeze(0)
-                gathers.append(torch.where(valid, tokens, spans.query_starts[members].unsqueeze(1)).reshape(-1))
-                pads.append(~valid.reshape(-1))
-                slots = offset + torch.arange(count * length, dtype=torch.int64).view(count, length)
-                scatter[tokens[valid]] = slots[valid]
+                gather, pad = _fill_slots(spans.query_starts[members], q_lengths, length, offset, scatter)
+                gathers.append(gather)
+                pads.append(pad)
                 offset += count * length
                 # Key slots: the unit's keys, padding repeating its first key (masked out, or after every real query).
-                key_steps = torch.arange(key_length, dtype=torch.int64)
-                key_valid = key_steps.unsqueeze(0) < k_lengths.unsqueeze(1)  # (n, Lk)
-                first = key_starts[members].unsqueeze(1)
-                key_gathers.append(spans.key_gather[torch.where(key_valid, first + key_steps, first)].reshape(-1))
+                key_index, _ = _padded_spans(key_starts[members], k_lengths, key_length)
+                key_gathers.append(spans.key_gather[key_index].reshape(-1))
                 key_sizes.append(count * key_length)
                 if branch:
                     buckets.append(_Bucket(length, count, key_length, q_lengths, k_lengths))
                 else:
                     buckets.append(_Bucket(length, count))
-        return _SdpaPlan(
-            buckets,
-            [bucket.count * bucket.length for bucket in buckets],
-            torch.cat(gathers).to(device, non_blocking=True),
-            scatter.to(device, non_blocking=True),
-            torch.cat(pads).to(device, non_blocking=True),
-            torch.cat(key_gathers).to(device, non_blocking=True),
-            key_sizes,
-        )
+        return _finish_plan(buckets, gathers, scatter, pads, device, key_gathers, key_sizes)
 
     return info.plan("branch_buckets", str(device), build)
 
