@@ -89,15 +89,15 @@ def test_a_parent_in_another_row_is_refused():
         PackedSeqInfo.from_seq_lengths(torch.tensor([3, 3]), batch_size=2, seq_len=3, seq_parents=[-1, 0])
 
 
-# gemma2 has no SDPA implementation in transformers (softcap); eager is its backend. bloom and mpt (ALiBi) have only
+# gemma2 and gpt_oss (sinks) have no SDPA implementation in transformers; eager is their backend. bloom and mpt (ALiBi) have only
 # transformers' eager attention (the packed path picks its own backend) and forward only their named arguments from
 # the causal LM to the decoder, so the packing keys, the parents included, are carried to it.
-ARCHITECTURES.update({"bloom": {}, "mpt": {}})
+ARCHITECTURES.update({"bloom": {}, "mpt": {}, "gpt_oss": {}})  # gpt_oss: attention sinks, sliding windows
 CASES = [
     (arch, backend)
     for arch in ARCHITECTURES
     for backend in ("sdpa", "eager")
-    if (arch, backend) not in {("gemma2", "sdpa"), ("bloom", "sdpa"), ("mpt", "sdpa")}
+    if (arch, backend) not in {("gemma2", "sdpa"), ("bloom", "sdpa"), ("mpt", "sdpa"), ("gpt_oss", "sdpa")}
 ]
 
 
