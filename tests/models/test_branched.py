@@ -76,6 +76,28 @@ def test_positions_and_units_of_a_branched_segment():
 
 
 @pytest.mark.parametrize(
+    "lengths, parents, expected_lengths, expected_parents",
+    [
+        # |p| = 4: c's and r's first tokens share positions 3-5's chunk with p's last token
+        ([4, 3, 2], [-1, 0, 0], [3, 1, 2, 1, 2], [-1, -1, 1, -1, 1]),
+        # every sample fits a chunk, but c's second token (position 3) starts the next one
+        ([2, 2], [-1, 0], [2, 1, 1], [-1, 0, -1]),
+        # |p| a multiple of the chunk: the branches start fresh chunks
+        ([3, 4], [-1, 0], [3, 3, 1], [-1, -1, -1]),
+    ],
+)
+def test_chunks_of_a_branched_batch_follow_positions(lengths, parents, expected_lengths, expected_parents):
+    from unpack_trainer.patches.attention import chunked_info
+
+    info = PackedSeqInfo.from_seq_lengths(
+        torch.tensor(lengths), batch_size=1, seq_len=sum(lengths), seq_parents=parents
+    )
+    chunks = chunked_info(info, 3)
+    assert chunks.seq_lengths.tolist() == expected_lengths
+    assert chunks.seq_parents.tolist() == expected_parents
+
+
+@pytest.mark.parametrize(
     "parents, message",
     [([-1, 1, 0], "parent 1"), ([-1, 0, 1], "parent 1"), ([-1, 0], "2 entries"), ([0, -1, -1], "parent 0")],
 )
@@ -92,7 +114,9 @@ def test_a_parent_in_another_row_is_refused():
 # gemma2 and gpt_oss (sinks) have no SDPA implementation in transformers; eager is their backend. bloom and mpt (ALiBi) have only
 # transformers' eager attention (the packed path picks its own backend) and forward only their named arguments from
 # the causal LM to the decoder, so the packing keys, the parents included, are carried to it.
-ARCHITECTURES.update({"bloom": {}, "mpt": {}, "gpt_oss": {}})  # gpt_oss: attention sinks, sliding windows
+# gpt_oss: attention sinks, sliding windows. llama4_text: chunked attention (chunks of 3 tokens counted by position,
+# so a branch's first tokens share the chunk of its prompt's last ones unless |p| is a multiple of 3).
+ARCHITECTURES.update({"bloom": {}, "mpt": {}, "gpt_oss": {}, "llama4_text": {}})
 CASES = [
     (arch, backend)
     for arch in ARCHITECTURES

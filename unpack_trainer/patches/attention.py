@@ -189,10 +189,12 @@ def chunked_info(info: PackedSeqInfo, chunk_size: int) -> PackedSeqInfo:
     chunk_size = int(chunk_size)
     if chunk_size <= 0:
         raise ValueError(f"attention_chunk_size must be a positive number of tokens, got {chunk_size}.")
-    if info.max_seqlen <= chunk_size:
+    if info.max_seqlen <= chunk_size and not info.is_branched:  # a branch's positions continue its prefix's
         return info
 
     def build() -> PackedSeqInfo:
+        if info.is_branched:
+            return _chunked_branches(info, chunk_size)
         lengths = info.seq_lengths.to(torch.int64)
         chunks = (lengths + chunk_size - 1) // chunk_size  # (num_seqs,) chunks per sample
         sizes = torch.full((int(chunks.sum()),), chunk_size, dtype=torch.int64)
@@ -200,6 +202,41 @@ def chunked_info(info: PackedSeqInfo, chunk_size: int) -> PackedSeqInfo:
         return PackedSeqInfo.from_seq_lengths(sizes.to(torch.int32), batch_size=info.batch_size, seq_len=info.seq_len)
 
     return info.plan("chunked", chunk_size, build)
+
+
+def _chunked_branches(info: PackedSeqInfo, chunk_size: int) -> PackedSeqInfo:
+    """:func:`chunked_info` of a branched batch: chunks are counted by position, and a branch continues its prefix's
+    positions. A prefix is cut from its start; a branch's first piece, up to the next multiple of ``chunk_size`` of
+    its positions, is a branch of the prefix's last chunk when that chunk is not full, so it sees the prefix tokens
+    of its own chunk; the rest of the branch is cut into whole chunks that start fresh.
+
+    Example, ``chunk_size`` 3, p, c, r of lengths 4, 3, 2 (positions 0-3, 4-6, 4-5): p -> ``[3, 1]``, c -> ``[2, 1]``
+    (its first 2 tokens share the chunk of positions 3-5 with p's last token), r -> ``[2]``; parents
+    ``[-1, -1, 1, -1, 1]``.
+    """
+    sizes: list[int] = []
+    parents: list[int] = []
+    last_chunk: dict[int, tuple[int, int]] = {}  # prefix sample -> (index of its last chunk, tokens in it)
+    for index, (length, parent) in enumerate(zip(info.seq_lengths.tolist(), info.seq_parents.tolist())):
+        if parent >= 0:
+            chunk, filled = last_chunk[parent]
+            if filled < chunk_size:
+                first = min(length, chunk_size - filled)
+                sizes.append(first)
+                parents.append(chunk)
+                length -= first
+        whole, rest = divmod(length, chunk_size)
+        pieces = [chunk_size] * whole + ([rest] if rest else [])
+        sizes += pieces
+        parents += [-1] * len(pieces)
+        if parent < 0:
+            last_chunk[index] = (len(sizes) - 1, pieces[-1])
+    return PackedSeqInfo.from_seq_lengths(
+        torch.tensor(sizes, dtype=torch.int32),
+        batch_size=info.batch_size,
+        seq_len=info.seq_len,
+        seq_parents=torch.tensor(parents, dtype=torch.int64),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
