@@ -312,38 +312,32 @@ class PackedSeqInfo:
         starts = self.cu_seqlens[:-1].tolist()
         lengths = self.seq_lengths.tolist()
         parents = self.seq_parents.tolist() if self.seq_parents is not None else [-1] * len(lengths)
-        first_branch: dict[int, int] = {}
+        first_branch: dict[int, int] = {}  # prefix -> its first branch, which is queried with it
         for index, parent in enumerate(parents):
             if parent >= 0 and parent not in first_branch:
                 if starts[index] != starts[parent] + lengths[parent]:
                     return None
                 first_branch[parent] = index
+        queried_with_prefix = set(first_branch.values())
+
+        def span(start: int, length: int) -> torch.Tensor:
+            return torch.arange(start, start + length, dtype=torch.int64)
+
         query_lengths, query_starts, key_lengths, keys = [], [], [], []
-        for index, parent in enumerate(parents):
-            if index in first_branch.values():
-                continue  # queried with its prefix
-            own = torch.arange(starts[index], starts[index] + lengths[index], dtype=torch.int64)
-            if parent < 0:
-                branch = first_branch.get(index)
-                count = lengths[index] + (lengths[branch] if branch is not None else 0)
-                query_starts.append(starts[index])
-                query_lengths.append(count)
-                key_lengths.append(count)
-                keys.append(torch.arange(starts[index], starts[index] + count, dtype=torch.int64))
+        for index, parent in enumerate(parents):  # samples, hence units, in token order
+            if index in queried_with_prefix:
                 continue
-            prefix = torch.arange(starts[parent], starts[parent] + lengths[parent], dtype=torch.int64)
-            query_starts.append(starts[index])
-            query_lengths.append(lengths[index])
-            key_lengths.append(lengths[parent] + lengths[index])
-            keys.append(torch.cat([prefix, own]))
-        order = torch.argsort(torch.tensor(query_starts, dtype=torch.int64))
+            start, length = starts[index], lengths[index]
+            if parent < 0:
+                length += lengths[first_branch[index]] if index in first_branch else 0
+                keys.append(span(start, length))
+            else:
+                keys.append(torch.cat([span(starts[parent], lengths[parent]), span(start, length)]))
+            query_starts.append(start)
+            query_lengths.append(length)
+            key_lengths.append(len(keys[-1]))
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
-        return BranchSpans(
-            as_tensor(query_lengths)[order],
-            as_tensor(query_starts)[order],
-            as_tensor(key_lengths)[order],
-            torch.cat([keys[i] for i in order.tolist()]),
-        )
+        return BranchSpans(as_tensor(query_lengths), as_tensor(query_starts), as_tensor(key_lengths), torch.cat(keys))
 
     def plan(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
         """The value ``owner`` cached under ``key`` for these samples, made by ``build()`` on first use.

@@ -643,13 +643,13 @@ def _branch_plan(info: PackedSeqInfo, device: torch.device) -> _SdpaPlan | None:
         gathers, pads, key_gathers, key_sizes = [], [], [], []
         scatter = torch.empty(info.total_tokens, dtype=torch.int64)
         offset = 0
-        for units in (torch.nonzero(same).reshape(-1), torch.nonzero(~same).reshape(-1)):
+        for branch, units in ((False, torch.nonzero(same).reshape(-1)), (True, torch.nonzero(~same).reshape(-1))):
             if units.numel() == 0:
                 continue
-            branch = not bool(same[units[0]])
-            sort_by = (spans.key_lengths if branch else spans.query_lengths)[units]
-            order = units[torch.argsort(sort_by, stable=True)]
-            for begin, end in _group_sorted_lengths(sort_by.sort(stable=True).values):
+            # causal units grouped by their length, branch units by their key length
+            sorted_lengths, permutation = spans.key_lengths[units].sort(stable=True)
+            order = units[permutation]
+            for begin, end in _group_sorted_lengths(sorted_lengths):
                 members = order[begin:end]
                 q_lengths, k_lengths = spans.query_lengths[members], spans.key_lengths[members]
                 length, key_length, count = int(q_lengths.max()), int(k_lengths.max()), end - begin
@@ -1017,12 +1017,39 @@ def _flash_chunks(info: PackedSeqInfo, num_heads: int, head_dim: int, device: to
     return info.plan("varlen_chunks", (num_heads, head_dim, str(device)), build)
 
 
-def _varlen_window(info: PackedSeqInfo, sliding_window: int | None) -> tuple[int, int] | None:
+def _varlen_window(longest: int, sliding_window: int | None) -> tuple[int, int] | None:
     """flash-attn's ``window_size`` for transformers' window ``w`` (keys ``i - w < j <= i``): ``(w - 1, 0)``, inclusive
-    on both sides; ``None`` when there is no window or no sample is longer than it (plain causal attention)."""
-    if sliding_window is not None and info.max_seqlen > sliding_window:
+    on both sides; ``None`` when there is no window or no sequence (of ``longest`` keys at most) is longer than it
+    (plain causal attention)."""
+    if sliding_window is not None and longest > sliding_window:
         return (sliding_window - 1, 0)
     return None
+
+
+def _one_head_dim(q: Tensor, k: Tensor, v: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(tokens, heads, head_dim)`` q and k and ``(tokens, heads, head_dim_v)`` v zero-padded to one head dim, the
+    smallest multiple of ``multiple`` not below either (zero columns leave every score unchanged; the caller crops
+    the output's padded value columns)."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    padded = -(-max(head_dim, head_dim_v) // multiple) * multiple
+    q, k = (F.pad(x, (0, padded - head_dim)) if padded != head_dim else x for x in (q, k))
+    return q, k, F.pad(v, (0, padded - head_dim_v)) if padded != head_dim_v else v
+
+
+def _flash_kernel_options(options: _CallOptions, longest: int, device: torch.device) -> dict[str, Any]:
+    """``flash_attn_varlen_func``'s keyword arguments for ``options``, sequences of at most ``longest`` keys: causal
+    (bottom-right where a sequence has more keys than queries), the window ``(w - 1, 0)`` where one binds, softcap,
+    dropout and ALiBi slopes (float32 ``(num_heads,)``)."""
+    kernel_options: dict[str, Any] = {"dropout_p": options.dropout, "softmax_scale": options.scaling, "causal": True}
+    window = _varlen_window(longest, options.sliding_window)
+    if window is not None:
+        kernel_options["window_size"] = window
+    if options.softcap is not None:
+        kernel_options["softcap"] = options.softcap
+    if options.alibi_slopes is not None:
+        # flash-attn adds -slope * |i - j| (i, j within the sequence of cu_seqlens): the per-sample bias.
+        kernel_options["alibi_slopes"] = options.alibi_slopes.to(device=device, dtype=torch.float32)
+    return kernel_options
 
 
 # kernel_call(q, k, v, cu_seqlens, max_seqlen): q/k/v (tokens, num_heads or num_kv_heads, padded head_dim), cu_seqlens
@@ -1053,9 +1080,8 @@ def _varlen_packed(
     head_dim_v = value.shape[-1]
     # (total_tokens, num_heads, head_dim), contiguous as transformers hands them to flash-attn.
     q_tokens, k_tokens, v_tokens = (_tokens_major(x).contiguous() for x in (query, key, value))
-    padded = -(-max(head_dim, head_dim_v) // head_dim_multiple) * head_dim_multiple
-    q_in, k_in = (F.pad(x, (0, padded - head_dim)) if padded != head_dim else x for x in (q_tokens, k_tokens))
-    v_in = F.pad(v_tokens, (0, padded - head_dim_v)) if padded != head_dim_v else v_tokens
+    q_in, k_in, v_in = _one_head_dim(q_tokens, k_tokens, v_tokens, head_dim_multiple)
+    padded = q_in.shape[-1]
 
     def crop(out: Tensor) -> Tensor:
         return out[..., :head_dim_v] if padded != head_dim_v else out
@@ -1103,15 +1129,7 @@ def _flash_packed(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo
     ``(num_heads,)``). Sinks: refused. No query row is fully masked.
     """
     kernel = _flash_varlen_kernel()
-    kernel_options: dict[str, Any] = {"dropout_p": options.dropout, "softmax_scale": options.scaling, "causal": True}
-    window = _varlen_window(info, options.sliding_window)
-    if window is not None:
-        kernel_options["window_size"] = window
-    if options.softcap is not None:
-        kernel_options["softcap"] = options.softcap
-    if options.alibi_slopes is not None:
-        # flash-attn adds -slope * |i - j| (i, j within the sequence of cu_seqlens): the per-sample bias.
-        kernel_options["alibi_slopes"] = options.alibi_slopes.to(device=query.device, dtype=torch.float32)
+    kernel_options = _flash_kernel_options(options, info.max_seqlen, query.device)
 
     def call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         # flash-attn takes grouped kv heads as they are, and pads head dims to a multiple of 8 itself.
@@ -1137,10 +1155,8 @@ def _flash_branched(
         return None
     batch_size, num_heads, seq_len, head_dim = query.shape
     head_dim_v = value.shape[-1]
-    padded = max(head_dim, head_dim_v)
-    num_key_slots = int(spans.key_gather.numel())
-    per_token = num_heads * _flash_rounded_head_dim(padded)
-    if (num_key_slots + 128 * int(spans.key_lengths.numel())) * per_token > _FLASH_MAX_ELEMENTS:
+    per_token = num_heads * _flash_rounded_head_dim(max(head_dim, head_dim_v))
+    if (int(spans.key_gather.numel()) + 128 * int(spans.key_lengths.numel())) * per_token > _FLASH_MAX_ELEMENTS:
         return None
     device = query.device
 
@@ -1149,20 +1165,13 @@ def _flash_branched(
         return cu_q, cu_k, spans.key_gather.to(device, non_blocking=True)
 
     cu_q, cu_k, key_gather = info.plan("flash_branch", str(device), build)
-    q_tokens = _tokens_major(query).contiguous()
-    k_tokens, v_tokens = (_tokens_major(x).index_select(0, key_gather) for x in (key, value))
-    q_in, k_in = (F.pad(x, (0, padded - head_dim)) if padded != head_dim else x for x in (q_tokens, k_tokens))
-    v_in = F.pad(v_tokens, (0, padded - head_dim_v)) if padded != head_dim_v else v_tokens
-    kernel_options: dict[str, Any] = {"dropout_p": options.dropout, "softmax_scale": options.scaling, "causal": True}
-    max_k = int(spans.key_lengths.max())
-    if options.sliding_window is not None and max_k > options.sliding_window:
-        kernel_options["window_size"] = (options.sliding_window - 1, 0)
-    if options.softcap is not None:
-        kernel_options["softcap"] = options.softcap
-    out = _flash_varlen_kernel()(q_in, k_in, v_in, cu_q, cu_k, int(spans.query_lengths.max()), max_k, **kernel_options)
-    if padded != head_dim_v:
-        out = out[..., :head_dim_v]
-    return out.reshape(batch_size, seq_len, num_heads, head_dim_v)
+    q_in, k_in, v_in = _one_head_dim(
+        _tokens_major(query).contiguous(), *(_tokens_major(x).index_select(0, key_gather) for x in (key, value)), 1
+    )
+    max_q, max_k = int(spans.query_lengths.max()), int(spans.key_lengths.max())
+    kernel_options = _flash_kernel_options(options, max_k, device)
+    out = _flash_varlen_kernel()(q_in, k_in, v_in, cu_q, cu_k, max_q, max_k, **kernel_options)
+    return out[..., :head_dim_v].reshape(batch_size, seq_len, num_heads, head_dim_v)
 
 
 def _torch_varlen_packed(
@@ -1184,7 +1193,7 @@ def _torch_varlen_packed(
     grouped = heads_per_kv > 1 and _takes_enable_gqa(kernel)
     kernel_options: dict[str, Any] = {
         "scale": options.scaling,
-        "window_size": _varlen_window(info, options.sliding_window) or (-1, 0),  # (-1, 0): causal
+        "window_size": _varlen_window(info.max_seqlen, options.sliding_window) or (-1, 0),  # (-1, 0): causal
     }
     if grouped:
         kernel_options["enable_gqa"] = True

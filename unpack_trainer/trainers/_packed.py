@@ -397,11 +397,16 @@ class PackedTrainerMixin:
             log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
             return
         what = report.failure()
-        message = f"Contamination self-check failed ({what}); training padded instead"
+        self._unpack_self_check_failed(f"Contamination self-check failed ({what}); training padded instead")
+        self._fall_back_to_padded(f"contamination self-check failed: {what}")
+
+    @staticmethod
+    def _unpack_self_check_failed(message: str) -> None:
+        """A failed self-check, before its fallback: raise ``message`` under ``UNPACK_STRICT=1``, else log it once as
+        an error."""
         if env_flag(os.environ, "UNPACK_STRICT"):
             raise RuntimeError(message + " (UNPACK_STRICT=1)")
         log_once(logger, logging.ERROR, message)
-        self._fall_back_to_padded(f"contamination self-check failed: {what}")
 
     def _fall_back_to_padded(self, reason: str = "contamination self-check failed") -> None:
         if self.unpack_decision.patch:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import trl
@@ -25,7 +24,6 @@ from accelerate.utils import is_peft_model
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
-from unpack_trainer.decision import env_flag
 from unpack_trainer.dpo_config import DPOConfig
 from unpack_trainer.preference import DataCollatorForPackedPreference, install_compact_lm_head, install_packed_view
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
@@ -142,9 +140,7 @@ class DPOTrainer(PackedTrainerMixin, trl.DPOTrainer):
             "is packed as [prompt, chosen] and [prompt, rejected] (the plain packed self-check passed). Set "
             "prefix_sharing=False to silence this"
         )
-        if env_flag(os.environ, "UNPACK_STRICT"):
-            raise RuntimeError(message + " (UNPACK_STRICT=1)")
-        log_once(logger, logging.ERROR, message + ".")
+        self._unpack_self_check_failed(message)
         self._unpack_sharing_failed = True
         self.data_collator = self._packed_collator()
 
