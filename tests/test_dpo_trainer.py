@@ -13,6 +13,7 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from dpo_steps import one_dpo_step
 
 from unpack_trainer.dpo_config import DPOConfig
 from unpack_trainer.tiny import char_tokenizer, tiny_model
@@ -88,18 +89,7 @@ def one_step(
     trainer = trainer_class(
         model=policy, ref_model=ref_model, args=args, train_dataset=dataset or _pairs(), processing_class=tokenizer
     )
-    examples = [trainer.train_dataset[i] for i in range(NUM_PAIRS)]
-    batch = trainer._prepare_inputs(trainer.data_collator(examples))
-    model = trainer.model
-    model.train()
-    model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(model, batch)
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    with torch.no_grad():
-        logps = torch.stack(trainer.compute_ref_log_probs(model, batch))
-    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
-    return {"loss": loss.detach(), "grads": grads, "metrics": metrics, "logps": logps, "trainer": trainer}
+    return one_dpo_step(trainer, [trainer.train_dataset[i] for i in range(NUM_PAIRS)])
 
 
 def _error(actual, expected, scale: float | None = None) -> float:

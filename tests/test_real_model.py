@@ -27,6 +27,7 @@ import textwrap
 
 import pytest
 import torch
+from dpo_steps import one_dpo_step
 
 from unpack_trainer.tiny import loss_and_grads, packed_batch, padded_batch
 
@@ -265,23 +266,7 @@ def dpo_step(trainer_class, config_class, folder, tokenizer, pairs, tmp_path, **
         model=_load(folder), args=args, train_dataset=pairs, processing_class=tokenizer, peft_config=lora
     )
     trainer.get_train_dataloader()  # ours: the self-check, plain and branched, on the real model
-    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(len(pairs))]))
-    model = trainer.model.train()
-    model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(model, batch)
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    with torch.no_grad():
-        logps = torch.stack(trainer.compute_ref_log_probs(model, batch))
-    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
-    return {
-        "loss": loss.detach(),
-        "grads": grads,
-        "metrics": metrics,
-        "logps": logps,
-        "trainer": trainer,
-        "batch": batch,
-    }
+    return one_dpo_step(trainer, [trainer.train_dataset[i] for i in range(len(pairs))])
 
 
 DPO_GRAD_REL = 5e-5  # per LoRA gradient tensor, relative to its own largest entry (see the test's docstring)

@@ -123,10 +123,8 @@ class GenerationChecks(GenerationTesterMixin):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(input_ids), 1))], dim=-1)
         return input_ids
 
-    def test_generate_greedy_with_cache_equals_no_cache(self):
-        model, inputs = self._causal_lm()
-        input_ids = inputs["input_ids"][:2, :5]
-        attention_mask = torch.ones_like(input_ids)
+    def _assert_cached_greedy_equals_no_cache(self, model, input_ids, attention_mask):
+        """4 greedy tokens through ``generate`` (KV cache) == 4 full forwards without a cache."""
         with torch.no_grad():
             cached = model.generate(
                 input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, min_new_tokens=4
@@ -134,17 +132,17 @@ class GenerationChecks(GenerationTesterMixin):
             reference = self._greedy_without_cache(model, input_ids, attention_mask, 4)
         torch.testing.assert_close(cached, reference)
 
+    def test_generate_greedy_with_cache_equals_no_cache(self):
+        model, inputs = self._causal_lm()
+        input_ids = inputs["input_ids"][:2, :5]
+        self._assert_cached_greedy_equals_no_cache(model, input_ids, torch.ones_like(input_ids))
+
     def test_generate_greedy_left_padded_equals_no_cache(self):
         model, inputs = self._causal_lm()
         input_ids = inputs["input_ids"][:2, :5].clone()
         attention_mask = torch.ones_like(input_ids)
         input_ids[1, :2], attention_mask[1, :2] = model.config.pad_token_id or 0, 0
-        with torch.no_grad():
-            cached = model.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, min_new_tokens=4
-            )
-            reference = self._greedy_without_cache(model, input_ids, attention_mask, 4)
-        torch.testing.assert_close(cached, reference)
+        self._assert_cached_greedy_equals_no_cache(model, input_ids, attention_mask)
 
     def test_generate_continue_from_past_key_values(self):
         model, inputs = self._causal_lm()
