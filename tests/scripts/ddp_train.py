@@ -71,6 +71,10 @@ def main(output_dir: str) -> None:
             },
             handle,
         )
+    # Destroy the process group before the interpreter exits, as a training script should (`Trainer.end`, what our
+    # CLI scripts call): left to interpreter finalization, gloo's worker threads can abort a rank (SIGABRT,
+    # "terminate called without an active exception") after training succeeded; the CI run of 480d276 failed so.
+    trainer.end()
 
 
 if __name__ == "__main__":
