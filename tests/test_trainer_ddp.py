@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "ddp_train.py")
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
 
-@pytest.mark.timeout(400)
-def test_two_processes_train_every_sample_exactly_once_with_balanced_ranks(tmp_path):
+def launch_two_processes(script: str, tmp_path) -> list[dict]:
+    """``accelerate launch`` ``tests/scripts/<script>`` on 2 CPU processes (gloo); the two ranks' ``rank{N}.json``."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [
         sys.executable,
@@ -30,12 +30,17 @@ def test_two_processes_train_every_sample_exactly_once_with_balanced_ranks(tmp_p
         "no",
         "--dynamo_backend",
         "no",
-        SCRIPT,
+        os.path.join(SCRIPTS, script),
         str(tmp_path),
     ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=380, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(400)
+def test_two_processes_train_every_sample_exactly_once_with_balanced_ranks(tmp_path):
+    ranks = launch_two_processes("ddp_train.py", tmp_path)
     assert all(r["world_size"] == 2 for r in ranks)
     num_rows = ranks[0]["num_rows"]
     assert ranks[1]["num_rows"] == num_rows
@@ -52,3 +57,36 @@ def test_two_processes_train_every_sample_exactly_once_with_balanced_ranks(tmp_p
     tokens = [sum(r["tokens"]) for r in ranks]
     assert abs(samples[0] - samples[1]) <= 0.15 * sum(samples), samples
     assert abs(tokens[0] - tokens[1]) <= 0.15 * sum(tokens), tokens
+
+
+@pytest.mark.timeout(400)
+def test_dpo_on_two_processes_equals_stock(tmp_path):
+    """DPO with 2 processes, map-style and iterable pairs (train and eval): every rank's trainer gets the same pairs as
+    stock `trl.DPOTrainer`'s, trains padding-free with prompts shared after passing the self-check, and logs the same
+    losses, metrics and evaluations (fp32 rel 1e-5) at every step."""
+    ranks = launch_two_processes("ddp_dpo.py", tmp_path)
+    for kind in ("map", "iterable"):
+        ours, stock = [r[f"ours-{kind}"] for r in ranks], [r[f"stock-{kind}"] for r in ranks]
+        assert [r["world_size"] for r in ours] == [2, 2]
+        assert all(r["mode"] == "padding_free" and r["self_check"] for r in ours), [
+            (r["mode"], r["self_check"]) for r in ours
+        ]
+        training = sorted(json.dumps(pair) for pair in ours[0]["train_pairs"])
+        seen = sorted(json.dumps(pair) for r in ours for batch in r["seen"] for pair in batch)
+        assert [pair for pair in seen if pair in training] == training  # 4 steps x 2 ranks x 2 pairs: each pair once
+        for rank in range(2):
+            assert ours[rank]["seen"] == stock[rank]["seen"], f"{kind} rank {rank}: other batches than stock's"
+            assert len(ours[rank]["log"]) == len(stock[rank]["log"])
+            for ours_entry, stock_entry in zip(ours[rank]["log"], stock[rank]["log"]):
+                assert ours_entry.keys() == stock_entry.keys()
+                for key, expected in stock_entry.items():
+                    if key.endswith(("runtime", "per_second", "total_flos")):  # timings; FLOPs count the padding
+                        continue
+                    actual = ours_entry[key]
+                    assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), (
+                        kind,
+                        rank,
+                        key,
+                        actual,
+                        expected,
+                    )

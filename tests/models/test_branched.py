@@ -204,12 +204,14 @@ def _reference_attention(q, k, v, info, *, scaling, window, softcap):
 
 
 # (lengths, parents, rows): a prefix with two branches, a sample alone, a prefix with three; a later branch after
-# another sample; a first branch that does not follow its prefix (run as [prefix; branch] units); two rows.
+# another sample; a first branch that does not follow its prefix (run as [prefix; branch] units); two rows; two
+# preference pairs in a row as DPOTrainer packs them, each first branch shorter than the second.
 LAYOUTS = {
     "mixed": ([7, 3, 5, 4, 9, 2, 1, 6], [-1, 0, 0, -1, -1, 4, 4, 4], 1),
     "late_branch": ([5, 3, 4, 6], [-1, 0, -1, 0], 1),
     "apart": ([5, 4, 3, 6], [-1, -1, 0, 1], 1),
     "two_rows": ([4, 2, 3, 5, 4], [-1, 0, 0, -1, 3], 2),
+    "two_pairs": ([10, 5, 6, 8, 3, 6], [-1, 0, 0, -1, 3, 3], 1),
 }
 
 
