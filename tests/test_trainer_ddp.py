@@ -1,4 +1,5 @@
-"""Two processes with `accelerate launch`: every packed row exactly once per epoch, ranks balanced, no hang.
+"""Two processes with `accelerate launch`: SFT trains every packed row exactly once per epoch, ranks balanced, no
+hang; DPO logs what stock `trl.DPOTrainer` logs, step by step.
 
 accelerate's `--cpu` launcher starts several processes only through MPI; torchrun (`--multi_gpu`) starts them on a
 machine without GPUs too, and the processes then use the gloo backend on the CPU.
