@@ -106,7 +106,7 @@ _XFORMERS_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torc
 
 # flash-attn's varlen backward indexes its fp32 dq accumulator, of (total_tokens + 128 * num_seqs) * num_heads *
 # head_dim rounded up (see _flash_rounded_head_dim) elements, with 32-bit offsets in the releases that predate the fix
-# (flash-attention PR 1500). Rows above this bound are split at sample boundaries.
+# (flash-attention PR 1500). Rows above this bound (_flash_fits) are split at sample boundaries.
 _FLASH_MAX_ELEMENTS = 2**31 - 1
 
 # SDPA/eager bucketing minimises sum over buckets of (_CALL_COST_PAIRS + samples * longest**2): the fixed cost of one
@@ -984,6 +984,12 @@ def _flash_rounded_head_dim(head_dim: int) -> int:
     return -(-head_dim // multiple) * multiple
 
 
+def _flash_fits(tokens: int, num_seqs: int, num_heads: int, head_dim: int) -> bool:
+    """Whether flash-attn's varlen backward accumulator for ``num_seqs`` sequences of ``tokens`` tokens in all stays
+    within its 32-bit offsets: ``(tokens + 128 * num_seqs) * num_heads * rounded head_dim <= _FLASH_MAX_ELEMENTS``."""
+    return (tokens + 128 * num_seqs) * num_heads * _flash_rounded_head_dim(head_dim) <= _FLASH_MAX_ELEMENTS
+
+
 def _flash_chunks(info: PackedSeqInfo, num_heads: int, head_dim: int, device: torch.device) -> list[_FlashChunk]:
     """Split the samples into chunks small enough for flash-attn's 32-bit offsets (one chunk in the usual case).
 
@@ -992,12 +998,11 @@ def _flash_chunks(info: PackedSeqInfo, num_heads: int, head_dim: int, device: to
     """
 
     def build() -> list[_FlashChunk]:
-        per_token = num_heads * _flash_rounded_head_dim(head_dim)
         lengths = info.seq_lengths.tolist()
         bounds: list[tuple[int, int]] = []
         first, tokens = 0, 0
         for index, length in enumerate(lengths):
-            if index > first and (tokens + length + 128 * (index - first + 1)) * per_token > _FLASH_MAX_ELEMENTS:
+            if index > first and not _flash_fits(tokens + length, index - first + 1, num_heads, head_dim):
                 bounds.append((first, index))
                 first, tokens = index, 0
             tokens += length
@@ -1006,7 +1011,7 @@ def _flash_chunks(info: PackedSeqInfo, num_heads: int, head_dim: int, device: to
         for first, last in bounds:
             begin, end = int(info.cu_seqlens[first]), int(info.cu_seqlens[last])
             longest = max(lengths[first:last])
-            if (end - begin + 128 * (last - first)) * per_token > _FLASH_MAX_ELEMENTS:
+            if not _flash_fits(end - begin, last - first, num_heads, head_dim):
                 sub = PackedSeqInfo(info.seq_lengths[first:last], batch_size=1, seq_len=end - begin)
                 chunks.append(_FlashChunk(first, begin, end, longest, None, sub))
             else:
@@ -1155,8 +1160,8 @@ def _flash_branched(
         return None
     batch_size, num_heads, seq_len, head_dim = query.shape
     head_dim_v = value.shape[-1]
-    per_token = num_heads * _flash_rounded_head_dim(max(head_dim, head_dim_v))
-    if (int(spans.key_gather.numel()) + 128 * int(spans.key_lengths.numel())) * per_token > _FLASH_MAX_ELEMENTS:
+    num_keys, num_units = int(spans.key_gather.numel()), int(spans.key_lengths.numel())
+    if not _flash_fits(num_keys, num_units, num_heads, max(head_dim, head_dim_v)):  # keys >= queries per unit
         return None
     device = query.device
 
