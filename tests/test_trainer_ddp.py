@@ -84,10 +84,5 @@ def test_dpo_on_two_processes_equals_stock(tmp_path):
                     if key.endswith(("runtime", "per_second", "total_flos")):  # timings; FLOPs count the padding
                         continue
                     actual = ours_entry[key]
-                    assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), (
-                        kind,
-                        rank,
-                        key,
-                        actual,
-                        expected,
-                    )
+                    what = f"{kind} rank {rank} step {stock_entry.get('step')} {key}: {actual} vs stock {expected}"
+                    assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), what

@@ -12,6 +12,7 @@ import sys
 
 import trl
 from datasets import Dataset
+from ddp_train import exit_without_teardown  # this folder is the script's sys.path[0]
 
 from unpack_trainer import DPOConfig, DPOTrainer
 from unpack_trainer.tiny import char_tokenizer, tiny_model
@@ -29,6 +30,11 @@ def pairs(count: int) -> list[dict]:
         }
         for _ in range(count)
     ]
+
+
+def _token_ids(example: dict) -> list[list[int]]:
+    """A tokenized pair as ``[prompt_ids, chosen_ids, rejected_ids]``."""
+    return [example["prompt_ids"], example["chosen_ids"], example["rejected_ids"]]
 
 
 def run(output_dir: str, name: str, kind: str) -> dict:
@@ -67,7 +73,7 @@ def run(output_dir: str, name: str, kind: str) -> dict:
     collate = trainer.data_collator
 
     def recording_collator(examples):
-        seen.append([[e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]] for e in examples])
+        seen.append([_token_ids(example) for example in examples])
         return collate(examples)
 
     trainer.data_collator = recording_collator
@@ -76,7 +82,7 @@ def run(output_dir: str, name: str, kind: str) -> dict:
     check = getattr(trainer, "unpack_selfcheck", None)
     return {
         "seen": seen,
-        "train_pairs": [[e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]] for e in trainer.train_dataset],
+        "train_pairs": [_token_ids(example) for example in trainer.train_dataset],
         "log": trainer.state.log_history,
         "mode": None if decision is None else decision.mode,
         "self_check": None if check is None else check.ok,
@@ -90,10 +96,7 @@ def main(output_dir: str) -> None:
     rank = results["ours-map"]["rank"]
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(results, handle)
-    # Leave without tearing the process group down: see tests/scripts/ddp_train.py (gloo's teardown can deadlock).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
