@@ -202,7 +202,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--unpack-swap",
         action="store_true",
-        help="run TRL's tests with unpack_trainer.DPOTrainer / DPOConfig in place of trl's",
+        help="run TRL's tests with unpack_trainer's DPOTrainer / DPOConfig and SFTTrainer / SFTConfig in place of trl's",
     )
 
 
@@ -240,12 +240,10 @@ def pytest_configure(config):
 
         import unpack_trainer
 
-        trl.DPOTrainer = unpack_trainer.DPOTrainer
-        trl.DPOConfig = unpack_trainer.DPOConfig
-        trl.SFTTrainer = unpack_trainer.SFTTrainer
-        trl.SFTConfig = unpack_trainer.SFTConfig
-        _record_modes(unpack_trainer.DPOTrainer)
-        _record_modes(unpack_trainer.SFTTrainer)
+        for trainer, config in (("DPOTrainer", "DPOConfig"), ("SFTTrainer", "SFTConfig")):
+            setattr(trl, trainer, getattr(unpack_trainer, trainer))
+            setattr(trl, config, getattr(unpack_trainer, config))
+            _record_modes(getattr(unpack_trainer, trainer))
 
 
 # Names the snapshot of TRL's `test_sft_trainer.py` imports from `trl.trainer.sft_trainer` that the installed TRL may
@@ -270,7 +268,7 @@ def _stand_in_missing(module: Any, names: tuple[str, ...]) -> None:
 
 
 _built: list[Any] = []  # the swapped trainers of the running test
-_paths: dict[str, list[str]] = {}  # "mode, self-check ..." -> the tests whose trainers took that path
+_paths: dict[str, list[str]] = {}  # "Trainer: mode, self-check ..." -> the tests whose trainers took that path
 
 
 def _record_modes(trainer_class: type) -> None:
