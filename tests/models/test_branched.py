@@ -215,18 +215,22 @@ LAYOUTS = {
 }
 
 
+def _layout(layout: str) -> tuple[PackedSeqInfo, list[torch.Tensor], torch.Generator]:
+    """The metadata of ``LAYOUTS[layout]``, fp32 q (4 heads), k and v (2 heads) ``(rows, heads, seq_len, 16)`` drawn
+    from seed 0, and the generator, to draw more from."""
+    lengths, parents, rows = LAYOUTS[layout]
+    seq_len = sum(lengths) // rows
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=rows, seq_len=seq_len, seq_parents=parents)
+    generator = torch.Generator().manual_seed(0)
+    return info, [torch.randn(rows, h, seq_len, 16, generator=generator) for h in (4, 2, 2)], generator
+
+
 def _attention_case(backend, window, softcap, dtype, device, monkeypatch, layout="mixed"):
     from unpack_trainer.patches import attention
 
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
-    lengths, parents, rows = LAYOUTS[layout]
-    seq_len = sum(lengths) // rows
-    info = PackedSeqInfo.from_seq_lengths(
-        torch.tensor(lengths), batch_size=rows, seq_len=seq_len, seq_parents=parents
-    )
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(rows, h, seq_len, 16, generator=generator) for h in (4, 2, 2))
-    q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
+    info, inputs, _ = _layout(layout)
+    q, k, v = (x.to(device, dtype).requires_grad_() for x in inputs)
     out, _ = attention.packed_attention_forward(
         _Module(), q, k, v, None, scaling=0.25, sliding_window=window, softcap=softcap, packed_seq_info=info
     )
@@ -251,25 +255,29 @@ def test_branched_attention_gradients_equal_the_reference(backend, layout, monke
     from unpack_trainer.patches import attention
 
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
-    lengths, parents, rows = LAYOUTS[layout]
-    seq_len = sum(lengths) // rows
-    info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=rows, seq_len=seq_len, seq_parents=parents)
-    generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(rows, h, seq_len, 16, generator=generator, dtype=torch.float64) for h in (4, 2, 2)]
-    weight = torch.randn(sum(lengths), 4, 16, generator=generator, dtype=torch.float64)
-    grads = []
-    for run in ("packed", "reference"):
-        q, k, v = (x.clone().requires_grad_() for x in inputs)
-        if run == "packed":
-            out = attention.packed_attention_forward(
-                _Module(), q, k, v, None, scaling=0.25, sliding_window=3, packed_seq_info=info
-            )[0].flatten(0, 1)
-        else:
-            out = _reference_attention(q, k, v, info, scaling=0.25, window=3, softcap=None)
-        (out * weight).sum().backward()
-        grads.append([x.grad for x in (q, k, v)])
-    for name, actual, expected in zip("qkv", *grads):
-        _close(actual, expected, f"{backend} {layout} d{name}")
+    info, inputs, generator = _layout(layout)
+    weight = torch.randn(info.total_tokens, 4, 16, generator=generator, dtype=torch.float64)
+    packed = _output_and_grads(info, inputs, weight, torch.float64, window=3, softcap=None)
+    expected = _output_and_grads(info, inputs, weight, torch.float64, window=3, softcap=None, reference=True)
+    for name, actual, reference in zip(["dq", "dk", "dv"], packed[1:], expected[1:]):
+        _close(actual, reference, f"{backend} {layout} {name}")
+
+
+def _output_and_grads(info, inputs, weight, dtype, *, window, softcap, reference=False) -> list[torch.Tensor]:
+    """``[out, dq, dk, dv]`` in fp64 of packed attention (the backend of ``UNPACK_ATTENTION_BACKEND``) on ``inputs``
+    cast to ``dtype``, or of the fp64 reference (``reference=True``), for the loss ``sum(out * weight)``
+    (``weight``: ``(total_tokens, 4, 16)`` fp64)."""
+    from unpack_trainer.patches import attention
+
+    q, k, v = (x.detach().to(torch.float64 if reference else dtype).clone().requires_grad_() for x in inputs)
+    if reference:
+        out = _reference_attention(q, k, v, info, scaling=0.25, window=window, softcap=softcap)
+    else:
+        out = attention.packed_attention_forward(
+            _Module(), q, k, v, None, scaling=0.25, sliding_window=window, softcap=softcap, packed_seq_info=info
+        )[0].flatten(0, 1)
+    (out.double() * weight).sum().backward()
+    return [out.detach().double()] + [x.grad.double() for x in (q, k, v)]
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
@@ -350,28 +358,14 @@ def test_branched_attention_on_flash_queries_each_token_once(window, softcap, la
     monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float32,))
     monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
     monkeypatch.setenv(attention.ENV_BACKEND, "flash")
-    lengths, parents, rows = LAYOUTS[layout]
-    seq_len = sum(lengths) // rows
-    info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=rows, seq_len=seq_len, seq_parents=parents)
-    generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(rows, h, seq_len, 16, generator=generator) for h in (4, 2, 2)]
-    weight = torch.randn(sum(lengths), 4, 16, generator=generator, dtype=torch.float64)
-    results = []
-    for run in ("flash", "reference"):
-        q, k, v = (x.clone().double().requires_grad_() if run == "reference" else x.clone().requires_grad_()
-                   for x in inputs)  # fmt: skip
-        if run == "flash":
-            out = attention.packed_attention_forward(
-                _Module(), q, k, v, None, scaling=0.25, sliding_window=window, softcap=softcap, packed_seq_info=info
-            )[0].flatten(0, 1)
-        else:
-            out = _reference_attention(q, k, v, info, scaling=0.25, window=window, softcap=softcap)
-        (out.double() * weight).sum().backward()
-        results.append([out.detach().double()] + [x.grad.double() for x in (q, k, v)])
-    for name, actual, expected in zip(["out", "dq", "dk", "dv"], *results):
-        _close(actual, expected, f"flash {layout} window={window} softcap={softcap} {name}")
+    info, inputs, generator = _layout(layout)
+    weight = torch.randn(info.total_tokens, 4, 16, generator=generator, dtype=torch.float64)
+    flash = _output_and_grads(info, inputs, weight, torch.float32, window=window, softcap=softcap)
+    expected = _output_and_grads(info, inputs, weight, torch.float32, window=window, softcap=softcap, reference=True)
+    for name, actual, reference in zip(["out", "dq", "dk", "dv"], flash, expected):
+        _close(actual, reference, f"flash {layout} window={window} softcap={softcap} {name}")
     ((queries, keys),) = kernel.calls
-    assert queries == sum(lengths)
+    assert queries == info.total_tokens
     # the units path (apart) hands the kernel the same units as queries and keys
     assert (keys == queries) == (layout == "apart")
 
