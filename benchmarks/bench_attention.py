@@ -123,7 +123,7 @@ def _build_model(arch: str, device: str, dtype_name: str):
 def model_worker(arch: str, case: str, provider: str, repeats: int, device: str, dtype_name: str) -> dict:
     import torch
 
-    from unpack_trainer.collator import packed_metadata
+    from unpack_trainer.data.collator import packed_metadata
     from unpack_trainer.models import patch_model, resolve_backend
 
     lengths = case_lengths(case)
@@ -191,7 +191,7 @@ def attention_worker(arch: str, case: str, provider: str, repeats: int, device: 
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from unpack_trainer.collator import packed_metadata
+    from unpack_trainer.data.collator import packed_metadata
     from unpack_trainer.packed_seq_info import PackedSeqInfo
     from unpack_trainer.patches.attention import packed_attention_forward
 

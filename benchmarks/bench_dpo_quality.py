@@ -28,7 +28,7 @@ Data: the embedded preference set ([`unpack_trainer.preference_data.load_default
 format): the first ``--train-pairs`` training pairs and the first ``--eval-pairs`` held-out pairs whose
 ``[prompt, chosen]`` and ``[prompt, rejected]`` fit in ``--max-length`` tokens (no truncation in any arm). Defaults: 2,000 training pairs (500 steps of 4
 pairs), 180 held-out pairs, ``max_length=256``, learning rate 1e-3 with a cosine schedule and 5% warm-up, ``beta=0.1``.
-Model: the default data's tiny Llama ([`unpack_trainer.default_data.tiny_model_config`]) made smaller (hidden 64,
+Model: the default data's tiny Llama ([`unpack_trainer.data.default_data.tiny_model_config`]) made smaller (hidden 64,
 MLP 128, 2 layers, 4 heads, 2 key/value heads) with the embedded tokenizer. Each (seed, arm) run is its own process
 with torch on one thread, ``--jobs`` at a time.
 
@@ -89,7 +89,7 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
 
     from unpack_trainer import DPOConfig, DPOTrainer
     from unpack_trainer.cli.sft_comparison import checkpointing_off
-    from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
+    from unpack_trainer.data.default_data import load_default_tokenizer, tiny_model_config
 
     hf_logging.set_verbosity_error()
     disable_progress_bar()

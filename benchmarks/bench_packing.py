@@ -57,7 +57,7 @@ def five_distributions(n: int = 50_000, capacity: int = 2048, seed: int = 0) -> 
 
 def rows_table(n: int, capacity: int, repeats: int) -> str:
     """Rows of each packer vs best-fit decreasing and the lower bound, on [`five_distributions`]."""
-    from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, windowed_best_fit, windowed_packing
+    from unpack_trainer.data.packing import best_fit_decreasing, shuffled_best_fit, windowed_best_fit, windowed_packing
 
     packers = {
         "windowed (default)": lambda lengths: windowed_packing(lengths, capacity, seed=0),

@@ -195,7 +195,7 @@ def train_arm(
     from transformers import LlamaForCausalLM, PrinterCallback, TrainerCallback
 
     from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.default_data import tiny_model_config
+    from unpack_trainer.data.default_data import tiny_model_config
 
     overrides = dict(ARMS[arm][1])
     packed = overrides["packing"]
@@ -336,7 +336,7 @@ def prepared_samples(train_dataset: Any, tokenizer: Any, max_length: int) -> tup
     from transformers import LlamaForCausalLM
 
     from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.default_data import tiny_model_config
+    from unpack_trainer.data.default_data import tiny_model_config
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = SFTTrainer(
@@ -373,7 +373,12 @@ def analyze(
     """
     import numpy as np
 
-    from unpack_trainer.packing import balanced_step_order, best_fit_decreasing, shuffled_best_fit, windowed_best_fit
+    from unpack_trainer.data.packing import (
+        balanced_step_order,
+        best_fit_decreasing,
+        shuffled_best_fit,
+        windowed_best_fit,
+    )
 
     lengths, trained = prepared_samples(train_dataset, tokenizer, max_length)
     lengths_array, trained_array = np.asarray(lengths), np.asarray(trained)
@@ -541,8 +546,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from unpack_trainer.default_data import load_default_dataset, load_default_tokenizer
-    from unpack_trainer.packing import best_fit_decreasing
+    from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer
+    from unpack_trainer.data.packing import best_fit_decreasing
 
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()

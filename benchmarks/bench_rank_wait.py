@@ -6,7 +6,7 @@ optimizer step, with today's row order and with ``balanced_rank_order``.
 Each process trains the same tiny Llama (hidden 64, 2 layers, SDPA, patched so a packed row costs what its samples
 cost) on packed rows of 4,096 tokens (lognormal documents, median 600, sigma 1.0, clipped to [16, 4096]; one row per
 process per step). ``b / a`` of the cost model is measured first on this model
-([`unpack_trainer.sampler.measure_attention_cost_ratio`]). Every step each process times its forward and backward,
+([`unpack_trainer.data.sampler.measure_attention_cost_ratio`]). Every step each process times its forward and backward,
 then the two exchange their times (``all_reduce``): the wait is the slower one's time minus the faster one's. The
 orders run interleaved (before, after, before, after), torch on one thread per process; the table gives the median
 and mean wait per step and its share of the slower process's time.
@@ -32,7 +32,7 @@ MAX_LENGTH, NUM_ROWS, ROUNDS = 4096, 48, 2
 
 
 def _rows() -> list[list[int]]:
-    from unpack_trainer.packing import windowed_packing
+    from unpack_trainer.data.packing import windowed_packing
 
     lengths = np.clip(np.rint(np.random.default_rng(0).lognormal(np.log(600), 1.0, 400)), 16, MAX_LENGTH)
     lengths = lengths.astype(np.int64)
@@ -45,8 +45,8 @@ def _worker(rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from unpack_trainer import patch_model
-    from unpack_trainer.packing import balanced_rank_order, balanced_step_order, row_costs
-    from unpack_trainer.sampler import measure_attention_cost_ratio
+    from unpack_trainer.data.packing import balanced_rank_order, balanced_step_order, row_costs
+    from unpack_trainer.data.sampler import measure_attention_cost_ratio
     from unpack_trainer.tiny import packed_batch, tiny_model
 
     model = tiny_model(

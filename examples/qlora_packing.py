@@ -85,11 +85,11 @@ def quantization_config(compute_dtype: Any) -> Any:
 
 
 def save_tiny_model(directory: Path, tokenizer: Any, *, seed: int) -> Path:
-    """Build the tiny Llama of ``unpack_trainer.default_data`` and save it with its tokenizer, as a checkpoint."""
+    """Build the tiny Llama of ``unpack_trainer.data.default_data`` and save it with its tokenizer, as a checkpoint."""
     import torch
     from transformers import LlamaForCausalLM
 
-    from unpack_trainer.default_data import tiny_model_config
+    from unpack_trainer.data.default_data import tiny_model_config
 
     torch.manual_seed(seed)
     LlamaForCausalLM(tiny_model_config(tokenizer)).save_pretrained(directory)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from unpack_trainer.data_files import file_format, resolve_files
+from unpack_trainer.data.files import file_format, resolve_files
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_data_files(data: str) -> tuple[list[str], str]:
     """The files named by ``data`` (a file, a directory searched recursively, or a glob) and their ``datasets``
-    builder (``"json"`` or ``"parquet"``), through the package's one reader (``unpack_trainer.data_files``). Raises
+    builder (``"json"`` or ``"parquet"``), through the package's one reader (``unpack_trainer.data.files``). Raises
     ``SystemExit`` with one clear line when there are none, or when they mix formats."""
     try:
         files = resolve_files(data, suffixes=SUFFIXES)
@@ -80,7 +80,7 @@ def resolve_data_files(data: str) -> tuple[list[str], str]:
 
 def write_default_shards(directory: Path, *, file_format: str, num_shards: int) -> list[str]:
     """Write the embedded training set as ``num_shards`` JSONL or Parquet files; return their paths."""
-    from unpack_trainer.default_data import load_default_dataset
+    from unpack_trainer.data.default_data import load_default_dataset
 
     dataset = load_default_dataset("train")
     directory.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
+    from unpack_trainer.data.default_data import load_default_tokenizer, tiny_model_config
 
     hf_logging.set_verbosity_warning()
     datasets.disable_progress_bars()

@@ -30,7 +30,7 @@ def random_samples(seed: int = 3) -> list[torch.Tensor]:
 def two_rows(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The collator's batch for ``samples`` packed as :data:`ROWS`: ``input_ids`` / ``labels`` ``(2, 8)`` int64
     (each sample's first label ignored) and the packing metadata (``position_ids`` ``(2, 8)``)."""
-    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
+    from unpack_trainer.data.collator import IGNORE_INDEX, packed_metadata
 
     ids = torch.stack([torch.cat(samples[:2]), torch.cat(samples[2:])])
     labels = ids.clone()

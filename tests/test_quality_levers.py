@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer import SFTConfig, SFTTrainer
-from unpack_trainer.loss import sample_weights
-from unpack_trainer.packing import (
+from unpack_trainer.data.packing import (
     attention_cost_ratio,
     balanced_rank_order,
     balanced_step_order,
@@ -26,7 +25,8 @@ from unpack_trainer.packing import (
     windowed_best_fit,
     windowed_packing,
 )
-from unpack_trainer.sampler import BalancedStepSampler
+from unpack_trainer.data.sampler import BalancedStepSampler
+from unpack_trainer.loss import sample_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -435,7 +435,7 @@ def test_balanced_step_sampler_with_several_processes_uses_the_rank_order_per_ep
 
 def test_measure_attention_cost_ratio_leaves_the_model_as_found(tiny_llama):
     from unpack_trainer import patch_model, unpatch_model
-    from unpack_trainer.sampler import measure_attention_cost_ratio
+    from unpack_trainer.data.sampler import measure_attention_cost_ratio
 
     model = tiny_llama(vocab_size=64)
     patch_model(model)

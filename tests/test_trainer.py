@@ -321,7 +321,7 @@ def test_resume_from_checkpoint_continues_with_identical_batches(
 
 
 def test_streaming_dataset_packs_through_the_buffer(tokenizer, tmp_path, prompt_completion, sft_args, sft_train):
-    from unpack_trainer.streaming import StreamingPacker
+    from unpack_trainer.data.streaming import StreamingPacker
 
     stream = prompt_completion(40).to_iterable_dataset(num_shards=2)
     trainer, result = sft_train(
@@ -704,7 +704,7 @@ def test_streamed_truncation_is_counted_and_logged(tokenizer, tmp_path, packing,
 def test_start_line_is_info_once_with_the_shared_speedup_estimate(
     tokenizer, tmp_path, caplog, prompt_completion, sft_args, tiny_llama
 ):
-    from unpack_trainer.estimate import estimated_speedup
+    from unpack_trainer.data.estimate import estimated_speedup
 
     with caplog.at_level(logging.INFO, logger="unpack_trainer"):
         trainer = SFTTrainer(

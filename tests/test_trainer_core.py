@@ -12,7 +12,7 @@ from datasets import Dataset, Features, IterableDataset, Value
 
 from unpack_trainer import SFTConfig, SFTTrainer, _trl_compat
 from unpack_trainer.config import convert_config
-from unpack_trainer.sampler import BalancedStepSampler
+from unpack_trainer.data.sampler import BalancedStepSampler
 from unpack_trainer.trainers import PackedTrainerMixin
 from unpack_trainer.trainers._packed import _first_example
 

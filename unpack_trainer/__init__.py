@@ -17,20 +17,20 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # packing core
-    "best_fit_decreasing": "unpack_trainer.packing",
-    "first_fit": "unpack_trainer.packing",
-    "shuffle_rows": "unpack_trainer.packing",
-    "shuffled_best_fit": "unpack_trainer.packing",
-    "windowed_best_fit": "unpack_trainer.packing",
-    "windowed_packing": "unpack_trainer.packing",
-    "balanced_step_order": "unpack_trainer.packing",
-    "balanced_rank_order": "unpack_trainer.packing",
-    "packing_efficiency": "unpack_trainer.packing",
-    "pack_sequences": "unpack_trainer.tensor_packing",
-    "concatenate_and_pack": "unpack_trainer.tensor_packing",
-    "position_ids_from_sample_index": "unpack_trainer.tensor_packing",
-    "DataCollatorForPacking": "unpack_trainer.collator",
-    "PACKED_BATCH_KEYS": "unpack_trainer.collator",
+    "best_fit_decreasing": "unpack_trainer.data.packing",
+    "first_fit": "unpack_trainer.data.packing",
+    "shuffle_rows": "unpack_trainer.data.packing",
+    "shuffled_best_fit": "unpack_trainer.data.packing",
+    "windowed_best_fit": "unpack_trainer.data.packing",
+    "windowed_packing": "unpack_trainer.data.packing",
+    "balanced_step_order": "unpack_trainer.data.packing",
+    "balanced_rank_order": "unpack_trainer.data.packing",
+    "packing_efficiency": "unpack_trainer.data.packing",
+    "pack_sequences": "unpack_trainer.data.tensor_packing",
+    "concatenate_and_pack": "unpack_trainer.data.tensor_packing",
+    "position_ids_from_sample_index": "unpack_trainer.data.tensor_packing",
+    "DataCollatorForPacking": "unpack_trainer.data.collator",
+    "PACKED_BATCH_KEYS": "unpack_trainer.data.collator",
     # attention / model patches
     "patch_model": "unpack_trainer.models",
     "unpatch_model": "unpack_trainer.models",
@@ -45,12 +45,12 @@ _EXPORTS: dict[str, str] = {
     "DataCollatorForPackedPreference": "unpack_trainer.preference",
     "load_default_preference_dataset": "unpack_trainer.preference_data",
     # dataset preparation (what the trainer calls)
-    "pack_dataset": "unpack_trainer.data_utils",
-    "truncate_dataset": "unpack_trainer.data_utils",
-    "pack_iterable_dataset": "unpack_trainer.data_utils",
+    "pack_dataset": "unpack_trainer.data.preparation",
+    "truncate_dataset": "unpack_trainer.data.preparation",
+    "pack_iterable_dataset": "unpack_trainer.data.preparation",
     # streaming
-    "StreamingPacker": "unpack_trainer.streaming",
-    "streaming_dataset_reader": "unpack_trainer.data_files",
+    "StreamingPacker": "unpack_trainer.data.streaming",
+    "streaming_dataset_reader": "unpack_trainer.data.files",
     # a real pretrained model (the `real` extra)
     "load_smollm2": "unpack_trainer.real_model",
     "smollm2_path": "unpack_trainer.real_model",
@@ -106,12 +106,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from unpack_trainer.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
     from unpack_trainer.config import SFTConfig
-    from unpack_trainer.data_files import streaming_dataset_reader
-    from unpack_trainer.data_utils import pack_dataset, pack_iterable_dataset, truncate_dataset
-    from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
-    from unpack_trainer.packing import (
+    from unpack_trainer.data.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
+    from unpack_trainer.data.files import streaming_dataset_reader
+    from unpack_trainer.data.packing import (
         balanced_rank_order,
         balanced_step_order,
         best_fit_decreasing,
@@ -122,8 +120,10 @@ if TYPE_CHECKING:  # pragma: no cover
         windowed_best_fit,
         windowed_packing,
     )
+    from unpack_trainer.data.preparation import pack_dataset, pack_iterable_dataset, truncate_dataset
+    from unpack_trainer.data.streaming import StreamingPacker
+    from unpack_trainer.data.tensor_packing import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
+    from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated
-    from unpack_trainer.streaming import StreamingPacker
-    from unpack_trainer.tensor_packing import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
     from unpack_trainer.trainers.sft import SFTTrainer

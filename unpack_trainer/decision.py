@@ -49,7 +49,7 @@ PACKERS = {
     "shuffled": "shuffled best fit (global, a seeded random order)",
     "decreasing": "global best-fit decreasing",
 }
-"""``SFTConfig.packing_order`` -> the packer it chooses (``unpack_trainer.packing``), as the start line names it."""
+"""``SFTConfig.packing_order`` -> the packer it chooses (``unpack_trainer.data.packing``), as the start line names it."""
 
 
 def env_flag(env: Mapping[str, str], name: str) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers.data.data_collator import DataCollatorMixin
 
-from unpack_trainer.collator import IGNORE_INDEX
+from unpack_trainer.data.collator import IGNORE_INDEX
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
 

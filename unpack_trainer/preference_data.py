@@ -1,6 +1,6 @@
 """The embedded preference set: (prompt, chosen, rejected) triples made from the shipped instruction data.
 
-Every record of [`unpack_trainer.default_data`] (learnable tasks with one right answer: arithmetic, sorting,
+Every record of [`unpack_trainer.data.default_data`] (learnable tasks with one right answer: arithmetic, sorting,
 reversing, rewriting short stories, ...) gives one pair, with no download:
 
 - ``prompt``: the record's prompt; ``chosen``: its right answer (the record's completion);
@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from unpack_trainer.default_data import DEFAULT_SEED, load_default_records
+from unpack_trainer.data.default_data import DEFAULT_SEED, load_default_records
 
 if TYPE_CHECKING:  # pragma: no cover
     from datasets import Dataset

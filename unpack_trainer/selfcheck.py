@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from unpack_trainer import _trl_compat
-from unpack_trainer._validation import check_lengths
-from unpack_trainer.collator import packed_metadata
+from unpack_trainer.data.collator import packed_metadata
+from unpack_trainer.data.validation import check_lengths
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
 

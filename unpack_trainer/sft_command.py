@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from unpack_trainer import data_files
 from unpack_trainer.cli.commands import CLIError, one_line
 from unpack_trainer.cli.commands.sft import PROG, make_parser
+from unpack_trainer.data import files as data_files
 
 __all__ = ["check_arguments", "check_split", "load_sft_dataset", "main", "make_parser", "resolve_model_name", "run"]
 
@@ -88,7 +88,7 @@ def load_sft_dataset(name: str, *, config: str | None = None, streaming: bool = 
 
     - ``unpack_trainer:chat`` / ``unpack_trainer:default``: the embedded data, ``train`` and ``test`` splits;
     - a local file or a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``:
-      [`unpack_trainer.data_files.read_splits`] (a file is read with the ``datasets`` builder of its extension,
+      [`unpack_trainer.data.files.read_splits`] (a file is read with the ``datasets`` builder of its extension,
       ``.jsonl.gz`` -> ``json``, as split ``train``; a saved ``Dataset`` becomes ``train``);
     - anything else: ``datasets.load_dataset(name, name=config, streaming=streaming)``, exactly as ``trl sft``.
 
@@ -98,7 +98,7 @@ def load_sft_dataset(name: str, *, config: str | None = None, streaming: bool = 
     from datasets import load_dataset
 
     if name in DATASET_NAMES:
-        from unpack_trainer.default_data import load_default_dataset
+        from unpack_trainer.data.default_data import load_default_dataset
 
         return embedded_splits(load_default_dataset, conversational=DATASET_NAMES[name], streaming=streaming)
     path = Path(name).expanduser()

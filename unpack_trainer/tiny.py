@@ -2,7 +2,7 @@
 
 The one home for "a tiny model of architecture X", and for the two batches every equivalence check compares (the same
 samples packed in one row, and padded): the coverage check (:mod:`unpack_trainer.models.coverage`), the
-default data's tiny Llama (:func:`unpack_trainer.default_data.tiny_model_config`), the tests (through the fixtures in
+default data's tiny Llama (:func:`unpack_trainer.data.default_data.tiny_model_config`), the tests (through the fixtures in
 ``tests/conftest.py``) and the scripts they launch all build their models here.
 
     >>> from unpack_trainer.tiny import char_tokenizer, tiny_config, tiny_model
@@ -275,7 +275,7 @@ def char_tokenizer() -> Any:
 def packed_batch(samples: list[Any]) -> dict[str, Any]:
     """The samples in one packed row, in the collator's contract: ``input_ids`` / ``labels`` ``(1, total_tokens)``
     int64 with ``-100`` at each sample's first label, no ``attention_mask``, and
-    [`unpack_trainer.collator.packed_metadata`] (restarting ``position_ids`` ``(1, total_tokens)``,
+    [`unpack_trainer.data.collator.packed_metadata`] (restarting ``position_ids`` ``(1, total_tokens)``,
     ``packed_seq_lengths``, ``cu_seq_lens_*``, ``max_length_*``).
 
     Args:
@@ -283,7 +283,7 @@ def packed_batch(samples: list[Any]) -> dict[str, Any]:
     """
     import torch
 
-    from unpack_trainer.collator import IGNORE_INDEX, packed_metadata
+    from unpack_trainer.data.collator import IGNORE_INDEX, packed_metadata
 
     ids = torch.cat(samples).unsqueeze(0)
     labels = ids.clone()

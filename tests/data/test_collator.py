@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from unpack_trainer import PACKED_BATCH_KEYS, DataCollatorForPacking
-from unpack_trainer.collator import packed_metadata
+from unpack_trainer.data.collator import packed_metadata
 
 t = torch.tensor
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from unpack_trainer import default_data
-from unpack_trainer.default_data import (
+from unpack_trainer.data import default_data
+from unpack_trainer.data.default_data import (
     CHAT_TEMPLATE,
     DATA_DIR,
     DEFAULT_EVAL_SIZE,
@@ -308,7 +308,7 @@ def test_trl_trains_with_packing_and_assistant_only_loss(tokenizer, tmp_path):
 
 def test_import_is_free_of_side_effects():
     code = (
-        "import sys, unpack_trainer.default_data;"
+        "import sys, unpack_trainer.data.default_data;"
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'tokenizers') if m in sys.modules];"
         "print(json.dumps(heavy))"
     )

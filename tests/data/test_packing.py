@@ -16,7 +16,7 @@ from unpack_trainer import (
     position_ids_from_sample_index,
     shuffle_rows,
 )
-from unpack_trainer.packing import (
+from unpack_trainer.data.packing import (
     _best_fit_decreasing_assign,
     _best_fit_decreasing_assign_small,
     _rows_from_assignment,
@@ -221,12 +221,12 @@ def test_overflow_error_truncate_split(caplog):
     sequences = [[1, 2, 3, 4, 5, 6], [7, 8]]
     with pytest.raises(ValueError, match="Sample 0 has 6 tokens, more than max_length=4"):
         pack_sequences(sequences, 4, 0)
-    with caplog.at_level(logging.WARNING, logger="unpack_trainer.packing"):
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer.data.packing"):
         truncated = pack_sequences(sequences, 4, 0, overflow="truncate")
     assert truncated.tolist() == [[1, 2, 3, 4], [7, 8, 0, 0]]
     assert "1 sample(s) longer than max_length=4 were truncated, dropping 2 token(s)" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="unpack_trainer.packing"):
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer.data.packing"):
         split = pack_sequences(sequences, 4, 0, overflow="split")
     assert split.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert "were split into chunks" in caplog.text

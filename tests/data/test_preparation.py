@@ -1,4 +1,4 @@
-"""``unpack_trainer.data_utils``: the dataset-level preparation the trainer calls (truncate, pack)."""
+"""``unpack_trainer.data.preparation``: the dataset-level preparation the trainer calls (truncate, pack)."""
 
 import ast
 import logging
@@ -9,7 +9,7 @@ from datasets import Dataset
 
 import unpack_trainer
 from unpack_trainer import pack_dataset, truncate_dataset
-from unpack_trainer.data_utils import check_packed_rows, sample_lengths, samples_per_row, split_packed_rows
+from unpack_trainer.data.preparation import check_packed_rows, sample_lengths, samples_per_row, split_packed_rows
 
 
 def _dataset(**columns):
@@ -313,8 +313,8 @@ def _imports(module: str) -> set[str]:
 
 
 def test_the_data_path_walks_one_way():
-    """trainer -> data_utils -> packing / streaming, never back up."""
-    assert "unpack_trainer.data_utils" in _imports("trainers/sft")
-    assert "unpack_trainer.streaming" not in _imports("trainers/sft")
-    for lower in ("streaming", "packing"):
-        assert not {"unpack_trainer.trainer", "unpack_trainer.data_utils"} & _imports(lower), lower
+    """trainer -> preparation -> packing / streaming, never back up."""
+    assert "unpack_trainer.data.preparation" in _imports("trainers/sft")
+    assert "unpack_trainer.data.streaming" not in _imports("trainers/sft")
+    for lower in ("data/streaming", "data/packing"):
+        assert not {"unpack_trainer.trainer", "unpack_trainer.data.preparation"} & _imports(lower), lower

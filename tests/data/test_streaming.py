@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from unpack_trainer import DataCollatorForPacking, StreamingPacker, best_fit_decreasing, streaming_dataset_reader
-from unpack_trainer import streaming as streaming_module
-from unpack_trainer.data_utils import pack_iterable_dataset
+from unpack_trainer.data import streaming as streaming_module
+from unpack_trainer.data.preparation import pack_iterable_dataset
 
 
 def _samples(lengths, *, labels=False):
@@ -266,7 +266,7 @@ def test_sample_longer_than_max_length_names_sample_and_limit():
 
 def test_truncate_and_split_are_counted_and_logged(caplog):
     lengths = [3, 20, 5]
-    with caplog.at_level(logging.WARNING, logger="unpack_trainer.streaming"):
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer.data.streaming"):
         packer = StreamingPacker(_samples(lengths, labels=True), 8, overflow="truncate")
         rows = list(packer)
     assert packer.stats["truncated"] == 1 and packer.stats["truncated_tokens"] == 12
@@ -274,7 +274,7 @@ def test_truncate_and_split_are_counted_and_logged(caplog):
     assert "1 sample(s) longer than max_length=8 were truncated, dropping 12 token(s)" in caplog.text
 
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="unpack_trainer.streaming"):
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer.data.streaming"):
         packer = StreamingPacker(_samples(lengths, labels=True), 8, overflow="split")
         rows = list(packer)
     assert packer.stats["split"] == 1 and packer.stats["split_chunks"] == 3

@@ -1,4 +1,4 @@
-"""The tensor packing API (``unpack_trainer/tensor_packing.py``): the vectorised ``pack_sequences`` and
+"""The tensor packing API (``unpack_trainer/data/tensor_packing.py``): the vectorised ``pack_sequences`` and
 ``concatenate_and_pack`` equal a simple sample-by-sample reference on random inputs (every container kind, strategy,
 overflow policy, mask padding, separator), and the ``eos_token_id`` separator keeps every boundary."""
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
-from unpack_trainer._validation import overflow_spans
-from unpack_trainer.packing import pack_lengths
+from unpack_trainer.data.packing import pack_lengths
+from unpack_trainer.data.validation import overflow_spans
 
 t = torch.tensor
 MAX_LENGTHS = st.integers(1, 12)
@@ -179,7 +179,7 @@ def test_eos_separator_counts_toward_max_length(caplog):
     ):
         pack_sequences([[1], [1, 2, 3, 4]], 4, 0, eos_token_id=9)
     assert pack_sequences([[1], [1, 2, 3]], 4, 0, eos_token_id=9).tolist() == [[1, 9, 0, 0], [1, 2, 3, 9]]
-    with caplog.at_level(logging.WARNING, logger="unpack_trainer.tensor_packing"):
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer.data.tensor_packing"):
         truncated = concatenate_and_pack([[1, 2, 3, 4]], None, None, 4, 0, overflow="truncate", eos_token_id=9)
     assert truncated.input_ids.tolist() == [[1, 2, 3, 4]]  # a cut sample did not end: no separator
     assert "dropping 1 token(s)" in caplog.text

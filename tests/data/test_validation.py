@@ -19,7 +19,7 @@ from unpack_trainer import (
     concatenate_and_pack,
     pack_sequences,
 )
-from unpack_trainer._validation import (
+from unpack_trainer.data.validation import (
     check_dataset_token_ids,
     check_overflow,
     check_positive_int,

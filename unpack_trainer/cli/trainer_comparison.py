@@ -69,7 +69,7 @@ def lognormal_lengths_with_mean(
 def tiny_llama_config(**overrides: Any):
     """The benchmark model: hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096 (about 3.6M parameters).
 
-    DESIGN's benchmark size, built without a tokenizer; [`unpack_trainer.default_data.tiny_model_config`] is a
+    DESIGN's benchmark size, built without a tokenizer; [`unpack_trainer.data.default_data.tiny_model_config`] is a
     different, smaller model (0.4M parameters) sized from the embedded tokenizer for CPU fine-tuning.
     """
     from transformers import LlamaConfig
@@ -103,7 +103,7 @@ def _setup(data: str, max_length: int, num_samples: int):
 
     torch.manual_seed(0)
     if data == "default":
-        from unpack_trainer.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
+        from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
 
         tokenizer = load_default_tokenizer()
         model = LlamaForCausalLM(tiny_model_config(tokenizer))

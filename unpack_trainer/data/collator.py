@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers.data.data_collator import DataCollatorMixin
 
-from unpack_trainer._validation import check_positive_int, check_seq_lengths, token_list
+from unpack_trainer.data.validation import check_positive_int, check_seq_lengths, token_list
 from unpack_trainer.packed_seq_info import restart_positions, zero_prefixed_cumsum
 
 __all__ = ["IGNORE_INDEX", "PACKED_BATCH_KEYS", "DataCollatorForPacking", "packed_metadata"]

@@ -16,13 +16,13 @@ Everything needed for a first fine-tune on a laptop CPU with no download ships i
 The files are produced by [`generate_default_dataset`] and [`train_default_tokenizer`]; regenerate them
 byte-identically with::
 
-    python -m unpack_trainer.default_data --write
+    python -m unpack_trainer.data.default_data --write
 
 Nothing happens at import time: the files are read, and ``datasets``/``transformers`` imported, only when a loader is
 called.
 
 Example:
-    >>> from unpack_trainer.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
+    >>> from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
     >>> from transformers import LlamaForCausalLM
     >>> tokenizer = load_default_tokenizer()
     >>> model = LlamaForCausalLM(tiny_model_config(tokenizer))
@@ -63,7 +63,7 @@ __all__ = [
     "write_default_files",
 ]
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent
 """Directory holding the shipped files."""
 
 DEFAULT_SEED = 0
@@ -494,7 +494,7 @@ def tiny_model_config(tokenizer: Any, **overrides: Any) -> LlamaConfig:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m unpack_trainer.default_data",
+        prog="python -m unpack_trainer.data.default_data",
         description="Regenerate (--write) or verify (--check) the embedded default dataset and tokenizer.",
     )
     action = parser.add_mutually_exclusive_group(required=True)

@@ -86,7 +86,7 @@ class PackingAnalysis:
         row_fill: ``(len(rows),)`` float64 real tokens / ``max_length`` of each packed row.
         default_packing: what the trainer's default packer (``packing_order="windowed"``, seed 0) chooses for these
             lengths: its window, fillers and rows against best-fit decreasing
-            ([`unpack_trainer.packing.WindowedPacking.describe`]).
+            ([`unpack_trainer.data.packing.WindowedPacking.describe`]).
     """
 
     lengths: np.ndarray
@@ -158,7 +158,7 @@ def analyze_lengths(lengths: Sequence[int] | np.ndarray, max_length: int, batch_
         >>> a.sorted_padded_tokens, len(a.rows), a.packed_tokens   # sorted batches [10, 10] [10, 100]: 20 + 200
         (220, 1, 130)
     """
-    from unpack_trainer.packing import best_fit_decreasing, windowed_packing
+    from unpack_trainer.data.packing import best_fit_decreasing, windowed_packing
 
     if max_length < 1:
         raise ValueError(f"`max_length` must be at least 1, got {max_length}.")

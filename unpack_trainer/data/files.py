@@ -1,6 +1,6 @@
 """Reading local data files: JSON Lines (optionally gzipped), Parquet, Arrow, and ``Dataset.save_to_disk`` folders.
 
-The one reader of the package, used by [`unpack_trainer.streaming`] (through [`streaming_dataset_reader`]),
+The one reader of the package, used by [`unpack_trainer.data.streaming`] (through [`streaming_dataset_reader`]),
 ``unpack-trainer analyze``, ``unpack-trainer sft`` and the examples. One function per concern:
 
 - [`file_format`]: a data file's format from its suffix (one suffix table for every reader);
@@ -13,7 +13,7 @@ The one reader of the package, used by [`unpack_trainer.streaming`] (through [`s
 
 Example::
 
-    >>> from unpack_trainer.data_files import read_table, streaming_dataset_reader
+    >>> from unpack_trainer.data.files import read_table, streaming_dataset_reader
     >>> train = read_table("data/train.jsonl.gz")                      # doctest: +SKIP
     >>> held_out = read_table("saved_dataset", split="validation")      # doctest: +SKIP
     >>> for batch in streaming_dataset_reader("data/*.parquet", 512):   # doctest: +SKIP
@@ -316,7 +316,7 @@ class StreamingDatasetReader:
     """
 
     def __init__(self, files: Sequence[str], batch_size: int, columns: Sequence[str] | None = None) -> None:
-        from unpack_trainer._validation import check_positive_int  # imports torch: not at import time (the CLI's)
+        from unpack_trainer.data.validation import check_positive_int  # imports torch: not at import time (the CLI's)
 
         self.files = list(files)
         self.batch_size = check_positive_int(batch_size, "batch_size")

@@ -1,7 +1,7 @@
 """Bin packing of samples into fixed-capacity rows: which samples share a row, decided from their lengths alone.
 
 Everything here is a pure function of lengths: no model code, no global state. Writing token sequences into packed
-tensors (``pack_sequences``, ``concatenate_and_pack``) lives in [`unpack_trainer.tensor_packing`]; those names can
+tensors (``pack_sequences``, ``concatenate_and_pack``) lives in [`unpack_trainer.data.tensor_packing`]; those names can
 still be imported from this module.
 """
 
@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from unpack_trainer._validation import as_sequence, check_positive_int
+from unpack_trainer.data.validation import as_sequence, check_positive_int
 
 Strategy = Literal["first_fit", "bfd"]
 
@@ -830,7 +830,7 @@ _TENSOR_PACKING = ("pack_sequences", "concatenate_and_pack", "PackedRows", "posi
 
 
 def __getattr__(name: str):
-    # The tensor packing API moved to `unpack_trainer.tensor_packing` (which imports this module); its names stay
+    # The tensor packing API moved to `unpack_trainer.data.tensor_packing` (which imports this module); its names stay
     # importable from here.
     if name in _TENSOR_PACKING:
         from unpack_trainer import tensor_packing

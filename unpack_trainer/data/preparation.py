@@ -12,7 +12,7 @@ The walk of a training set through ``SFTTrainer`` with ``packing=True``::
   token, with counts (a map-style dataset or a stream).
 - [`pack_dataset`]: a map-style dataset into rows of ``max_length`` tokens with the global packer of ``packing.py``;
   each row holds its samples' tokens side by side and their lengths in ``seq_lengths``.
-- [`pack_iterable_dataset`]: a stream into such rows, on the fly, with [`~unpack_trainer.streaming.StreamingPacker`].
+- [`pack_iterable_dataset`]: a stream into such rows, on the fly, with [`~unpack_trainer.data.streaming.StreamingPacker`].
 - [`split_packed_rows`] / [`check_packed_rows`]: datasets whose rows were packed ahead (a ``seq_lengths`` column).
 """
 
@@ -30,9 +30,9 @@ import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from unpack_trainer._logging import log_once
-from unpack_trainer._validation import Overflow, check_positive_int, check_seq_lengths
-from unpack_trainer.packing import best_fit_decreasing, shuffled_best_fit, split_rows, windowed_packing
-from unpack_trainer.streaming import StreamingPacker
+from unpack_trainer.data.packing import best_fit_decreasing, shuffled_best_fit, split_rows, windowed_packing
+from unpack_trainer.data.streaming import StreamingPacker
+from unpack_trainer.data.validation import Overflow, check_positive_int, check_seq_lengths
 
 __all__ = [
     "TruncationCounts",
@@ -433,8 +433,8 @@ def pack_dataset(
 
     A map-style dataset is packed with a global packer: unlike TRL's ``pack_dataset`` (best-fit decreasing over
     windows of 1,000 rows, one ``dataset.map`` batch each), the packer sees every sample at once
-    ([`~unpack_trainer.packing.best_fit_decreasing`], [`~unpack_trainer.packing.shuffled_best_fit`] or
-    [`~unpack_trainer.packing.windowed_best_fit`]). A stream (``IterableDataset``) is packed as TRL packs it, one
+    ([`~unpack_trainer.data.packing.best_fit_decreasing`], [`~unpack_trainer.data.packing.shuffled_best_fit`] or
+    [`~unpack_trainer.data.packing.windowed_best_fit`]). A stream (``IterableDataset``) is packed as TRL packs it, one
     ``map`` batch at a time, with the same packer. A sample is never cut across rows: each goes whole into one row,
     and ``seq_lengths`` keeps the boundaries, so the packed collator can keep every sample apart (positions restarting
     at 0, no attention across samples, no label across a boundary).
@@ -475,11 +475,11 @@ def pack_dataset(
             ``"windowed"``: samples taken in a seeded random order, each into the best-fitting of the last few open
             rows, so a row holds samples that follow each other in that order, as a random batch would; the window
             widens only as far as needed for at most 1% more rows than best-fit decreasing
-            ([`~unpack_trainer.packing.windowed_packing`]; the choice is logged once); what `SFTTrainer` uses by
+            ([`~unpack_trainer.data.packing.windowed_packing`]; the choice is logged once); what `SFTTrainer` uses by
             default (`SFTConfig.packing_order`).
         max_samples_per_row: the most samples a row may hold (rows close once they reach it, so they may be less
             full); implies the shuffled packer. ``None``: no bound.
-        rows_multiple_of: split rows of several samples ([`~unpack_trainer.packing.split_rows`]) until the number
+        rows_multiple_of: split rows of several samples ([`~unpack_trainer.data.packing.split_rows`]) until the number
             of rows is a multiple of this (the trainer passes ``per_device_train_batch_size * world_size`` with
             several processes, so that none gets a row twice to even out the last batches).
         window: with ``order="windowed"``, a fixed number of open rows (no bound on the rows then); ``None``: chosen

@@ -1,14 +1,14 @@
 """``BalancedStepSampler``: the order in which packed rows are drawn so that every optimizer step holds balanced
-numbers of samples ([`unpack_trainer.packing.balanced_step_order`]) and, with several data-parallel processes, every
+numbers of samples ([`unpack_trainer.data.packing.balanced_step_order`]) and, with several data-parallel processes, every
 process of a step gets rows of the same cost and about the same number of samples
-([`unpack_trainer.packing.balanced_rank_order`])."""
+([`unpack_trainer.data.packing.balanced_rank_order`])."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from unpack_trainer.packing import balanced_rank_order, balanced_step_order
+from unpack_trainer.data.packing import balanced_rank_order, balanced_step_order
 
 
 class BalancedStepSampler(torch.utils.data.Sampler):
@@ -26,7 +26,7 @@ class BalancedStepSampler(torch.utils.data.Sampler):
         seed: the order of epoch ``e`` uses seed ``seed + e`` (the trainer passes ``data_seed``, else ``seed``).
         num_ranks: data-parallel processes.
         batch_size: rows per process per forward (``per_device_train_batch_size``); with ``num_ranks > 1``.
-        costs: ``(num_rows,)`` float64 cost of each row ([`unpack_trainer.packing.row_costs`]); with
+        costs: ``(num_rows,)`` float64 cost of each row ([`unpack_trainer.data.packing.row_costs`]); with
             ``num_ranks > 1`` (``None``: the row's sample count stands in).
     """
 

@@ -5,7 +5,7 @@ ahead of time. [`StreamingPacker`] packs it on the fly:
 
 1. It reads up to ``buffer_size`` samples into a buffer.
 2. ``select_samples_to_pack(buffer)`` groups them into rows; by default with the global
-   [`~unpack_trainer.packing.best_fit_decreasing`] over the whole buffer.
+   [`~unpack_trainer.data.packing.best_fit_decreasing`] over the whole buffer.
 3. Every row at least ``full_row_fill`` full (default 0.995: at most 10 free tokens out of 2048) is emitted. The
    other rows are *held back*: their samples stay in the buffer, the buffer is topped up with the next samples of the
    stream, and the whole buffer is packed again, so the new samples fill the gaps of the held rows (a held sample is
@@ -50,7 +50,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unpack_trainer._logging import log_once
-from unpack_trainer._validation import (
+from unpack_trainer.data.packing import best_fit_decreasing, gc_paused
+from unpack_trainer.data.validation import (
     Overflow,
     check_overflow,
     check_positive_int,
@@ -60,7 +61,6 @@ from unpack_trainer._validation import (
     token_list,
     value_list,
 )
-from unpack_trainer.packing import best_fit_decreasing, gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -573,7 +573,7 @@ class StreamingPacker(IterableDataset):
     def _check_sample(self, item: Any, index: int) -> tuple[Sample, int]:
         """Validate one source item; return it with its token fields as lists, and its length.
 
-        Token fields get the O(1) check of [`unpack_trainer._validation.token_list`] with ``scan=False`` (container,
+        Token fields get the O(1) check of [`unpack_trainer.data.validation.token_list`] with ``scan=False`` (container,
         dtype, first and last values), so that packing stays at hundreds of thousands of samples per second; the
         collator checks every value of the rows.
         """
@@ -759,9 +759,9 @@ class StreamingPacker(IterableDataset):
         log_overflow(logger, "split", stats["split"], self.max_length, chunks=stats["split_chunks"])
 
 
-# The file reader moved to unpack_trainer/data_files.py (one reader for streaming, the CLI and the examples); its
+# The file reader moved to unpack_trainer/data/files.py (one reader for streaming, the CLI and the examples); its
 # public names stay importable from here.
-from unpack_trainer.data_files import (  # noqa: E402, F401
+from unpack_trainer.data.files import (  # noqa: E402, F401
     StreamingDatasetReader,
     StreamingRows,
     streaming_dataset_reader,

@@ -1,6 +1,6 @@
 """Token sequences -> packed tensors: [`pack_sequences`] and [`concatenate_and_pack`].
 
-Which samples share a row is decided by the packers of [`unpack_trainer.packing`] (over lengths only); this module
+Which samples share a row is decided by the packers of [`unpack_trainer.data.packing`] (over lengths only); this module
 writes the tokens into ``(num_rows, max_length)`` int64 tensors with everything needed to train without
 contamination.
 
@@ -42,7 +42,7 @@ masks with padding, ``overflow="truncate"`` / ``"split"`` with long samples) tak
 4. ``torch.from_numpy``, no copy.
 
 Bad input is found by the vectorised checks; the per-sample checks ([`_check_samples_one_by_one`]) then run only to
-name the first bad sample with the same words as the rest of the library ([`unpack_trainer._validation`]).
+name the first bad sample with the same words as the rest of the library ([`unpack_trainer.data.validation`]).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from struct import error as StructError
 import numpy as np
 import torch
 
-from unpack_trainer._validation import (
+from unpack_trainer.data.packing import Strategy, pack_lengths
+from unpack_trainer.data.validation import (
     INT64_MAX,
     INT64_MIN,
     Overflow,
@@ -70,7 +71,6 @@ from unpack_trainer._validation import (
     token_list,
     too_long_error,
 )
-from unpack_trainer.packing import Strategy, pack_lengths
 
 logger = logging.getLogger(__name__)
 

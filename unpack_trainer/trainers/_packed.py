@@ -47,10 +47,10 @@ from transformers.trainer_utils import has_length
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
 from unpack_trainer.config import convert_config
-from unpack_trainer.data_utils import TruncationCounts, samples_per_row
+from unpack_trainer.data.packing import attention_cost_ratio, row_costs
+from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
+from unpack_trainer.data.sampler import BalancedStepSampler
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
-from unpack_trainer.packing import attention_cost_ratio, row_costs
-from unpack_trainer.sampler import BalancedStepSampler
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
 logger = logging.getLogger("unpack_trainer")
@@ -147,7 +147,7 @@ class PackedTrainerMixin:
     Attributes:
         unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
         unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the estimated speedup
-            ([`unpack_trainer.estimate`]) for the training set; for a streamed training set, the truncation counts
+            ([`unpack_trainer.data.estimate`]) for the training set; for a streamed training set, the truncation counts
             (``"truncation"``) as they are read.
         unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
             started (``None`` before, and when nothing is packed).
@@ -445,7 +445,7 @@ class PackedTrainerMixin:
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         """With ``balance_samples_per_step`` and packed rows: a sampler whose optimizer steps hold balanced numbers of
-        samples ([`unpack_trainer.packing.balanced_step_order`]); otherwise the Trainer's own sampler."""
+        samples ([`unpack_trainer.data.packing.balanced_step_order`]); otherwise the Trainer's own sampler."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
         args = self.args
         if (

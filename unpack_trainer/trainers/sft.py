@@ -19,10 +19,10 @@ from datasets import Dataset, IterableDataset
 from transformers import TrainingArguments
 
 from unpack_trainer import _trl_compat
-from unpack_trainer._validation import check_dataset_token_ids
-from unpack_trainer.collator import DataCollatorForPacking
 from unpack_trainer.config import SFTConfig
-from unpack_trainer.data_utils import (
+from unpack_trainer.data.collator import DataCollatorForPacking
+from unpack_trainer.data.estimate import estimated_speedup
+from unpack_trainer.data.preparation import (
     check_packed_rows,
     column_names,
     pack_dataset,
@@ -31,7 +31,7 @@ from unpack_trainer.data_utils import (
     split_packed_rows,
     truncate_dataset,
 )
-from unpack_trainer.estimate import estimated_speedup
+from unpack_trainer.data.validation import check_dataset_token_ids
 from unpack_trainer.loss import sample_weights
 from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
 
@@ -54,7 +54,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     Attributes:
         unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
         unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the estimated speedup
-            ([`unpack_trainer.estimate`]) for the training set; for a streamed training set, the truncation counts
+            ([`unpack_trainer.data.estimate`]) for the training set; for a streamed training set, the truncation counts
             (``"truncation"``) as they are read.
         unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
             started (``None`` before, and when nothing is packed).

@@ -1,8 +1,8 @@
 """``unpack-trainer analyze DATA --max-length N``: what packing does for a dataset, before any training.
 
 Sample length statistics, the padding that padded batching would process, how many rows the global
-best-fit-decreasing packer needs, and the estimated speedup ([`unpack_trainer.estimate`], the trainer's start line
-uses the same definition). Files are read with [`unpack_trainer.data_files`], the package's one reader.
+best-fit-decreasing packer needs, and the estimated speedup ([`unpack_trainer.data.estimate`], the trainer's start line
+uses the same definition). Files are read with [`unpack_trainer.data.files`], the package's one reader.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from unpack_trainer import data_files
 from unpack_trainer.cli.commands import CLIError, add_command_parser, one_line, positive_int
-from unpack_trainer.estimate import PackingAnalysis, analyze_lengths
+from unpack_trainer.data import files as data_files
+from unpack_trainer.data.estimate import PackingAnalysis, analyze_lengths
 
 __all__ = ["add_command", "detect_layout", "format_report", "open_table", "read_lengths", "write_plot"]
 
@@ -82,7 +82,7 @@ def _json_array_table(path: Path) -> _Table:
 
 
 def _json_lines_table(path: Path) -> _Table:
-    """A JSON Lines file, read line by line ([`unpack_trainer.data_files.iter_json_lines`])."""
+    """A JSON Lines file, read line by line ([`unpack_trainer.data.files.iter_json_lines`])."""
     first = next(data_files.iter_json_lines(path), (0, {}))[1]
     num_rows = data_files.count_json_lines(path)
 
@@ -108,7 +108,7 @@ def _fields(record: dict, wanted: list[str], where: str, path: Path) -> dict:
 
 
 def _arrow_table(path: Path, kind: str) -> _Table:
-    """A Parquet or Arrow file, read in record batches ([`unpack_trainer.data_files.StreamingDatasetReader`])."""
+    """A Parquet or Arrow file, read in record batches ([`unpack_trainer.data.files.StreamingDatasetReader`])."""
     columns, num_rows = data_files.arrow_columns_and_rows(path)
 
     def batches(wanted: list[str]) -> Iterator[dict[str, list[Any]]]:
@@ -141,7 +141,7 @@ def _saved_dataset_table(path: Path, split: str | None) -> _Table:
 
 
 def _default_table(split: str | None) -> _Table:
-    from unpack_trainer.default_data import SPLITS, load_default_records
+    from unpack_trainer.data.default_data import SPLITS, load_default_records
 
     split = split or "train"
     if split not in SPLITS:
@@ -226,7 +226,7 @@ def detect_layout(columns: Sequence[str]) -> str:
 def load_tokenizer(path: str | None) -> tuple[Any, str]:
     """The tokenizer at ``path`` (a directory or a ``tokenizer.json``), or the embedded default; and a description."""
     if path is None:
-        from unpack_trainer.default_data import load_default_tokenizer
+        from unpack_trainer.data.default_data import load_default_tokenizer
 
         return load_default_tokenizer(), "embedded default tokenizer (pass --tokenizer PATH to count with yours)"
     location = Path(path)
