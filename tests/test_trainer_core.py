@@ -105,9 +105,6 @@ def test_every_name_listed_exists_in_the_installed_trl():
 def test_sft_trainer_is_the_core_in_front_of_trls_trainer():
     assert SFTTrainer.__mro__[1:3] == (PackedTrainerMixin, trl.SFTTrainer)
     assert SFTTrainer.unpack_config_class is SFTConfig and SFTTrainer.unpack_trl_class is trl.SFTTrainer
-    from unpack_trainer import trainer
-
-    assert trainer.SFTTrainer is SFTTrainer  # the former module stays importable
 
 
 # ------------------------------------------------------------------------------------------------ what the core reads

@@ -189,7 +189,7 @@ def main(script_args: Any, training_args: Any, model_args: Any, dataset_args: An
     from accelerate.logging import get_logger
     from trl import get_dataset, get_peft_config, get_quantization_config
 
-    from unpack_trainer.trainer import SFTTrainer
+    from unpack_trainer.trainers.sft import SFTTrainer
 
     logger = get_logger(__name__)
     check_arguments(script_args, training_args, model_args, dataset_args)

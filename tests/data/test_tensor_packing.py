@@ -246,16 +246,10 @@ def test_the_first_bad_sample_is_named_in_sample_order():
         concatenate_and_pack([[1, 2, 3], [4]], None, [[0, 1, 1], [2]], 8, 0)
 
 
-def test_empty_input_and_the_old_import_path():
+def test_empty_input():
     assert pack_sequences([], 4, 0).shape == (0, 4)
     rows = concatenate_and_pack([], None, None, 4, 0, return_position_ids=True)
     assert [part.shape for part in rows] == [(0, 4)] * 4
-    from unpack_trainer import packing, tensor_packing
-
-    assert packing.pack_sequences is tensor_packing.pack_sequences
-    assert packing.PackedRows is tensor_packing.PackedRows
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        packing.nothing  # noqa: B018
 
 
 @pytest.mark.parametrize("kind", [list, tuple])

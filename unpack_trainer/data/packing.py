@@ -1,8 +1,7 @@
 """Bin packing of samples into fixed-capacity rows: which samples share a row, decided from their lengths alone.
 
 Everything here is a pure function of lengths: no model code, no global state. Writing token sequences into packed
-tensors (``pack_sequences``, ``concatenate_and_pack``) lives in [`unpack_trainer.data.tensor_packing`]; those names can
-still be imported from this module.
+tensors (``pack_sequences``, ``concatenate_and_pack``) lives in [`unpack_trainer.data.tensor_packing`].
 """
 
 from __future__ import annotations
@@ -824,16 +823,3 @@ def pack_lengths(
         rows = first_fit(lengths, capacity)
         return rows if seed is None else shuffle_rows(rows, seed)
     raise ValueError(f"Unknown packing strategy {strategy!r}; use one of {_STRATEGIES}.")
-
-
-_TENSOR_PACKING = ("pack_sequences", "concatenate_and_pack", "PackedRows", "position_ids_from_sample_index")
-
-
-def __getattr__(name: str):
-    # The tensor packing API moved to `unpack_trainer.data.tensor_packing` (which imports this module); its names stay
-    # importable from here.
-    if name in _TENSOR_PACKING:
-        from unpack_trainer import tensor_packing
-
-        return getattr(tensor_packing, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -757,12 +757,3 @@ class StreamingPacker(IterableDataset):
         stats = state.stats
         log_overflow(logger, "truncate", stats["truncated"], self.max_length, tokens=stats["truncated_tokens"])
         log_overflow(logger, "split", stats["split"], self.max_length, chunks=stats["split_chunks"])
-
-
-# The file reader moved to unpack_trainer/data/files.py (one reader for streaming, the CLI and the examples); its
-# public names stay importable from here.
-from unpack_trainer.data.files import (  # noqa: E402, F401
-    StreamingDatasetReader,
-    StreamingRows,
-    streaming_dataset_reader,
-)
