@@ -87,9 +87,8 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from unpack_trainer import DPOConfig, DPOTrainer
+    from unpack_trainer import DPOConfig, DPOTrainer, load_default_tokenizer, tiny_model_config
     from unpack_trainer.cli.sft_comparison import checkpointing_off
-    from unpack_trainer.data.default_data import load_default_tokenizer, tiny_model_config
 
     hf_logging.set_verbosity_error()
     disable_progress_bar()

@@ -194,8 +194,7 @@ def train_arm(
     import torch
     from transformers import LlamaForCausalLM, PrinterCallback, TrainerCallback
 
-    from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.data.default_data import tiny_model_config
+    from unpack_trainer import SFTConfig, SFTTrainer, tiny_model_config
 
     overrides = dict(ARMS[arm][1])
     packed = overrides["packing"]
@@ -335,8 +334,7 @@ def prepared_samples(train_dataset: Any, tokenizer: Any, max_length: int) -> tup
     truncation to ``max_length``, samples without a trained token dropped): read back from a packed trainer's rows."""
     from transformers import LlamaForCausalLM
 
-    from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.data.default_data import tiny_model_config
+    from unpack_trainer import SFTConfig, SFTTrainer, tiny_model_config
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = SFTTrainer(
@@ -546,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer
+    from unpack_trainer import load_default_dataset, load_default_tokenizer
     from unpack_trainer.data.packing import best_fit_decreasing
 
     torch.set_num_threads(args.threads)

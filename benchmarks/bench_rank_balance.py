@@ -45,7 +45,7 @@ def main_job_lengths(n: int, max_length: int, seed: int = 0) -> np.ndarray:
     """The main job's prepared sample lengths (``bench_quality.prepared_samples``), resampled to ``n``."""
     from bench_quality import prepared_samples
 
-    from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer
+    from unpack_trainer import load_default_dataset, load_default_tokenizer
 
     lengths, _ = prepared_samples(load_default_dataset("train"), load_default_tokenizer(), max_length)
     return np.random.default_rng(seed).choice(np.asarray(lengths, dtype=np.int64), size=n, replace=True)

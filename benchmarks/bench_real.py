@@ -65,7 +65,7 @@ def _peak_rss_mb() -> float:
 
 def chat_dataset(num_samples: int):
     """The first ``num_samples`` records of the embedded train split, conversational prompt-completion."""
-    from unpack_trainer.data.default_data import load_default_dataset
+    from unpack_trainer import load_default_dataset
 
     return load_default_dataset("train", conversational=True).select(range(num_samples))
 

@@ -89,7 +89,7 @@ def save_tiny_model(directory: Path, tokenizer: Any, *, seed: int) -> Path:
     import torch
     from transformers import LlamaForCausalLM
 
-    from unpack_trainer.data.default_data import tiny_model_config
+    from unpack_trainer import tiny_model_config
 
     torch.manual_seed(seed)
     LlamaForCausalLM(tiny_model_config(tokenizer)).save_pretrained(directory)

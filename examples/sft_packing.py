@@ -174,7 +174,7 @@ def load_data(path: Path | None, *, seed: int) -> tuple[Any, Any, str]:
     """
 
     if path is None:
-        from unpack_trainer.data.default_data import load_default_dataset
+        from unpack_trainer import load_default_dataset
 
         return load_default_dataset("train"), load_default_dataset("eval"), "embedded instruction dataset"
     if path.is_dir() and not is_saved_dataset(path):
@@ -207,7 +207,7 @@ def model_factory(path: Path | None, tokenizer: Any, *, seed: int, dtype: Any) -
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if path is None:
-        from unpack_trainer.data.default_data import tiny_model_config
+        from unpack_trainer import tiny_model_config
 
         config = tiny_model_config(tokenizer)
 
@@ -221,7 +221,7 @@ def model_factory(path: Path | None, tokenizer: Any, *, seed: int, dtype: Any) -
 
 def load_tokenizer(path: Path | None) -> Any:
     if path is None:
-        from unpack_trainer.data.default_data import load_default_tokenizer
+        from unpack_trainer import load_default_tokenizer
 
         return load_default_tokenizer()
     from transformers import AutoTokenizer

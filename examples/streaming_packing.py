@@ -80,7 +80,7 @@ def resolve_data_files(data: str) -> tuple[list[str], str]:
 
 def write_default_shards(directory: Path, *, file_format: str, num_shards: int) -> list[str]:
     """Write the embedded training set as ``num_shards`` JSONL or Parquet files; return their paths."""
-    from unpack_trainer.data.default_data import load_default_dataset
+    from unpack_trainer import load_default_dataset
 
     dataset = load_default_dataset("train")
     directory.mkdir(parents=True, exist_ok=True)
@@ -115,8 +115,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.data.default_data import load_default_tokenizer, tiny_model_config
+    from unpack_trainer import SFTConfig, SFTTrainer, load_default_tokenizer, tiny_model_config
 
     hf_logging.set_verbosity_warning()
     datasets.disable_progress_bars()

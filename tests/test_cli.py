@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+from unpack_trainer import load_default_tokenizer
 from unpack_trainer.cli import main
 from unpack_trainer.cli.commands.analyze import detect_layout, format_report, open_table, read_lengths
-from unpack_trainer.data.default_data import load_default_records, load_default_tokenizer
+from unpack_trainer.data.default_data import load_default_records
 from unpack_trainer.data.estimate import analyze_lengths, estimated_speedup, padded_batches
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -352,7 +352,7 @@ def test_train_and_evaluate_on_the_embedded_preference_set(conversational, tmp_p
     from peft import LoraConfig
     from transformers import LlamaForCausalLM
 
-    from unpack_trainer.data.default_data import load_default_tokenizer, tiny_model_config
+    from unpack_trainer import load_default_tokenizer, tiny_model_config
     from unpack_trainer.preference_data import load_default_preference_dataset
 
     tokenizer = load_default_tokenizer()

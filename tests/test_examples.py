@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from unpack_trainer.data.default_data import load_default_records, load_default_tokenizer
+from unpack_trainer import load_default_tokenizer
+from unpack_trainer.data.default_data import load_default_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -120,7 +121,7 @@ def test_sft_packing_quick_with_a_local_model_and_conversational_dataset(tmp_pat
     import torch
     from transformers import LlamaForCausalLM
 
-    from unpack_trainer.data.default_data import tiny_model_config
+    from unpack_trainer import tiny_model_config
 
     tokenizer = load_default_tokenizer()
     torch.manual_seed(0)

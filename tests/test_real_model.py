@@ -68,7 +68,7 @@ def _load(folder, backend="sdpa", dtype=torch.float32):
 def chat_samples(tokenizer, n=NUM_SAMPLES, max_tokens=MAX_SAMPLE_TOKENS) -> list[torch.Tensor]:
     """The first ``n`` held-out records of the embedded data whose chat rendering (SmolLM2's template, system prompt
     included) has at most ``max_tokens`` tokens, as ``(length,)`` int64 token ids."""
-    from unpack_trainer.data.default_data import load_default_dataset
+    from unpack_trainer import load_default_dataset
 
     samples = []
     for record in load_default_dataset("eval", conversational=True):
@@ -337,8 +337,7 @@ _GENERATE_ELSEWHERE = textwrap.dedent(
 def test_sft_packing_save_and_generate_elsewhere(folder, tokenizer, tmp_path):
     from datasets import Dataset
 
-    from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.data.default_data import load_default_dataset
+    from unpack_trainer import SFTConfig, SFTTrainer, load_default_dataset
     from unpack_trainer.models import is_patched
 
     # Short conversations, so that the one optimizer step is one packed row of at most 160 tokens (about 6 s).

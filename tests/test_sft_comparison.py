@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from unpack_trainer import load_default_dataset, load_default_tokenizer
 from unpack_trainer.cli import sft_comparison as comparison
-from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer
 
 
 def test_held_out_loss_is_the_same_for_packed_padded_and_one_by_one_batches(tmp_path):
@@ -17,8 +17,7 @@ def test_held_out_loss_is_the_same_for_packed_padded_and_one_by_one_batches(tmp_
     import torch
     from transformers import LlamaForCausalLM
 
-    from unpack_trainer import SFTConfig, SFTTrainer
-    from unpack_trainer.data.default_data import tiny_model_config
+    from unpack_trainer import SFTConfig, SFTTrainer, tiny_model_config
 
     tokenizer = load_default_tokenizer()
     data = load_default_dataset("eval")

@@ -4,8 +4,10 @@ Swap one import::
 
     from unpack_trainer import SFTConfig, SFTTrainer
 
-The public API is exactly the names in ``__all__``. They are resolved lazily, so ``import unpack_trainer`` imports
-neither torch nor transformers and patches nothing.
+The public API is exactly the names in ``__all__``, and users import them from here
+(``from unpack_trainer import pack_dataset, load_default_dataset``): the modules behind them (``data/`` the data path,
+``models/`` and ``patches/`` the model side, ``trainers/``, ``cli/``) are the package's rooms, not its API. The names
+are resolved lazily, so ``import unpack_trainer`` imports neither torch nor transformers and patches nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ _EXPORTS: dict[str, str] = {
     # streaming
     "StreamingPacker": "unpack_trainer.data.streaming",
     "streaming_dataset_reader": "unpack_trainer.data.files",
+    # the shipped demo data: a dataset, its tokenizer and a tiny Llama config (no download)
+    "load_default_dataset": "unpack_trainer.data.default_data",
+    "load_default_tokenizer": "unpack_trainer.data.default_data",
+    "tiny_model_config": "unpack_trainer.data.default_data",
     # a real pretrained model (the `real` extra)
     "load_smollm2": "unpack_trainer.real_model",
     "smollm2_path": "unpack_trainer.real_model",
@@ -71,7 +77,9 @@ __all__ = [
     "check_uncontaminated",
     "concatenate_and_pack",
     "first_fit",
+    "load_default_dataset",
     "load_default_preference_dataset",
+    "load_default_tokenizer",
     "load_smollm2",
     "pack_dataset",
     "pack_iterable_dataset",
@@ -84,6 +92,7 @@ __all__ = [
     "smollm2_path",
     "streaming_dataset_reader",
     "supported_model_types",
+    "tiny_model_config",
     "truncate_dataset",
     "unpatch_model",
     "windowed_best_fit",
@@ -108,6 +117,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.config import SFTConfig
     from unpack_trainer.data.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
+    from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
     from unpack_trainer.data.files import streaming_dataset_reader
     from unpack_trainer.data.packing import (
         balanced_rank_order,

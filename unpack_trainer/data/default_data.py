@@ -22,7 +22,7 @@ Nothing happens at import time: the files are read, and ``datasets``/``transform
 called.
 
 Example:
-    >>> from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
+    >>> from unpack_trainer import load_default_dataset, load_default_tokenizer, tiny_model_config
     >>> from transformers import LlamaForCausalLM
     >>> tokenizer = load_default_tokenizer()
     >>> model = LlamaForCausalLM(tiny_model_config(tokenizer))

@@ -13,7 +13,8 @@ The one reader of the package, used by [`unpack_trainer.data.streaming`] (throug
 
 Example::
 
-    >>> from unpack_trainer.data.files import read_table, streaming_dataset_reader
+    >>> from unpack_trainer import streaming_dataset_reader          # the public name; read_table is the CLI's
+    >>> from unpack_trainer.data.files import read_table
     >>> train = read_table("data/train.jsonl.gz")                      # doctest: +SKIP
     >>> held_out = read_table("saved_dataset", split="validation")      # doctest: +SKIP
     >>> for batch in streaming_dataset_reader("data/*.parquet", 512):   # doctest: +SKIP
