@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from unpack_trainer.data.collator import DataCollatorForPacking
 from unpack_trainer.data.packing import balanced_rank_order, balanced_step_order
 
 
@@ -81,14 +82,12 @@ def measure_attention_cost_ratio(
     ``SFTConfig.attention_cost_ratio``; it is ``0.0`` when attention is too cheap to measure.
 
     Args:
-        model: a causal LM taking the packed batch of [`unpack_trainer.tiny.packed_batch`].
+        model: a causal LM taking the packed batch of [`DataCollatorForPacking`] (without ``use_cache``).
         max_length: tokens per row (``>= pieces``).
         pieces: samples in the second row.
         repeats: timings per row.
     """
     import time
-
-    from unpack_trainer.tiny import packed_batch
 
     device = next(model.parameters()).device
     vocab = int(getattr(model.config, "vocab_size", 2))
@@ -98,8 +97,9 @@ def measure_attention_cost_ratio(
         "one": [torch.randint(vocab, (piece * pieces,), generator=generator)],
         "many": [torch.randint(vocab, (piece,), generator=generator) for _ in range(pieces)],
     }
+    collate = DataCollatorForPacking(pad_token_id=0, use_cache=None)
     batches = {
-        name: {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed_batch(s).items()}
+        name: {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate([{"input_ids": x} for x in s]).items()}
         for name, s in rows.items()
     }
     times: dict[str, list[float]] = {"one": [], "many": []}
