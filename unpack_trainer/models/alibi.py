@@ -34,6 +34,34 @@ __all__ = ["PACKED_FORWARDS", "packed_forward_for", "patch_attention_class", "un
 CONFIG_ATTRIBUTE = "_unpack_packed_config"
 
 
+def _alibi_context(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    scaling: float,
+    dropout: float,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The one packed ALiBi attention both families share. ``query`` / ``key`` / ``value`` ``(B, H, T, D)``, ``slopes``
+    ``(H,)`` (any float dtype; handed on as float32), ``dropout`` the module's training-time rate (0 in eval mode) ->
+    the attention output ``(B, T, H * D)``, ready for the model's own output projection."""
+    context, _ = packed_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        None,
+        scaling=scaling,
+        dropout=dropout if module.training else 0.0,
+        alibi_slopes=slopes.float(),
+        **kwargs,
+    )
+    return context.reshape(*context.shape[:2], -1)
+
+
 def _bloom_attention(
     self: Any,
     hidden_states: torch.Tensor,
@@ -54,18 +82,9 @@ def _bloom_attention(
     if layer_past is not None:
         key, value = layer_past.update(key, value, self.layer_idx)
     slopes = alibi.view(batch_size, self.num_heads, -1)[0, :, 1] - alibi.view(batch_size, self.num_heads, -1)[0, :, 0]
-    context, _ = packed_attention_forward(
-        self,
-        query,
-        key,
-        value,
-        None,
-        scaling=self.inv_norm_factor,
-        dropout=self.attention_dropout.p if self.training else 0.0,
-        alibi_slopes=slopes.float(),
-        **kwargs,
+    context = _alibi_context(
+        self, query, key, value, slopes, scaling=self.inv_norm_factor, dropout=self.attention_dropout.p, **kwargs
     )
-    context = context.reshape(batch_size, q_length, self.num_heads * self.head_dim)
     if self.pretraining_tp > 1 and self.slow_but_exact:
         slices = self.hidden_size / self.pretraining_tp
         output = torch.zeros_like(context)
@@ -100,18 +119,10 @@ def _mpt_attention(
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, self.layer_idx)
     slopes = position_bias[:, 0, -1] - position_bias[:, 0, -2]  # 0 - (-slope)
-    context, _ = packed_attention_forward(
-        self,
-        query,
-        key,
-        value,
-        None,
-        scaling=self.softmax_scale,
-        dropout=self.attn_dropout_p if self.training else 0.0,
-        alibi_slopes=slopes.float(),
-        **kwargs,
+    context = _alibi_context(
+        self, query, key, value, slopes, scaling=self.softmax_scale, dropout=self.attn_dropout_p, **kwargs
     )
-    return self.out_proj(context.reshape(batch_size, seq_length, -1)), None
+    return self.out_proj(context), None
 
 
 # "module.QualifiedName" of an attention class -> its packed forward.
