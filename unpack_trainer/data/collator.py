@@ -1,5 +1,8 @@
 """Packed (padding-free) collator: a list of examples -> one flat row plus the packing metadata attention needs.
 
+Stage 5 of the data path, its last (collate: rows -> one packed batch); the model side reads the batch from here on
+([`unpack_trainer.packed_seq_info`], [`unpack_trainer.models`]).
+
 Follows the contract of TRL's ``DataCollatorForLanguageModeling(padding_free=True)`` and adds
 ``packed_seq_lengths``, the one piece of metadata every attention backend can be driven from.
 

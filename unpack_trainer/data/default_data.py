@@ -1,5 +1,8 @@
 """The embedded default: a small instruction dataset, a local tokenizer and a tiny Llama config.
 
+Stage 1 of the data path (read), the source that needs no file of yours; public as
+``unpack_trainer.load_default_dataset`` / ``load_default_tokenizer`` / ``tiny_model_config``.
+
 Everything needed for a first fine-tune on a laptop CPU with no download ships inside the package, under
 ``unpack_trainer/data/``:
 

@@ -1,6 +1,9 @@
 """The one definition of the estimated packing speedup, shared by the trainer's start line and ``unpack-trainer analyze``,
 and the length analysis behind ``analyze`` ([`analyze_lengths`] -> [`PackingAnalysis`]).
 
+Beside the data path rather than a stage of it: it reads the lengths of stage 2 and runs the packers of stage 3
+([`unpack_trainer.data.packing`]) only to count rows; nothing it computes reaches a batch.
+
     speedup = padded tokens of random batches of B samples / real tokens
 
 Padded training shuffles the samples and pads each batch of ``B`` samples to its longest; packed and padding-free

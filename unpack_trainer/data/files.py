@@ -1,5 +1,7 @@
 """Reading local data files: JSON Lines (optionally gzipped), Parquet, Arrow, and ``Dataset.save_to_disk`` folders.
 
+Stage 1 of the data path (read: files -> rows); next comes [`unpack_trainer.data.preparation`].
+
 The one reader of the package, used by [`unpack_trainer.data.streaming`] (through [`streaming_dataset_reader`]),
 ``unpack-trainer analyze``, ``unpack-trainer sft`` and the examples. One function per concern:
 

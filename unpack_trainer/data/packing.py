@@ -1,5 +1,8 @@
 """Bin packing of samples into fixed-capacity rows: which samples share a row, decided from their lengths alone.
 
+Stage 3 of the data path (pack: lengths -> rows), called by [`unpack_trainer.data.preparation`]; the same decision on
+a stream is [`unpack_trainer.data.streaming`]'s.
+
 Everything here is a pure function of lengths: no model code, no global state. Writing token sequences into packed
 tensors (``pack_sequences``, ``concatenate_and_pack``) lives in [`unpack_trainer.data.tensor_packing`].
 """

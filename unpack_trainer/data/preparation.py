@@ -1,18 +1,22 @@
 """Dataset-level preparation the trainer calls, like TRL's ``trl/data_utils.py``: truncate and pack a tokenized
 dataset.
 
-The walk of a training set through ``SFTTrainer`` with ``packing=True``::
+Stage 2 of the data path (prepare: tokenized rows -> truncated or packed rows with ``seq_lengths``); it calls the
+packers of stage 3 ([`unpack_trainer.data.packing`], [`unpack_trainer.data.streaming`]). The walk of a training set
+through ``SFTTrainer`` with ``packing=True``::
 
-    trainer.py ──► data_utils.truncate_dataset       long samples truncated (or split), counted
-               ──► data_utils.pack_dataset           map-style: global bin packing        (packing.py)
-                   data_utils.pack_iterable_dataset  streamed: packed on the fly          (streaming.py)
-               ──► collator.py                       one packed batch per step
+    trainers/sft.py ──► preparation.truncate_dataset       long samples truncated (or split), counted
+                    ──► preparation.pack_dataset           map-style: global bin packing        (packing.py)
+                        preparation.pack_iterable_dataset  streamed: packed on the fly          (streaming.py)
+                    ──► sampler.py                         which rows each step takes
+                    ──► collator.py                        one packed batch per step
 
 - [`truncate_dataset`]: enforce ``max_length`` on ``input_ids`` / ``labels`` and drop the samples with no trained
   token, with counts (a map-style dataset or a stream).
 - [`pack_dataset`]: a map-style dataset into rows of ``max_length`` tokens with the global packer of ``packing.py``;
   each row holds its samples' tokens side by side and their lengths in ``seq_lengths``.
-- [`pack_iterable_dataset`]: a stream into such rows, on the fly, with [`~unpack_trainer.data.streaming.StreamingPacker`].
+- [`pack_iterable_dataset`]: a stream into such rows, on the fly, with
+  [`~unpack_trainer.data.streaming.StreamingPacker`].
 - [`split_packed_rows`] / [`check_packed_rows`]: datasets whose rows were packed ahead (a ``seq_lengths`` column).
 """
 

@@ -1,7 +1,10 @@
 """``BalancedStepSampler``: the order in which packed rows are drawn so that every optimizer step holds balanced
-numbers of samples ([`unpack_trainer.data.packing.balanced_step_order`]) and, with several data-parallel processes, every
-process of a step gets rows of the same cost and about the same number of samples
-([`unpack_trainer.data.packing.balanced_rank_order`])."""
+numbers of samples ([`unpack_trainer.data.packing.balanced_step_order`]) and, with several data-parallel processes,
+every process of a step gets rows of the same cost and about the same number of samples
+([`unpack_trainer.data.packing.balanced_rank_order`]).
+
+Stage 4 of the data path (order: which packed rows each step and each process takes); the rows it picks go to the
+collator of stage 5 ([`unpack_trainer.data.collator`])."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Streaming packing: pack samples from an iterable on the fly through a buffer, with exact mid-epoch resume.
 
+Stage 3 of the data path (pack) for a stream: the rows of [`unpack_trainer.data.packing`], decided a buffer at a time.
+
 When a data set is streamed (``datasets`` streaming, sharded JSONL / Parquet / Arrow files), nothing can be packed
 ahead of time. [`StreamingPacker`] packs it on the fly:
 
@@ -573,9 +575,9 @@ class StreamingPacker(IterableDataset):
     def _check_sample(self, item: Any, index: int) -> tuple[Sample, int]:
         """Validate one source item; return it with its token fields as lists, and its length.
 
-        Token fields get the O(1) check of [`unpack_trainer.data.validation.token_list`] with ``scan=False`` (container,
-        dtype, first and last values), so that packing stays at hundreds of thousands of samples per second; the
-        collator checks every value of the rows.
+        Token fields get the O(1) check of [`unpack_trainer.data.validation.token_list`] with ``scan=False``
+        (container, dtype, first and last values), so that packing stays at hundreds of thousands of samples per
+        second; the collator checks every value of the rows.
         """
         if type(item) is not dict and not isinstance(item, Mapping):
             raise ValueError(f"Sample {index} of the stream is a {type(item).__name__}, not a dict with `input_ids`.")

@@ -1,5 +1,8 @@
 """Token sequences -> packed tensors: [`pack_sequences`] and [`concatenate_and_pack`].
 
+Stage 3 of the data path (pack), for callers that hold lists or tensors rather than a dataset: the rows of
+[`unpack_trainer.data.packing`] written straight into padded tensors, with no collator after it.
+
 Which samples share a row is decided by the packers of [`unpack_trainer.data.packing`] (over lengths only); this module
 writes the tokens into ``(num_rows, max_length)`` int64 tensors with everything needed to train without
 contamination.

@@ -1,5 +1,7 @@
 """Checks on the data, shared by every entry point: ``packing.py``, ``collator.py``, ``streaming.py`` and the trainer.
 
+Beside the data path rather than a stage of it: every stage of ``unpack_trainer/data/`` checks its input here.
+
 One place decides what a valid sample is, so the packing API, the collator, the streaming packer and the trainer
 accept and reject the same inputs with the same words. Every error is a ``ValueError`` that names the sample (its
 index, and the field) and says what is allowed.
