@@ -318,7 +318,7 @@ def test_the_data_path_walks_one_way():
     assert "unpack_trainer.data.preparation" in _imports("trainers/sft")
     assert "unpack_trainer.data.streaming" not in _imports("trainers/sft")
     for lower in ("data/streaming", "data/packing"):
-        assert not {"unpack_trainer.trainer", "unpack_trainer.data.preparation"} & _imports(lower), lower
+        assert not {"unpack_trainer.trainers.sft", "unpack_trainer.data.preparation"} & _imports(lower), lower
 
 
 def test_the_data_package_imports_nothing_above_it_and_has_no_circle():
