@@ -1,0 +1,110 @@
+"""``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` per sample, without any ``(T, T)`` mask.
+
+Samples of similar length are gathered into one padded ``(n, num_heads, L, head_dim)`` batch (padding at the end of
+each sample, where causal attention of real tokens never sees it; :mod:`unpack_trainer.patches.buckets`) and run in
+one causal call, so memory is linear in ``T`` and thousands of tiny samples cost a handful of calls. Runs on every
+device and dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
+from unpack_trainer.patches.attention.bucket_masks import alibi_bias, band_mask, branch_mask
+from unpack_trainer.patches.buckets import BucketPlan, attention_plan, branch_plan, bucketed, key_bucketed, unbucketed
+
+__all__ = ["BACKEND"]
+
+
+@functools.cache
+def _sdpa_supports_gqa() -> bool:
+    """Whether this torch's SDPA takes ``enable_gqa`` (probed once on a tiny CPU input)."""
+    try:
+        probe = torch.zeros(1, 2, 1, 4)
+        F.scaled_dot_product_attention(probe, probe[:, :1], probe[:, :1], enable_gqa=True)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions) -> Tensor:
+    """Per-sample causal attention through ``F.scaled_dot_product_attention``, one call per bucket of similar lengths.
+
+    Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
+    ``(B, num_kv_heads, T, head_dim_v)`` in any float dtype SDPA takes -> ``(B, T, num_heads, head_dim_v)``. Each
+    bucket is a padded ``(n, num_heads, L, head_dim)`` batch, padding after each sample's tokens where no real query
+    sees it (cached under ``"buckets"``).
+
+    GQA: ``enable_gqa`` where this torch has it and the bucket runs ``is_causal``, else each kv head repeated
+    ``num_heads // num_kv_heads`` times. Window ``w``: a ``(L, L)`` band mask ``i - w < j <= i`` on each bucket longer
+    than ``w`` (a shorter one stays ``is_causal``). Dropout: SDPA's ``dropout_p``. Softcap, sinks: refused. No query
+    row is fully masked (each sees itself, padded ones included). ALiBi: a float ``(num_heads, L, L)`` mask of the
+    per-sample biases (:func:`alibi_bias`) on every bucket.
+    """
+    return buckets_forward(query, key, value, info, options, attention_plan(info, query.device))
+
+
+def buckets_forward(
+    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions, plan: BucketPlan
+) -> Tensor:
+    """:func:`forward` on the buckets of ``plan``: a plain plan, or a branch plan (:func:`branch_plan`) whose
+    branch buckets run with their bottom-right causal masks (windows applied; ALiBi never reaches one)."""
+    batch_size, num_heads, seq_len, _ = query.shape
+    heads_per_kv = num_heads // key.shape[1]
+    window = options.sliding_window
+    qs = bucketed(tokens_major(query), plan)
+    ks, vs = (key_bucketed(tokens_major(x), plan) for x in (key, value))
+    outputs = []
+    for index, (bucket, q, k, v) in enumerate(zip(plan.buckets, qs, ks, vs)):
+        mask = None
+        if bucket.key_length:
+            mask = branch_mask(info, index, bucket, window, query.device)
+        elif options.alibi_slopes is not None:
+            mask = alibi_bias(info, bucket.length, window, options.alibi_slopes, query.dtype, query.device)
+        elif window is not None and bucket.length > window:
+            mask = band_mask(info, bucket.length, window, query.device)
+        extra = {}
+        if heads_per_kv > 1:
+            if mask is None and _sdpa_supports_gqa():
+                extra["enable_gqa"] = True
+            else:
+                k, v = repeat_heads(k, heads_per_kv), repeat_heads(v, heads_per_kv)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=options.dropout,
+                is_causal=mask is None,
+                scale=options.scaling,
+                **extra,
+            )
+        )
+    return unbucketed(outputs, plan, batch_size, seq_len)
+
+
+def branched_forward(
+    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
+) -> Tensor | None:
+    """A branched batch with every query computed once (:func:`~unpack_trainer.patches.buckets.branch_plan`), or
+    ``None`` (ALiBi, or spans that are not contiguous: the caller runs the ``[prefix; branch]`` units)."""
+    if options.alibi_slopes is not None:
+        return None
+    plan = branch_plan(info, query.device)
+    return None if plan is None else buckets_forward(query, key, value, info, options, plan)
+
+
+BACKEND = AttentionBackend(
+    name="sdpa",
+    capabilities=frozenset({"dropout", "alibi"}),
+    unavailable_reason=lambda device, dtype: None,
+    forward=forward,
+    branched_forward=branched_forward,
+)
