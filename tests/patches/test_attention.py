@@ -772,6 +772,7 @@ def make_stand_in_varlen(calls: list, *, gqa_parameter: bool = True):
                 "kv_heads": key.shape[1],
                 "head_dim": query.shape[-1],
                 "scale": scale,
+                "dtypes": (query.dtype, key.dtype, value.dtype),
             }
         )
         window = None if window_size[0] < 0 else window_size[0] + 1
@@ -864,6 +865,59 @@ def test_torch_varlen_hands_over_what_it_cannot_apply(cpu_kernels, monkeypatch, 
         leaves = [q, k, v] + ([value] if option == "s_aux" else [])
         options = {"softcap": value} if option == "softcap" else {"sinks": value}
         assert_matches_reference(out, leaves, lengths, scaling=0.5, **options)
+
+
+def test_autocast_runs_the_varlen_kernel_in_the_autocast_dtype(monkeypatch, caplog):
+    """Issue 26 item 1: fp32 weights under bf16 autocast (TRL's default on a GPU) hand attention fp32 q / k (RoPE
+    multiplied them by fp32 cos / sin) and a bf16 v. The backend is chosen for the dtype attention computes in, bf16,
+    and the varlen kernel (a stand-in that only takes half precision, as the real one) receives bf16 q / k / v.
+    Before: the choice saw fp32, skipped the kernel ("needs float16 or bfloat16") and ran the SDPA buckets."""
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))  # DTYPES stay half precision
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    calls = []
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls))
+    lengths = [5, 1, 9, 12, 4]
+    q, k, v = random_qkv(lengths, dim=16)
+    v_bf16 = v.detach().to(torch.bfloat16).requires_grad_()
+    with caplog.at_level(logging.INFO, logger=attention.__name__), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_attention_forward(FakeModule(), q, k, v_bf16, None, scaling=0.25, **info_kwargs(lengths))
+    (call,) = calls
+    assert call["dtypes"] == (torch.bfloat16,) * 3
+    assert "Packed attention backend: torch_varlen (torch_varlen available on cpu for torch.bfloat16" in caplog.text
+    assert out.dtype == torch.bfloat16
+    expected = reference(q.detach().bfloat16(), k.detach().bfloat16(), v_bf16.detach(), lengths, scaling=0.25)
+    assert_close_to_reference(out.detach().float(), expected.float(), rel=1e-2)
+    out.float().square().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.float32 and v_bf16.grad.dtype == torch.bfloat16
+    # Without autocast the same fp32 inputs cannot take the kernel: the choice follows the compute dtype.
+    assert choose_backend(torch.device("cpu"), torch.float32, "sdpa").name == "sdpa"
+
+
+def test_autocast_model_takes_the_varlen_kernel_and_says_so(monkeypatch, caplog, tiny_llama):
+    """A patched fp32 Llama under bf16 autocast: the stand-in varlen kernel runs every layer in bf16, the
+    packed logits match each sample alone under the same autocast, and ``resolve_backend`` with the trainer's
+    compute dtype names the backend the forward logs."""
+    from unpack_trainer.models import patch_model, resolve_backend
+
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    calls = []
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls))
+    model = patch_model(tiny_llama(head_dim=8).eval())
+    assert resolve_backend(model).name == "sdpa"  # fp32 without mixed precision
+    choice = resolve_backend(model, compute_dtype=torch.bfloat16)
+    lengths = [7, 3, 11]
+    ids = torch.randint(3, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with caplog.at_level(logging.INFO, logger=attention.__name__), torch.autocast("cpu", dtype=torch.bfloat16):
+        packed = model(input_ids=ids, position_ids=positions).logits.float()
+        alone = [model(input_ids=part).logits.float() for part in ids.split(lengths, dim=1)]
+    assert choice.name == "torch_varlen" and f"Packed attention backend: {choice}." in caplog.text
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(call["dtypes"] == (torch.bfloat16,) * 3 for call in calls)
+    assert_close_to_reference(packed, torch.cat(alone, dim=1), rel=2e-2)
 
 
 def test_choose_torch_varlen(monkeypatch):

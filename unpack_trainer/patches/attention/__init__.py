@@ -58,6 +58,7 @@ from unpack_trainer.patches.attention.registry import (
     BackendChoice,
     backend_unavailable_reason,
     choose_backend,
+    compute_dtype,
 )
 from unpack_trainer.patches.attention.routing import make_attention_function
 
@@ -69,6 +70,7 @@ __all__ = [
     "backend_unavailable_reason",
     "choose_backend",
     "chunked_info",
+    "compute_dtype",
     "logger",
     "make_attention_function",
     "packed_attention_forward",

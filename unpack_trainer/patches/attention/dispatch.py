@@ -3,6 +3,7 @@ included)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -20,6 +21,7 @@ from unpack_trainer.patches.attention.registry import (
     BackendChoice,
     check_explicit_backend,
     choose_backend,
+    compute_dtype,
     features,
     missing_features,
 )
@@ -91,7 +93,8 @@ def packed_attention_forward(
     Args:
         module: the attention module (read for ``training``, ``is_causal``).
         query: ``(B, num_heads, T, head_dim)``; key: ``(B, num_kv_heads, T, head_dim)``; value:
-            ``(B, num_kv_heads, T, head_dim_v)``; one float dtype (flash and torch_varlen: float16 / bfloat16).
+            ``(B, num_kv_heads, T, head_dim_v)``; float dtypes, all cast to the one attention computes in (see
+            Returns; flash and torch_varlen: float16 / bfloat16).
             ``num_kv_heads`` divides ``num_heads`` (grouped-query attention: query head ``h`` reads kv head
             ``h // (num_heads // num_kv_heads)``). Keys must be exactly the query tokens (no KV cache of earlier
             tokens).
@@ -115,7 +118,9 @@ def packed_attention_forward(
             many tokens, chunks counted from its sample's start (:func:`chunked_info`; every backend).
 
     Returns:
-        ``(attn_output, None)`` with ``attn_output`` ``(B, T, num_heads, head_dim_v)`` in ``query``'s dtype;
+        ``(attn_output, None)`` with ``attn_output`` ``(B, T, num_heads, head_dim_v)`` in the dtype attention
+        computes in: under ``torch.autocast`` float32 inputs are cast to the autocast dtype first (and the backend
+        chosen for it, :func:`~unpack_trainer.patches.attention.registry.compute_dtype`), else ``query``'s dtype;
         ``head_dim_v`` is the value head dim (MLA models such as deepseek_v3 have ``head_dim_v != head_dim``). Every
         query sees at least itself, so no row is fully masked and no output is NaN.
     """
@@ -158,6 +163,10 @@ def packed_attention_forward(
         )
     if scaling is None:
         scaling = head_dim**-0.5
+    # The dtype the kernel computes in: under autocast, fp32 q / k (RoPE by fp32 cos / sin) and a half-precision v
+    # all go to the autocast dtype, and the backend is chosen for it.
+    target = compute_dtype(query.device, functools.reduce(torch.promote_types, (query.dtype, key.dtype, value.dtype)))
+    query, key, value = (x if x.dtype == target else x.to(target) for x in (query, key, value))
     if backend is None:
         backend = _choice_for(
             info,

@@ -25,6 +25,7 @@ __all__ = [
     "backend_unavailable_reason",
     "check_explicit_backend",
     "choose_backend",
+    "compute_dtype",
     "features",
     "missing_features",
 ]
@@ -67,6 +68,26 @@ class _ForwardTable(MutableMapping):
 _BACKEND_FUNCTIONS = _ForwardTable()
 
 
+def compute_dtype(
+    device: torch.device, dtype: torch.dtype, *, autocast_dtype: torch.dtype | None = None
+) -> torch.dtype:
+    """The dtype packed attention computes in for inputs stored in ``dtype`` on ``device``.
+
+    Under autocast a float32 input computes in the autocast dtype, as transformers' ``get_target_dtype``
+    (``integrations/flash_attention.py``) casts it for flash attention: fp32 weights with ``bf16=True`` take the same
+    bfloat16 kernels as bfloat16 weights. ``autocast_dtype`` is a trainer's mixed precision, known before any forward
+    runs (``None``: whatever ``torch.autocast`` has enabled for ``device``'s type now). Any other dtype (float16,
+    bfloat16, float64) computes as it is.
+    """
+    if dtype != torch.float32:
+        return dtype
+    if autocast_dtype is None:
+        device_type = torch.device(device).type
+        if torch.is_autocast_enabled(device_type):
+            autocast_dtype = torch.get_autocast_dtype(device_type)
+    return autocast_dtype if autocast_dtype is not None else dtype
+
+
 def _known(backend: str) -> AttentionBackend:
     if backend not in REGISTRY:
         raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
@@ -76,8 +97,8 @@ def _known(backend: str) -> AttentionBackend:
 def backend_unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``backend`` cannot run packed attention on ``device`` computing in ``dtype``; ``None`` when it can.
 
-    ``dtype`` is the dtype attention computes in: under autocast, the autocast dtype
-    (:func:`~unpack_trainer.patches.attention.dispatch.compute_dtype`), not the parameters' dtype.
+    ``dtype`` is the dtype attention computes in: under autocast, the autocast dtype (:func:`compute_dtype`), not the
+    parameters' dtype.
     """
     return _known(backend).unavailable_reason(torch.device(device), dtype)
 
@@ -153,8 +174,8 @@ def choose_backend(
 
     Args:
         device: where attention runs.
-        dtype: the dtype it computes in: under autocast the autocast dtype
-            (:func:`~unpack_trainer.patches.attention.dispatch.compute_dtype`), else the inputs' dtype.
+        dtype: the dtype it computes in: under autocast the autocast dtype (:func:`compute_dtype`), else the inputs'
+            dtype.
         original_implementation: the model's attention implementation before patching.
         softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
         head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
