@@ -23,16 +23,21 @@ from unpack_trainer.packed_seq_info import PackedSeqInfo, zero_prefixed_cumsum
 
 __all__ = [
     "CALL_COST_PAIRS",
+    "GPU_CALL_COST_PAIRS",
+    "GPU_DEVICE_TYPES",
     "Bucket",
     "BucketPlan",
+    "Planning",
     "GatherSlots",
     "ScatterTokens",
     "attention_plan",
     "branch_plan",
     "bucketed",
     "build_plan",
+    "grid_length",
     "group_sorted_lengths",
     "key_bucketed",
+    "planning_for",
     "unbucketed",
 ]
 
@@ -44,6 +49,43 @@ CALL_COST_PAIRS = 1536
 
 # The grouping runs over distinct lengths (quadratic); above this many they are first rounded up to coarser steps.
 MAX_DISTINCT_LENGTHS = 256
+
+# On a GPU one more SDPA call (forward + backward: our Python, torch's dispatch and the launches, ~100 us of host
+# time) costs as much as about a million (query, key) pairs of a 1B-parameter model's 32 heads of GPU work (~0.1 ns a
+# pair at ~400 TFLOP/s), so buckets there are few and large. An estimate from the issue's H200 numbers;
+# benchmarks/bench_gpu.py measures the step it gives.
+GPU_CALL_COST_PAIRS = 1 << 20
+# Device types planned with the GPU cost and the shape grid (tests add "cpu").
+GPU_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+# The shape grid: bucket lengths are multiples of 16 up to 128, then 4 values per octave (160, 192, 224, 256, 320,
+# ...), so the (n, L) shapes of every step come from a small fixed set of L.
+_GRID_FINE = 128
+_GRID_STEPS_PER_OCTAVE = 4
+
+
+def grid_length(length: int) -> int:
+    """``length`` rounded up to the shape grid: a multiple of 16 up to 128, above that a multiple of
+    ``2**floor(log2(length)) / 4`` (at most 25% padding). ``grid_length(5) == 16``, ``grid_length(300) == 320``."""
+    if length <= _GRID_FINE:
+        return -(-length // 16) * 16
+    step = (1 << (length.bit_length() - 1)) // _GRID_STEPS_PER_OCTAVE
+    return -(-length // step) * step
+
+
+class Planning(NamedTuple):
+    """How buckets are planned for a device: ``call_cost`` of one more call in (query, key) pairs, and whether
+    bucket lengths are rounded up to the shape grid (:func:`grid_length`)."""
+
+    call_cost: float = CALL_COST_PAIRS
+    grid: bool = False
+
+
+def planning_for(device: torch.device) -> Planning:
+    """The attention buckets' planning on ``device``: on a GPU (:data:`GPU_DEVICE_TYPES`) few large buckets of grid
+    lengths, so a step launches a handful of attention calls of shapes seen before; elsewhere the CPU cost model."""
+    if torch.device(device).type in GPU_DEVICE_TYPES:
+        return Planning(GPU_CALL_COST_PAIRS, grid=True)
+    return Planning()
 
 
 class Bucket(NamedTuple):
@@ -72,15 +114,19 @@ class BucketPlan(NamedTuple):
 
 
 def group_sorted_lengths(
-    sorted_lengths: Tensor, *, call_cost: float = CALL_COST_PAIRS, power: int = 2
+    sorted_lengths: Tensor, *, call_cost: float = CALL_COST_PAIRS, power: int = 2, grid: bool = False
 ) -> list[tuple[int, int]]:
     """Split ascending lengths into contiguous ``[begin, end)`` groups minimising
     ``sum(call_cost + (end - begin) * max_length**power)`` (dynamic programming over distinct lengths): ``power=2``
     for attention (cost per sample quadratic in its padded length), ``power=1`` for the token mixers of
-    :mod:`unpack_trainer.patches.mixers` (linear)."""
-    longest = int(sorted_lengths[-1])
-    step = -(-longest // MAX_DISTINCT_LENGTHS)
-    keys = (sorted_lengths + step - 1) // step * step if step > 1 else sorted_lengths
+    :mod:`unpack_trainer.patches.mixers` (linear). With ``grid``, lengths count as rounded up to the shape grid
+    (:func:`grid_length`), where the group's padded length will be."""
+    if grid:
+        keys = torch.tensor([grid_length(n) for n in sorted_lengths.tolist()], dtype=torch.int64)
+    else:
+        longest = int(sorted_lengths[-1])
+        step = -(-longest // MAX_DISTINCT_LENGTHS)
+        keys = (sorted_lengths + step - 1) // step * step if step > 1 else sorted_lengths
     distinct, counts = torch.unique_consecutive(keys, return_counts=True)
     prefix = torch.zeros(distinct.numel() + 1, dtype=torch.float64)
     torch.cumsum(counts.to(torch.float64), dim=0, out=prefix[1:])
@@ -104,16 +150,27 @@ def group_sorted_lengths(
 def attention_plan(info: PackedSeqInfo, device: torch.device) -> BucketPlan:
     """The samples of ``info`` bucketed by length for batched per-sample attention (SDPA and eager), index tensors on
     ``device``; built once per batch and device."""
-    return info.plan("buckets", str(device), lambda: build_plan(info, device))
+    planning = planning_for(device)
+    return info.plan(
+        "buckets", str(device), lambda: build_plan(info, device, call_cost=planning.call_cost, grid=planning.grid)
+    )
 
 
 def build_plan(
-    info: PackedSeqInfo, device: torch.device, *, call_cost: float = CALL_COST_PAIRS, power: int = 2
+    info: PackedSeqInfo,
+    device: torch.device,
+    *,
+    call_cost: float = CALL_COST_PAIRS,
+    power: int = 2,
+    grid: bool = False,
 ) -> BucketPlan:
+    """The samples of ``info`` grouped by :func:`group_sorted_lengths` into padded buckets, index tensors on
+    ``device``; with ``grid`` every bucket's length is on the shape grid (:func:`grid_length`)."""
     lengths = info.seq_lengths.to(torch.int64)
     starts = info.cu_seqlens[:-1].to(torch.int64)
     order = torch.argsort(lengths, stable=True)
-    groups = group_sorted_lengths(lengths[order], call_cost=call_cost, power=power)
+    groups = group_sorted_lengths(lengths[order], call_cost=call_cost, power=power, grid=grid)
+    pad_to = grid_length if grid else int
 
     buckets: list[Bucket] = []
     gathers, pads = [], []
@@ -121,7 +178,7 @@ def build_plan(
     offset = 0
     for begin, end in groups:
         members = order[begin:end]
-        bucket = Bucket(int(lengths[members].max()), end - begin)
+        bucket = Bucket(pad_to(int(lengths[members].max())), end - begin)
         gather, pad = fill_slots(starts[members], lengths[members], bucket.length, offset, scatter)
         gathers.append(gather)
         pads.append(pad)
@@ -176,8 +233,12 @@ def branch_plan(info: PackedSeqInfo, device: torch.device) -> BucketPlan | None:
 
     Units whose keys are their queries (a prefix with its first branch, a sample without branches) are bucketed as in
     :func:`build_plan` and run causally; the later branches of a prefix (queries = the branch, keys =
-    ``[prefix; branch]``) are bucketed by key length and run with a bottom-right causal mask (:func:`branch_mask`).
+    ``[prefix; branch]``) are bucketed by key length and run with a bottom-right causal mask
+    (:func:`~unpack_trainer.patches.attention.bucket_masks.branch_mask`). Planned for ``device`` as
+    :func:`attention_plan` (:func:`planning_for`).
     """
+    planning = planning_for(device)
+    pad_to = grid_length if planning.grid else int
 
     def build() -> BucketPlan | None:
         spans = info.branch_spans()
@@ -195,10 +256,10 @@ def branch_plan(info: PackedSeqInfo, device: torch.device) -> BucketPlan | None:
             # causal units grouped by their length, branch units by their key length
             sorted_lengths, permutation = spans.key_lengths[units].sort(stable=True)
             order = units[permutation]
-            for begin, end in group_sorted_lengths(sorted_lengths):
+            for begin, end in group_sorted_lengths(sorted_lengths, call_cost=planning.call_cost, grid=planning.grid):
                 members = order[begin:end]
                 q_lengths, k_lengths = spans.query_lengths[members], spans.key_lengths[members]
-                length, key_length, count = int(q_lengths.max()), int(k_lengths.max()), end - begin
+                length, key_length, count = pad_to(int(q_lengths.max())), pad_to(int(k_lengths.max())), end - begin
                 gather, pad = fill_slots(spans.query_starts[members], q_lengths, length, offset, scatter)
                 gathers.append(gather)
                 pads.append(pad)
