@@ -15,6 +15,8 @@ for a device and compute dtype, forward, branched forward) listed once in
   similar length are gathered into one padded ``(n, num_heads, L, head_dim)`` batch (padding at the end of each
   sample, where causal attention of real tokens never sees it; :mod:`unpack_trainer.patches.buckets`) and run in one
   causal call, so memory is linear in ``T`` and thousands of tiny samples cost a handful of calls;
+- ``flex``: ``torch.nn.attention.flex_attention`` with one block mask per batch built from the samples' bounds
+  (compiled on CUDA, forward only on the CPU); not chosen automatically until measured on a GPU;
 - ``eager``: the same buckets with an explicit ``softmax(QK^T * scaling + mask) V``, the readable reference.
 
 Worked example, one row of two samples of lengths 3 and 2::
@@ -29,16 +31,19 @@ transformers' masks), grouped-query attention (``num_kv_heads`` dividing ``num_h
 head dim different from the query head dim (MLA) work on every backend. The model families' other quirks are applied
 by the backends that can, and handed to one that can by the automatic choice (logged once):
 
-=================  =====  ============  ========  ====  =====
-feature            flash  torch_varlen  xformers  sdpa  eager
-=================  =====  ============  ========  ====  =====
-logit ``softcap``  yes    no            no        no    yes
-sinks (``s_aux``)  no     no            no        no    yes
-dropout            yes    no            yes       yes   yes
-ALiBi              yes    no            no        yes   yes
-=================  =====  ============  ========  ====  =====
+=================  =====  ============  ========  ====  ====  =====
+feature            flash  torch_varlen  xformers  flex  sdpa  eager
+=================  =====  ============  ========  ====  ====  =====
+logit ``softcap``  yes    no            no        yes   no    yes
+sinks (``s_aux``)  no     no            no        yes   no    yes
+dropout            yes    no            yes       no    yes   yes
+ALiBi              yes    no            no        yes   yes   yes
+=================  =====  ============  ========  ====  ====  =====
 
-``UNPACK_ATTENTION_BACKEND=flash|torch_varlen|xformers|sdpa|eager`` forces a backend; asking for one that cannot run,
+Under ``torch.autocast`` attention computes in the autocast dtype: float32 q / k / v are cast to it and the backend
+is chosen for it (:func:`~unpack_trainer.patches.attention.registry.compute_dtype`).
+
+``UNPACK_ATTENTION_BACKEND=flash|torch_varlen|xformers|flex|sdpa|eager`` forces a backend; asking for one that cannot run,
 or that cannot apply what the model asks for, is an error naming the variable. So is a ``backend=`` argument that
 cannot apply it (as transformers' own ``sdpa_attention_forward`` refuses ``softcap``).
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from unpack_trainer.patches.attention import eager, flash, sdpa, torch_varlen, xformers
+from unpack_trainer.patches.attention import eager, flash, flex, sdpa, torch_varlen, xformers
 from unpack_trainer.patches.attention._common import FEATURE_NAMES, AttentionBackend, BackendFunction
 
 __all__ = [
@@ -37,6 +37,7 @@ REGISTRY: dict[str, AttentionBackend] = {
         flash.BACKEND,
         torch_varlen.BACKEND,
         xformers.BACKEND,
+        flex.BACKEND,
         sdpa.BACKEND,
         eager.BACKEND,
     )
