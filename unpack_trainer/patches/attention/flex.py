@@ -7,9 +7,10 @@ block size, then one of four lengths per octave: :func:`padded_length`), so a co
 its class instead of recompiling per step. The padding is one more document that no real token sees.
 
 The block mask is built from the samples' bounds per block of 128 queries and 128 keys (:func:`block_mask`), never
-from a dense ``(N, N)`` mask: ``torch.nn.attention.flex_attention.create_block_mask`` evaluates the mask function
-on every (query, key) pair, with ``int64`` intermediates of ``(N, N)`` elements (about 45 GB at 64k tokens, the peak
-measured on an H200), where the bounds need ``O((N / 128) ** 2)``.
+from a dense ``(N, N)`` mask: ``torch.nn.attention.flex_attention.create_block_mask`` (uncompiled) evaluates the
+mask function on every (query, key) pair, with ``(N, N)`` intermediates (int64 document ids gathered per pair: 34
+GB at 64k tokens, the likely source of the 44.8 GiB peak measured there on an H200), where the bounds need
+``O((N / 128) ** 2)``.
 
 ``mask_mod`` (query ``q``, key ``k``, tokens of the padded row)::
 
