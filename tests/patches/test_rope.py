@@ -589,7 +589,7 @@ def test_benchmark_dry_run(interpret):
     rows = bench.run_cases(
         seqlens=[24],
         layouts=["packed", "unpacked"],
-        dtypes=[torch.float32],
+        dtypes=["float32"],
         device="cpu",
         heads=4,
         kv_heads=2,

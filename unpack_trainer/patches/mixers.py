@@ -385,7 +385,9 @@ def run_varlen(
     args = tuple(_flatten_rows(arg, info) for arg in args)
     kwargs = {key: _flatten_rows(value, info) for key, value in kwargs.items()}
     kwargs.update({key: metadata[argument] for key, argument in plan.keywords})
-    return _unflatten_rows(forward(*args, **kwargs), info, owner)
+    with mixer_kernels.replaced_kernels(plan, metadata["cu_seqlens"]):
+        out = forward(*args, **kwargs)
+    return _unflatten_rows(out, info, owner)
 
 
 # --------------------------------------------------------------------------------------------------------------------
