@@ -190,7 +190,7 @@ def _reference_attention(q, k, v, info, *, scaling, window, softcap):
     q, k, v = (x.transpose(0, 1).flatten(1, 2).double() for x in (q, k, v))  # (H, B * T, D), rows one after another
     heads_per_kv = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(heads_per_kv, 0), v.repeat_interleave(heads_per_kv, 0)
-    out = torch.zeros(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float64)
+    out = torch.zeros(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float64, device=q.device)
     starts, lengths, parents = info.cu_seqlens.tolist(), info.seq_lengths.tolist(), info.seq_parents.tolist()
     for index, parent in enumerate(parents):
         own = list(range(starts[index], starts[index] + lengths[index]))
@@ -198,8 +198,8 @@ def _reference_attention(q, k, v, info, *, scaling, window, softcap):
         scores = q[:, own] @ k[:, keys].transpose(1, 2) * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        i = torch.arange(len(own)).unsqueeze(1) + len(keys) - len(own)
-        j = torch.arange(len(keys)).unsqueeze(0)
+        i = torch.arange(len(own), device=q.device).unsqueeze(1) + len(keys) - len(own)
+        j = torch.arange(len(keys), device=q.device).unsqueeze(0)
         allowed = (j <= i) & ((j > i - window) if window is not None else True)
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[own] = (weights @ v[:, keys]).transpose(0, 1)
@@ -373,10 +373,19 @@ def test_branched_attention_on_flash_queries_each_token_once(window, softcap, la
     assert (keys == queries) == (layout == "apart")
 
 
+def test_the_reference_builds_on_the_inputs_device():
+    """The fp64 reference never mixes a CPU tensor into inputs on another device (``meta``: any CPU tensor raises)."""
+    info, inputs, _ = _layout("mixed")
+    q, k, v = (x.to("meta") for x in inputs)
+    out = _reference_attention(q, k, v, info, scaling=0.25, window=3, softcap=2.0)
+    assert out.device.type == "meta" and out.shape == (info.total_tokens, 4, 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "flex", "sdpa"])
 def test_branched_attention_on_the_cuda_kernels(backend, window, monkeypatch):
+    from unpack_trainer.patches import attention
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -386,6 +395,8 @@ def test_branched_attention_on_the_cuda_kernels(backend, window, monkeypatch):
         pytest.importorskip("xformers")
     if backend == "torch_varlen" and torch_varlen_backend.kernel() is None:
         pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    if backend == "flex" and attention.backend_unavailable_reason("flex", torch.device("cuda"), torch.bfloat16):
+        pytest.skip(attention.backend_unavailable_reason("flex", torch.device("cuda"), torch.bfloat16))
     out, expected = _attention_case(backend, window, None, torch.bfloat16, "cuda", monkeypatch)
     error = (out.double() - expected).abs().max() / expected.abs().max()
     assert error <= 2e-2, f"{backend}: relative error {float(error):.2e}"

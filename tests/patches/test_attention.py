@@ -52,10 +52,10 @@ def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None, si
         scores = qs @ ks.transpose(1, 2) * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        i = torch.arange(length).unsqueeze(1)
-        j = torch.arange(length).unsqueeze(0)
+        i = torch.arange(length, device=q.device).unsqueeze(1)  # on the inputs' device: CUDA inputs, CUDA mask
+        j = torch.arange(length, device=q.device).unsqueeze(0)
         if alibi is not None:
-            scores = scores - alibi.double().view(-1, 1, 1) * (i - j).double().to(scores.device)
+            scores = scores - alibi.double().view(-1, 1, 1) * (i - j).double()
         allowed = j <= i
         if window is not None:
             allowed &= j > i - window
@@ -1146,62 +1146,108 @@ def test_family_quirks_on_a_forced_backend_that_cannot(model_type, backend, monk
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _force_available_backend(backend, monkeypatch):
-    """Skip unless ``backend``'s kernel is installed, then force it through the environment variable."""
+def _force_available_backend(backend, device, monkeypatch):
+    """Skip unless ``backend``'s kernel runs on ``device``, then force it through the environment variable."""
     if backend == "flash":
         pytest.importorskip("flash_attn")
     if backend == "xformers":
         pytest.importorskip("xformers")
-    if backend == "torch_varlen" and torch_varlen_backend.kernel() is None:
-        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    reason = attention.backend_unavailable_reason(backend, torch.device(device), torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa", "eager"])
+def _cases(cuda_backends, cpu_backends=("sdpa", "eager")):
+    """``(backend, device)`` parameters: the CUDA ones marked ``gpu``, the same test body on the CPU for the
+    backends that run there (so the test itself, its reference included, is exercised without a GPU)."""
+    cuda = [pytest.param(b, "cuda", marks=pytest.mark.gpu, id=f"{b}-cuda") for b in cuda_backends]
+    return cuda + [pytest.param(b, "cpu", id=f"{b}-cpu") for b in cpu_backends]
+
+
+def _check_fwd_bwd_against_reference(backend, device, monkeypatch, lengths, *, options, **shape):
+    """bf16 packed attention on ``device`` (forward and backward) against the float64 reference built on the same
+    device: within a few bf16 ulps (2e-2 of the largest output, 5e-2 of the largest gradient)."""
+    _force_available_backend(backend, device, monkeypatch)
+    q, k, v = random_qkv(lengths, dtype=torch.bfloat16, device=device, **shape)
+    out, _ = packed_attention_forward(FakeModule(), q, k, v, None, **options, **info_kwargs(lengths))
+    upstream = torch.randn_like(out)
+    (out.float() * upstream.float()).sum().backward()
+    got = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    reference_options = {"window" if key == "sliding_window" else key: value for key, value in options.items()}
+    reference_options = {"alibi" if key == "alibi_slopes" else key: value for key, value in reference_options.items()}
+    expected = reference(q, k, v, lengths, **reference_options)
+    (expected.float() * upstream.float()).sum().backward()
+    assert out.shape == expected.shape and out.device == expected.device
+    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
+    for g, e in zip(got, grads([q, k, v])):
+        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
+
+
+REAL_LENGTHS = [40, 1, 97, 3, 64, 11]
+
+
+@pytest.mark.parametrize(("backend", "device"), _cases(["flash", "torch_varlen", "xformers", "flex", "sdpa", "eager"]))
 @pytest.mark.parametrize("window", [None, 16])
-def test_real_kernels_on_cuda(backend, window, monkeypatch):
-    _force_available_backend(backend, monkeypatch)
-    lengths = [40, 1, 97, 3, 64, 11]
-    q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16, device="cuda")
-    out, _ = packed_attention_forward(
-        FakeModule(), q, k, v, None, scaling=0.125, sliding_window=window, **info_kwargs(lengths)
+def test_real_kernels(backend, device, window, monkeypatch):
+    _check_fwd_bwd_against_reference(
+        backend,
+        device,
+        monkeypatch,
+        REAL_LENGTHS,
+        options={"scaling": 0.125, "sliding_window": window},
+        heads=8,
+        kv_heads=2,
+        dim=64,
     )
-    upstream = torch.randn_like(out)
-    (out.float() * upstream.float()).sum().backward()
-    got = grads([q, k, v])
-    for t in (q, k, v):
-        t.grad = None
-    expected = reference(q, k, v, lengths, scaling=0.125, window=window)
-    (expected.float() * upstream.float()).sum().backward()
-    # bf16: within a few bf16 ulps of the float64 reference rounded to bf16.
-    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
-    for g, e in zip(got, grads([q, k, v])):
-        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+@pytest.mark.parametrize(
+    ("backend", "device"), _cases(["flash", "torch_varlen", "xformers", "flex", "sdpa"], ["sdpa"])
+)
 @pytest.mark.parametrize(("dim", "v_dim"), [(192, 128), (20, 12)])
-def test_real_kernels_value_head_dim_on_cuda(backend, dim, v_dim, monkeypatch):
+def test_real_kernels_value_head_dim(backend, device, dim, v_dim, monkeypatch):
     """MLA shapes (deepseek_v3: 192 / 128) and head dims that are not a multiple of 8, on the real kernels."""
-    _force_available_backend(backend, monkeypatch)
-    lengths = [40, 1, 97, 3, 64, 11]
-    q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, dtype=torch.bfloat16, device="cuda")
-    out, _ = packed_attention_forward(
-        FakeModule(), q, k, v, None, scaling=dim**-0.5, sliding_window=16, **info_kwargs(lengths)
+    if backend == "flex" and dim < 16:
+        pytest.skip("flex_attention's kernel takes head dims of 16 or more")
+    _check_fwd_bwd_against_reference(
+        backend,
+        device,
+        monkeypatch,
+        REAL_LENGTHS,
+        options={"scaling": dim**-0.5, "sliding_window": 16},
+        heads=8,
+        kv_heads=2,
+        dim=dim,
+        v_dim=v_dim,
     )
-    assert out.shape == (1, sum(lengths), 8, v_dim)
-    upstream = torch.randn_like(out)
-    (out.float() * upstream.float()).sum().backward()
-    got = grads([q, k, v])
-    for t in (q, k, v):
-        t.grad = None
-    expected = reference(q, k, v, lengths, scaling=dim**-0.5, window=16)
-    (expected.float() * upstream.float()).sum().backward()
-    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
-    for g, e in zip(got, grads([q, k, v])):
-        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
+
+
+@pytest.mark.parametrize(("backend", "device"), _cases(["flash", "flex", "sdpa", "eager"]))
+def test_real_kernels_alibi(backend, device, monkeypatch):
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(8)], device=device)
+    _check_fwd_bwd_against_reference(
+        backend,
+        device,
+        monkeypatch,
+        REAL_LENGTHS,
+        options={"scaling": 0.125, "alibi_slopes": slopes},
+        heads=8,
+        kv_heads=8,
+        dim=64,
+    )
+
+
+def test_reference_builds_on_the_inputs_device():
+    """The float64 reference of the ``gpu`` tests never mixes a CPU tensor into inputs on another device: run on
+    ``meta`` tensors (any CPU tensor mixed in raises), every option on."""
+    lengths = [5, 1, 7]
+    q, k, v = (torch.empty(sum(lengths), h, 8, device="meta") for h in (4, 2, 2))
+    meta = torch.empty(4, device="meta")
+    out = reference_tokens(q, k, v, lengths, scaling=0.3, window=3, softcap=2.0, sinks=meta, alibi=meta)
+    assert out.device.type == "meta" and out.shape == (13, 4, 8)
 
 
 def test_flash_accumulator_head_dim_rounding():
