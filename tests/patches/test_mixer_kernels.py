@@ -233,18 +233,18 @@ def test_the_path_taken_and_its_reason_are_logged(on_cpu, monkeypatch, caplog):
 # -- exactness ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monkeypatch, cpu_kernels):
-    model = tiny_model(model_type).eval()
-    calls = install_stand_in_kernels(monkeypatch, model)
+def assert_varlen_packed_row_is_exact(model, monkeypatch, *, records):
+    """The patched ``model`` runs two packed rows of :func:`random_samples` without the padded buckets: logits ==
+    each sample alone, loss and every gradient == a padded batch. ``records`` (lists of kernel calls) are emptied
+    after the unpatched reference runs, so they hold the packed run's calls."""
     padded_path = []
     monkeypatch.setattr(mixer_patches, "run_padded", lambda *a, **k: padded_path.append(a) or pytest.fail("padded"))
     samples = random_samples()
     with torch.no_grad():
         alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
     padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
-    for kernel_calls in calls.values():
-        kernel_calls.clear()
+    for record in records:
+        record.clear()
     patch_model(model)
     try:
         batch = two_rows(samples)
@@ -254,9 +254,16 @@ def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monk
     finally:
         unpatch_model(model)
     assert not padded_path
+    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monkeypatch, cpu_kernels):
+    model = tiny_model(model_type).eval()
+    calls = install_stand_in_kernels(monkeypatch, model)
+    assert_varlen_packed_row_is_exact(model, monkeypatch, records=list(calls.values()))
     reached = {name: c for name, c in calls.items() if c}
     assert reached and all(marker is not None for c in reached.values() for marker in c), calls
-    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -359,25 +366,9 @@ def test_gated_delta_net_runs_varlen_with_fla_alone(fla_convolution, monkeypatch
         plan = varlen_plan(mixer.module)
         assert plan.reason is None and plan.keywords == EXPECTED_KEYWORDS["qwen3_5_text"], plan
         assert [name for _, name in plan.replaced] == ["causal_conv1d_fn"]
-    padded_path = []
-    monkeypatch.setattr(mixer_patches, "run_padded", lambda *a, **k: padded_path.append(a) or pytest.fail("padded"))
-    samples = random_samples()
-    with torch.no_grad():
-        alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
-    padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
-    calls["chunk_gated_delta_rule"].clear()
-    replaced_conv.clear()
-    patch_model(model)
-    try:
-        batch = two_rows(samples)
-        assert_packed_equals_alone(model, batch, alone)
-        model.train()
-        loss, grads = loss_and_grads(model, batch, skip_unused=True, use_cache=False)
-    finally:
-        unpatch_model(model)
-    assert not padded_path and calls["chunk_gated_delta_rule"] and replaced_conv
+    assert_varlen_packed_row_is_exact(model, monkeypatch, records=[calls["chunk_gated_delta_rule"], replaced_conv])
+    assert calls["chunk_gated_delta_rule"] and replaced_conv
     assert bool(conv_calls) == fla_convolution and all(c is not None for c in conv_calls)
-    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     assert kernel_entry(modeling_qwen3_5.causal_conv1d_fn).hub_name == "causal_conv1d_fn"  # restored after each call

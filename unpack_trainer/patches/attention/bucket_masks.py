@@ -1,15 +1,35 @@
-"""The masks and biases of the SDPA / eager buckets (:mod:`unpack_trainer.patches.buckets`), each built once per
-batch, bucket shape and device and cached on :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`."""
+"""What the SDPA and eager backends share on their buckets (:mod:`unpack_trainer.patches.buckets`): the masks and
+biases, each built once per batch, bucket shape and device and cached on
+:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`, and the branched forward over a branch plan."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.buckets import Bucket
+from unpack_trainer.patches.attention._common import BranchedFunction, CallOptions
+from unpack_trainer.patches.buckets import Bucket, BucketPlan, branch_plan
 
-__all__ = ["additive_mask", "alibi_bias", "band_mask", "branch_additive_mask", "branch_mask"]
+__all__ = ["additive_mask", "alibi_bias", "band_mask", "branch_additive_mask", "branch_mask", "branched_buckets"]
+
+
+def branched_buckets(buckets_forward: Callable[..., Tensor]) -> BranchedFunction:
+    """The branched forward of a bucket backend (SDPA, eager) whose ``buckets_forward(q, k, v, info, options, plan)``
+    runs a plan: a branched batch with every query computed once (:func:`branch_plan`), or ``None`` (ALiBi, or spans
+    that are not contiguous: the caller runs the ``[prefix; branch]`` units)."""
+
+    def branched_forward(
+        query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
+    ) -> Tensor | None:
+        if options.alibi_slopes is not None:
+            return None
+        plan: BucketPlan | None = branch_plan(info, query.device)
+        return None if plan is None else buckets_forward(query, key, value, info, options, plan)
+
+    return branched_forward
 
 
 def branch_mask(

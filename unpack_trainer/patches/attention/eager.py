@@ -11,8 +11,13 @@ from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
-from unpack_trainer.patches.attention.bucket_masks import additive_mask, alibi_bias, branch_additive_mask
-from unpack_trainer.patches.buckets import BucketPlan, attention_plan, branch_plan, bucketed, key_bucketed, unbucketed
+from unpack_trainer.patches.attention.bucket_masks import (
+    additive_mask,
+    alibi_bias,
+    branch_additive_mask,
+    branched_buckets,
+)
+from unpack_trainer.patches.buckets import BucketPlan, attention_plan, bucketed, key_bucketed, unbucketed
 
 __all__ = ["BACKEND"]
 
@@ -91,22 +96,11 @@ def buckets_forward(
     return unbucketed(outputs, plan, batch_size, seq_len)
 
 
-def branched_forward(
-    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
-) -> Tensor | None:
-    """A branched batch with every query computed once (:func:`~unpack_trainer.patches.buckets.branch_plan`), or
-    ``None`` (ALiBi, or spans that are not contiguous: the caller runs the ``[prefix; branch]`` units)."""
-    if options.alibi_slopes is not None:
-        return None
-    plan = branch_plan(info, query.device)
-    return None if plan is None else buckets_forward(query, key, value, info, options, plan)
-
-
 BACKEND = AttentionBackend(
     name="eager",
     capabilities=frozenset({"softcap", "sinks", "dropout", "alibi"}),
     unavailable_reason=lambda device, dtype: None,
     forward=forward,
-    branched_forward=branched_forward,
+    branched_forward=branched_buckets(buckets_forward),
     automatic=False,  # not a choice among the others: what remains when none of them can run or apply the call
 )

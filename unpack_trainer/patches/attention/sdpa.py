@@ -21,12 +21,11 @@ from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
-from unpack_trainer.patches.attention.bucket_masks import alibi_bias, band_mask, branch_mask
+from unpack_trainer.patches.attention.bucket_masks import alibi_bias, band_mask, branch_mask, branched_buckets
 from unpack_trainer.patches.buckets import (
     Bucket,
     BucketPlan,
     attention_plan,
-    branch_plan,
     bucketed,
     key_bucketed,
     unbucketed,
@@ -139,21 +138,10 @@ def _bucket_attention(
     )
 
 
-def branched_forward(
-    query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
-) -> Tensor | None:
-    """A branched batch with every query computed once (:func:`~unpack_trainer.patches.buckets.branch_plan`), or
-    ``None`` (ALiBi, or spans that are not contiguous: the caller runs the ``[prefix; branch]`` units)."""
-    if options.alibi_slopes is not None:
-        return None
-    plan = branch_plan(info, query.device)
-    return None if plan is None else buckets_forward(query, key, value, info, options, plan)
-
-
 BACKEND = AttentionBackend(
     name="sdpa",
     capabilities=frozenset({"dropout", "alibi"}),
     unavailable_reason=lambda device, dtype: None,
     forward=forward,
-    branched_forward=branched_forward,
+    branched_forward=branched_buckets(buckets_forward),
 )
