@@ -11,15 +11,19 @@ boundary (lognormal sample lengths around 180 tokens), ``unpacked`` is one sampl
 
 Providers, measured in the same run: ``torch`` = transformers' ``apply_rotary_pos_emb`` (our bitwise-identical
 reference), ``kernel`` = ``fused_apply_rotary_pos_emb`` (what the patched model calls on CUDA), ``cache`` =
-``fused_rotary_pos_emb_from_cache`` (cos/sin gathered by position id inside the kernel; forward only). Times are the
-median over ``--rep`` timed calls after ``--warmup`` calls, with the L2 cache flushed before each call on CUDA.
-Differences are kernel vs torch outputs (q and k together) in the benchmark dtype. Goal: kernel >= 2.3x torch at
-2k-8k tokens.
+``fused_rotary_pos_emb_from_cache`` (cos/sin gathered by position id inside the kernel; forward only), ``liger`` =
+Liger-Kernel's ``liger_rotary_pos_emb`` (fwd+bwd; when ``pip install liger-kernel`` is there, else the column says
+so; it rotates q/k in place). Times are the median over ``--rep`` timed calls after ``--warmup`` calls, with the L2
+cache flushed before each call on CUDA. Differences are kernel vs torch outputs (q and k together) in the output
+dtype. Precisions: ``bfloat16`` / ``float32`` (q, k, cos, sin all in it) and ``autocast`` (bf16 q/k with fp32
+cos/sin under ``torch.autocast``, what every step of fp32 weights with ``bf16=True`` hands RoPE; the kernel writes
+bf16 there). Goals (issue 26): kernel >= 2.3x torch at 2k-8k tokens, >= 1.0x Liger at 2k-32k.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -40,7 +44,8 @@ from unpack_trainer.patches.rope import (  # noqa: E402
     rope_cache,
 )
 
-DEFAULT_SEQLENS = (256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_SEQLENS = (256, 512, 1024, 2048, 4096, 8192, 32768)
+PRECISIONS = ("bfloat16", "float32", "autocast")
 HEADERS = (
     "dtype",
     "seqlen",
@@ -51,6 +56,8 @@ HEADERS = (
     "torch fwd+bwd µs",
     "kernel fwd+bwd µs",
     "fwd+bwd speedup",
+    "liger fwd+bwd µs",
+    "kernel vs liger",
     "cache fwd µs",
     "max abs diff",
     "mean abs diff",
@@ -94,10 +101,19 @@ def time_us(fn: Callable[[], object], *, device: str, warmup: int, rep: int) -> 
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
+def _liger_rope() -> Callable | None:
+    """Liger-Kernel's ``liger_rotary_pos_emb`` when installed, else ``None``."""
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except ImportError:
+        return None
+    return liger_rotary_pos_emb
+
+
 def run_case(
     seqlen: int,
     layout: str,
-    dtype: torch.dtype,
+    precision: str,
     *,
     device: str,
     heads: int,
@@ -123,6 +139,8 @@ def run_case(
     else:
         raise ValueError(f"layout must be 'packed' or 'unpacked'; got {layout!r}")
 
+    autocast = precision == "autocast"
+    dtype = torch.bfloat16 if autocast else getattr(torch, precision)
     generator = torch.Generator(device=device).manual_seed(0)
     q_proj = torch.randn(1, seqlen, heads * head_dim, device=device, generator=generator).to(dtype)
     k_proj = torch.randn(1, seqlen, kv_heads * head_dim, device=device, generator=generator).to(dtype)
@@ -130,33 +148,52 @@ def run_case(
     k_proj.requires_grad_()
     q = q_proj.view(1, seqlen, heads, head_dim).transpose(1, 2)
     k = k_proj.view(1, seqlen, kv_heads, head_dim).transpose(1, 2)
-    cos, sin = rotary(q_proj, position_ids)
-    cos_cache, sin_cache = rope_cache(rotary, max(seqlen, 2), device=device, dtype=dtype)
+    cos, sin = rotary(q_proj.float() if autocast else q_proj, position_ids)  # autocast: fp32 cos/sin
+    cos_cache, sin_cache = rope_cache(rotary, max(seqlen, 2), device=device, dtype=cos.dtype)
+    context = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     grad_q = torch.randn(q.shape, device=device, generator=generator).to(dtype)
     grad_k = torch.randn(k.shape, device=device, generator=generator).to(dtype)
+
+    def in_context(fn: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            with context():
+                return fn()
+
+        return call
 
     def fwd_bwd(fn: Callable) -> Callable[[], object]:
         def call() -> object:
             q = q_proj.view(1, seqlen, heads, head_dim).transpose(1, 2)
             k = k_proj.view(1, seqlen, kv_heads, head_dim).transpose(1, 2)
             out = fn(q, k, cos, sin)
-            return torch.autograd.grad(out, (q_proj, k_proj), (grad_q, grad_k))
+            return torch.autograd.grad(
+                out, (q_proj, k_proj), tuple(g.to(o.dtype) for g, o in zip((grad_q, grad_k), out))
+            )
 
-        return call
+        return in_context(call)
 
     timing = {"device": device, "warmup": warmup, "rep": rep}
-    row = {"dtype": str(dtype).removeprefix("torch."), "seqlen": seqlen, "layout": layout}
-    row["torch_fwd_us"] = time_us(lambda: apply_rotary_pos_emb_torch(q, k, cos, sin), **timing)
-    row["kernel_fwd_us"] = time_us(lambda: fused_apply_rotary_pos_emb(q, k, cos, sin), **timing)
+    row = {"dtype": precision, "seqlen": seqlen, "layout": layout}
+    row["torch_fwd_us"] = time_us(in_context(lambda: apply_rotary_pos_emb_torch(q, k, cos, sin)), **timing)
+    row["kernel_fwd_us"] = time_us(in_context(lambda: fused_apply_rotary_pos_emb(q, k, cos, sin)), **timing)
     row["torch_fwd_bwd_us"] = time_us(fwd_bwd(apply_rotary_pos_emb_torch), **timing)
     row["kernel_fwd_bwd_us"] = time_us(fwd_bwd(fused_apply_rotary_pos_emb), **timing)
+    liger = _liger_rope()
+    row["liger_fwd_bwd_us"] = None
+    if liger is not None and device == "cuda":
+        # Liger rotates the projections in place: the values drift from rep to rep, which timing does not mind.
+        row["liger_fwd_bwd_us"] = time_us(fwd_bwd(liger), **timing)
     row["cache_fwd_us"] = time_us(
-        lambda: fused_rotary_pos_emb_from_cache(q, k, cos_cache, sin_cache, position_ids, check_positions=False),
+        in_context(
+            lambda: fused_rotary_pos_emb_from_cache(q, k, cos_cache, sin_cache, position_ids, check_positions=False)
+        ),
         **timing,
     )
-    with torch.no_grad():
+    with torch.no_grad(), context():
         ref = torch.cat([t.flatten().float() for t in apply_rotary_pos_emb_torch(q, k, cos, sin)])
-        out = torch.cat([t.flatten().float() for t in fused_apply_rotary_pos_emb(q, k, cos, sin)])
+        out = fused_apply_rotary_pos_emb(q, k, cos, sin)
+        row["out_dtype"] = str(out[0].dtype).removeprefix("torch.")
+        out = torch.cat([t.flatten().float() for t in out])
         diff = (out - ref).abs()
     row["max_abs_diff"] = diff.max().item()
     row["mean_abs_diff"] = diff.mean().item()
@@ -166,7 +203,7 @@ def run_case(
 def run_cases(
     seqlens: Sequence[int],
     layouts: Sequence[str],
-    dtypes: Sequence[torch.dtype],
+    dtypes: Sequence[str],
     *,
     device: str,
     heads: int = 32,
@@ -175,7 +212,7 @@ def run_cases(
     warmup: int = 10,
     rep: int = 100,
 ) -> list[dict]:
-    """Every (dtype, seqlen, layout) case, in that order."""
+    """Every (precision, seqlen, layout) case, in that order; ``dtypes`` are names of :data:`PRECISIONS`."""
     return [
         run_case(
             seqlen,
@@ -208,6 +245,8 @@ def format_rows(rows: Sequence[dict]) -> str:
                 r["torch_fwd_bwd_us"],
                 r["kernel_fwd_bwd_us"],
                 f"{r['torch_fwd_bwd_us'] / r['kernel_fwd_bwd_us']:.2f}x",
+                "not installed" if r["liger_fwd_bwd_us"] is None else r["liger_fwd_bwd_us"],
+                "-" if r["liger_fwd_bwd_us"] is None else f"{r['liger_fwd_bwd_us'] / r['kernel_fwd_bwd_us']:.2f}x",
                 r["cache_fwd_us"],
                 f"{r['max_abs_diff']:.2e}",
                 f"{r['mean_abs_diff']:.2e}",
@@ -220,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)))
     parser.add_argument("--layouts", default="packed,unpacked")
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default=",".join(PRECISIONS), help=f"any of {', '.join(PRECISIONS)}")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -239,12 +278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.tile is not None:
         os.environ["UNPACK_ROPE_TILE"] = str(args.tile)  # read at every launch
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    dtypes = args.dtypes.split(",")
+    unknown = sorted(set(dtypes) - set(PRECISIONS))
+    if unknown:
+        parser.error(f"--dtypes: {', '.join(unknown)} not among {', '.join(PRECISIONS)}")
     layouts = args.layouts.split(",")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read at the first kernel launch
         rows = run_cases(
-            [24], layouts, [torch.float32], device="cpu", heads=4, kv_heads=2, head_dim=16, warmup=1, rep=2
+            [24], layouts, ["float32", "autocast"], device="cpu", heads=4, kv_heads=2, head_dim=16, warmup=1, rep=2
         )
         print_header("RoPE: fused Q/K kernel vs torch (DRY RUN on CPU through the Triton interpreter: not timings)")
         print(format_rows(rows))

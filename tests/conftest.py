@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not item.keywords: it holds the checkout's directory names
             item.add_marker(skip_gpu)
 
 
@@ -191,9 +191,9 @@ def _sibling_leak(self):
 
 def _parents_ignored(backend, query, key, value, info, options):
     """A broken branched attention: every sample attends only to itself, so a branch never sees its prompt."""
-    from unpack_trainer.patches import attention
+    from unpack_trainer.patches.attention.registry import REGISTRY
 
-    return attention._BACKEND_FUNCTIONS[backend](query, key, value, info, options)
+    return REGISTRY[backend].forward(query, key, value, info, options)
 
 
 @pytest.fixture
@@ -202,7 +202,7 @@ def leak_branches(monkeypatch):
     for the rest of the test: ``"sibling"`` (a branch sees the other branch) or ``"parents"`` (a branch does not see
     its prompt). Plain packed samples are untouched."""
     from unpack_trainer.packed_seq_info import PackedSeqInfo
-    from unpack_trainer.patches import attention
+    from unpack_trainer.patches.attention import dispatch
 
     def leak(kind: str) -> None:
         if kind == "sibling":
@@ -210,6 +210,6 @@ def leak_branches(monkeypatch):
             monkeypatch.setattr(PackedSeqInfo, "_build_branch_spans", lambda self: None)
             monkeypatch.setattr(PackedSeqInfo, "_build_branch_units", _sibling_leak)
         else:
-            monkeypatch.setattr(attention, "_branched", _parents_ignored)
+            monkeypatch.setattr(dispatch, "_branched", _parents_ignored)
 
     return leak

@@ -12,6 +12,9 @@ import torch
 
 from unpack_trainer.models import patch_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.attention import _common as attention_common
+from unpack_trainer.patches.attention import flash as flash_backend
+from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
 from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
 from unpack_trainer.tiny import tiny_model
 
@@ -187,7 +190,7 @@ def _reference_attention(q, k, v, info, *, scaling, window, softcap):
     q, k, v = (x.transpose(0, 1).flatten(1, 2).double() for x in (q, k, v))  # (H, B * T, D), rows one after another
     heads_per_kv = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(heads_per_kv, 0), v.repeat_interleave(heads_per_kv, 0)
-    out = torch.zeros(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float64)
+    out = torch.zeros(q.shape[1], q.shape[0], v.shape[-1], dtype=torch.float64, device=q.device)
     starts, lengths, parents = info.cu_seqlens.tolist(), info.seq_lengths.tolist(), info.seq_parents.tolist()
     for index, parent in enumerate(parents):
         own = list(range(starts[index], starts[index] + lengths[index]))
@@ -195,8 +198,8 @@ def _reference_attention(q, k, v, info, *, scaling, window, softcap):
         scores = q[:, own] @ k[:, keys].transpose(1, 2) * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        i = torch.arange(len(own)).unsqueeze(1) + len(keys) - len(own)
-        j = torch.arange(len(keys)).unsqueeze(0)
+        i = torch.arange(len(own), device=q.device).unsqueeze(1) + len(keys) - len(own)
+        j = torch.arange(len(keys), device=q.device).unsqueeze(0)
         allowed = (j <= i) & ((j > i - window) if window is not None else True)
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[own] = (weights @ v[:, keys]).transpose(0, 1)
@@ -290,21 +293,21 @@ def test_the_prompt_is_queried_once(backend, monkeypatch):
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
     rows = []
     if backend == "sdpa":
-        original = attention.F.scaled_dot_product_attention
+        original = torch.nn.functional.scaled_dot_product_attention
 
         def counting(q, k, v, **kwargs):
             rows.append(q.shape[0] * q.shape[2])
             return original(q, k, v, **kwargs)
 
-        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
     else:
-        original = attention.F.softmax
+        original = torch.nn.functional.softmax
 
         def counting(scores, *args, **kwargs):
             rows.append(scores.shape[0] * scores.shape[2])
             return original(scores, *args, **kwargs)
 
-        monkeypatch.setattr(attention.F, "softmax", counting)
+        monkeypatch.setattr(torch.nn.functional, "softmax", counting)
     lengths = [6, 4, 7]
     info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=17, seq_parents=[-1, 0, 0])
     q, k, v = (torch.randn(1, h, 17, 16) for h in (4, 2, 2))
@@ -354,9 +357,9 @@ def test_branched_attention_on_flash_queries_each_token_once(window, softcap, la
     from unpack_trainer.patches import attention
 
     kernel = _BottomRightFlash()
-    monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float32,))
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(flash_backend, "DTYPES", (torch.float32,))
+    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
     monkeypatch.setenv(attention.ENV_BACKEND, "flash")
     info, inputs, generator = _layout(layout)
     weight = torch.randn(info.total_tokens, 4, 16, generator=generator, dtype=torch.float64)
@@ -370,9 +373,17 @@ def test_branched_attention_on_flash_queries_each_token_once(window, softcap, la
     assert (keys == queries) == (layout == "apart")
 
 
+def test_the_reference_builds_on_the_inputs_device():
+    """The fp64 reference never mixes a CPU tensor into inputs on another device (``meta``: any CPU tensor raises)."""
+    info, inputs, _ = _layout("mixed")
+    q, k, v = (x.to("meta") for x in inputs)
+    out = _reference_attention(q, k, v, info, scaling=0.25, window=3, softcap=2.0)
+    assert out.device.type == "meta" and out.shape == (info.total_tokens, 4, 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "flex", "sdpa"])
 def test_branched_attention_on_the_cuda_kernels(backend, window, monkeypatch):
     from unpack_trainer.patches import attention
 
@@ -382,8 +393,10 @@ def test_branched_attention_on_the_cuda_kernels(backend, window, monkeypatch):
         pytest.importorskip("flash_attn")
     if backend == "xformers":
         pytest.importorskip("xformers")
-    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
+    if backend == "torch_varlen" and torch_varlen_backend.kernel() is None:
         pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    if backend == "flex" and attention.backend_unavailable_reason("flex", torch.device("cuda"), torch.bfloat16):
+        pytest.skip(attention.backend_unavailable_reason("flex", torch.device("cuda"), torch.bfloat16))
     out, expected = _attention_case(backend, window, None, torch.bfloat16, "cuda", monkeypatch)
     error = (out.double() - expected).abs().max() / expected.abs().max()
     assert error <= 2e-2, f"{backend}: relative error {float(error):.2e}"

@@ -24,6 +24,8 @@ from unpack_trainer.models import (
 from unpack_trainer.models.discovery import discover
 from unpack_trainer.models.refusals import REFUSAL_CHECKS
 from unpack_trainer.patches import attention, rope
+from unpack_trainer.patches.attention import _common as attention_common
+from unpack_trainer.patches.attention import flash as flash_backend
 
 # On top of unpack_trainer.tiny's sizes; None takes LlamaConfig's default.
 SIZES = dict(
@@ -219,8 +221,8 @@ def test_resolve_backend(monkeypatch, llama):
     assert tuple(resolve_backend(model)) == ("eager", "forced by UNPACK_ATTENTION_BACKEND")
     # The trainer's test seam: pretend flash-attn runs on this device.
     monkeypatch.delenv(attention.ENV_BACKEND)
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: object())
-    monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(flash_backend, "kernel", lambda: object())
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cpu",))
     assert resolve_backend(model.to(torch.bfloat16)).name == "flash"
 
 

@@ -19,13 +19,18 @@ from hypothesis import strategies as st
 
 from unpack_trainer import _logging
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches import attention
+from unpack_trainer.patches import attention, buckets
 from unpack_trainer.patches.attention import (
     BackendChoice,
     choose_backend,
     make_attention_function,
     packed_attention_forward,
 )
+from unpack_trainer.patches.attention import _common as attention_common
+from unpack_trainer.patches.attention import _varlen as varlen_common
+from unpack_trainer.patches.attention import flash as flash_backend
+from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
+from unpack_trainer.patches.attention import xformers as xformers_backend
 
 
 class FakeModule(torch.nn.Module):
@@ -47,10 +52,10 @@ def reference_tokens(q, k, v, lengths, *, scaling, window=None, softcap=None, si
         scores = qs @ ks.transpose(1, 2) * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        i = torch.arange(length).unsqueeze(1)
-        j = torch.arange(length).unsqueeze(0)
+        i = torch.arange(length, device=q.device).unsqueeze(1)  # on the inputs' device: CUDA inputs, CUDA mask
+        j = torch.arange(length, device=q.device).unsqueeze(0)
         if alibi is not None:
-            scores = scores - alibi.double().view(-1, 1, 1) * (i - j).double().to(scores.device)
+            scores = scores - alibi.double().view(-1, 1, 1) * (i - j).double()
         allowed = j <= i
         if window is not None:
             allowed &= j > i - window
@@ -69,9 +74,9 @@ def reference(query, key, value, lengths, **options):
     """(B, H, T, D) inputs -> (B, T, H, D), like the helper."""
     batch, heads, seq_len, dim = query.shape
     out = reference_tokens(
-        attention._tokens_major(query),
-        attention._tokens_major(key),
-        attention._tokens_major(value),
+        attention_common.tokens_major(query),
+        attention_common.tokens_major(key),
+        attention_common.tokens_major(value),
         lengths,
         **options,
     )
@@ -115,7 +120,7 @@ def grads(tensors):
 @given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=80))
 def test_sdpa_plan_places_every_token_once(lengths):
     info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=sum(lengths))
-    plan = attention._sdpa_plan(info, torch.device("cpu"))
+    plan = buckets.attention_plan(info, torch.device("cpu"))
     num_slots = sum(b.count * b.length for b in plan.buckets)
     assert plan.sizes == [b.count * b.length for b in plan.buckets]
     assert plan.gather.shape == plan.pad_slots.shape == (num_slots,)
@@ -136,15 +141,15 @@ def test_sdpa_plan_places_every_token_once(lengths):
         assert torch.equal(gather[pad], gather[:, :1].expand_as(gather)[pad])
 
 
-def plan_cost(buckets):
-    return sum(attention._CALL_COST_PAIRS + b.count * b.length**2 for b in buckets)
+def plan_cost(plan_buckets):
+    return sum(buckets.CALL_COST_PAIRS + b.count * b.length**2 for b in plan_buckets)
 
 
 def test_many_tiny_samples_need_few_calls():
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (1000,), generator=generator)
     info = PackedSeqInfo.from_seq_lengths(lengths, batch_size=1, seq_len=int(lengths.sum()))
-    assert len(attention._sdpa_plan(info, torch.device("cpu")).buckets) <= 8
+    assert len(buckets.attention_plan(info, torch.device("cpu")).buckets) <= 8
 
 
 @settings(max_examples=30, deadline=None)
@@ -152,10 +157,10 @@ def test_many_tiny_samples_need_few_calls():
 def test_bucketing_beats_the_trivial_plans(lengths):
     """The grouping is optimal for its cost model: no worse than one call per length, or one call for all."""
     info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=sum(lengths))
-    buckets = attention._sdpa_plan(info, torch.device("cpu")).buckets
-    per_length = [attention._Bucket(n, lengths.count(n)) for n in set(lengths)]
-    single = [attention._Bucket(max(lengths), len(lengths))]
-    assert plan_cost(buckets) <= min(plan_cost(per_length), plan_cost(single))
+    chosen = buckets.attention_plan(info, torch.device("cpu")).buckets
+    per_length = [buckets.Bucket(n, lengths.count(n)) for n in set(lengths)]
+    single = [buckets.Bucket(max(lengths), len(lengths))]
+    assert plan_cost(chosen) <= min(plan_cost(per_length), plan_cost(single))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -349,10 +354,10 @@ def never_called(*args, **kwargs):
 )
 def test_explicit_backend_refuses_what_it_cannot_apply(cpu_kernels, monkeypatch, backend, option, feature):
     """Issue 10 item 21: ``backend="sdpa"`` with ``softcap`` used to return the output without softcapping."""
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: never_called)
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: never_called)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: never_called)
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: never_called)
     monkeypatch.setattr(
-        attention, "_xformers_fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
+        xformers_backend, "fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
     )
     lengths = [6, 3]
     q, k, v = random_qkv(lengths)
@@ -375,10 +380,10 @@ def test_explicit_backend_refuses_what_it_cannot_apply(cpu_kernels, monkeypatch,
     ],
 )
 def test_forced_backend_that_cannot_apply_a_quirk_is_an_error(cpu_kernels, monkeypatch, backend, option, feature):
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: never_called)
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: never_called)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: never_called)
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: never_called)
     monkeypatch.setattr(
-        attention, "_xformers_fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
+        xformers_backend, "fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
     )
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
     lengths = [6, 3]
@@ -446,7 +451,7 @@ def test_packed_attention_errors():
     bidirectional.is_causal = False
     with pytest.raises(ValueError, match="causal only"):
         packed_attention_forward(bidirectional, q, k, v, None, **info_kwargs(lengths))
-    with pytest.raises(ValueError, match="Unknown packed attention backend"):
+    with pytest.raises(ValueError, match="is not a packed attention backend"):
         packed_attention_forward(FakeModule(), q, k, v, None, backend="magic", **info_kwargs(lengths))
 
 
@@ -460,9 +465,9 @@ def test_choose_backend(monkeypatch):
     monkeypatch.setenv(attention.ENV_BACKEND, "eager")
     assert choose_backend(cpu, torch.float32, "sdpa") == BackendChoice("eager", "forced by UNPACK_ATTENTION_BACKEND")
     monkeypatch.setenv(attention.ENV_BACKEND, "magic")
-    with pytest.raises(ValueError, match="is not a backend"):
+    with pytest.raises(ValueError, match="is not a packed attention backend"):
         choose_backend(cpu, torch.float32, "sdpa")
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
     monkeypatch.setenv(attention.ENV_BACKEND, "flash")
     with pytest.raises(ValueError, match="flash-attn is not installed"):
         choose_backend(cpu, torch.bfloat16, "sdpa")
@@ -470,14 +475,14 @@ def test_choose_backend(monkeypatch):
 
 def test_choose_backend_prefers_available_kernels(monkeypatch):
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: object())
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
-    monkeypatch.setattr(attention, "_xformers_fmha", lambda: object())
+    monkeypatch.setattr(flash_backend, "kernel", lambda: object())
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
+    monkeypatch.setattr(xformers_backend, "fmha", lambda: object())
     cuda = torch.device("cuda")
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "flash"
     assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # flash-attn needs half precision
     assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
     assert choose_backend(cuda, torch.bfloat16, "flash_attention_2").name == "xformers"
 
 
@@ -579,17 +584,18 @@ class StandInFlash:
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     """Make the kernel backends 'available' on the CPU in fp32."""
-    monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(flash_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.setattr(torch_varlen_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
     # torch's real varlen_attn imports on a CPU build too; a test that wants it installs a stand-in.
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
 
 
 @pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 1), (50, 4)])
 def test_flash_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
     kernel = StandInFlash()
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads)
     out, _ = packed_attention_forward(
@@ -606,11 +612,11 @@ def test_flash_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
 
 def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog):
     kernel = StandInFlash()
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
     monkeypatch.setattr(_logging, "_logged", set())
     heads, dim = 4, 8  # one token costs 4 * 32 elements of the (head_dim rounded up to 32) accumulator
     lengths = [30, 10, 50, 2, 20, 7]
-    monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (60 + 128 * 2) * heads * 32)
+    monkeypatch.setattr(varlen_common, "MAX_ELEMENTS", (60 + 128 * 2) * heads * 32)
     q, k, v = random_qkv(lengths, heads=heads, kv_heads=2, dim=dim)
     with caplog.at_level(logging.WARNING, logger=attention.__name__):
         out, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.3, **info_kwargs(lengths))
@@ -626,10 +632,10 @@ def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog
 @pytest.mark.parametrize(("softcap", "fallback"), [(None, "sdpa"), (1.5, "eager")])
 def test_flash_sample_too_large_alone_falls_back(cpu_kernels, monkeypatch, caplog, softcap, fallback):
     kernel = StandInFlash()
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
     monkeypatch.setattr(_logging, "_logged", set())
     lengths = [10, 400, 12]
-    monkeypatch.setattr(attention, "_FLASH_MAX_ELEMENTS", (40 + 128 * 2) * 4 * 32)
+    monkeypatch.setattr(varlen_common, "MAX_ELEMENTS", (40 + 128 * 2) * 4 * 32)
     q, k, v = random_qkv(lengths)
     with caplog.at_level(logging.WARNING, logger=attention.__name__):
         out, _ = packed_attention_forward(
@@ -681,8 +687,8 @@ def make_fake_xformers(record):
 @pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 4), (3, 1)])
 def test_xformers_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
     record = {}
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
-    monkeypatch.setattr(attention, "_xformers_fmha", lambda: make_fake_xformers(record))
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    monkeypatch.setattr(xformers_backend, "fmha", lambda: make_fake_xformers(record))
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads)
     out, _ = packed_attention_forward(
@@ -702,7 +708,7 @@ def test_flash_gets_one_head_dim_for_q_k_v(cpu_kernels, monkeypatch):
     """flash-attn 2 takes one head dim for q, k and v: MLA values are zero-padded to the query head dim and the
     output cropped back (as transformers' flash_attention_forward does)."""
     kernel = StandInFlash()
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, dim=20, v_dim=12)
     out, _ = packed_attention_forward(
@@ -714,7 +720,7 @@ def test_flash_gets_one_head_dim_for_q_k_v(cpu_kernels, monkeypatch):
 
 def test_flash_applies_softcap(cpu_kernels, monkeypatch):
     kernel = StandInFlash()
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths)
     out, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=1.0, softcap=1.5, **info_kwargs(lengths))
@@ -725,9 +731,9 @@ def test_flash_applies_softcap(cpu_kernels, monkeypatch):
 @pytest.mark.parametrize(("window", "kv_heads", "v_dim"), [(None, 2, None), (4, 2, 12), (3, 4, None)])
 def test_xformers_dispatch_quirks(cpu_kernels, monkeypatch, window, kv_heads, v_dim):
     record = {}
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
-    monkeypatch.setattr(attention, "_xformers_fmha", lambda: make_fake_xformers(record))
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
+    monkeypatch.setattr(xformers_backend, "fmha", lambda: make_fake_xformers(record))
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, kv_heads=kv_heads, v_dim=v_dim)
     out, _ = packed_attention_forward(
@@ -766,6 +772,7 @@ def make_stand_in_varlen(calls: list, *, gqa_parameter: bool = True):
                 "kv_heads": key.shape[1],
                 "head_dim": query.shape[-1],
                 "scale": scale,
+                "dtypes": (query.dtype, key.dtype, value.dtype),
             }
         )
         window = None if window_size[0] < 0 else window_size[0] + 1
@@ -816,9 +823,9 @@ def make_stand_in_varlen(calls: list, *, gqa_parameter: bool = True):
 )
 def test_torch_varlen_dispatch(cpu_kernels, monkeypatch, window, kv_heads, gqa_parameter, dim, v_dim):
     calls = []
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
     monkeypatch.setattr(
-        attention, "_torch_varlen_kernel", lambda: make_stand_in_varlen(calls, gqa_parameter=gqa_parameter)
+        torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls, gqa_parameter=gqa_parameter)
     )
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads, dim=dim, v_dim=v_dim)
@@ -842,8 +849,8 @@ def test_torch_varlen_dispatch(cpu_kernels, monkeypatch, window, kv_heads, gqa_p
 )
 def test_torch_varlen_hands_over_what_it_cannot_apply(cpu_kernels, monkeypatch, caplog, option, value, fallback):
     monkeypatch.setattr(_logging, "_logged", set())
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: never_called)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: never_called)
     ran = spy_backends(monkeypatch)
     lengths = [6, 3, 9]
     q, k, v = random_qkv(lengths)
@@ -860,16 +867,69 @@ def test_torch_varlen_hands_over_what_it_cannot_apply(cpu_kernels, monkeypatch, 
         assert_matches_reference(out, leaves, lengths, scaling=0.5, **options)
 
 
+def test_autocast_runs_the_varlen_kernel_in_the_autocast_dtype(monkeypatch, caplog):
+    """Issue 26 item 1: fp32 weights under bf16 autocast (TRL's default on a GPU) hand attention fp32 q / k (RoPE
+    multiplied them by fp32 cos / sin) and a bf16 v. The backend is chosen for the dtype attention computes in, bf16,
+    and the varlen kernel (a stand-in that only takes half precision, as the real one) receives bf16 q / k / v.
+    Before: the choice saw fp32, skipped the kernel ("needs float16 or bfloat16") and ran the SDPA buckets."""
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))  # DTYPES stay half precision
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    calls = []
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls))
+    lengths = [5, 1, 9, 12, 4]
+    q, k, v = random_qkv(lengths, dim=16)
+    v_bf16 = v.detach().to(torch.bfloat16).requires_grad_()
+    with caplog.at_level(logging.INFO, logger=attention.__name__), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_attention_forward(FakeModule(), q, k, v_bf16, None, scaling=0.25, **info_kwargs(lengths))
+    (call,) = calls
+    assert call["dtypes"] == (torch.bfloat16,) * 3
+    assert "Packed attention backend: torch_varlen (torch_varlen available on cpu for torch.bfloat16" in caplog.text
+    assert out.dtype == torch.bfloat16
+    expected = reference(q.detach().bfloat16(), k.detach().bfloat16(), v_bf16.detach(), lengths, scaling=0.25)
+    assert_close_to_reference(out.detach().float(), expected.float(), rel=1e-2)
+    out.float().square().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.float32 and v_bf16.grad.dtype == torch.bfloat16
+    # Without autocast the same fp32 inputs cannot take the kernel: the choice follows the compute dtype.
+    assert choose_backend(torch.device("cpu"), torch.float32, "sdpa").name == "sdpa"
+
+
+def test_autocast_model_takes_the_varlen_kernel_and_says_so(monkeypatch, caplog, tiny_llama):
+    """A patched fp32 Llama under bf16 autocast: the stand-in varlen kernel runs every layer in bf16, the
+    packed logits match each sample alone under the same autocast, and ``resolve_backend`` with the trainer's
+    compute dtype names the backend the forward logs."""
+    from unpack_trainer.models import patch_model, resolve_backend
+
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    calls = []
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls))
+    model = patch_model(tiny_llama(head_dim=8).eval())
+    assert resolve_backend(model).name == "sdpa"  # fp32 without mixed precision
+    choice = resolve_backend(model, compute_dtype=torch.bfloat16)
+    lengths = [7, 3, 11]
+    ids = torch.randint(3, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with caplog.at_level(logging.INFO, logger=attention.__name__), torch.autocast("cpu", dtype=torch.bfloat16):
+        packed = model(input_ids=ids, position_ids=positions).logits.float()
+        alone = [model(input_ids=part).logits.float() for part in ids.split(lengths, dim=1)]
+    assert choice.name == "torch_varlen" and f"Packed attention backend: {choice}." in caplog.text
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(call["dtypes"] == (torch.bfloat16,) * 3 for call in calls)
+    assert_close_to_reference(packed, torch.cat(alone, dim=1), rel=2e-2)
+
+
 def test_choose_torch_varlen(monkeypatch):
     """On CUDA in half precision: flash-attn when installed, else torch's varlen_attn, before xformers."""
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(attention, "_cuda_flash_unsupported_reason", lambda device: None)
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: object())
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: object())
-    monkeypatch.setattr(attention, "_xformers_fmha", lambda: object())
+    monkeypatch.setattr(torch_varlen_backend, "_cuda_flash_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: object())
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: object())
+    monkeypatch.setattr(xformers_backend, "fmha", lambda: object())
     cuda = torch.device("cuda")
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "flash"
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "torch_varlen"
     assert choose_backend(cuda, torch.float16, "flash_attention_2").name == "torch_varlen"
     assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # varlen_attn needs half precision
@@ -878,17 +938,19 @@ def test_choose_torch_varlen(monkeypatch):
     assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True).name == "eager"
     assert choose_backend(cuda, torch.bfloat16, "sdpa", dropout=True).name == "xformers"
     assert choose_backend(cuda, torch.bfloat16, "sdpa", head_dim=320).name == "xformers"
-    monkeypatch.setattr(attention, "_cuda_flash_unsupported_reason", lambda device: "compute capability 7.5 < 8.0")
+    monkeypatch.setattr(
+        torch_varlen_backend, "_cuda_flash_unsupported_reason", lambda device: "compute capability 7.5 < 8.0"
+    )
     choice = choose_backend(cuda, torch.bfloat16, "sdpa")
     assert choice.name == "xformers" and "compute capability 7.5" in choice.reason
 
 
 def test_forced_torch_varlen_that_cannot_run_names_the_variable(monkeypatch):
     monkeypatch.setenv(attention.ENV_BACKEND, "torch_varlen")
-    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen but .*CUDA"):
+    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen cannot run here: .*CUDA"):
         choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa")
-    monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: None)
-    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen but .*varlen_attn"):
+    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
+    with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen cannot run here: .*varlen_attn"):
         choose_backend(torch.device("cuda"), torch.bfloat16, "sdpa")
 
 
@@ -1014,14 +1076,15 @@ def quirk_backend(request, monkeypatch):
     if backend == "eager":
         monkeypatch.setenv(attention.ENV_BACKEND, "eager")
     if backend in ("flash", "torch_varlen", "xformers"):
-        monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-        monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+        monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(flash_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+        monkeypatch.setattr(torch_varlen_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
         flash = StandInFlash() if backend == "flash" else None
         varlen = make_stand_in_varlen([]) if backend == "torch_varlen" else None
         fmha = make_fake_xformers({}) if backend == "xformers" else None
-        monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: flash)
-        monkeypatch.setattr(attention, "_torch_varlen_kernel", lambda: varlen)
-        monkeypatch.setattr(attention, "_xformers_fmha", lambda: fmha)
+        monkeypatch.setattr(flash_backend, "kernel", lambda: flash)
+        monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: varlen)
+        monkeypatch.setattr(xformers_backend, "fmha", lambda: fmha)
     return backend
 
 
@@ -1083,66 +1146,112 @@ def test_family_quirks_on_a_forced_backend_that_cannot(model_type, backend, monk
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _force_available_backend(backend, monkeypatch):
-    """Skip unless ``backend``'s kernel is installed, then force it through the environment variable."""
+def _force_available_backend(backend, device, monkeypatch):
+    """Skip unless ``backend``'s kernel runs on ``device``, then force it through the environment variable."""
     if backend == "flash":
         pytest.importorskip("flash_attn")
     if backend == "xformers":
         pytest.importorskip("xformers")
-    if backend == "torch_varlen" and attention._torch_varlen_kernel() is None:
-        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    reason = attention.backend_unavailable_reason(backend, torch.device(device), torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa", "eager"])
+def _cases(cuda_backends, cpu_backends=("sdpa", "eager")):
+    """``(backend, device)`` parameters: the CUDA ones marked ``gpu``, the same test body on the CPU for the
+    backends that run there (so the test itself, its reference included, is exercised without a GPU)."""
+    cuda = [pytest.param(b, "cuda", marks=pytest.mark.gpu, id=f"{b}-cuda") for b in cuda_backends]
+    return cuda + [pytest.param(b, "cpu", id=f"{b}-cpu") for b in cpu_backends]
+
+
+def _check_fwd_bwd_against_reference(backend, device, monkeypatch, lengths, *, options, **shape):
+    """bf16 packed attention on ``device`` (forward and backward) against the float64 reference built on the same
+    device: within a few bf16 ulps (2e-2 of the largest output, 5e-2 of the largest gradient)."""
+    _force_available_backend(backend, device, monkeypatch)
+    q, k, v = random_qkv(lengths, dtype=torch.bfloat16, device=device, **shape)
+    out, _ = packed_attention_forward(FakeModule(), q, k, v, None, **options, **info_kwargs(lengths))
+    upstream = torch.randn_like(out)
+    (out.float() * upstream.float()).sum().backward()
+    got = grads([q, k, v])
+    for t in (q, k, v):
+        t.grad = None
+    reference_options = {"window" if key == "sliding_window" else key: value for key, value in options.items()}
+    reference_options = {"alibi" if key == "alibi_slopes" else key: value for key, value in reference_options.items()}
+    expected = reference(q, k, v, lengths, **reference_options)
+    (expected.float() * upstream.float()).sum().backward()
+    assert out.shape == expected.shape and out.device == expected.device
+    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
+    for g, e in zip(got, grads([q, k, v])):
+        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
+
+
+REAL_LENGTHS = [40, 1, 97, 3, 64, 11]
+
+
+@pytest.mark.parametrize(("backend", "device"), _cases(["flash", "torch_varlen", "xformers", "flex", "sdpa", "eager"]))
 @pytest.mark.parametrize("window", [None, 16])
-def test_real_kernels_on_cuda(backend, window, monkeypatch):
-    _force_available_backend(backend, monkeypatch)
-    lengths = [40, 1, 97, 3, 64, 11]
-    q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16, device="cuda")
-    out, _ = packed_attention_forward(
-        FakeModule(), q, k, v, None, scaling=0.125, sliding_window=window, **info_kwargs(lengths)
+def test_real_kernels(backend, device, window, monkeypatch):
+    _check_fwd_bwd_against_reference(
+        backend,
+        device,
+        monkeypatch,
+        REAL_LENGTHS,
+        options={"scaling": 0.125, "sliding_window": window},
+        heads=8,
+        kv_heads=2,
+        dim=64,
     )
-    upstream = torch.randn_like(out)
-    (out.float() * upstream.float()).sum().backward()
-    got = grads([q, k, v])
-    for t in (q, k, v):
-        t.grad = None
-    expected = reference(q, k, v, lengths, scaling=0.125, window=window)
-    (expected.float() * upstream.float()).sum().backward()
-    # bf16: within a few bf16 ulps of the float64 reference rounded to bf16.
-    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
-    for g, e in zip(got, grads([q, k, v])):
-        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash", "torch_varlen", "xformers", "sdpa"])
+@pytest.mark.parametrize(
+    ("backend", "device"), _cases(["flash", "torch_varlen", "xformers", "flex", "sdpa"], ["sdpa"])
+)
 @pytest.mark.parametrize(("dim", "v_dim"), [(192, 128), (20, 12)])
-def test_real_kernels_value_head_dim_on_cuda(backend, dim, v_dim, monkeypatch):
+def test_real_kernels_value_head_dim(backend, device, dim, v_dim, monkeypatch):
     """MLA shapes (deepseek_v3: 192 / 128) and head dims that are not a multiple of 8, on the real kernels."""
-    _force_available_backend(backend, monkeypatch)
-    lengths = [40, 1, 97, 3, 64, 11]
-    q, k, v = random_qkv(lengths, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, dtype=torch.bfloat16, device="cuda")
-    out, _ = packed_attention_forward(
-        FakeModule(), q, k, v, None, scaling=dim**-0.5, sliding_window=16, **info_kwargs(lengths)
+    if backend == "flex" and dim < 16:
+        pytest.skip("flex_attention's kernel takes head dims of 16 or more")
+    _check_fwd_bwd_against_reference(
+        backend,
+        device,
+        monkeypatch,
+        REAL_LENGTHS,
+        options={"scaling": dim**-0.5, "sliding_window": 16},
+        heads=8,
+        kv_heads=2,
+        dim=dim,
+        v_dim=v_dim,
     )
-    assert out.shape == (1, sum(lengths), 8, v_dim)
-    upstream = torch.randn_like(out)
-    (out.float() * upstream.float()).sum().backward()
-    got = grads([q, k, v])
-    for t in (q, k, v):
-        t.grad = None
-    expected = reference(q, k, v, lengths, scaling=dim**-0.5, window=16)
-    (expected.float() * upstream.float()).sum().backward()
-    assert_close_to_reference(out.float(), expected.float(), rel=2e-2)
-    for g, e in zip(got, grads([q, k, v])):
-        assert_close_to_reference(g.float(), e.float(), rel=5e-2)
+
+
+@pytest.mark.parametrize(("backend", "device"), _cases(["flash", "flex", "sdpa", "eager"]))
+def test_real_kernels_alibi(backend, device, monkeypatch):
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(8)], device=device)
+    _check_fwd_bwd_against_reference(
+        backend,
+        device,
+        monkeypatch,
+        REAL_LENGTHS,
+        options={"scaling": 0.125, "alibi_slopes": slopes},
+        heads=8,
+        kv_heads=8,
+        dim=64,
+    )
+
+
+def test_reference_builds_on_the_inputs_device():
+    """The float64 reference of the ``gpu`` tests never mixes a CPU tensor into inputs on another device: run on
+    ``meta`` tensors (any CPU tensor mixed in raises), every option on."""
+    lengths = [5, 1, 7]
+    q, k, v = (torch.empty(sum(lengths), h, 8, device="meta") for h in (4, 2, 2))
+    meta = torch.empty(4, device="meta")
+    out = reference_tokens(q, k, v, lengths, scaling=0.3, window=3, softcap=2.0, sinks=meta, alibi=meta)
+    assert out.device.type == "meta" and out.shape == (13, 4, 8)
 
 
 def test_flash_accumulator_head_dim_rounding():
-    assert [attention._flash_rounded_head_dim(d) for d in (8, 32, 100, 128, 160, 256)] == [32, 32, 128, 128, 192, 256]
+    assert [varlen_common.rounded_head_dim(d) for d in (8, 32, 100, 128, 160, 256)] == [32, 32, 128, 128, 192, 256]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1185,7 +1294,7 @@ def test_alibi_per_sample(backend, window, kv_heads, cpu_kernels, monkeypatch):
     """SDPA buckets, eager and flash-attn's ``alibi_slopes`` (a stand-in kernel on the CPU) == dense per-sample
     attention with ``-slope * (i - j)`` counted within each sample."""
     flash = StandInFlash()
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: flash)
+    monkeypatch.setattr(flash_backend, "kernel", lambda: flash)
     lengths = [7, 1, 12, 3, 9]
     q, k, v = random_qkv(lengths, kv_heads=kv_heads)
     out, _ = packed_attention_forward(
@@ -1224,8 +1333,8 @@ def test_alibi_on_a_backend_that_cannot(backend, monkeypatch):
 
 def test_alibi_hands_over_from_a_kernel_that_cannot(cpu_kernels, monkeypatch):
     """The automatic choice skips xformers (no ALiBi) for SDPA, and says so once."""
-    monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: None)
-    monkeypatch.setattr(attention, "_xformers_fmha", lambda: object())
+    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    monkeypatch.setattr(xformers_backend, "fmha", lambda: object())
     lengths = [5, 4]
     q, k, v = random_qkv(lengths)
     assert attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa").name == "xformers"

@@ -44,6 +44,7 @@ EXPECTED_KEYWORDS = {
 FAMILIES = list(EXPECTED_KEYWORDS)
 # The import name of each kernel's package, as transformers' modeling code names it.
 PACKAGES = {"flash-linear-attention": "fla", "mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d"}
+PACKAGES_BY_IMPORT = {module: distribution for distribution, module in PACKAGES.items()}
 
 
 # -- CPU stand-ins for the installed kernels ---------------------------------------------------------------------------
@@ -109,9 +110,10 @@ def _stand_in(torch_function, varlen, time_dim, *, honour, calls):
     return kernel
 
 
-def install_stand_in_kernels(monkeypatch, model, *, honour=True):
-    """Resolve every sequence kernel of ``model``'s modeling module(s) as transformers would with the package
-    installed, to a CPU stand-in (see :func:`_stand_in`). Returns ``{kernel name: [varlen argument of each call]}``."""
+def install_stand_in_kernels(monkeypatch, model, *, honour=True, only=None):
+    """Resolve every sequence kernel of ``model``'s modeling module(s) (those named in ``only``, when given) as
+    transformers would with the package installed, to a CPU stand-in (see :func:`_stand_in`). Returns
+    ``{kernel name: [varlen argument of each call]}``."""
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
     calls: dict[str, list] = {}
@@ -120,6 +122,8 @@ def install_stand_in_kernels(monkeypatch, model, *, honour=True):
         for name, value in list(vars(module).items()):
             entry = kernel_entry(value)
             if entry is None or DECODE_STEP_NAMES.search(entry.hub_name):
+                continue
+            if only is not None and entry.hub_name not in only:
                 continue
             closure = inspect.getclosurevars(value).nonlocals
             torch_function, package = closure["torch_function"], closure["package"]
@@ -229,18 +233,18 @@ def test_the_path_taken_and_its_reason_are_logged(on_cpu, monkeypatch, caplog):
 # -- exactness ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monkeypatch, cpu_kernels):
-    model = tiny_model(model_type).eval()
-    calls = install_stand_in_kernels(monkeypatch, model)
+def assert_varlen_packed_row_is_exact(model, monkeypatch, *, records):
+    """The patched ``model`` runs two packed rows of :func:`random_samples` without the padded buckets: logits ==
+    each sample alone, loss and every gradient == a padded batch. ``records`` (lists of kernel calls) are emptied
+    after the unpatched reference runs, so they hold the packed run's calls."""
     padded_path = []
     monkeypatch.setattr(mixer_patches, "run_padded", lambda *a, **k: padded_path.append(a) or pytest.fail("padded"))
     samples = random_samples()
     with torch.no_grad():
         alone = [model(input_ids=s.unsqueeze(0), use_cache=False).logits[0] for s in samples]
     padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
-    for kernel_calls in calls.values():
-        kernel_calls.clear()
+    for record in records:
+        record.clear()
     patch_model(model)
     try:
         batch = two_rows(samples)
@@ -250,9 +254,16 @@ def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monk
     finally:
         unpatch_model(model)
     assert not padded_path
+    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_varlen_path_packed_equals_each_sample_alone_and_padded(model_type, monkeypatch, cpu_kernels):
+    model = tiny_model(model_type).eval()
+    calls = install_stand_in_kernels(monkeypatch, model)
+    assert_varlen_packed_row_is_exact(model, monkeypatch, records=list(calls.values()))
     reached = {name: c for name, c in calls.items() if c}
     assert reached and all(marker is not None for c in reached.values() for marker in c), calls
-    assert_same_loss_and_grads(loss, grads, padded_loss, padded_grads)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -310,19 +321,98 @@ def test_selfcheck_passes_on_the_varlen_path(model_type, monkeypatch, cpu_kernel
     assert report.ok and report.conclusive, report.summary()
 
 
+# -- flash-linear-attention without causal-conv1d ----------------------------------------------------------------------
+
+
+def install_fla_convolution(monkeypatch, calls):
+    """A CPU stand-in for ``fla.modules.convolution.causal_conv1d`` (``x`` ``(1, T, D)``, ``weight`` ``(D, W)``,
+    ``cu_seqlens``): transformers' torch convolution run on each sample ``cu_seqlens`` marks; records ``cu_seqlens``."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    torch_conv = inspect.getclosurevars(modeling_qwen3_5.causal_conv1d_fn).nonlocals["torch_function"]
+
+    def causal_conv1d(x, weight=None, bias=None, activation=None, cu_seqlens=None, **kwargs):
+        calls.append(cu_seqlens)
+        bounds = cu_seqlens.tolist()
+        pieces = [
+            torch_conv(x[:, start:end].transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+            for start, end in zip(bounds[:-1], bounds[1:])
+        ]
+        return torch.cat(pieces, dim=1), None
+
+    for name in ("fla.modules", "fla.modules.convolution"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["fla.modules.convolution"].causal_conv1d = causal_conv1d
+
+
+@pytest.mark.parametrize("fla_convolution", [False, True])
+def test_gated_delta_net_runs_varlen_with_fla_alone(fla_convolution, monkeypatch, cpu_kernels):
+    """Issue 26 item 6: flash-linear-attention installed, causal-conv1d not. The gated delta rule takes cu_seqlens,
+    and the short convolution, whose torch fallback would mix samples, runs packed_causal_conv1d: through
+    flash-linear-attention's varlen convolution where it imports, else the exact torch path. The packed row runs once
+    (no padded buckets): logits == each sample alone, loss and gradients == padded. Before: the torch fallback of
+    causal_conv1d_fn made the plan refuse and every mixer ran the padded buckets."""
+    model = tiny_model("qwen3_5_text").eval()
+    calls = install_stand_in_kernels(monkeypatch, model, only={"chunk_gated_delta_rule"})
+    conv_calls = []
+    if fla_convolution:
+        install_fla_convolution(monkeypatch, conv_calls)
+    replaced_conv = []
+    original = mixer_kernels.packed_causal_conv1d
+    monkeypatch.setattr(
+        mixer_kernels, "packed_causal_conv1d", lambda *a, **k: replaced_conv.append(1) or original(*a, **k)
+    )
+    for mixer in discover(model).mixers:
+        plan = varlen_plan(mixer.module)
+        assert plan.reason is None and plan.keywords == EXPECTED_KEYWORDS["qwen3_5_text"], plan
+        assert [name for _, name in plan.replaced] == ["causal_conv1d_fn"]
+    assert_varlen_packed_row_is_exact(model, monkeypatch, records=[calls["chunk_gated_delta_rule"], replaced_conv])
+    assert calls["chunk_gated_delta_rule"] and replaced_conv
+    assert bool(conv_calls) == fla_convolution and all(c is not None for c in conv_calls)
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    assert kernel_entry(modeling_qwen3_5.causal_conv1d_fn).hub_name == "causal_conv1d_fn"  # restored after each call
+
+
+def test_packed_causal_conv1d_by_hand():
+    """Two samples [1, 2, 3 | 4, 5] in one channel, kernel [a, b, c] = [1, 10, 100]: each output sums the taps of its
+    own sample only (no silu): y = [100, 210, 321 | 400, 540]."""
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0, 5.0]]])
+    weight = torch.tensor([[1.0, 10.0, 100.0]])
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1]], dtype=torch.int32)
+    out = mixer_kernels.packed_causal_conv1d(x, weight, None, None, seq_idx)
+    assert out.tolist() == [[[100.0, 210.0, 321.0, 400.0, 540.0]]]
+
+
 # -- the real kernels --------------------------------------------------------------------------------------------------
 
 
+# The packages each family's varlen path needs (Qwen3.5: flash-linear-attention alone, the convolution runs
+# packed_causal_conv1d without causal-conv1d).
+CUDA_PACKAGES = {
+    "qwen3_5_text": ("fla",),
+    "lfm2": ("causal_conv1d",),
+    "granitemoehybrid": ("mamba_ssm", "causal_conv1d"),
+    "falcon_h1": ("mamba_ssm", "causal_conv1d"),
+    "mamba2": ("mamba_ssm", "causal_conv1d"),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "granitemoehybrid", "falcon_h1", "mamba2"])
+@pytest.mark.parametrize("model_type", list(CUDA_PACKAGES))
 def test_varlen_path_on_cuda_with_the_installed_kernels(model_type, monkeypatch):
     """The `gpu` extra's kernels: the varlen path is taken, and packed == each sample alone within a small multiple
-    of the bf16 error the same model makes against its fp32 self; gradients flow through the kernels."""
+    of the bf16 error the same model makes against its fp32 self; gradients flow through the kernels. Skipped, with
+    the packages named, where the family's kernels are not installed (no causal-conv1d / mamba-ssm wheel installs
+    without a CUDA build)."""
+    import importlib.util
+
+    missing = [package for package in CUDA_PACKAGES[model_type] if importlib.util.find_spec(package) is None]
+    if missing:
+        pytest.skip(f"{model_type}'s varlen kernels need {', '.join(PACKAGES_BY_IMPORT[p] for p in missing)}")
     model = tiny_model(model_type).eval().cuda()
     for mixer in discover(model).mixers:
         plan = varlen_plan(mixer.module)
-        if plan.reason is not None and "is not installed" in plan.reason:
-            pytest.skip(plan.reason)
         assert plan.reason is None, plan
     padded_path = []
     original = mixer_patches.run_padded

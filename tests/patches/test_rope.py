@@ -225,7 +225,15 @@ def test_kernel_compiles_for_cuda_without_a_gpu(arch, dtype, gather, backward, i
     kernel = rope_kernel._kernel(interpret=False)
     block_t, block_hq, block_hk, block_half = rope_kernel._block_sizes(4096, 32, 8, 64)
     constexprs = dict(
-        GATHER=gather, BACKWARD=backward, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half
+        NUM_HEADS=32,
+        NUM_KV_HEADS=8,
+        HALF_DIM=64,
+        GATHER=gather,
+        BACKWARD=backward,
+        BLOCK_T=block_t,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        BLOCK_HALF=block_half,
     )
     signature = {}
     for name in kernel.arg_names:
@@ -261,8 +269,11 @@ def test_kernel_layouts(interpret, layout, unsqueeze_dim):
     q_embed, k_embed = fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     ref = apply_rotary_pos_emb_torch(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     torch.testing.assert_close((q_embed, k_embed), ref, rtol=1e-5, atol=1e-6)
-    if layout != "strided":  # dense inputs: the result is laid out like them (no hidden re-layout)
-        assert q_embed.stride() == q.stride() and k_embed.stride() == k.stride()
+    # Whatever the input layout, the result is (B, T, H, D)-dense: the projections' layout, which the attention
+    # kernels read token-major without a copy.
+    if unsqueeze_dim == 1:
+        q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+    assert q_embed.is_contiguous() and k_embed.is_contiguous()
 
 
 def test_kernel_broadcast_cos_sin_over_batch(interpret):
@@ -329,6 +340,28 @@ def test_kernel_promotes_like_torch(interpret):
     assert kernel_out[0].dtype == torch.float32 and kernel_grads[0].dtype == torch.bfloat16
     torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-6)
     assert_close_to_fp32(kernel_grads, torch_grads, fp32_grads, torch.bfloat16, "backward")
+
+
+def test_autocast_mixed_dtypes_take_the_kernel_in_the_attention_dtype(force_kernel):
+    """Issue 26 item 5, decided: bf16 q/k with the fp32 cos/sin of an autocast step are the kernel's common case, not
+    a fallback. It computes in fp32 and writes bf16, the dtype attention computes in under that autocast (torch's
+    promotion gives fp32, which attention casts back to bf16): the same values as the reference cast to bf16, half
+    the bytes written. Gradients come back in bf16."""
+    g = torch.Generator().manual_seed(12)
+    q, k = make_qk(2, 4, 2, 16, 32, torch.bfloat16, "projection", g)
+    cos, sin = cos_sin(packed_position_ids(2, 16, g), 32, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q_req, k_req = q.detach().requires_grad_(), k.detach().requires_grad_()
+        out = apply_rotary_pos_emb(q_req, k_req, cos, sin)
+        reference = apply_rotary_pos_emb_torch(q, k, cos, sin)
+    assert force_kernel == [1]
+    assert [t.dtype for t in out] == [torch.bfloat16] * 2 and [t.dtype for t in reference] == [torch.float32] * 2
+    for ours, exact in zip(out, reference):  # the fp32 reference rounded once to bf16: equal up to one bf16 ulp
+        torch.testing.assert_close(ours, exact.to(torch.bfloat16), rtol=2**-7, atol=1e-6)
+    dq, dk = torch.autograd.grad(out, (q_req, k_req), (torch.ones_like(out[0]), torch.ones_like(out[1])))
+    assert dq.dtype == dk.dtype == torch.bfloat16
+    # Outside autocast the same inputs keep torch's promotion, as transformers.
+    assert apply_rotary_pos_emb(q, k, cos, sin)[0].dtype == torch.float32
 
 
 def test_kernel_does_not_mutate_inputs(interpret):
@@ -556,7 +589,7 @@ def test_benchmark_dry_run(interpret):
     rows = bench.run_cases(
         seqlens=[24],
         layouts=["packed", "unpacked"],
-        dtypes=[torch.float32],
+        dtypes=["float32"],
         device="cpu",
         heads=4,
         kv_heads=2,
@@ -592,7 +625,7 @@ def test_cuda_kernel_matches_reference(monkeypatch, shape, dtype):
 
     launches = []
     launch = rope._launch
-    monkeypatch.setattr(rope, "_launch", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(rope, "_launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
     kernel = run(apply_rotary_pos_emb, q, k, cos, sin)  # auto: the kernel on CUDA
     assert launches == [1]
     reference = run(apply_rotary_pos_emb_torch, q, k, cos, sin)
@@ -602,13 +635,22 @@ def test_cuda_kernel_matches_reference(monkeypatch, shape, dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_auto_falls_back_for_unsupported_inputs(monkeypatch):
+def test_cuda_autocast_mixed_dtypes_run_the_kernel_in_bf16(monkeypatch):
+    """The decision of issue 26 item 5 on the GPU: bf16 q/k with fp32 cos/sin (every autocast step) launch the kernel,
+    which writes bf16 (the dtype attention computes in there); without autocast, torch's fp32 promotion."""
     monkeypatch.delenv("UNPACK_ROPE", raising=False)
-    monkeypatch.setattr(rope, "_launch", lambda *a: pytest.fail("kernel launched for mixed dtypes"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    launches = []
+    launch = rope._launch
+    monkeypatch.setattr(rope, "_launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
     q = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.bfloat16)
     cos, sin = (t.cuda() for t in cos_sin(torch.arange(8)[None], 16, torch.float32))
-    out = apply_rotary_pos_emb(q, q, cos, sin)
-    assert out[0].dtype == torch.float32  # torch's type promotion, as in transformers
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = apply_rotary_pos_emb(q, q, cos, sin)
+    reference = apply_rotary_pos_emb_torch(q, q, cos, sin)
+    assert launches == [1] and out[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out[0], reference[0].to(torch.bfloat16), rtol=2**-7, atol=1e-6)
+    assert apply_rotary_pos_emb(q, q, cos, sin)[0].dtype == torch.float32 and launches == [1, 1]
 
 
 @pytest.mark.gpu

@@ -300,7 +300,6 @@ class _Spies:
                 ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_spy(name, function))
             yield self
         finally:
-            attention._BACKEND_FUNCTIONS.clear()
             attention._BACKEND_FUNCTIONS.update(backends)
             for name, function in masks.items():
                 ALL_MASK_ATTENTION_FUNCTIONS.register(name, function)

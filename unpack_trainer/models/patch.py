@@ -602,7 +602,7 @@ def is_patched(model: torch.nn.Module) -> bool:
     return bool(_patched_decoders(model))
 
 
-def resolve_backend(model: torch.nn.Module) -> BackendChoice:
+def resolve_backend(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> BackendChoice:
     """The attention backend packed batches of ``model`` will use, and why: a ``(name, reason)`` named tuple.
 
     ``name`` is one of :data:`unpack_trainer.patches.attention.BACKENDS`. Decided from the device and floating
@@ -611,17 +611,22 @@ def resolve_backend(model: torch.nn.Module) -> BackendChoice:
     largest query / value head dim), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
     choice raises ``ValueError``). Dropout is left out: it only applies in training and every backend but
     ``torch_varlen`` applies it (which then hands over per call, logged once). The model need not be patched.
+    ``compute_dtype``: the autocast dtype a trainer's mixed precision will run float32 parameters in (``bf16=True``:
+    ``torch.bfloat16``); attention computes in it, as the forward will
+    (:func:`unpack_trainer.patches.attention.compute_dtype`).
     """
     from unpack_trainer.patches.attention import choose_backend
+    from unpack_trainer.patches.attention import compute_dtype as attention_dtype
 
     pretrained = pretrained_model(model)
     implementation = pretrained.config._attn_implementation
     parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     dtype = parameter.dtype if parameter is not None else torch.float32
-    compute_dtype = getattr(getattr(pretrained.config, "quantization_config", None), "bnb_4bit_compute_dtype", None)
-    if isinstance(compute_dtype, torch.dtype):
-        dtype = compute_dtype
+    quantized_dtype = getattr(getattr(pretrained.config, "quantization_config", None), "bnb_4bit_compute_dtype", None)
+    if isinstance(quantized_dtype, torch.dtype):
+        dtype = quantized_dtype
+    dtype = attention_dtype(device, dtype, autocast_dtype=compute_dtype)
     config = pretrained.config.get_text_config()
     head_dims = [
         getattr(module, "head_dim", None)

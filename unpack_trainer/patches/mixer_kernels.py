@@ -34,21 +34,26 @@ cannot be done. The single-token decode steps (``causal_conv1d_update``, ``selec
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import re
+import sys
 import textwrap
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 __all__ = [
     "KERNEL_DEVICE_TYPES",
+    "REPLACED_WHEN_MISSING",
     "KernelEntry",
     "VarlenPlan",
     "kernel_entry",
+    "packed_causal_conv1d",
+    "replaced_kernels",
     "varlen_plan",
 ]
 
@@ -176,6 +181,100 @@ def _call_sites(cls: type) -> tuple[tuple[_CallSite, dict[str, Any]], ...]:
     return tuple(sites)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# A causal convolution kept per sample where causal-conv1d is missing
+# --------------------------------------------------------------------------------------------------------------------
+
+# Sequence kernels this module runs varlen itself where their package is missing and the mixer's other sequence
+# kernels are installed (Qwen3.5 / Qwen3-Next with flash-linear-attention but without causal-conv1d): hub name -> the
+# varlen argument the replacement takes. transformers' torch fallback of ``causal_conv1d_fn`` refuses
+# ``seq_idx``; :func:`packed_causal_conv1d` keeps the samples apart.
+REPLACED_WHEN_MISSING: dict[str, str] = {"causal_conv1d_fn": "seq_idx"}
+
+
+def _fla_causal_conv1d() -> Callable[..., Any] | None:
+    """flash-linear-attention's varlen causal convolution (``fla.modules.convolution.causal_conv1d``, takes
+    ``cu_seqlens``), or ``None`` when that package is not importable."""
+    try:
+        from fla.modules.convolution import causal_conv1d
+    except Exception:  # noqa: BLE001 - missing, or a build that does not import here: the torch path serves
+        return None
+    return causal_conv1d
+
+
+def packed_causal_conv1d(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    seq_idx: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' ``causal_conv1d_fn`` on packed samples: no tap reads across a sample boundary.
+
+    Args:
+        hidden_states: ``(B, C, T)``, channels first, the samples of each row back to back.
+        weight: ``(C, W)`` the depthwise kernel; bias: ``(C,)`` or ``None``.
+        activation: ``None``, ``"silu"`` or ``"swish"`` (applied after the convolution).
+        seq_idx: ``(B, T)`` int32 on ``hidden_states``' device, the sample index of every token.
+        cu_seqlens: ``(num_seqs + 1,)`` int32 of a batch of one row, or ``None``.
+
+    Returns:
+        ``(B, C, T)`` in ``hidden_states``' dtype: ``y[t] = act(bias + sum_{s < W, seq_idx[t - s] == seq_idx[t]}
+        weight[:, W - 1 - s] * x[t - s])``, computed in ``weight``'s dtype as the torch fallback does.
+        flash-linear-attention's varlen kernel (``cu_seqlens``) where it is importable and the tensors are on
+        :data:`KERNEL_DEVICE_TYPES`; else an exact torch path: ``W`` shifted, masked multiply-adds over the row.
+    """
+    fla_conv = _fla_causal_conv1d()
+    if fla_conv is not None and cu_seqlens is not None and hidden_states.device.type in KERNEL_DEVICE_TYPES:
+        x = hidden_states.to(weight.dtype).transpose(1, 2)  # (1, T, C) in the weight's dtype, as the torch fallback
+        out, _ = fla_conv(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens.long())
+        return out.transpose(1, 2).to(hidden_states.dtype)
+    x = hidden_states.to(weight.dtype)
+    width, seq_len = weight.shape[-1], x.shape[-1]
+    out = x * weight[:, width - 1 : width]
+    for shift in range(1, min(width, seq_len)):
+        same = (seq_idx[:, shift:] == seq_idx[:, :-shift]).unsqueeze(1)  # (B, 1, T - shift)
+        tap = x[..., :-shift] * same.to(x.dtype) * weight[:, width - 1 - shift : width - shift]
+        out = out + torch.nn.functional.pad(tap, (shift, 0))
+    if bias is not None:
+        out = out + bias.unsqueeze(-1)
+    if activation is not None:
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"packed_causal_conv1d: activation {activation!r}; only silu / swish or None")
+        out = torch.nn.functional.silu(out)
+    return out.to(hidden_states.dtype)
+
+
+def _replacement(original: Callable[..., Any], cu_seqlens: torch.Tensor | None) -> Callable[..., Any]:
+    """What runs in place of ``original`` (transformers' ``causal_conv1d_fn`` resolved to its torch fallback) during
+    one varlen forward: :func:`packed_causal_conv1d` when the call carries ``seq_idx``, ``original`` otherwise."""
+
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+        if seq_idx is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        return packed_causal_conv1d(hidden_states, weight, bias, activation, seq_idx, cu_seqlens)
+
+    return causal_conv1d_fn
+
+
+@contextlib.contextmanager
+def replaced_kernels(plan: VarlenPlan, cu_seqlens: torch.Tensor | None) -> Iterator[None]:
+    """While active, the module globals ``plan.replaced`` names run :func:`packed_causal_conv1d` for calls that carry
+    ``seq_idx`` (the varlen forward of one mixer; restored right after, also on error)."""
+    saved = []
+    try:
+        for module_name, name in plan.replaced:
+            module = sys.modules[module_name]
+            original = getattr(module, name)
+            saved.append((module, name, original))
+            setattr(module, name, _replacement(original, cu_seqlens))
+        yield
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
 @dataclass(frozen=True)
 class VarlenPlan:
     """How a mixer class hands a packed row to its installed kernels' varlen entry points.
@@ -188,23 +287,36 @@ class VarlenPlan:
             ``(("seq_idx", "seq_idx"), ("cu_seq_lens_q", "cu_seqlens"))``.
         kernels: the sequence kernels its forward calls, ``"name (distribution)"``.
         reason: why the varlen entry points cannot be used, in words; ``None`` when they can.
+        replaced: ``(module, global name)`` of the kernels whose package is missing that run
+            :func:`packed_causal_conv1d` instead during the varlen forward (:data:`REPLACED_WHEN_MISSING`).
     """
 
     keywords: tuple[tuple[str, str], ...]
     kernels: tuple[str, ...]
     reason: str | None
+    replaced: tuple[tuple[str, str], ...] = ()
 
 
 def varlen_plan(module: torch.nn.Module) -> VarlenPlan:
     """Whether, and with which forward keywords, the mixer ``module`` runs a packed row through its installed kernels'
     own varlen support (see the module docstring); read from its class's code and the functions it calls now."""
     cls = type(module)
-    calls = [(site, kernel_entry(namespace.get(site.name))) for site, namespace in _call_sites(cls)]
-    calls = [(site, e) for site, e in calls if e is not None and not DECODE_STEP_NAMES.search(e.hub_name)]
+    found = [(site, kernel_entry(namespace.get(site.name)), namespace) for site, namespace in _call_sites(cls)]
+    found = [(site, e, namespace) for site, e, namespace in found if e is not None]
+    found = [(site, e, namespace) for site, e, namespace in found if not DECODE_STEP_NAMES.search(e.hub_name)]
+    calls = [(site, entry) for site, entry, _ in found]
     kernels = tuple(dict.fromkeys(f"{entry.hub_name} ({entry.distribution})" for _, entry in calls))
     if not calls:
         return VarlenPlan((), (), f"{cls.__name__} calls no kernel with a varlen entry point")
     missing = [entry for _, entry in calls if not entry.installed]
+    replaced: dict[tuple[str, str], None] = {}
+    if missing and len(missing) < len(calls) and all(e.hub_name in REPLACED_WHEN_MISSING for e in missing):
+        # The mixer's other kernels are installed: the missing convolution runs packed_causal_conv1d instead.
+        for index, (site, entry, namespace) in enumerate(found):
+            if not entry.installed:
+                replaced[(namespace["__name__"], site.name)] = None
+                calls[index] = (site, replace(entry, accepts=(REPLACED_WHEN_MISSING[entry.hub_name],)))
+        missing = []
     if missing:
         names = ", ".join(dict.fromkeys(f"`{e.hub_name}` ({e.distribution} is not installed)" for e in missing))
         return VarlenPlan((), kernels, f"transformers' torch fallback runs for {names}")
@@ -234,4 +346,4 @@ def varlen_plan(module: torch.nn.Module) -> VarlenPlan:
             return VarlenPlan(
                 (), kernels, f"{cls.__name__}.{site.method} passes `{clash[0]}` to `{entry.hub_name}` twice"
             )
-    return VarlenPlan(tuple(keys.items()), kernels, None)
+    return VarlenPlan(tuple(keys.items()), kernels, None, tuple(replaced))

@@ -60,6 +60,7 @@ from torch import Tensor
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import mixer_kernels
+from unpack_trainer.patches.buckets import GatherSlots, ScatterTokens, build_plan
 from unpack_trainer.patches.masks import PackedForwards
 from unpack_trainer.patches.mixer_kernels import VarlenPlan, varlen_plan
 
@@ -192,12 +193,10 @@ def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqI
 
 def _bucket_plan(info: PackedSeqInfo, device: torch.device) -> Any:
     """The samples of ``info`` bucketed by length with a linear cost per padded token (built once per batch)."""
-    from unpack_trainer.patches.attention import _build_sdpa_plan
-
     return info.plan(
         "mixer_buckets",
         str(device),
-        lambda: _build_sdpa_plan(info, device, call_cost=_MIXER_CALL_COST_TOKENS, power=1),
+        lambda: build_plan(info, device, call_cost=_MIXER_CALL_COST_TOKENS, power=1),
     )
 
 
@@ -213,13 +212,11 @@ def _is_sequence(x: Any, info: PackedSeqInfo) -> bool:
 def _to_buckets(x: Tensor, plan: Any, info: PackedSeqInfo) -> list[Tensor]:
     """``(B, T, *rest)`` (or ``(1, T, *rest)``) -> one ``(n, L, *rest)`` right-padded batch per bucket, zeros at the
     padding slots."""
-    from unpack_trainer.patches.attention import _GatherSlots
-
     rest = x.shape[2:]
     if x.shape[0] != info.batch_size:
         x = x.expand(info.batch_size, *x.shape[1:])
     tokens = x.reshape(info.total_tokens, *rest)
-    slots = _GatherSlots.apply(tokens, plan.gather, plan.scatter)
+    slots = GatherSlots.apply(tokens, plan.gather, plan.scatter)
     slots = slots.masked_fill(plan.pad_slots.view(-1, *([1] * len(rest))), 0)
     return [
         part.view(bucket.count, bucket.length, *rest) for part, bucket in zip(slots.split(plan.sizes), plan.buckets)
@@ -241,8 +238,6 @@ def _split(value: Any, plan: Any, info: PackedSeqInfo) -> list[Any]:
 def _merge(outputs: list[Any], plan: Any, info: PackedSeqInfo, owner: str) -> Any:
     """Bucket outputs -> the packed row's: ``(n, L, *rest)`` tensors scattered back to ``(B, T, *rest)``; a tensor
     that is not per token (a final state per sample) becomes ``None``."""
-    from unpack_trainer.patches.attention import _ScatterTokens
-
     first = outputs[0]
     if first is None:
         return None
@@ -254,7 +249,7 @@ def _merge(outputs: list[Any], plan: Any, info: PackedSeqInfo, owner: str) -> An
         rest = first.shape[2:]
         flat = [o.reshape(-1, *rest) for o in outputs]
         slots = flat[0] if len(flat) == 1 else torch.cat(flat)
-        tokens = _ScatterTokens.apply(slots, plan.scatter, plan.gather, plan.pad_slots)
+        tokens = ScatterTokens.apply(slots, plan.scatter, plan.gather, plan.pad_slots)
         return tokens.view(info.batch_size, info.seq_len, *rest)
     if isinstance(first, (tuple, list)):
         return type(first)(_merge([o[i] for o in outputs], plan, info, owner) for i in range(len(first)))
@@ -390,7 +385,9 @@ def run_varlen(
     args = tuple(_flatten_rows(arg, info) for arg in args)
     kwargs = {key: _flatten_rows(value, info) for key, value in kwargs.items()}
     kwargs.update({key: metadata[argument] for key, argument in plan.keywords})
-    return _unflatten_rows(forward(*args, **kwargs), info, owner)
+    with mixer_kernels.replaced_kernels(plan, metadata["cu_seqlens"]):
+        out = forward(*args, **kwargs)
+    return _unflatten_rows(out, info, owner)
 
 
 # --------------------------------------------------------------------------------------------------------------------

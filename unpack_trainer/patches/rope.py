@@ -36,6 +36,7 @@ __all__ = [
     "apply_rotary_pos_emb_torch",
     "fused_apply_rotary_pos_emb",
     "fused_rotary_pos_emb_from_cache",
+    "output_dtype",
     "rope_backend",
     "rope_cache",
     "rotate_half",
@@ -147,6 +148,16 @@ def _kernel_unsupported(
     return None
 
 
+def output_dtype(q: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
+    """The dtype the kernel writes: the one attention will compute in. torch's ``q * cos`` promotes bf16 q/k with the
+    fp32 cos/sin of an autocast step to fp32, which attention then casts back to bf16
+    (:func:`unpack_trainer.patches.attention.compute_dtype`); the kernel computes in fp32 and rounds once, straight to
+    that dtype. Without autocast: torch's promotion, as transformers."""
+    from unpack_trainer.patches.attention.registry import compute_dtype
+
+    return compute_dtype(q.device, torch.promote_types(q.dtype, cos.dtype))
+
+
 def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,13 +165,18 @@ def _launch(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None,
     head_axis: int,
+    *,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from unpack_trainer.patches.rope_kernel import RotaryQKFunction
 
+    out_dtype = output_dtype(q, cos)
     if head_axis == 2:  # (B, T, H, D): the kernel reads the (B, H, T, D) view in place; no copy either way
-        q_embed, k_embed = RotaryQKFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin, position_ids)
+        q_embed, k_embed = RotaryQKFunction.apply(
+            q.transpose(1, 2), k.transpose(1, 2), cos, sin, position_ids, out_dtype, validate
+        )
         return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
-    return RotaryQKFunction.apply(q, k, cos, sin, position_ids)
+    return RotaryQKFunction.apply(q, k, cos, sin, position_ids, out_dtype, validate)
 
 
 def fused_apply_rotary_pos_emb(
@@ -177,10 +193,12 @@ def fused_apply_rotary_pos_emb(
         unsqueeze_dim: 1 or 2 (or -3 / -2), as in transformers.
 
     Returns:
-        ``(q_embed, k_embed)``: new tensors shaped like ``q``/``k`` and laid out like them when dense, in
-        ``torch.promote_types(q.dtype, cos.dtype)`` as torch's ``q * cos`` would be; gradients in q's dtype.
-        Values equal the reference's up to rounding: the kernel computes in fp32 and rounds once, so in fp16/bf16
-        it is at least as close to the exact result as the reference is.
+        ``(q_embed, k_embed)``: new tensors shaped like ``q``/``k``, laid out ``(B, T, H, D)``-dense (the
+        projections' layout), in the dtype attention will compute in (:func:`output_dtype`: under autocast bf16
+        q/k with fp32 cos/sin give bf16; otherwise ``torch.promote_types(q.dtype, cos.dtype)`` as torch's
+        ``q * cos``); gradients in q's dtype. Values equal the reference's (cast to that dtype) up to rounding: the
+        kernel computes in fp32 and rounds once, so in fp16/bf16 it is at least as close to the exact result as the
+        reference is.
 
     Raises:
         ValueError: inputs the kernel cannot take (the message says which); RuntimeError: Triton missing, or CPU
@@ -189,7 +207,7 @@ def fused_apply_rotary_pos_emb(
     reason = _kernel_unsupported(q, k, cos, sin, unsqueeze_dim)
     if reason is not None:
         raise ValueError(f"the fused RoPE kernel cannot take these inputs: {reason}")
-    return _launch(q, k, cos, sin, None, _head_dim_of(unsqueeze_dim))
+    return _launch(q, k, cos, sin, None, _head_dim_of(unsqueeze_dim), validate=False)
 
 
 def fused_rotary_pos_emb_from_cache(
@@ -223,7 +241,8 @@ def fused_rotary_pos_emb_from_cache(
             ids then read outside the cache).
 
     Returns:
-        ``(q_embed, k_embed)`` shaped like ``q`` and ``k``, in ``torch.promote_types(q.dtype, cos_cache.dtype)``.
+        ``(q_embed, k_embed)`` shaped like ``q`` and ``k``, in :func:`output_dtype` (``torch.promote_types(q.dtype,
+        cos_cache.dtype)`` outside autocast).
     """
     head_axis = _head_dim_of(unsqueeze_dim)
     if head_axis is None or q.dim() != 4:
@@ -307,9 +326,11 @@ def apply_rotary_pos_emb(
         ``(q_embed, k_embed)`` like transformers' (dtype ``torch.promote_types(q.dtype, cos.dtype)``). On the kernel
         path (see the module docstring for when) the values are computed in fp32 and rounded once, so in fp16/bf16
         they differ from the reference by the rounding of its three intermediate steps (the kernel has the smaller
-        error against exact arithmetic); gradients flow to ``q`` and ``k`` as before. Inputs the kernel does not
-        cover (q and k, or cos and sin, in different dtypes; cos/sin requiring grad; other shapes) take the reference
-        unless ``UNPACK_ROPE=triton``, which makes them an error.
+        error against exact arithmetic); gradients flow to ``q`` and ``k`` as before. Mixed dtypes, bf16 q/k with
+        the fp32 cos/sin of every autocast step, are the kernel's common case: it writes the dtype attention will
+        compute in (:func:`output_dtype`, bf16 there, where transformers' promotion gives fp32 that attention casts
+        back). Inputs the kernel does not cover (q and k, or cos and sin, in different dtypes; cos/sin requiring
+        grad; other shapes) take the reference unless ``UNPACK_ROPE=triton``, which makes them an error.
     """
     mode = rope_backend()
     if mode == "torch":
@@ -318,7 +339,7 @@ def apply_rotary_pos_emb(
         return apply_rotary_pos_emb_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
     reason = _kernel_unsupported(q, k, cos, sin, unsqueeze_dim)
     if reason is None:
-        return _launch(q, k, cos, sin, None, _head_dim_of(unsqueeze_dim))
+        return _launch(q, k, cos, sin, None, _head_dim_of(unsqueeze_dim), validate=False)
     if mode == "triton":
         raise ValueError(
             f"{ROPE_ENV}=triton forces the fused RoPE kernel, which cannot take these inputs: {reason}. "

@@ -116,11 +116,21 @@ def _keep_batches_whole(trl_args: Any, args: Any) -> None:
     trl_args.accelerator_config = config
 
 
-def _attention_backend(model: Any, patched: bool) -> str:
+def _autocast_dtype(args: Any) -> torch.dtype | None:
+    """The dtype the Trainer's mixed precision (``bf16`` / ``fp16``, run through autocast) computes float32
+    parameters in; ``None`` without mixed precision. Packed attention computes in it, and chooses its backend for it."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
+def _attention_backend(model: Any, patched: bool, args: Any) -> str:
     if patched:
         from unpack_trainer.models import resolve_backend
 
-        return str(resolve_backend(model))
+        return str(resolve_backend(model, compute_dtype=_autocast_dtype(args)))
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return f"{implementation} (transformers' own packed-position path, unpatched)"
 
@@ -296,7 +306,8 @@ class PackedTrainerMixin:
         if self.unpack_decision.patch:
             from unpack_trainer.models import patch_model, resolve_backend
 
-            resolve_backend(self.model)  # an impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable
+            # An impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable.
+            resolve_backend(self.model, compute_dtype=_autocast_dtype(self.args))
             patch_model(self.model)
         self._unpack_checked = False  # the self-check runs right before the first data loader is built
 
@@ -425,7 +436,7 @@ class PackedTrainerMixin:
         stats = self.unpack_stats
         parts = [f"mode={decision.mode}", f"reason: {decision.reason}"]
         if decision.packed:
-            parts.append(f"attention={_attention_backend(self.model, decision.patch)}")
+            parts.append(f"attention={_attention_backend(self.model, decision.patch, self.args)}")
         if stats.get("samples"):
             parts.append(f"samples={stats['samples']:,}")
             if "rows" in stats:

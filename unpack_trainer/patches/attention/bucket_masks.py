@@ -1,0 +1,121 @@
+"""What the SDPA and eager backends share on their buckets (:mod:`unpack_trainer.patches.buckets`): the masks and
+biases, each built once per batch, bucket shape and device and cached on
+:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`, and the branched forward over a branch plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.attention._common import BranchedFunction, CallOptions
+from unpack_trainer.patches.buckets import Bucket, BucketPlan, branch_plan
+
+__all__ = ["additive_mask", "alibi_bias", "band_mask", "branch_additive_mask", "branch_mask", "branched_buckets"]
+
+
+def branched_buckets(buckets_forward: Callable[..., Tensor]) -> BranchedFunction:
+    """The branched forward of a bucket backend (SDPA, eager) whose ``buckets_forward(q, k, v, info, options, plan)``
+    runs a plan: a branched batch with every query computed once (:func:`branch_plan`), or ``None`` (ALiBi, or spans
+    that are not contiguous: the caller runs the ``[prefix; branch]`` units)."""
+
+    def branched_forward(
+        query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
+    ) -> Tensor | None:
+        if options.alibi_slopes is not None:
+            return None
+        plan: BucketPlan | None = branch_plan(info, query.device)
+        return None if plan is None else buckets_forward(query, key, value, info, options, plan)
+
+    return branched_forward
+
+
+def branch_mask(
+    info: PackedSeqInfo, bucket_index: int, bucket: Bucket, sliding_window: int | None, device: torch.device
+) -> Tensor:
+    """``(n, 1, L, Lk)`` bool on ``device`` of a branch bucket, True where query ``i`` of unit ``u`` may see key ``j``:
+    the query sits at position ``p = k_u - q_u + i`` of its keys (bottom-right alignment), so ``j <= p``, ``j < k_u``
+    and, with a window ``w``, ``j > p - w``. A padding query (``i >= q_u``) sees key 0 only (finite, dropped)."""
+
+    def build() -> Tensor:
+        q_lengths = bucket.query_lengths.view(-1, 1, 1, 1)
+        k_lengths = bucket.key_lengths.view(-1, 1, 1, 1)
+        i = torch.arange(bucket.length).view(1, 1, -1, 1)
+        j = torch.arange(bucket.key_length).view(1, 1, 1, -1)
+        position = k_lengths - q_lengths + i
+        allowed = (j <= position) & (j < k_lengths)
+        if sliding_window is not None:
+            allowed &= j > position - sliding_window
+        padding = (i >= q_lengths) & (j == 0)
+        return (torch.where(i < q_lengths, allowed, padding)).to(device, non_blocking=True)
+
+    return info.plan("branch_masks", (bucket_index, sliding_window, str(device)), build)
+
+
+def branch_additive_mask(
+    info: PackedSeqInfo,
+    bucket_index: int,
+    bucket: Bucket,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """:func:`branch_mask` as an ``(n, 1, L, Lk)`` ``dtype`` additive mask: 0 where allowed, ``finfo(dtype).min``
+    elsewhere (finite, as :func:`additive_mask`)."""
+
+    def build() -> Tensor:
+        allowed = branch_mask(info, bucket_index, bucket, sliding_window, device)
+        return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+
+    return info.plan("branch_additive_masks", (bucket_index, sliding_window, dtype, str(device)), build)
+
+
+def band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: torch.device) -> Tensor:
+    """``(L, L)`` bool on ``device``, True where query ``i`` may see key ``j``: ``i - sliding_window < j <= i``."""
+
+    def build() -> Tensor:
+        i = torch.arange(length, device=device).unsqueeze(1)
+        j = torch.arange(length, device=device).unsqueeze(0)
+        return (j <= i) & (j > i - sliding_window)
+
+    return info.plan("band_masks", (length, sliding_window, str(device)), build)
+
+
+def additive_mask(
+    info: PackedSeqInfo, length: int, sliding_window: int | None, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``(L, L)`` ``dtype`` on ``device``: 0 where attention is allowed (causal, within the window),
+    ``finfo(dtype).min`` elsewhere (finite, so even a fully masked row would give uniform weights, never NaN)."""
+
+    def build() -> Tensor:
+        window = sliding_window if sliding_window is not None else length + 1
+        allowed = band_mask(info, length, window, device)
+        zero = torch.zeros((), dtype=dtype, device=device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+    return info.plan("additive_masks", (length, sliding_window, dtype, str(device)), build)
+
+
+def alibi_bias(
+    info: PackedSeqInfo,
+    length: int,
+    sliding_window: int | None,
+    slopes: Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    masked: bool = True,
+) -> Tensor:
+    """``(num_heads, L, L)`` ``dtype`` ALiBi biases of one bucket: ``-slopes[h] * (i - j)`` where query ``i`` may see
+    key ``j`` (causal, within the window) and, with ``masked``, ``finfo(dtype).min`` elsewhere (else 0 there).
+    Bucketed samples start at slot 0, so ``i`` and ``j`` count from the sample's start, as the model computes them for
+    a sample alone (its ``slope * j`` differs by ``slope * i`` per query, which the softmax does not see)."""
+    positions = torch.arange(length, device=device, dtype=torch.float32)
+    distance = (positions.unsqueeze(1) - positions.unsqueeze(0)).clamp_min(0)  # (L, L) i - j, 0 above the diagonal
+    bias = (-slopes.to(device=device, dtype=torch.float32).view(-1, 1, 1) * distance).to(dtype)
+    if not masked:
+        return bias
+    window = sliding_window if sliding_window is not None else length + 1
+    return bias.masked_fill(~band_mask(info, length, window, device), torch.finfo(dtype).min)
