@@ -313,9 +313,15 @@ def _verify(model_type: str, config: Any, implementation: str, attention_layers:
 
     model = tiny_model(model_type, config=config, attn_implementation=implementation).eval()
     samples = _samples()
-    with torch.no_grad():
-        alone = [model(input_ids=sample.unsqueeze(0), use_cache=False).logits[0] for sample in samples]
-    padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
+    try:
+        with torch.no_grad():
+            alone = [model(input_ids=sample.unsqueeze(0), use_cache=False).logits[0] for sample in samples]
+        padded_loss, padded_grads = loss_and_grads(model, padded_batch(samples), skip_unused=True, use_cache=False)
+    except Exception as error:  # noqa: BLE001 - reported: the tiny config, not the patch, needs fixing
+        return (
+            f"{implementation}: the stock model (not patched) fails on its tiny config, so unpack_trainer.tiny's sizes "
+            f"do not fit this type: {type(error).__name__}: {error}"
+        )[:300]
     patch_model(model)
     try:
         packed = packed_batch(samples)
