@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from unpack_trainer._transformers_compat import cache_argument
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 __all__ = [
@@ -228,7 +229,7 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     batch_size, seq_len = reference.shape[0], reference.shape[1]
     attention_mask = kwargs.get("attention_mask")
     position_ids = kwargs.get("position_ids")
-    cached = _cache_length(kwargs.get("past_key_values"))
+    cached = _cache_length(cache_argument(kwargs))  # `cache` since transformers 5.24, `past_key_values` before
 
     lengths, cu_q, cu_k = kwargs.get("packed_seq_lengths"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     explicit = lengths is not None or cu_q is not None
@@ -279,7 +280,7 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     if info is not None and cached:
         raise ValueError(
             f"A packed batch cannot be run on top of a KV cache that already holds {cached} tokens; pass no "
-            "`past_key_values` (and `use_cache=False`) for packed training batches."
+            "`cache` / `past_key_values` (and `use_cache=False`) for packed training batches."
         )
     if info is not None and kwargs.get("use_cache") is None:
         # A cache of a packed row is of no use for generation (its keys span several samples): do not build one.
