@@ -108,16 +108,16 @@ _rope_users: dict[str, weakref.WeakSet] = {}
 
 
 def supported_model_types() -> list[str]:
-    """The ``config.model_type`` values verified on the fast packed path, sorted.
+    """The ``config.model_type`` values verified on the fast packed path with the installed transformers, sorted.
 
     Each one passed the generated coverage check (``tests/models/test_coverage.py``): a tiny model of that type is
     patched, its packed logits equal each sample run alone and its loss and every gradient equal a padded batch, on
     SDPA and eager, with no ``(T, T)`` mask built. Other types may still patch (the patch is generic); the trainer's
     self-check guards them.
     """
-    from unpack_trainer.models.coverage import VERIFIED_MODEL_TYPES
+    from unpack_trainer.models.coverage import verified_model_types
 
-    return sorted(VERIFIED_MODEL_TYPES)
+    return sorted(verified_model_types())
 
 
 # --------------------------------------------------------------------------------------------------------------------
