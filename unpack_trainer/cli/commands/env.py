@@ -275,7 +275,7 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         "model_type": getattr(config, "model_type", None),
         "class": type(built).__name__,
         "verified": getattr(config, "model_type", None) in supported_model_types(),
-        "verified_with": f"transformers {VERIFIED_WITH}",
+        "verified_with": "transformers " + " and ".join(VERIFIED_WITH),
         "attn_implementation": built.config._attn_implementation,
         "device": str(device),
     }
