@@ -10,6 +10,9 @@
   carry state from one token to the next (recurrent / state-space scans, causal convolutions). Whether one can be
   packed exactly is :mod:`unpack_trainer.models.mixers`'s question, whether that refuses the model
   :mod:`unpack_trainer.models.refusals`'.
+- **What an attention module hands its attention function** (:func:`attention_call`): the keyword terms of the call,
+  and which of its arguments it computes from positions it counts itself along the row, read from the source of its
+  ``forward``; every read of modeling code goes through the decorators around it (:func:`unwrapped`).
 
 Everything here only reads the model (it also works on a model built on the ``meta`` device) and raises nothing but
 ``TypeError`` for an object that holds no transformers model.
