@@ -2,7 +2,8 @@
 
 - The KV cache keyword of a model's ``forward``: ``cache`` since transformers 5.24 (``past_key_values`` stays a
   deprecated alias until 5.40, renamed by a decorator before the model's own code runs), ``past_key_values`` before:
-  :data:`CACHE_KEYWORDS`, :func:`cache_argument`, :func:`cache_keyword`, :func:`output_cache`. A hook on a decoder
+  :data:`CACHE_KEYWORDS`, :func:`cache_argument`, :func:`cache_keyword`, :func:`output_cache`; how many tokens a cache
+  holds, for a cache of recurrent states too (:func:`cache_length`). A hook on a decoder
   sees whichever name the outer model passed.
 - Activation checkpointing on a ``PreTrainedModel``: ``activation_checkpointing_enable`` / ``_disable`` /
   ``is_activation_checkpointing`` since 5.24, ``gradient_checkpointing_*`` before (deprecated in 5.24, with a
@@ -22,6 +23,7 @@ __all__ = [
     "CACHE_KEYWORDS",
     "cache_argument",
     "cache_keyword",
+    "cache_length",
     "checkpointing_enabled",
     "disable_checkpointing",
     "enable_checkpointing",
@@ -48,11 +50,27 @@ def cache_keyword(model: Any) -> str:
 
 
 def output_cache(output: Any) -> Any:
-    """The KV cache a model's forward returned (its output's ``cache`` field, ``past_key_values`` before 5.24),
-    read without touching the deprecated alias."""
+    """The cache a model's forward returned: its output's ``cache`` field (transformers 5.24), ``past_key_values`` or,
+    for state-space models before 5.24, ``cache_params``; read without touching a deprecated alias."""
     fields = getattr(type(output), "__dataclass_fields__", {})
-    name = next((name for name in CACHE_KEYWORDS if name in fields), CACHE_KEYWORDS[-1])
+    name = next((name for name in (*CACHE_KEYWORDS, "cache_params") if name in fields), CACHE_KEYWORDS[-1])
     return getattr(output, name, None)
+
+
+def cache_length(cache: Any) -> int:
+    """How many tokens ``cache`` already holds; 0 for ``None`` or an object without ``get_seq_length``.
+
+    A cache of recurrent states only (Mamba's since transformers 5.24) keeps no sequence length, and its
+    ``get_seq_length`` raises ``ValueError``: it counts as 1 once it holds a state (it has seen tokens), else 0.
+    """
+    get_seq_length = getattr(cache, "get_seq_length", None)
+    if not callable(get_seq_length):
+        return 0
+    try:
+        return int(get_seq_length())
+    except ValueError:
+        has_previous_state = getattr(cache, "has_previous_state", None)
+        return int(bool(has_previous_state())) if callable(has_previous_state) else 0
 
 
 def _method(model: Any, new: str, old: str) -> Any:
