@@ -28,8 +28,9 @@ kind               found when                                                   
                    or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
 =================  ==================================================================  ===================
 
-``BLOCKLIST``, ``BIDIRECTIONAL``, ``ALIBI``, ``POSITIONS`` and ``STATE`` are *blocking*: packing would contaminate samples. For the
-other two transformers' own packed path (its dense mask) may still be exact, and the trainer's self-check decides.
+``BLOCKLIST``, ``BIDIRECTIONAL``, ``ALIBI``, ``POSITIONS`` and ``STATE`` are *blocking*: packing would contaminate
+samples. For the other two transformers' own packed path (its dense mask) may still be exact, and the trainer's
+self-check decides.
 """
 
 from __future__ import annotations
