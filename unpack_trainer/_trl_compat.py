@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-KNOWN_TO_WORK = "TRL 1.16 with transformers 5.23 (pyproject allows trl>=1.0,<2 and transformers>=5.0,<6)"
+KNOWN_TO_WORK = "TRL 1.16 with transformers 5.22 to 5.24 (pyproject allows trl>=1.16,<2 and transformers>=5.22,<6)"
 
 # Methods of transformers' Trainer the core overrides or calls (every packed trainer).
 TRAINER_METHODS: tuple[str, ...] = (

@@ -62,6 +62,8 @@ TINY_SIZES: dict[str, Any] = dict(
     qk_rope_head_dim=8,
     qk_nope_head_dim=8,
     v_head_dim=8,
+    # partial rotary (GPT-J, CodeGen, MiniMax-M3): half of each head rotated; a default of 64 is more than the head
+    rotary_dim=4,
     # windows smaller than the samples of the coverage check (5, 2 and 7 tokens)
     sliding_window=3,
     attention_chunk_size=3,

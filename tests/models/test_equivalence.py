@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from unpack_trainer._transformers_compat import cache_keyword, enable_checkpointing, output_cache
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import attention as attention_module
@@ -207,7 +208,7 @@ def test_packed_loss_and_grads_match_padded(arch, backend, build_model):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing(arch, backend, reentrant, backend_calls, build_model):
     model = patch_model(build_model(arch, backend)).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, {"use_reentrant": reentrant})
     assert_loss_and_grads_match(model, make_samples(LENGTHS))
     # Packed forward and its recomputation in backward both took the packed path: 2 layers x 2.
     assert backend_calls[backend] == 4
@@ -345,7 +346,7 @@ def test_metadata_derived_once_per_forward(monkeypatch, build_model):
 
     monkeypatch.setattr(PackedSeqInfo, "from_position_ids", classmethod(counting))
     model = patch_model(build_model("llama", "sdpa", num_hidden_layers=3)).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     batch = packed_batch(make_samples(LENGTHS))
     model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss.backward()
     assert len(calls) == 1
@@ -372,20 +373,20 @@ def test_packed_forward_builds_no_cache_unless_asked(build_model):
     model = patch_model(build_model("llama", "sdpa"))
     batch = packed_batch(make_samples([4, 3]))
     with torch.no_grad():
-        assert model(**batch).past_key_values is None
-        assert model(**batch, use_cache=True).past_key_values is not None
-        assert model(input_ids=batch["input_ids"]).past_key_values is not None  # unpacked: as without the patch
+        assert output_cache(model(**batch)) is None
+        assert output_cache(model(**batch, use_cache=True)) is not None
+        assert output_cache(model(input_ids=batch["input_ids"])) is not None  # unpacked: as without the patch
 
 
 def test_packed_batch_with_cached_tokens_is_an_error(build_model):
     model = patch_model(build_model("llama", "sdpa"))
     prompt = make_samples([5])[0][None]
     with torch.no_grad():
-        cache = model(input_ids=prompt, use_cache=True).past_key_values
+        cache = output_cache(model(input_ids=prompt, use_cache=True))
         batch = packed_batch(make_samples([3, 2]))
         batch.pop("labels")
         with pytest.raises(ValueError, match="KV cache that already holds 5 tokens"):
-            model(**batch, past_key_values=cache)
+            model(**batch, **{cache_keyword(model): cache})
 
 
 def test_unpatch_restores_stock_behaviour(build_model):

@@ -7,7 +7,7 @@ import pkgutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, FalconConfig, GPTJConfig, MambaConfig
+from transformers import AutoModelForCausalLM, FalconConfig, MambaConfig
 from transformers.models.llama import modeling_llama
 
 import unpack_trainer
@@ -85,7 +85,6 @@ def test_discovery_finds_decoder_and_attention_from_the_model(llama):
             "alibi",
             "ALiBi",
         ),
-        (GPTJConfig(n_embd=32, n_layer=1, n_head=2, vocab_size=64, rotary_dim=8), "unreachable", "GPTJAttention"),
     ],
 )
 def test_refusals_name_the_reason(config, kind, fragment):
@@ -113,7 +112,7 @@ def test_refusal_checks_are_ordered_and_typed():
     assert all(isinstance(kind, RefusalKind) for kind in kinds)
     assert kinds.index(RefusalKind.BIDIRECTIONAL) < kinds.index(RefusalKind.ALIBI)
     assert kinds.index(RefusalKind.ALIBI) < kinds.index(RefusalKind.STATE) < kinds.index(RefusalKind.UNREACHABLE)
-    assert {kind for kind in RefusalKind if kind.blocking} == {"blocklist", "bidirectional", "alibi", "state"}
+    assert {kind for kind in RefusalKind if kind.blocking} == {"blocklist", "bidirectional", "alibi", "positions", "state"}
     assert PatchRefused("x", "why", "state").kind is RefusalKind.STATE
 
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from unpack_trainer.cli.commands import CLIError, analyze, bench, dpo, sft
+from unpack_trainer.cli.commands import CLIError, analyze, bench, dpo, env, sft
 
 __all__ = ["CLIError", "build_parser", "main"]
 
@@ -25,6 +25,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     sft.add_sft_command,
     sft.add_smollm2_command,
     dpo.add_dpo_command,
+    env.add_command,
 ]
 
 

@@ -10,6 +10,9 @@
   carry state from one token to the next (recurrent / state-space scans, causal convolutions). Whether one can be
   packed exactly is :mod:`unpack_trainer.models.mixers`'s question, whether that refuses the model
   :mod:`unpack_trainer.models.refusals`'.
+- **What an attention module hands its attention function** (:func:`attention_call`): the keyword terms of the call,
+  and which of its arguments it computes from positions it counts itself along the row, read from the source of its
+  ``forward``; every read of modeling code goes through the decorators around it (:func:`unwrapped`).
 
 Everything here only reads the model (it also works on a model built on the ``meta`` device) and raises nothing but
 ``TypeError`` for an object that holds no transformers model.
@@ -17,18 +20,23 @@ Everything here only reads the model (it also works on a model built on the ``me
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 __all__ = [
+    "AttentionCall",
     "Decoder",
     "ModelStructure",
     "TokenMixer",
+    "attention_call",
     "attention_chunks",
     "discover",
     "find_token_mixers",
@@ -59,9 +67,58 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
+def unwrapped(function: Any, name: str | None = None) -> Any:
+    """The function a chain of decorators wraps (the modeling code itself), or ``function`` when it wraps none.
+
+    Follows ``__wrapped__`` (decorators built with ``functools.wraps``, such as transformers' ``deprecate_kwarg``)
+    and, given the ``name`` the method is stored under, a wrapper that does not set it: a function of another name
+    whose closure holds one function called ``name``. A check that reads the wrapper's code reads the decorator's
+    instead (transformers 5.24 decorated ``InklingAttention.forward``, which hid its ``position_bias`` from a check
+    that read ``__code__`` directly).
+    """
+    seen: set[int] = set()
+    while id(function) not in seen:
+        seen.add(id(function))
+        function = inspect.unwrap(function)
+        code = getattr(function, "__code__", None)
+        if name is None or code is None or code.co_name == name:
+            break
+        inner = []
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, types.FunctionType) and value.__code__.co_name == name:
+                inner.append(value)
+        if len(inner) != 1:
+            break
+        function = inner[0]
+    return function
+
+
+def transformers_methods(cls: type) -> Iterator[tuple[type, str, types.FunctionType]]:
+    """``(defining class, attribute name, function)`` for every method ``cls`` defines or inherits from transformers'
+    modeling code (``transformers.models.*``), unwrapped (:func:`unwrapped`); static and class methods and property
+    getters included, most derived class first."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models."):
+            continue
+        for name, value in vars(klass).items():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            if not callable(value):
+                continue
+            function = unwrapped(value, name)
+            if isinstance(getattr(function, "__code__", None), types.CodeType):
+                yield klass, name, function
+
+
 def _function_references(function: Any, seen: set[int]) -> dict[str, Any]:
     """Global names ``function`` uses -> their objects, following module-level helpers of transformers' models."""
-    function = inspect.unwrap(function)
+    function = unwrapped(function)
     code = getattr(function, "__code__", None)
     if code is None or id(code) in seen:
         return {}
@@ -83,29 +140,14 @@ def class_references(cls: type) -> dict[str, Any]:
     """Global names used by the methods ``cls`` defines or inherits from transformers' modeling code."""
     found: dict[str, Any] = {}
     seen: set[int] = set()
-    for klass in cls.__mro__:
-        if not klass.__module__.startswith("transformers.models."):
-            continue
-        for value in vars(klass).values():
-            if isinstance(value, (staticmethod, classmethod)):
-                value = value.__func__
-            elif isinstance(value, property):
-                value = value.fget
-            if callable(value):
-                found.update(_function_references(value, seen))
+    for _, _, function in transformers_methods(cls):
+        found.update(_function_references(function, seen))
     return found
 
 
 def mentions(cls: type, attribute: str) -> bool:
     """Whether a method of ``cls`` (from transformers' modeling code) reads an attribute named ``attribute``."""
-    for klass in cls.__mro__:
-        if not klass.__module__.startswith("transformers.models."):
-            continue
-        for value in vars(klass).values():
-            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
-            if code is not None and attribute in _code_names(code):
-                return True
-    return False
+    return any(attribute in _code_names(function.__code__) for _, _, function in transformers_methods(cls))
 
 
 def uses_attention_interface(cls: type) -> bool:
@@ -127,19 +169,195 @@ def mask_without_positions(cls: type) -> str | None:
     """``"Class.method"`` of the first method of ``cls`` (transformers' modeling code) that builds a mask with one of
     :data:`MASK_BUILDERS` without ``position_ids`` at hand (BERT's ``_create_attention_masks``), or ``None``. Such a
     mask cannot be transformers' packed block mask, which is found from ``position_ids``."""
-    for klass in cls.__mro__:
-        if not klass.__module__.startswith("transformers.models."):
-            continue
-        for value in vars(klass).values():
-            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
-            if code is not None and set(MASK_BUILDERS) & set(code.co_names) and "position_ids" not in code.co_varnames:
-                return f"{klass.__name__}.{code.co_name}"
+    for klass, _, function in transformers_methods(cls):
+        code = function.__code__
+        if set(MASK_BUILDERS) & set(code.co_names) and "position_ids" not in code.co_varnames:
+            return f"{klass.__name__}.{code.co_name}"
     return None
 
 
 def mentions_alibi(cls: type) -> bool:
     """Whether ``cls``'s code uses a global whose name mentions ALiBi (``build_alibi_tensor``, ...)."""
     return any("alibi" in name.lower() for name in class_references(cls))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What an attention module hands its attention function
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What an attention class's ``forward`` hands the attention function it looks up in ``ALL_ATTENTION_FUNCTIONS``
+    (read from the source of the ``forward``, through its decorators: :func:`attention_call`).
+
+    Attributes:
+        method: ``"Class.forward"``, where that ``forward`` is defined.
+        keywords: keyword name -> the source of its value, for every keyword argument of the call (``**kwargs`` left
+            out), in the order written.
+        optional: the keywords whose value the ``forward`` also sets to ``None`` (a term computed in some
+            configurations only, such as a sparse indexer's block indices).
+        row_positions: the arguments (``"query"``, ``"key"``, ``"value"`` or a keyword) computed from positions the
+            ``forward`` counts itself along the row (an ``arange`` over the row's length), not from ``position_ids``:
+            on a packed row those positions run across samples instead of restarting at each sample's start. A
+            fallback ``if position_ids is None: position_ids = arange(...)`` is not counted (a packed batch carries
+            ``position_ids``).
+        eager: the eager attention functions the lookup falls back to (the reference of what the attention applies).
+    """
+
+    method: str
+    keywords: dict[str, str]
+    optional: frozenset[str]
+    row_positions: tuple[str, ...]
+    eager: tuple[types.FunctionType, ...]
+
+
+_POSITIONAL = ("query", "key", "value")  # the attention function's arguments after the module
+
+
+def _is_arange(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Attribute) and func.attr == "arange") or (
+        isinstance(func, ast.Name) and func.id == "arange"
+    )
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _assigned_names(target: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _none_fallbacks(tree: ast.AST) -> set[int]:
+    """ids of the assignments inside ``if X is None:`` that assign ``X`` (a default for a missing input)."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None)
+        if not isinstance(node, ast.If) or not isinstance(test, ast.Compare) or not isinstance(test.left, ast.Name):
+            continue
+        if not (len(test.ops) == 1 and isinstance(test.ops[0], ast.Is)):
+            continue
+        if not (isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+            continue
+        for statement in node.body:
+            for child in ast.walk(statement):
+                if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                    if any(test.left.id in _assigned_names(t) for t in targets):
+                        found.add(id(child))
+    return found
+
+
+def _row_position_names(tree: ast.AST) -> set[str]:
+    """Local names whose value derives from an ``arange`` in ``tree``, following the assignments in source order
+    (branches are not told apart, and a tainted name stays tainted when it is bound again); a tuple assigned from a
+    tuple pairs its elements."""
+    skipped = _none_fallbacks(tree)
+    assignments = sorted(
+        (
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            and node.value is not None
+            and id(node) not in skipped
+        ),
+        key=lambda node: (node.lineno, node.col_offset),
+    )
+
+    def derived(value: ast.AST) -> bool:
+        return any(_is_arange(n) for n in ast.walk(value)) or bool(_names_in(value) & tainted)
+
+    tainted: set[str] = set()
+    for node in assignments:
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            value = node.value
+            if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+                pairs = list(zip(target.elts, value.elts))
+            else:
+                pairs = [(target, value)]
+            for part, part_value in pairs:
+                if derived(part_value):
+                    tainted |= _assigned_names(part)
+    return tainted
+
+
+@functools.cache
+def attention_call(cls: type) -> AttentionCall | None:
+    """What ``cls.forward`` hands its attention function (see :class:`AttentionCall`); ``None`` when ``cls`` has no
+    ``forward`` in transformers' modeling code, its source cannot be read, or it makes no such call."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    found = next(((klass, f) for klass, name, f in transformers_methods(cls) if name == "forward"), None)
+    if found is None:
+        return None
+    klass, function = found
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    namespace = function.__globals__
+    interface = {name for name, value in namespace.items() if value is ALL_ATTENTION_FUNCTIONS}
+    # Local names bound to the looked-up function, and the eager functions the lookup names.
+    bound: set[str] = set()
+    eager: dict[int, types.FunctionType] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            names = _names_in(node.value)
+            functions = [namespace[n] for n in names if isinstance(namespace.get(n), types.FunctionType)]
+            # the fallback of a lookup (``get_interface(impl, eager_attention_forward)``), or a default bound first
+            eager_here = [f for f in functions if names & interface or f.__name__.endswith("attention_forward")]
+            if names & interface or eager_here:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                bound |= set().union(*map(_assigned_names, targets))
+                eager.update((id(f), f) for f in eager_here)
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and ((isinstance(node.func, ast.Name) and node.func.id in bound) or _names_in(node.func) & interface)
+    ]
+    if not calls:
+        return None
+    assigned_none = {
+        name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and isinstance(node.value, ast.Constant)
+        and node.value.value is None
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for name in _assigned_names(target)
+    }
+    row = _row_position_names(tree)
+    keywords: dict[str, str] = {}
+    optional: set[str] = set()
+    row_positions: list[str] = []
+    for call in calls:
+        # (module, query, key, value, attention_mask, ...): the first positional argument is the module
+        for label, argument in zip(_POSITIONAL, call.args[1:4]):
+            if _names_in(argument) & row and label not in row_positions:
+                row_positions.append(label)
+        for keyword in call.keywords:
+            if keyword.arg is None:
+                continue
+            keywords.setdefault(keyword.arg, ast.unparse(keyword.value))
+            value_names = _names_in(keyword.value)
+            if (isinstance(keyword.value, ast.Constant) and keyword.value.value is None) or (
+                isinstance(keyword.value, ast.Name) and keyword.value.id in assigned_none
+            ):
+                optional.add(keyword.arg)
+            if value_names & row and keyword.arg not in row_positions:
+                row_positions.append(keyword.arg)
+    return AttentionCall(
+        method=f"{klass.__name__}.forward",
+        keywords=keywords,
+        optional=frozenset(optional),
+        row_positions=tuple(row_positions),
+        eager=tuple(eager.values()),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -242,9 +460,7 @@ def find_token_mixers(
     names = {id(module): name for name, module in decoder.named_modules()}
     mixers: list[TokenMixer] = []
     for layer in layers:
-        holds_attention = {
-            id(m): any(type(x) in attention_classes for x in m.modules()) for m in layer.modules()
-        }
+        holds_attention = {id(m): any(type(x) in attention_classes for x in m.modules()) for m in layer.modules()}
         found_in_layer = False
         for child in layer.children():
             what = _mixer_what(child)
@@ -271,7 +487,9 @@ def find_token_mixers(
         what = mixer_kind(module)
         if what is not None and id(module) not in in_layers:
             mixers.append(
-                TokenMixer(name, module, what, None, "it sits outside the decoder layers, where no packed path reaches")
+                TokenMixer(
+                    name, module, what, None, "it sits outside the decoder layers, where no packed path reaches"
+                )
             )
     return mixers
 

@@ -62,7 +62,14 @@ from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE, SEQ_PARENTS
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
 
-__all__ = ["is_patched", "patch_model", "resolve_backend", "supported_model_types", "unpatch_model"]
+__all__ = [
+    "attention_features",
+    "is_patched",
+    "patch_model",
+    "resolve_backend",
+    "supported_model_types",
+    "unpatch_model",
+]
 
 logger = logging.getLogger("unpack_trainer.models")
 
@@ -101,16 +108,16 @@ _rope_users: dict[str, weakref.WeakSet] = {}
 
 
 def supported_model_types() -> list[str]:
-    """The ``config.model_type`` values verified on the fast packed path, sorted.
+    """The ``config.model_type`` values verified on the fast packed path with the installed transformers, sorted.
 
     Each one passed the generated coverage check (``tests/models/test_coverage.py``): a tiny model of that type is
     patched, its packed logits equal each sample run alone and its loss and every gradient equal a padded batch, on
     SDPA and eager, with no ``(T, T)`` mask built. Other types may still patch (the patch is generic); the trainer's
     self-check guards them.
     """
-    from unpack_trainer.models.coverage import VERIFIED_MODEL_TYPES
+    from unpack_trainer.models.coverage import verified_model_types
 
-    return sorted(VERIFIED_MODEL_TYPES)
+    return sorted(verified_model_types())
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -493,7 +500,9 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
         else:
             builder = mask_without_positions(type(module))
             if builder is not None:
-                state.no_dense_path = f"{builder} builds the mask without position_ids, so it cannot tell the samples apart"
+                state.no_dense_path = (
+                    f"{builder} builds the mask without position_ids, so it cannot tell the samples apart"
+                )
     for name, embeddings in own_position_embeddings(module):
         hook = embeddings.register_forward_pre_hook(_positions_pre_hook, with_kwargs=True)
         state.positions.append((name, hook.id))
@@ -602,13 +611,34 @@ def is_patched(model: torch.nn.Module) -> bool:
     return bool(_patched_decoders(model))
 
 
+def attention_features(model: torch.nn.Module) -> dict[str, Any]:
+    """What the attention of ``model`` applies that a packed backend must be able to: ``softcap`` (logit softcapping,
+    ``config.attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter of an attention module) and ``head_dim``
+    (the largest query / value head dim, ``None`` when unknown): the keyword arguments of
+    :func:`unpack_trainer.patches.attention.choose_backend` besides the device, dtype and implementation. Works on a
+    model built on the ``meta`` device."""
+    config = pretrained_model(model).config.get_text_config()
+    head_dims = [
+        getattr(module, "head_dim", None)
+        for module in model.modules()
+        if isinstance(getattr(module, "head_dim", None), int)
+    ]
+    for name in ("v_head_dim", "qk_head_dim"):
+        if isinstance(getattr(config, name, None), int):
+            head_dims.append(getattr(config, name))
+    return {
+        "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
+        "sinks": any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()),
+        "head_dim": max(head_dims) if head_dims else None,
+    }
+
+
 def resolve_backend(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> BackendChoice:
     """The attention backend packed batches of ``model`` will use, and why: a ``(name, reason)`` named tuple.
 
     ``name`` is one of :data:`unpack_trainer.patches.attention.BACKENDS`. Decided from the device and floating
-    dtype of the model's parameters, its attention implementation, what its attention applies (logit softcapping from
-    ``config.attn_logit_softcapping``, attention sinks from a ``sinks`` parameter of an attention module, the
-    largest query / value head dim), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
+    dtype of the model's parameters, its attention implementation, what its attention applies
+    (:func:`attention_features`), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
     choice raises ``ValueError``). Dropout is left out: it only applies in training and every backend but
     ``torch_varlen`` applies it (which then hands over per call, logged once). The model need not be patched.
     ``compute_dtype``: the autocast dtype a trainer's mixed precision will run float32 parameters in (``bf16=True``:
@@ -627,21 +657,4 @@ def resolve_backend(model: torch.nn.Module, *, compute_dtype: torch.dtype | None
     if isinstance(quantized_dtype, torch.dtype):
         dtype = quantized_dtype
     dtype = attention_dtype(device, dtype, autocast_dtype=compute_dtype)
-    config = pretrained.config.get_text_config()
-    head_dims = [
-        getattr(module, "head_dim", None)
-        for module in model.modules()
-        if isinstance(getattr(module, "head_dim", None), int)
-    ]
-    for name in ("v_head_dim", "qk_head_dim"):
-        if isinstance(getattr(config, name, None), int):
-            head_dims.append(getattr(config, name))
-    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
-    return choose_backend(
-        device,
-        dtype,
-        implementation,
-        softcap=bool(getattr(config, "attn_logit_softcapping", None)),
-        sinks=sinks,
-        head_dim=max(head_dims) if head_dims else None,
-    )
+    return choose_backend(device, dtype, implementation, **attention_features(model))

@@ -13,25 +13,31 @@ kind               found when                                                   
                    a causal LM without ``config.is_decoder=True``)
 ``ALIBI``          ALiBi position biases (``config.alibi``, ``attn_config.alibi``,     trains padded
                    or the modeling code uses an ``*alibi*`` helper) in attention
-                   without a packed forward (:mod:`.alibi` has bloom's and mpt's), or
-                   another ``position_bias`` over the row's token offsets
+                   without a packed forward (:mod:`.alibi` has bloom's and mpt's)
+``POSITIONS``      an attention term computed from positions the attention counts     trains padded
+                   itself along the row (an ``arange``: Inkling's relative position
+                   bias), or a ``position_bias`` of its own, read from the source of
+                   its ``forward`` through its decorators
 ``STATE``          a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
                    layer with neither attention nor an owned mixer (nor declared an
                    MLP / MoE layer in ``config.layer_types``)
 ``UNSUPPORTED``    a feature the packed helper does not implement (a sparse-attention  self-check decides
-                   indexer; chunked attention whose layers do not show)
+                   indexer; chunked attention whose layers do not show; a keyword
+                   term of the attention call outside :data:`APPLIED_TERMS`)
 ``UNREACHABLE``    no decoder builds its mask through transformers' mask functions,    self-check decides
                    or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
 =================  ==================================================================  ===================
 
-``BLOCKLIST``, ``BIDIRECTIONAL``, ``ALIBI`` and ``STATE`` are *blocking*: packing would contaminate samples. For the
-other two transformers' own packed path (its dense mask) may still be exact, and the trainer's self-check decides.
+``BLOCKLIST``, ``BIDIRECTIONAL``, ``ALIBI``, ``POSITIONS`` and ``STATE`` are *blocking*: packing would contaminate
+samples. For the other two transformers' own packed path (its dense mask) may still be exact, and the trainer's
+self-check decides.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,8 +47,10 @@ from unpack_trainer.models.alibi import packed_forward_for
 from unpack_trainer.models.discovery import (
     MASK_BUILDERS,
     PER_TOKEN_LAYER_TYPES,
+    AttentionCall,
     Decoder,
     ModelStructure,
+    attention_call,
     attention_chunks,
     discover,
     mentions,
@@ -50,7 +58,16 @@ from unpack_trainer.models.discovery import (
 )
 from unpack_trainer.models.mixers import handler_for
 
-__all__ = ["BLOCKLIST", "REFUSAL_CHECKS", "PatchRefused", "RefusalKind", "check_model", "refusal_reason"]
+__all__ = [
+    "APPLIED_TERMS",
+    "BLOCKLIST",
+    "NOT_TERMS",
+    "REFUSAL_CHECKS",
+    "PatchRefused",
+    "RefusalKind",
+    "check_model",
+    "refusal_reason",
+]
 
 # model_type -> why it cannot be packed exactly, for what the model's structure does not show. Structural refusals
 # (state-carrying mixers, ALiBi, attention outside the interface) are found by the checks below, not listed here.
@@ -63,6 +80,7 @@ class RefusalKind(enum.StrEnum):
     BLOCKLIST = "blocklist"
     BIDIRECTIONAL = "bidirectional"
     ALIBI = "alibi"
+    POSITIONS = "positions"
     STATE = "state"
     UNSUPPORTED = "unsupported"
     UNREACHABLE = "unreachable"
@@ -70,7 +88,13 @@ class RefusalKind(enum.StrEnum):
     @property
     def blocking(self) -> bool:
         """Whether packing would contaminate samples (the trainer trains padded); otherwise the self-check decides."""
-        return self in (RefusalKind.BLOCKLIST, RefusalKind.BIDIRECTIONAL, RefusalKind.ALIBI, RefusalKind.STATE)
+        return self in (
+            RefusalKind.BLOCKLIST,
+            RefusalKind.BIDIRECTIONAL,
+            RefusalKind.ALIBI,
+            RefusalKind.POSITIONS,
+            RefusalKind.STATE,
+        )
 
 
 class PatchRefused(ValueError):
@@ -81,10 +105,12 @@ class PatchRefused(ValueError):
         reason: why, in words.
         kind: a :class:`RefusalKind` (a ``str``): ``"state"`` (a token mixer carries state across samples),
             ``"bidirectional"`` (an encoder's self-attention: every token sees the whole row), ``"alibi"``,
-            ``"blocklist"`` (see :data:`BLOCKLIST`): packing would contaminate, so the trainer trains padded; ``"unreachable"`` (the attention or the mask is built outside transformers' interfaces, so the
-            patch cannot reach it) and ``"unsupported"`` (a feature the packed helper does not implement, e.g. a
-            sparse-attention indexer): transformers' own packed path with its dense mask may still be exact, and the
-            self-check decides.
+            ``"positions"`` (an attention term computed from positions along the whole row), ``"blocklist"`` (see
+            :data:`BLOCKLIST`): packing would contaminate, so the trainer trains padded; ``"unreachable"`` (the
+            attention or the mask is built outside transformers' interfaces, so the patch cannot reach it) and
+            ``"unsupported"`` (a feature the packed helper does not implement, e.g. a sparse-attention indexer or a
+            term of the attention call it does not apply): transformers' own packed path with its dense mask may
+            still be exact, and the self-check decides.
     """
 
     def __init__(self, model_type: str, reason: str, kind: RefusalKind | str) -> None:
@@ -150,21 +176,97 @@ def _alibi(structure: ModelStructure) -> str | None:
     return None
 
 
-def _row_position_bias(structure: ModelStructure) -> str | None:
-    """An attention module that hands the attention function a ``position_bias`` of its own (relative position logits
-    over the row's token offsets, e.g. Inkling's); ALiBi is :func:`_alibi`'s."""
-    for cls in structure.attention_classes:
-        if mentions_alibi(cls) or packed_forward_for(cls) is not None:
-            continue  # ALiBi: _alibi decides; bloom's and mpt's packed forwards apply their bias per sample
-        for klass in cls.__mro__:
-            if not klass.__module__.startswith("transformers.models."):
+# Keyword arguments of the attention call that the packed helper applies
+# (:func:`unpack_trainer.patches.attention.packed_attention_forward`), and those that carry no term of the attention
+# (the mask, which the samples replace; the packing metadata; flags).
+APPLIED_TERMS = frozenset(
+    {"scaling", "dropout", "sliding_window", "softcap", "s_aux", "is_causal", "attention_chunk_size", "alibi_slopes"}
+)
+NOT_TERMS = frozenset(
+    {
+        "attention_mask",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "packed_seq_lengths",
+        "output_attentions",
+        "use_cache",
+        "layer_idx",
+    }
+)
+# The attention function's own arguments, before the keywords: (module, query, key, value, attention_mask).
+_LEADING_ARGUMENTS = 5
+
+
+def _own_attention_calls(structure: ModelStructure) -> Iterator[tuple[torch.nn.Module, AttentionCall]]:
+    """``(module, its attention call)`` for one attention module of each class that goes through the attention
+    interface (not ALiBi: :func:`_alibi` decides; nor bloom's and mpt's packed forwards, which apply their bias per
+    sample), where the call can be read."""
+    seen: set[type] = set()
+    for decoder in structure.decoders:
+        for module in decoder.attention:
+            cls = type(module)
+            if cls in seen or packed_forward_for(cls) is not None or mentions_alibi(cls):
                 continue
-            code = getattr(vars(klass).get("forward"), "__code__", None)
-            if code is not None and "position_bias" in code.co_varnames:
-                return (
-                    f"its attention ({cls.__name__}) adds a position bias (position_bias) computed from token offsets "
-                    "along the whole row, which the packed attention helper does not apply per sample"
+            seen.add(cls)
+            call = attention_call(cls)
+            if call is not None:
+                yield module, call
+
+
+def _corrected_by_patch(module: torch.nn.Module, argument: str) -> bool:
+    """llama4's queries, scaled by positions along the row in its NoPE layers (attention temperature tuning):
+    :func:`unpack_trainer.models.patch_model` rescales them per sample; in its RoPE layers the scaling does not run."""
+    return argument == "query" and hasattr(module, "attn_temperature_tuning")
+
+
+def _row_positions(structure: ModelStructure) -> str | None:
+    """An attention module that computes a term from positions it counts itself along the row (an ``arange`` over
+    the row's length: Inkling's relative position bias and query scaling), or hands the attention function a
+    ``position_bias`` of its own: on a packed row those positions run across samples. Read from the source of the
+    attention's ``forward`` (:func:`~unpack_trainer.models.discovery.attention_call`), through its decorators."""
+    for module, call in _own_attention_calls(structure):
+        arguments = [a for a in call.row_positions if not _corrected_by_patch(module, a)]
+        if arguments:
+            return (
+                f"its attention ({call.method}) computes {', '.join(arguments)} from positions it counts along the "
+                "whole row (arange), not from each sample's position_ids: on a packed row they count on across "
+                "sample boundaries"
+            )
+        if "position_bias" in call.keywords:
+            return (
+                f"its attention ({call.method}) adds a position bias (position_bias) computed from token offsets "
+                "along the whole row, which the packed attention helper does not apply per sample"
+            )
+    return None
+
+
+def _dropped_terms(structure: ModelStructure) -> str | None:
+    """An attention module that hands the attention function a term the packed helper does not apply (a keyword
+    outside :data:`APPLIED_TERMS` and :data:`NOT_TERMS` that the ``forward`` never leaves ``None``), or whose eager
+    reference requires one: the helper would drop it."""
+    for _, call in _own_attention_calls(structure):
+        known = APPLIED_TERMS | NOT_TERMS
+        terms = [
+            f"{name}={value}"
+            for name, value in call.keywords.items()
+            if name not in known and name not in call.optional
+        ]
+        for eager in call.eager:
+            for parameter in list(inspect.signature(eager).parameters.values())[_LEADING_ARGUMENTS:]:
+                required = parameter.default is inspect.Parameter.empty and parameter.kind in (
+                    parameter.POSITIONAL_OR_KEYWORD,
+                    parameter.KEYWORD_ONLY,
                 )
+                if required and parameter.name not in known and parameter.name not in call.keywords:
+                    terms.append(f"{parameter.name} (required by {eager.__name__})")
+        if terms:
+            return (
+                f"its attention ({call.method}) hands the attention function {', '.join(terms)}, a term the packed "
+                "attention helper does not apply"
+            )
     return None
 
 
@@ -235,10 +337,11 @@ REFUSAL_CHECKS: tuple[tuple[RefusalKind, Callable[[ModelStructure], str | None]]
     (RefusalKind.BLOCKLIST, _blocklisted),
     (RefusalKind.BIDIRECTIONAL, _bidirectional),
     (RefusalKind.ALIBI, _alibi),
-    (RefusalKind.ALIBI, _row_position_bias),
+    (RefusalKind.POSITIONS, _row_positions),
     (RefusalKind.STATE, _unowned_mixer),
     (RefusalKind.STATE, _layer_without_attention),
     (RefusalKind.UNSUPPORTED, _unsupported_feature),
+    (RefusalKind.UNSUPPORTED, _dropped_terms),
     (RefusalKind.UNREACHABLE, _mask_unreachable),
     (RefusalKind.UNREACHABLE, _attention_unreachable),
 )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from unpack_trainer._transformers_compat import cache_argument, cache_length
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 __all__ = [
@@ -143,13 +144,6 @@ def make_mask_function(
     return unpack_mask
 
 
-def _cache_length(past_key_values: Any) -> int:
-    if past_key_values is None:
-        return 0
-    get_seq_length = getattr(past_key_values, "get_seq_length", None)
-    return int(get_seq_length()) if callable(get_seq_length) else 0
-
-
 def _is_2d_mask(attention_mask: Any) -> bool:
     """Whether ``attention_mask`` is a ``(B, T)`` padding mask (not a prepared 4D mask, nor a dict of masks by layer
     type as ``generate`` passes with a static cache)."""
@@ -228,7 +222,7 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     batch_size, seq_len = reference.shape[0], reference.shape[1]
     attention_mask = kwargs.get("attention_mask")
     position_ids = kwargs.get("position_ids")
-    cached = _cache_length(kwargs.get("past_key_values"))
+    cached = cache_length(cache_argument(kwargs))  # `cache` since transformers 5.24, `past_key_values` before
 
     lengths, cu_q, cu_k = kwargs.get("packed_seq_lengths"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     explicit = lengths is not None or cu_q is not None
@@ -279,7 +273,7 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     if info is not None and cached:
         raise ValueError(
             f"A packed batch cannot be run on top of a KV cache that already holds {cached} tokens; pass no "
-            "`past_key_values` (and `use_cache=False`) for packed training batches."
+            "`cache` / `past_key_values` (and `use_cache=False`) for packed training batches."
         )
     if info is not None and kwargs.get("use_cache") is None:
         # A cache of a packed row is of no use for generation (its keys span several samples): do not build one.

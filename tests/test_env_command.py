@@ -1,0 +1,77 @@
+"""``unpack-trainer env``: versions, kernels and devices for a bug report, and what the patch does with a model (a
+model type built tiny, or a local folder): patched or refused with its reason, the packed attention backend per
+precision, the path of each token mixer."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+
+import pytest
+
+from unpack_trainer.cli.main import main
+from unpack_trainer.tiny import tiny_config
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["env", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_versions_kernels_and_devices(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0
+    assert f"- transformers: {metadata.version('transformers')}" in out
+    assert f"- TRL: {metadata.version('trl')}" in out and f"- torch: {metadata.version('torch')}" in out
+    for package in ("flash-attn", "flash-linear-attention", "causal-conv1d", "mamba-ssm", "xformers", "triton"):
+        assert f"- {package}: " in out
+    assert "- cpu: threads" in out
+    assert "sdpa: available" in out and "flash: " in out
+
+
+def test_a_model_type_is_built_tiny_and_its_backends_shown(capsys):
+    code, out, _ = run(capsys, "--model", "llama", "--json")
+    assert code == 0
+    report = json.loads(out)["model"]
+    assert report["patched"] is True and report["class"] == "LlamaForCausalLM"
+    assert set(report["attention"]) == {"float32", "bfloat16", "float32 weights, bfloat16 autocast"}
+    assert report["attention"]["float32 weights, bfloat16 autocast"]["compute_dtype"] == "bfloat16"
+    assert report["attention"]["float32"]["backend"] == "sdpa"  # no kernel backend on the CPU
+    assert report["mixers"] == []
+
+
+def test_a_refused_model_type_shows_its_reason(capsys):
+    code, out, _ = run(capsys, "--model", "inkling_text")
+    assert code == 0
+    assert "- patch: REFUSED (positions): its attention (InklingAttention.forward) computes" in out
+    assert "- trainer: trains padded (refused before any forward)" in out
+    assert "Packed attention backend on" not in out
+
+
+def test_token_mixers_show_their_path(capsys):
+    code, out, _ = run(capsys, "--model", "qwen3_next", "--json")
+    [mixer] = json.loads(out)["model"]["mixers"]
+    assert "GatedDeltaNet" in mixer["mixer"] and mixer["path"] in ("per sample, padded buckets", "varlen kernels")
+    assert mixer["why"]
+
+
+def test_a_local_folder(capsys, tmp_path):
+    tiny_config("qwen3").save_pretrained(tmp_path)
+    code, out, _ = run(capsys, "--model", str(tmp_path))
+    assert code == 0 and f"- built from: the folder {tmp_path}" in out and "- patch: patched" in out
+
+
+def test_a_forced_backend_that_cannot_run_is_reported(capsys, monkeypatch):
+    monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", "flash")
+    code, out, _ = run(capsys, "--model", "llama")
+    assert code == 0 and "- float32: error (UNPACK_ATTENTION_BACKEND=flash but" in out
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [("no_such_type", "neither a folder nor a transformers model_type"), (".", "a folder without config.json")],
+)
+def test_bad_models_are_one_line_errors(capsys, model, message):
+    code, out, err = run(capsys, "--model", model)
+    assert code == 2 and out == "" and err.startswith("unpack-trainer env: error: --model") and message in err

@@ -1,0 +1,343 @@
+"""``unpack-trainer env``: what a bug report needs, as ``trl env`` / ``accelerate env`` print it.
+
+The versions of python, torch and the Hugging Face libraries, of every optional kernel package, the devices, and
+for a given ``--model`` (a local model folder or a ``model_type`` such as ``llama``, built tiny from its config by
+:mod:`unpack_trainer.tiny`) whether :func:`unpack_trainer.models.patch_model` takes it or refuses it (and why),
+which packed attention backend it would take with float32 weights, bfloat16 weights and float32 weights under
+bfloat16 autocast, and the path of each token mixer. The model is built on the ``meta`` device: no weights, no memory.
+The text is markdown, to paste into an issue; ``--json`` prints the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from unpack_trainer.cli.commands import CLIError, add_command_parser, one_line
+
+__all__ = ["OPTIONAL_PACKAGES", "PACKAGES", "add_command", "environment", "format_environment", "model_report"]
+
+# (name shown, distribution names tried in order)
+PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch", ("torch",)),
+    ("transformers", ("transformers",)),
+    ("TRL", ("trl",)),
+    ("PEFT", ("peft",)),
+    ("accelerate", ("accelerate",)),
+    ("datasets", ("datasets",)),
+    ("tokenizers", ("tokenizers",)),
+    ("numpy", ("numpy",)),
+)
+OPTIONAL_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("flash-attn", ("flash-attn", "flash_attn")),
+    ("flash-linear-attention", ("flash-linear-attention",)),
+    ("fla-core", ("fla-core",)),
+    ("causal-conv1d", ("causal-conv1d", "causal_conv1d")),
+    ("mamba-ssm", ("mamba-ssm", "mamba_ssm")),
+    ("xformers", ("xformers",)),
+    ("triton", ("triton", "pytorch-triton")),
+    ("bitsandbytes", ("bitsandbytes",)),
+    ("liger-kernel", ("liger-kernel", "liger_kernel")),
+    ("kernels", ("kernels",)),
+)
+NOT_INSTALLED = "not installed"
+
+_DESCRIPTION = """\
+Print the versions, devices and kernels that decide how unpack_trainer packs, to paste into a bug report. With
+--model, also what the patch does with that model: patched or refused (and why), the packed attention backend it
+would take in float32, bfloat16, and float32 under bfloat16 autocast (TRL's default on a GPU), and the path of each
+token mixer (convolution, recurrent scan). The model is built on the meta device (no weights are loaded).
+"""
+
+_EPILOG = """\
+examples:
+  unpack-trainer env                              # versions and devices
+  unpack-trainer env --model llama                # a model type, built tiny from its config
+  unpack-trainer env --model ./my-checkpoint      # a local model folder (its config.json)
+  unpack-trainer env --model qwen3_next --json
+"""
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``env`` to the ``unpack-trainer`` subcommands."""
+    parser = add_command_parser(
+        subparsers,
+        "env",
+        help="print versions, devices, kernels and what the patch does with a model (for bug reports)",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PATH_OR_TYPE",
+        help="a local model folder (with config.json) or a transformers model_type (llama, qwen3, ...)",
+    )
+    parser.add_argument(
+        "--device", help="the device to decide the attention backend for (default: cuda when available, else cpu)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
+    parser.set_defaults(handler=_run_env)
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    report = environment()
+    if args.model:
+        report["model"] = model_report(args.model, device=args.device)
+    print(json.dumps(report, indent=2) if args.json else format_environment(report))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Versions and devices
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _version(distributions: tuple[str, ...]) -> str:
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return NOT_INSTALLED
+
+
+def _devices() -> list[dict[str, Any]]:
+    import torch
+
+    devices: list[dict[str, Any]] = [{"device": "cpu", "threads": torch.get_num_threads(), "cores": os.cpu_count()}]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            properties = torch.cuda.get_device_properties(index)
+            devices.append(
+                {
+                    "device": f"cuda:{index}",
+                    "name": properties.name,
+                    "memory_gib": round(properties.total_memory / 2**30, 1),
+                    "capability": f"{properties.major}.{properties.minor}",
+                    "bf16": bool(torch.cuda.is_bf16_supported()),
+                }
+            )
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append({"device": "mps"})
+    return devices
+
+
+def environment() -> dict[str, Any]:
+    """Versions of unpack_trainer, python, the libraries it runs on (:data:`PACKAGES`) and the optional kernel
+    packages (:data:`OPTIONAL_PACKAGES`, ``"not installed"`` where absent), and the devices torch sees."""
+    import torch
+
+    from unpack_trainer import __version__
+
+    return {
+        "unpack_trainer": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {name: _version(dists) for name, dists in PACKAGES},
+        "torch_cuda": torch.version.cuda or "none (CPU build)",
+        "optional_packages": {name: _version(dists) for name, dists in OPTIONAL_PACKAGES},
+        "devices": _devices(),
+        "attention_backends": _backends(),
+    }
+
+
+def _backends() -> dict[str, dict[str, str]]:
+    """Per device torch sees (cpu, cuda) and half / full precision: each packed attention backend, ``"available"`` or
+    why not (:func:`unpack_trainer.patches.attention.backend_unavailable_reason`)."""
+    import torch
+
+    from unpack_trainer.patches.attention import BACKENDS, backend_unavailable_reason
+
+    found = {}
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        for dtype in (torch.bfloat16, torch.float32):
+            key = f"{device}, {str(dtype).replace('torch.', '')}"
+            found[key] = {
+                name: backend_unavailable_reason(name, torch.device(device), dtype) or "available" for name in BACKENDS
+            }
+    return found
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _config(model: str) -> tuple[Any, str]:
+    """The config of ``model`` (a local folder or a model type) and how it was found."""
+    from transformers import AutoConfig
+
+    from unpack_trainer.tiny import config_class, tiny_config
+
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise CLIError(f"--model {model}: a folder without config.json (a transformers model folder has one)")
+        try:
+            return AutoConfig.from_pretrained(str(path), local_files_only=True), f"the folder {path}"
+        except Exception as error:  # noqa: BLE001 - one line for the user
+            raise CLIError(f"--model {model}: its config cannot be read: {one_line(error)}") from None
+    try:
+        config_class(model)
+    except KeyError:
+        raise CLIError(
+            f"--model {model}: neither a folder nor a transformers model_type (e.g. llama, qwen3, gemma2)"
+        ) from None
+    return tiny_config(model), f"model_type {model!r}, built tiny from its config (unpack_trainer.tiny)"
+
+
+def _precisions(device: Any, implementation: str | None, features: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The packed attention backend per precision set-up, from
+    :func:`unpack_trainer.patches.attention.choose_backend` for the compute dtype: under autocast the attention runs
+    in the autocast dtype, so float32 weights under bfloat16 autocast compute it in bfloat16."""
+    import torch
+
+    from unpack_trainer.patches.attention import choose_backend
+
+    runs = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float32 weights, bfloat16 autocast": torch.bfloat16,
+    }
+    found = {}
+    for label, dtype in runs.items():
+        compute = str(dtype).replace("torch.", "")
+        try:
+            choice = choose_backend(device, dtype, implementation, **features)
+        except ValueError as error:  # an impossible UNPACK_ATTENTION_BACKEND
+            found[label] = {"compute_dtype": compute, "backend": "error", "why": str(error)}
+            continue
+        found[label] = {"compute_dtype": compute, "backend": choice.name, "why": choice.reason}
+    return found
+
+
+def _mixer_paths(structure: Any, device: Any) -> list[dict[str, str]]:
+    import torch
+
+    from unpack_trainer.models.mixers import handler_for
+    from unpack_trainer.patches.mixer_kernels import KERNEL_DEVICE_TYPES, varlen_plan
+
+    paths = []
+    for mixer in structure.mixers:
+        entry = {"mixer": mixer.describe()}
+        if handler_for(mixer) is None:
+            entry.update(path="refused", why=mixer.problem or "no mixer handler owns it")
+        elif isinstance(mixer.module, torch.nn.Conv1d):
+            entry.update(path="masked convolution taps", why="a bare depthwise causal Conv1d: exact on any device")
+        else:
+            plan = varlen_plan(mixer.module)
+            if plan.reason is None and torch.device(device).type in KERNEL_DEVICE_TYPES:
+                keywords = ", ".join(key for key, _ in plan.keywords)
+                entry.update(path="varlen kernels", why=f"{', '.join(plan.kernels)} take {keywords} on the packed row")
+            else:
+                why = plan.reason or (
+                    f"the installed kernels ({', '.join(plan.kernels)}) run on {' / '.join(KERNEL_DEVICE_TYPES)}, "
+                    f"not {torch.device(device).type}"
+                )
+                entry.update(path="per sample, padded buckets", why=why)
+        paths.append(entry)
+    return paths
+
+
+def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
+    """What the patch does with ``model`` (a local folder or a model type), built on the ``meta`` device: patched or
+    refused (kind and reason), whether its type is verified by the coverage check, its attention implementation, the
+    packed attention backend per precision on ``device`` (default: ``cuda`` when available, else ``cpu``) and the path
+    of each token mixer.
+
+    Raises:
+        CLIError: ``model`` is neither a folder with a ``config.json`` nor a model type, or cannot be built.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from unpack_trainer.models import PatchRefused, supported_model_types
+    from unpack_trainer.models.coverage import VERIFIED_WITH
+    from unpack_trainer.models.patch import attention_features
+    from unpack_trainer.models.refusals import check_model, quiet_transformers
+
+    config, source = _config(model)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        with torch.device("meta"), quiet_transformers():
+            built = AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # noqa: BLE001 - one line for the user
+        raise CLIError(f"--model {model}: no causal LM can be built from its config: {one_line(error)}") from None
+    report: dict[str, Any] = {
+        "model": model,
+        "source": source,
+        "model_type": getattr(config, "model_type", None),
+        "class": type(built).__name__,
+        "verified": getattr(config, "model_type", None) in supported_model_types(),
+        "verified_with": "transformers " + " and ".join(VERIFIED_WITH),
+        "attn_implementation": built.config._attn_implementation,
+        "device": str(device),
+    }
+    try:
+        structure = check_model(built)
+    except PatchRefused as refused:
+        report.update(
+            patched=False,
+            refusal_kind=str(refused.kind),
+            refusal=refused.reason,
+            trainer="trains padded (refused before any forward)"
+            if refused.kind.blocking
+            else "the self-check decides whether transformers' own packed path (a dense mask) is exact",
+        )
+        return report
+    report.update(patched=True, trainer="packs through the patch (after its self-check on the first batch)")
+    report["attention"] = _precisions(device, built.config._attn_implementation, attention_features(built))
+    report["mixers"] = _mixer_paths(structure, device)
+    return report
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Text
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def format_environment(report: dict[str, Any]) -> str:
+    """``report`` (:func:`environment`, with ``"model"`` from :func:`model_report`) as markdown for a bug report."""
+    lines = [
+        "## unpack-trainer env",
+        "",
+        f"- unpack_trainer: {report['unpack_trainer']}",
+        f"- Python: {report['python']} ({report['platform']})",
+    ]
+    lines += [f"- {name}: {version}" for name, version in report["packages"].items()]
+    lines.append(f"- torch CUDA: {report['torch_cuda']}")
+    lines += ["", "Optional kernel packages:", ""]
+    lines += [f"- {name}: {version}" for name, version in report["optional_packages"].items()]
+    lines += ["", "Devices:", ""]
+    for device in report["devices"]:
+        details = ", ".join(f"{key} {value}" for key, value in device.items() if key != "device")
+        lines.append(f"- {device['device']}" + (f": {details}" if details else ""))
+    lines += ["", "Packed attention backends:", ""]
+    for where, backends in report["attention_backends"].items():
+        lines.append(f"- {where}: " + "; ".join(f"{name}: {why}" for name, why in backends.items()))
+    model = report.get("model")
+    if model:
+        lines += ["", f"## Model: {model['model']}", "", f"- built from: {model['source']}"]
+        lines.append(f"- class: {model['class']} (model_type {model['model_type']})")
+        verified = "yes" if model["verified"] else "no (the trainer's self-check guards it)"
+        lines.append(f"- verified by the coverage check ({model['verified_with']}): {verified}")
+        lines.append(f"- attention implementation: {model['attn_implementation']}")
+        if model["patched"]:
+            lines.append("- patch: patched")
+        else:
+            lines.append(f"- patch: REFUSED ({model['refusal_kind']}): {model['refusal']}")
+        lines.append(f"- trainer: {model['trainer']}")
+        if model.get("attention"):
+            lines += ["", f"Packed attention backend on {model['device']}:", ""]
+            for label, choice in model["attention"].items():
+                lines.append(f"- {label}: {choice['backend']} ({choice['why']})")
+        if model.get("mixers") is not None:
+            lines += ["", "Token mixers:", ""]
+            lines += [f"- {m['mixer']}: {m['path']} ({m['why']})" for m in model["mixers"]] or ["- none"]
+    return "\n".join(lines)
