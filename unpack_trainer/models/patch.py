@@ -240,7 +240,11 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
             _forward_parameters[type(module)] = names
         kwargs = {**dict(zip(names, args)), **kwargs}
         args = ()
-    carried = module.__dict__.pop(_CARRIED_ATTRIBUTE, None)
+    # get + del, not dict.pop: torch 2.11's dynamo cannot trace ``pop`` on a module's ``__dict__`` (compile with
+    # fullgraph=True failed there), and under compile nothing is carried, so the ``del`` is never traced.
+    carried = module.__dict__.get(_CARRIED_ATTRIBUTE)
+    if carried is not None:
+        del module.__dict__[_CARRIED_ATTRIBUTE]
     if carried:
         kwargs = {**carried, **{key: value for key, value in kwargs.items() if value is not None}}
     info = packed_info_for_forward(kwargs)

@@ -68,6 +68,11 @@ def make_attention_function(
     :func:`packed_attention_forward`, anything else to ``original_implementation`` ("sdpa", "eager",
     "flash_attention_2", ...) exactly as without the patch: ``fallback`` when given, else transformers' own function
     of that name (the class-wide registry, so the returned function can be registered under the same name)."""
+    # Looked up here, not inside the forward: torch 2.11's dynamo cannot import transformers' lazy module while
+    # tracing (compile with fullgraph=True failed there). The mapping is the registry's own dict, read per call.
+    from transformers import AttentionInterface
+
+    stock_functions = AttentionInterface._global_mapping
 
     def unpack_attention_forward(
         module: torch.nn.Module,
@@ -100,9 +105,7 @@ def make_attention_function(
         elif original_implementation == "eager":
             function = _eager_function_of(module)
         else:
-            from transformers import AttentionInterface
-
-            function = AttentionInterface._global_mapping[original_implementation]
+            function = stock_functions[original_implementation]
         return function(module, query, key, value, attention_mask, **kwargs)
 
     unpack_attention_forward.original_implementation = original_implementation  # type: ignore[attr-defined]

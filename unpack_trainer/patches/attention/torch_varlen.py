@@ -50,6 +50,9 @@ def _cuda_flash_unsupported_reason(device: torch.device) -> str | None:
         return None
     if not torch.backends.cuda.is_flash_attention_available():
         return "this torch was built without its flash attention kernel"
+    if not torch.cuda.is_available():
+        # A CUDA build of torch on a machine without a driver or GPU: the capability query below would raise.
+        return "no CUDA device is available to this process"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"torch's flash kernel needs compute capability 8.0 or newer, the GPU has {major}.{minor}"
