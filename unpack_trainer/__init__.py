@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from unpack_trainer.trainers import TRAINERS
+
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
@@ -35,13 +37,9 @@ _EXPORTS: dict[str, str] = {
     "patch_model": "unpack_trainer.models",
     "unpatch_model": "unpack_trainer.models",
     "supported_model_types": "unpack_trainer.models",
-    # trainer
-    "SFTConfig": "unpack_trainer.config",
-    "SFTTrainer": "unpack_trainer.trainers.sft",
+    # trainers: every entry of unpack_trainer.trainers.TRAINERS (its trainer and config classes), added below
     "check_uncontaminated": "unpack_trainer.selfcheck",
     # preference training (DPO)
-    "DPOConfig": "unpack_trainer.dpo_config",
-    "DPOTrainer": "unpack_trainer.trainers.dpo",
     "DataCollatorForPackedPreference": "unpack_trainer.preference",
     "load_default_preference_dataset": "unpack_trainer.preference_data",
     # dataset preparation (what the trainer calls)
@@ -55,15 +53,15 @@ _EXPORTS: dict[str, str] = {
     "load_smollm2": "unpack_trainer.real_model",
     "smollm2_path": "unpack_trainer.real_model",
 }
+for _spec in TRAINERS:
+    _EXPORTS[_spec.trainer] = _spec.trainer_module
+    _EXPORTS[_spec.config] = _spec.config_module
 
 __all__ = [
-    "DPOConfig",
-    "DPOTrainer",
+    *sorted(name for spec in TRAINERS for name in (spec.trainer, spec.config)),
     "DataCollatorForPackedPreference",
     "DataCollatorForPacking",
     "PACKED_BATCH_KEYS",
-    "SFTConfig",
-    "SFTTrainer",
     "StreamingPacker",
     "balanced_rank_order",
     "balanced_step_order",
@@ -107,7 +105,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
-    from unpack_trainer.config import SFTConfig
     from unpack_trainer.data_files import streaming_dataset_reader
     from unpack_trainer.data_utils import pack_dataset, pack_iterable_dataset, truncate_dataset
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
@@ -126,4 +123,3 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.selfcheck import check_uncontaminated
     from unpack_trainer.streaming import StreamingPacker
     from unpack_trainer.tensor_packing import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
-    from unpack_trainer.trainers.sft import SFTTrainer

@@ -8,6 +8,8 @@ from typing import Any, TypeVar
 
 import trl
 
+from unpack_trainer.decision import explicit_padding_free
+
 ConfigT = TypeVar("ConfigT")
 
 
@@ -187,9 +189,10 @@ def convert_config(args: Any, config_class: type[ConfigT]) -> ConfigT:
     """``args`` (any ``TrainingArguments``, e.g. a plain ``trl.SFTConfig``) as ``config_class`` (one of ours).
 
     Every field ``config_class`` shares with ``args`` is copied (tokens included, which ``to_dict`` hides); the fields
-    only ours have take their documented defaults. A plain TRL config cannot tell an explicit ``padding_free=False``
-    from its default, so its ``False`` becomes ``None`` (not set: the trainer decides); ``True`` stays ``True``. An
-    instance of ``config_class`` is returned as is.
+    only ours have take their documented defaults. ``padding_free`` is what the source config says
+    ([`unpack_trainer.decision.explicit_padding_free`]): a plain TRL config cannot tell an explicit ``False`` from its
+    default, so its ``False`` becomes ``None`` (not set: the trainer decides); ``True`` stays ``True``. An instance of
+    ``config_class`` is returned as is.
 
     Example:
         ``convert_config(trl.SFTConfig("out", packing=True), SFTConfig)`` -> ``SFTConfig`` with ``packing=True``,
@@ -203,6 +206,6 @@ def convert_config(args: Any, config_class: type[ConfigT]) -> ConfigT:
             values[name] = getattr(args, name)
     names = {f.name for f in dataclasses.fields(config_class) if f.init}
     values = {name: value for name, value in values.items() if name in names}
-    if "padding_free" in names and values.get("padding_free") is False:
-        values["padding_free"] = None
+    if "padding_free" in names and "padding_free" in values:
+        values["padding_free"] = explicit_padding_free(args)
     return config_class(**values)
