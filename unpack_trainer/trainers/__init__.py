@@ -3,7 +3,8 @@ TRL's own trainer with the core in front of it and the hooks for its batches (co
 
 [`TRAINERS`] declares them, one entry each: the public exports (``unpack_trainer.SFTTrainer``, ``SFTConfig``, ...)
 and the command line (``unpack-trainer sft``, mirroring ``trl sft``) are made from it. Adding a trainer is one
-module ``unpack_trainer/trainers/<command>.py`` holding the trainer class, its config class, and one entry here.
+module ``unpack_trainer/trainers/<command>.py`` holding the trainer class, its config class (the package root holds
+the configs), and one entry here.
 Importing this package imports neither torch nor TRL; the classes are resolved on first use.
 """
 
@@ -65,6 +66,26 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "the pairs of each batch run as one packed row, each prompt once for its chosen and rejected completions "
         "(--prefix_sharing false: [prompt, chosen] and [prompt, rejected] as two samples; --padding_free false: "
         "TRL's padded batches); the loss and every metric are TRL's",
+    ),
+    TrainerSpec(
+        "grpo",
+        "GRPOTrainer",
+        "GRPOConfig",
+        "unpack_trainer.rl_config",
+        "Online RL (GRPO) with packed training forwards",
+        "the forwards that score completions (policy, old policy, reference) run packed rows, each group's prompt "
+        "once for its completions (--prefix_sharing false: each completion after its own prompt; --padding_free "
+        "false: TRL's padded batches); generation, rewards, the loss and every metric are TRL's",
+    ),
+    TrainerSpec(
+        "rloo",
+        "RLOOTrainer",
+        "RLOOConfig",
+        "unpack_trainer.rl_config",
+        "Online RL (RLOO) with packed training forwards",
+        "the forwards that score completions (policy, old policy, reference) run packed rows, each group's prompt "
+        "once for its completions (--prefix_sharing false: each completion after its own prompt; --padding_free "
+        "false: TRL's padded batches); generation, rewards, the loss and every metric are TRL's",
     ),
 )
 """Every trainer of the package, in the order ``unpack-trainer --help`` lists them."""

@@ -11,10 +11,13 @@ model) and one packed row in which each prompt appears once and its completions 
   view, each per-token output scattered back where TRL expects it;
 - [`BranchedTrainerMixin`]: the packed-trainer core plus what prompt sharing adds to a trainer: the policy and the
   reference model patched and hooked, sharing off for models whose token mixers carry state, and the branched
-  self-check (a prompt and ``k`` completions) before the first batch, whose failure packs the completions unshared.
+  self-check (a prompt and ``k`` completions) before the first batch, whose failure packs the completions unshared;
+- [`pack_completions`]: the view and the packed row of TRL's own ``(rows, prompt + completion)`` batch (left-padded
+  prompts, right-padded completions: GRPO's and RLOO's training forwards), each distinct prompt once.
 
 Both hooks are undone by [`unpack_trainer.models.unpatch_model`]. How a trainer builds the view and the packed row is
-its own: DPO's collator ([`unpack_trainer.preference`]), GRPO's step ([`unpack_trainer.trainers.grpo`]).
+its own: DPO's collator ([`unpack_trainer.preference`]), GRPO's and RLOO's step ([`pack_completions`],
+[`unpack_trainer.trainers.grpo`]).
 """
 
 from __future__ import annotations
@@ -31,10 +34,18 @@ from accelerate.utils import is_peft_model
 from unpack_trainer._logging import log_once
 from unpack_trainer.collator import IGNORE_INDEX
 from unpack_trainer.models.patch import UNDO_ATTRIBUTE, _remove_hook
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
 from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.trainers._packed import PackedTrainerMixin
 
-__all__ = ["BranchedTrainerMixin", "install_compact_lm_head", "install_packed_view"]
+__all__ = [
+    "BranchedTrainerMixin",
+    "install_branched_hooks",
+    "install_compact_lm_head",
+    "install_packed_view",
+    "pack_completions",
+]
 
 logger = logging.getLogger("unpack_trainer")
 
@@ -208,6 +219,111 @@ def install_branched_hooks(model: torch.nn.Module) -> None:
     pretrained = model.get_base_model() if is_peft_model(model) else model
     install_packed_view(pretrained.base_model)
     install_compact_lm_head(pretrained)
+
+
+def pack_completions(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *, prefix_sharing: bool = True
+) -> tuple[dict[str, torch.Tensor], int] | str:
+    """The view and the packed row of TRL's batch of prompts and completions, each distinct prompt once.
+
+    ``input_ids`` / ``attention_mask`` ``(R, L)`` are what GRPO's and RLOO's ``_get_per_token_logps_and_entropies``
+    receive: each row a prompt left-padded to ``P = L - logits_to_keep`` columns followed by its completion
+    right-padded to ``C = logits_to_keep`` (``attention_mask`` 0 on padding, and on a completion TRL masks whole,
+    ``mask_truncated_completions``). Rows whose prompts are equal (the ``G`` completions of a group, wherever they
+    are in the batch) share one prompt segment, and each non-empty completion is a branch of it
+    (``packed_seq_parents``); a prompt with one completion is one plain sample; with ``prefix_sharing=False`` every
+    row is the plain sample ``[prompt; completion]``. Segments are in the order of their first row. Positions restart
+    at 0 per prompt and continue from it in each completion, as generation numbered them (from the attention mask).
+
+    Example (prompts ``[5, 6]`` twice and ``[7]``, completions ``[8]``, ``[9, 10]``, ``[11]``; ``P = C = 2``)::
+
+        input_ids           [[5, 6, 8, 0], [5, 6, 9, 10], [0, 7, 11, 0]]
+        packed_input_ids    [[5, 6, 8, 9, 10, 7, 11]]      seq_lengths [2, 1, 2, 2]  seq_parents [-1, 0, 0, -1]
+        packed_position_ids [[0, 1, 2, 2, 3, 0, 1]]
+        packed_token_index  [[0, 1, 2, 0], [0, 1, 3, 4], [0, 5, 6, 0]]   packed token of each of TRL's tokens
+        input_ids (view)    [[6, 8, 0], [6, 9, 10], [7, 11, 0]]         the last prompt token, then the completion
+        labels              [[-100, 8, -100], [-100, 9, 10], [-100, 11, -100]]
+        packed_view_index   [[1, 2, 0], [1, 3, 4], [5, 6, 0]]
+
+    Returns:
+        ``(batch, packed_tokens)``: ``batch`` holds the view ``input_ids`` and ``labels`` ``(R, C + 1)`` int64 on
+        ``input_ids``' device, ``packed_view_index`` ``(R, C + 1)`` and ``packed_token_index`` ``(R, L)`` int64 on
+        that device (0 on padding), ``packed_input_ids`` / ``packed_position_ids`` ``(1, T)`` int64,
+        ``packed_seq_lengths`` ``(num_seqs,)`` int32 and ``packed_seq_parents`` ``(num_seqs,)`` int64 on the CPU;
+        ``packed_tokens`` is ``T``. Or a string saying why the batch is not TRL's layout (a prompt that is not
+        left-padded or empty, a completion that is not right-padded): the caller runs it as TRL does.
+    """
+    ids = input_ids.detach().to("cpu", torch.int64)
+    mask = attention_mask.detach().to("cpu").bool()
+    rows, width = ids.shape
+    num_completion = int(logits_to_keep)
+    num_prompt = width - num_completion
+    prompt_lengths, completion_lengths = mask[:, :num_prompt].sum(1), mask[:, num_prompt:].sum(1)
+    columns = torch.arange(width)
+    in_prompt = columns < num_prompt
+    expected = torch.where(
+        in_prompt, columns >= num_prompt - prompt_lengths[:, None], columns - num_prompt < completion_lengths[:, None]
+    )
+    if num_prompt < 1 or not torch.equal(mask, expected):
+        return "the batch's prompts are not left-padded or its completions not right-padded"
+    if bool((prompt_lengths == 0).any()):
+        return f"row {int(torch.nonzero(prompt_lengths == 0)[0, 0])} has an empty prompt"
+    rows_list, prompt_list, completion_list = ids.tolist(), prompt_lengths.tolist(), completion_lengths.tolist()
+    groups: dict[Any, list[int]] = {}
+    for row in range(rows):
+        prompt = rows_list[row][num_prompt - prompt_list[row] : num_prompt]
+        groups.setdefault(tuple(prompt) if prefix_sharing else row, []).append(row)
+    tokens: list[int] = []
+    lengths: list[int] = []
+    parents: list[int] = []
+    token_index = torch.zeros(rows, width, dtype=torch.int64)
+    view_index = torch.zeros(rows, num_completion + 1, dtype=torch.int64)
+
+    def add(row: int, start: int, stop: int, parent: int) -> int:
+        """Append row ``row``'s columns ``start:stop`` as a packed sample continuing ``parent``; its first token."""
+        first = len(tokens)
+        tokens.extend(rows_list[row][start:stop])
+        lengths.append(stop - start)
+        parents.append(parent)
+        token_index[row, start:stop] = torch.arange(first, first + stop - start)
+        return first
+
+    for members in groups.values():
+        head = members[0]
+        prompt_start = num_prompt - prompt_list[head]
+        if len(members) == 1:  # a prompt with one completion: one plain sample [prompt; completion]
+            first = add(head, prompt_start, num_prompt + completion_list[head], -1)
+            end = first + prompt_list[head] + completion_list[head]
+            view_index[head, : completion_list[head] + 1] = torch.arange(first + prompt_list[head] - 1, end)
+            continue
+        root = len(lengths)
+        last_prompt_token = add(head, prompt_start, num_prompt, -1) + prompt_list[head] - 1
+        for row in members:
+            token_index[row, prompt_start:num_prompt] = token_index[head, prompt_start:num_prompt]
+            view_index[row, 0] = last_prompt_token
+            if completion_list[row] > 0:
+                start = add(row, num_prompt, num_prompt + completion_list[row], root)
+                view_index[row, 1 : completion_list[row] + 1] = torch.arange(start, start + completion_list[row])
+    seq_lengths = torch.tensor(lengths, dtype=torch.int32)
+    seq_parents = torch.tensor(parents, dtype=torch.int64)
+    info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=1, seq_len=len(tokens), seq_parents=seq_parents)
+    completion = ids[:, num_prompt:]
+    view_ids = torch.cat([ids[:, num_prompt - 1 : num_prompt], completion], dim=1)
+    labels = torch.cat(
+        [torch.full((rows, 1), IGNORE_INDEX), completion.masked_fill(~mask[:, num_prompt:], IGNORE_INDEX)], dim=1
+    )
+    device = input_ids.device
+    batch = {
+        "input_ids": view_ids.to(device),
+        "labels": labels.to(device),
+        "packed_view_index": view_index.to(device),
+        "packed_token_index": token_index.to(device),
+        "packed_input_ids": torch.tensor(tokens, dtype=torch.int64).unsqueeze(0),
+        "packed_position_ids": info.position_ids(),
+        "packed_seq_lengths": seq_lengths,
+        SEQ_PARENTS_KEY: seq_parents,
+    }
+    return batch, len(tokens)
 
 
 class BranchedTrainerMixin(PackedTrainerMixin):
