@@ -1,0 +1,199 @@
+"""Quality of packed GRPO: the reward curve of stock ``trl.GRPOTrainer`` (padded) vs ``unpack_trainer.GRPOTrainer``
+(packed forwards, each group's prompt shared), paired per seed, on a verifiable toy task.
+
+    python benchmarks/bench_grpo_quality.py                  # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_grpo_quality.py --seeds 0 --steps 20   # smoke test
+
+The task: a prompt is a few letters of ``abcd``; the reward of a completion is the share of its first
+``--completion-length`` characters that repeat the prompt's last letter (the characters before ``</s>``; a completion
+that stops early scores less). It needs the prompt (prefix sharing must keep it visible to every completion) and is
+checked by a program. The policy: a tiny random Llama over the character tokenizer ([`unpack_trainer.tiny`]) whose
+``</s>`` logit is raised, so that early completions end at different lengths.
+
+For each seed all arms start from the same initial weights, draw the same prompts in the same order and sample with
+the same seed, with TRL's defaults otherwise (``loss_type="dapo"``, ``beta=0``), ``--prompts`` prompts x
+``--generations`` completions per step, learning rate ``--learning-rate``, fp32 on the CPU:
+
+- ``stock``: ``trl.GRPOTrainer``, padded forwards;
+- ``ours``: ``unpack_trainer.GRPOTrainer`` with its defaults (packed forwards, prompts shared);
+- ``control``: stock again from the initial weights multiplied by ``1 + 1e-6 * N(0, 1)`` (about fp32 rounding): one
+  step of ours equals stock's to rounding (``tests/test_grpo_trainer.py``), but sampling turns a rounding-size change
+  of the weights into other completions after some steps, so the runs part; the control measures how far a
+  rounding-size perturbation alone moves the curve, the yardstick for ``ours - stock``.
+
+The table gives, per arm, the mean reward of the completions of each window of steps (TRL's logged ``reward``) as
+mean ± std over seeds, and the paired differences ``ours - stock`` and ``control - stock`` (mean ± std, standard
+error). The per-seed curves go to ``benchmarks/RESULTS_grpo_quality.json`` (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, format_table, run_in_subprocess  # noqa: E402
+
+ARMS = ("stock", "ours", "control")
+RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_grpo_quality.json"
+LETTERS = "abcd"
+
+
+def prompts(count: int, seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 6))) for _ in range(count)]
+
+
+def repeat_reward(length: int):
+    """The task's reward: the share of a completion's first ``length`` characters equal to its prompt's last."""
+
+    def repeat_last_letter(prompts, completions, **kwargs):
+        return [sum(ch == p[-1] for ch in c[:length]) / length for p, c in zip(prompts, completions)]
+
+    return repeat_last_letter
+
+
+def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    import trl
+    from datasets import Dataset
+    from datasets.utils.logging import disable_progress_bar
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer import GRPOConfig, GRPOTrainer, tiny
+
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
+    tokenizer = tiny.char_tokenizer()
+    model = tiny.tiny_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    with torch.no_grad():
+        text = torch.randint(7, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(seed))
+        hidden = model.model(input_ids=text).last_hidden_state.mean((0, 1))
+        model.lm_head.weight[tokenizer.eos_token_id] += 2.0 * hidden / hidden.square().sum()
+        if arm == "control":
+            generator = torch.Generator().manual_seed(10_000 + seed)
+            for parameter in model.parameters():
+                parameter.mul_(1 + 1e-6 * torch.randn(parameter.shape, generator=generator))
+    rows = options.steps * options.prompts
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=options.steps,
+        per_device_train_batch_size=options.prompts * options.generations,
+        num_generations=options.generations,
+        max_completion_length=options.completion_length + 2,
+        learning_rate=options.learning_rate,
+        seed=seed,
+        data_seed=seed,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    config = trl.GRPOConfig(**common) if arm != "ours" else GRPOConfig(**common)
+    trainer_class = GRPOTrainer if arm == "ours" else trl.GRPOTrainer
+    trainer = trainer_class(model=model, reward_funcs=repeat_reward(options.completion_length), args=config,
+                            train_dataset=Dataset.from_dict({"prompt": prompts(rows, seed)}),
+                            processing_class=tokenizer)  # fmt: skip
+    if arm == "ours":
+        assert trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    start = time.perf_counter()
+    trainer.train()
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history if "reward" in entry]
+    forwards = getattr(trainer, "unpack_stats", {}).get("forwards")
+    return {"arm": arm, "seed": seed, "rewards": rewards, "mean_lengths": lengths, "forwards": forwards,
+            "train_s": time.perf_counter() - start}  # fmt: skip
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(runs: list[dict], window: int) -> str:
+    """Markdown table: per window of steps, each arm's mean reward (mean ± std over seeds) and the paired
+    differences to ``stock``."""
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
+    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
+    steps = min(len(by[arm, s]["rewards"]) for arm in arms for s in seeds)
+    rows = []
+    for start in range(0, steps, window):
+        stop = min(start + window, steps)
+        means = {arm: [statistics.fmean(by[arm, s]["rewards"][start:stop]) for s in seeds] for arm in arms}
+        row = [f"steps {start + 1}-{stop}", *("{:.4f} ± {:.4f}".format(*_mean_std(means[arm])) for arm in arms)]
+        for arm in arms[1:]:
+            diffs = [b - a for a, b in zip(means["stock"], means[arm])]
+            mean, std = _mean_std(diffs)
+            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(diffs)):.4f})")
+        rows.append(row)
+    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
+    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
+    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
+    headers = ["mean reward", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
+    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--completion-length", type=int, default=8)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--window", type=int, default=30, help="steps per row of the table")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each")
+    parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write the per-seed runs")
+    options = parser.parse_args(argv)
+    if options.case:
+        arm, seed = options.case.split(":")
+        print(json.dumps(run_case(arm, int(seed), options)))
+        return
+
+    shared = ["--steps", str(options.steps), "--prompts", str(options.prompts)]
+    shared += ["--generations", str(options.generations), "--completion-length", str(options.completion_length)]
+    shared += ["--learning-rate", str(options.learning_rate)]
+    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
+
+    def one(case: tuple[str, int]) -> dict:
+        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=7200)
+        tail = run["rewards"][-options.window :]
+        print(f"  seed {run['seed']} {run['arm']}: reward {statistics.fmean(run['rewards'][:options.window]):.3f} -> "
+              f"{statistics.fmean(tail):.3f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
+        return run
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        runs = list(pool.map(one, cases))
+    command = "python benchmarks/bench_grpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    payload = {"command": command.strip(), "environment": environment(), "options": {
+        k: v for k, v in vars(options).items() if k not in ("case", "json")
+    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
+    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    print()
+    print(f"GRPO quality, tiny Llama (hidden 64, 2 layers), repeat-the-last-letter task, {options.steps} steps of "
+          f"{options.prompts} prompts x {options.generations} completions, fp32, CPU:")  # fmt: skip
+    print(summarize(runs, options.window))
+    print(f"\nruns written to {options.json}")
+
+
+if __name__ == "__main__":
+    main()
