@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment_line, format_table, run_in_subprocess, tiny_llama_config  # noqa: E402
+from common import environment_line, format_table, run_in_subprocess, spread, tiny_llama_config  # noqa: E402
 
 PROVIDERS = ("stock", "plain", "shared")
 SCENARIOS = ("lognormal:0.2", "lognormal:0.5", "lognormal:0.8", "uniform:0.1")
@@ -201,10 +201,6 @@ def _generation_seconds(trainer, groups, args: argparse.Namespace) -> float:
     return time.perf_counter() - start
 
 
-def _spread(values, fmt: str) -> str:
-    return f"{format(float(np.median(values)), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -247,16 +243,16 @@ def main(argv: list[str] | None = None) -> None:
         forwards = shared[-1].get("forwards") or {}
         rows.append([
             f"{kind}, prompt {float(share):.0%}",
-            _spread(tps["stock"], ",.0f"),
-            _spread(tps["plain"], ",.0f"),
-            _spread(tps["shared"], ",.0f"),
-            _spread([b / a for a, b in zip(tps["stock"], tps["plain"])], ".2f"),
-            _spread([b / a for a, b in zip(tps["stock"], tps["shared"])], ".2f"),
-            _spread([b / a for a, b in zip(tps["plain"], tps["shared"])], ".2f"),
+            spread(tps["stock"], ",.0f"),
+            spread(tps["plain"], ",.0f"),
+            spread(tps["shared"], ",.0f"),
+            spread([b / a for a, b in zip(tps["stock"], tps["plain"])], ".2f"),
+            spread([b / a for a, b in zip(tps["stock"], tps["shared"])], ".2f"),
+            spread([b / a for a, b in zip(tps["plain"], tps["shared"])], ".2f"),
             " / ".join(f"{np.median([r['peak_mib'] for r in rs]):.0f}" for rs in (stock, plain, shared)),
             f"{np.median([s['peak_mib'] / max(a['peak_mib'], 1) for a, s in zip(stock, shared)]):.2f}",
             f"{forwards.get('packed', 0)} / {forwards.get('padded', 0)}",
-            _spread(generation, ".1f") if generation else "-",
+            spread(generation, ".1f") if generation else "-",
             f"{np.median([r['seconds'] for r in stock]) / args.steps:.2f}",
         ])  # fmt: skip
     print()

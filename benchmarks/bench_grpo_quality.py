@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table, run_in_subprocess  # noqa: E402
+from common import environment, format_table, mean_std, paired_difference, run_in_subprocess  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_grpo_quality.json"
@@ -80,10 +79,8 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     tokenizer = tiny.char_tokenizer()
     model = tiny.tiny_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
                             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    tiny.raise_token_logit(model, tokenizer.eos_token_id, 2.0, seed=seed)
     with torch.no_grad():
-        text = torch.randint(7, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(seed))
-        hidden = model.model(input_ids=text).last_hidden_state.mean((0, 1))
-        model.lm_head.weight[tokenizer.eos_token_id] += 2.0 * hidden / hidden.square().sum()
         if arm == "control":
             generator = torch.Generator().manual_seed(10_000 + seed)
             for parameter in model.parameters():
@@ -121,10 +118,6 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
             "train_s": time.perf_counter() - start}  # fmt: skip
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def summarize(runs: list[dict], window: int) -> str:
     """Markdown table: per window of steps, each arm's mean reward (mean ± std over seeds) and the paired
     differences to ``stock``."""
@@ -136,12 +129,8 @@ def summarize(runs: list[dict], window: int) -> str:
     for start in range(0, steps, window):
         stop = min(start + window, steps)
         means = {arm: [statistics.fmean(by[arm, s]["rewards"][start:stop]) for s in seeds] for arm in arms}
-        row = [f"steps {start + 1}-{stop}", *("{:.4f} ± {:.4f}".format(*_mean_std(means[arm])) for arm in arms)]
-        for arm in arms[1:]:
-            diffs = [b - a for a, b in zip(means["stock"], means[arm])]
-            mean, std = _mean_std(diffs)
-            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(diffs)):.4f})")
-        rows.append(row)
+        row = [f"steps {start + 1}-{stop}", *("{:.4f} ± {:.4f}".format(*mean_std(means[arm])) for arm in arms)]
+        rows.append(row + [paired_difference(means["stock"], means[arm]) for arm in arms[1:]])
     seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
     rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
     names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}

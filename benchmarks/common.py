@@ -13,7 +13,10 @@ from unpack_trainer.cli.trainer_comparison import (
     format_table,
     lognormal_lengths,
     lognormal_lengths_with_mean,
+    mean_std,
+    paired_difference,
     run_in_subprocess,
+    spread,
     tiny_llama_config,
 )
 
@@ -23,8 +26,11 @@ __all__ = [
     "format_table",
     "lognormal_lengths",
     "lognormal_lengths_with_mean",
+    "mean_std",
+    "paired_difference",
     "print_header",
     "run_in_subprocess",
+    "spread",
     "tiny_config",
     "tiny_llama_config",
 ]

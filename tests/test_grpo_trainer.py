@@ -54,12 +54,7 @@ def grpo_model(model_type: str = "llama", **overrides):
         )
         | overrides
     )
-    model = tiny.tiny_model(model_type, **config)
-    with torch.no_grad():
-        text = torch.randint(7, len(TOKENIZER), (4, 16), generator=torch.Generator().manual_seed(0))
-        hidden = model.base_model(input_ids=text).last_hidden_state.mean((0, 1))
-        model.get_output_embeddings().weight[TOKENIZER.eos_token_id] += 2.5 * hidden / hidden.square().sum()
-    return model
+    return tiny.raise_token_logit(tiny.tiny_model(model_type, **config), TOKENIZER.eos_token_id, 2.5)
 
 
 class _Recorder(TrainerCallback):

@@ -8,13 +8,12 @@ import json
 import os
 import sys
 
-import torch
 import trl
 from datasets import Dataset
 from ddp_train import exit_without_teardown  # this folder is the script's sys.path[0]
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from unpack_trainer.tiny import char_tokenizer, tiny_model
+from unpack_trainer.tiny import char_tokenizer, raise_token_logit, tiny_model
 
 TRAINERS = {
     "grpo-ours": (GRPOTrainer, GRPOConfig),
@@ -32,11 +31,7 @@ def model(tokenizer):
     """A tiny Llama whose end-of-sequence logit is raised (completions of different lengths)."""
     built = tiny_model("llama", seed=0, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
                        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    with torch.no_grad():
-        text = torch.randint(7, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(0))
-        hidden = built.model(input_ids=text).last_hidden_state.mean((0, 1))
-        built.lm_head.weight[tokenizer.eos_token_id] += 2.5 * hidden / hidden.square().sum()
-    return built
+    return raise_token_logit(built, tokenizer.eos_token_id, 2.5)
 
 
 def run(output_dir: str, name: str) -> dict:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -32,8 +34,11 @@ __all__ = [
     "lognormal_lengths",
     "lognormal_lengths_with_mean",
     "main",
+    "mean_std",
+    "paired_difference",
     "ratio_cell",
     "run_case",
+    "spread",
     "run_in_subprocess",
     "time_training",
     "tiny_llama_config",
@@ -271,12 +276,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join(lines)
 
 
-def _spread(values: Sequence[float], fmt: str) -> str:
+def spread(values: Sequence[float], fmt: str) -> str:
     """``median (min-max)`` of ``values`` formatted with ``fmt``; just the value when there is one."""
     median = float(np.median(values))
     if len(values) == 1:
         return format(median, fmt)
     return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation of ``values`` (0 for one value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def paired_difference(baseline: Sequence[float], values: Sequence[float], fmt: str = ".4f") -> str:
+    """``mean ± std (se ...)`` of the paired differences ``values[i] - baseline[i]`` (per seed), with ``fmt``."""
+    mean, std = mean_std([b - a for a, b in zip(baseline, values)])
+    return f"{mean:+{fmt}} ± {std:{fmt}} (se {std / math.sqrt(len(values)):{fmt}})"
 
 
 def ratio_cell(ratios: Sequence[float]) -> str:
@@ -288,7 +304,7 @@ def ratio_cell(ratios: Sequence[float]) -> str:
         >>> ratio_cell([0.8, 1.87, 1.45])
         '1.45x (0.80-1.87), not significant'
     """
-    cell = _spread(ratios, ".2f").replace(" (", "x (", 1) if len(ratios) > 1 else f"{ratios[0]:.2f}x"
+    cell = spread(ratios, ".2f").replace(" (", "x (", 1) if len(ratios) > 1 else f"{ratios[0]:.2f}x"
     if len(ratios) > 1 and min(ratios) <= 1.0 <= max(ratios):
         cell += ", not significant"
     return cell
@@ -347,7 +363,7 @@ def compare(
                 [
                     str(max_length),
                     PROVIDERS[provider],
-                    _spread(tokens, ",.0f"),
+                    spread(tokens, ",.0f"),
                     f"{np.median([r['seconds_per_step'] for r in runs]):.2f}",
                     f"{np.median([r['peak_rss_mb'] for r in runs]):,.0f}",
                     *ratios,
