@@ -45,12 +45,11 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table, run_in_subprocess  # noqa: E402
+from common import format_table, run_seeded_cases, write_runs  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
@@ -220,20 +219,17 @@ def main(argv: list[str] | None = None) -> None:
     shared += ["--learning-rate", str(options.learning_rate), "--beta", str(options.beta)]
     cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
 
-    def one(case: tuple[str, int]) -> dict:
-        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
-        print(f"  seed {run['seed']} {run['arm']}: eval loss {run['eval_loss']:.6f}, "
-              f"reward accuracy {run['eval_reward_accuracy']:.4f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
-        return run
+    def describe(run: dict) -> str:
+        return (f"eval loss {run['eval_loss']:.6f}, reward accuracy {run['eval_reward_accuracy']:.4f}, "
+                f"{run['train_s']:.0f} s")  # fmt: skip
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        runs = list(pool.map(one, cases))
+    runs = run_seeded_cases(
+        os.path.abspath(__file__), cases, shared, jobs=options.jobs, timeout=3600, describe=describe
+    )
     command = "python benchmarks/bench_dpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = {"command": command.strip(), "environment": environment(), "options": {
-        k: v for k, v in vars(options).items() if k not in ("case", "json")
-    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
-    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
+    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
     print()
     print(f"DPO quality, tiny Llama (hidden 64, 2 layers), {options.train_pairs} training pairs, one epoch, "
           f"{options.batch_size} pairs per batch, {options.eval_pairs} held-out pairs, fp32, CPU:")  # fmt: skip

@@ -35,12 +35,11 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table, mean_std, paired_difference, run_in_subprocess  # noqa: E402
+from common import format_table, mean_std, paired_difference, run_seeded_cases, write_runs  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_grpo_quality.json"
@@ -162,21 +161,17 @@ def main(argv: list[str] | None = None) -> None:
     shared += ["--learning-rate", str(options.learning_rate)]
     cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
 
-    def one(case: tuple[str, int]) -> dict:
-        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=7200)
-        tail = run["rewards"][-options.window :]
-        print(f"  seed {run['seed']} {run['arm']}: reward {statistics.fmean(run['rewards'][:options.window]):.3f} -> "
-              f"{statistics.fmean(tail):.3f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
-        return run
+    def describe(run: dict) -> str:
+        first, last = run["rewards"][: options.window], run["rewards"][-options.window :]
+        return f"reward {statistics.fmean(first):.3f} -> {statistics.fmean(last):.3f}, {run['train_s']:.0f} s"
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        runs = list(pool.map(one, cases))
+    runs = run_seeded_cases(
+        os.path.abspath(__file__), cases, shared, jobs=options.jobs, timeout=7200, describe=describe
+    )
     command = "python benchmarks/bench_grpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = {"command": command.strip(), "environment": environment(), "options": {
-        k: v for k, v in vars(options).items() if k not in ("case", "json")
-    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
-    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
+    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
     print()
     print(f"GRPO quality, tiny Llama (hidden 64, 2 layers), repeat-the-last-letter task, {options.steps} steps of "
           f"{options.prompts} prompts x {options.generations} completions, fp32, CPU:")  # fmt: skip

@@ -16,8 +16,10 @@ from unpack_trainer.cli.trainer_comparison import (
     mean_std,
     paired_difference,
     run_in_subprocess,
+    run_seeded_cases,
     spread,
     tiny_llama_config,
+    write_runs,
 )
 
 __all__ = [
@@ -30,9 +32,11 @@ __all__ = [
     "paired_difference",
     "print_header",
     "run_in_subprocess",
+    "run_seeded_cases",
     "spread",
     "tiny_config",
     "tiny_llama_config",
+    "write_runs",
 ]
 
 # The sizes of tiny_llama_config, for any architecture: hidden 256, 4 layers, 8 heads, 4 kv heads of 32, vocab 4096.

@@ -38,10 +38,12 @@ __all__ = [
     "paired_difference",
     "ratio_cell",
     "run_case",
+    "run_seeded_cases",
     "spread",
     "run_in_subprocess",
     "time_training",
     "tiny_llama_config",
+    "write_runs",
 ]
 
 PROVIDERS = {
@@ -282,6 +284,38 @@ def spread(values: Sequence[float], fmt: str) -> str:
     if len(values) == 1:
         return format(median, fmt)
     return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def run_seeded_cases(
+    script: str,
+    cases: Sequence[tuple[str, int]],
+    arguments: Sequence[str],
+    *,
+    jobs: int,
+    timeout: float,
+    describe: Any,
+) -> list[dict]:
+    """Run ``script --case ARM:SEED ARGUMENTS`` for every ``(arm, seed)`` of ``cases``, ``jobs`` processes at a time
+    (:func:`run_in_subprocess`), printing ``describe(run)`` as each finishes; the runs in the order of ``cases``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(case: tuple[str, int]) -> dict:
+        run = run_in_subprocess([script, "--case", f"{case[0]}:{case[1]}", *arguments], timeout=timeout)
+        print(f"  seed {case[1]} {case[0]}: {describe(run)}", flush=True)
+        return run
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, cases))
+
+
+def write_runs(path: Any, command: str, options: dict, runs: list[dict], wall_s: float) -> None:
+    """The per-seed runs of a benchmark as JSON at ``path``: its command, the environment, its options, the wall time
+    and the runs."""
+    from pathlib import Path
+
+    payload = {"command": command.strip(), "environment": environment(), "options": options, "wall_s": wall_s,
+               "runs": runs}  # fmt: skip
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
