@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -49,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, run_seeded_cases, write_runs  # noqa: E402
+from common import paired_table, run_seeded_cases, write_runs  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
@@ -163,36 +161,19 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     }
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def summarize(runs: list[dict]) -> str:
     """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
     (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
-    by = {(r["arm"], r["seed"]): r for r in runs}
-    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
-    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
-    rows = []
-    for key, name in (
-        ("eval_loss", "held-out DPO loss"),
-        ("eval_reward_accuracy", "held-out reward accuracy"),
-        ("eval_reward_margin", "held-out reward margin"),
-        ("train_loss", "train loss (epoch mean)"),
-    ):
-        row = [name]
-        values = {arm: [by[arm, s][key] for s in seeds] for arm in arms}
-        row += ["{:.4f} ± {:.4f}".format(*_mean_std(values[arm])) for arm in arms]
-        for arm in arms[1:]:
-            diffs = [b - a for a, b in zip(values["stock"], values[arm])]
-            mean, std = _mean_std(diffs)
-            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(diffs)):.4f})")
-        rows.append(row)
-    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
-    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
-    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
-    headers = ["metric", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
-    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
+    metrics = [
+        (name, lambda run, key=key: run[key])
+        for key, name in (
+            ("eval_loss", "held-out DPO loss"),
+            ("eval_reward_accuracy", "held-out reward accuracy"),
+            ("eval_reward_margin", "held-out reward margin"),
+            ("train_loss", "train loss (epoch mean)"),
+        )
+    ]
+    return paired_table(runs, ARMS, metrics, "metric")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, mean_std, paired_difference, run_seeded_cases, write_runs  # noqa: E402
+from common import paired_table, run_seeded_cases, write_runs  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_grpo_quality.json"
@@ -120,21 +120,16 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
 def summarize(runs: list[dict], window: int) -> str:
     """Markdown table: per window of steps, each arm's mean reward (mean ± std over seeds) and the paired
     differences to ``stock``."""
-    by = {(r["arm"], r["seed"]): r for r in runs}
-    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
-    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
-    steps = min(len(by[arm, s]["rewards"]) for arm in arms for s in seeds)
-    rows = []
-    for start in range(0, steps, window):
-        stop = min(start + window, steps)
-        means = {arm: [statistics.fmean(by[arm, s]["rewards"][start:stop]) for s in seeds] for arm in arms}
-        row = [f"steps {start + 1}-{stop}", *("{:.4f} ± {:.4f}".format(*mean_std(means[arm])) for arm in arms)]
-        rows.append(row + [paired_difference(means["stock"], means[arm]) for arm in arms[1:]])
-    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
-    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
-    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
-    headers = ["mean reward", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
-    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
+    steps = min(len(run["rewards"]) for run in runs)
+
+    def window_mean(start: int, stop: int):
+        return lambda run: statistics.fmean(run["rewards"][start:stop])
+
+    metrics = [
+        (f"steps {start + 1}-{min(start + window, steps)}", window_mean(start, min(start + window, steps)))
+        for start in range(0, steps, window)
+    ]
+    return paired_table(runs, ARMS, metrics, "mean reward")
 
 
 def main(argv: list[str] | None = None) -> None:

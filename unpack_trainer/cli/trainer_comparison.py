@@ -36,6 +36,7 @@ __all__ = [
     "main",
     "mean_std",
     "paired_difference",
+    "paired_table",
     "ratio_cell",
     "run_case",
     "run_seeded_cases",
@@ -327,6 +328,35 @@ def paired_difference(baseline: Sequence[float], values: Sequence[float], fmt: s
     """``mean ± std (se ...)`` of the paired differences ``values[i] - baseline[i]`` (per seed), with ``fmt``."""
     mean, std = mean_std([b - a for a, b in zip(baseline, values)])
     return f"{mean:+{fmt}} ± {std:{fmt}} (se {std / math.sqrt(len(values)):{fmt}})"
+
+
+ARM_NAMES = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
+"""The arms of the quality benchmarks, as their tables name them."""
+
+
+def paired_table(runs: list[dict], arms: Sequence[str], metrics: Sequence[tuple[str, Any]], first: str) -> str:
+    """The quality benchmarks' table: per metric, each arm's mean ± std over the seeds every arm ran, and the paired
+    differences of the other arms to ``arms[0]`` (``stock``): mean ± std and standard error; a last row with each arm's
+    mean training seconds.
+
+    Args:
+        runs: one dict per (arm, seed) run with ``"arm"``, ``"seed"`` and ``"train_s"``.
+        arms: the arms in column order, the baseline first; arms without a run are left out.
+        metrics: ``(row label, value(run) -> float)`` per row.
+        first: the first column's header.
+    """
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    arms = [arm for arm in arms if any(r["arm"] == arm for r in runs)]
+    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
+    rows = []
+    for label, value in metrics:
+        values = {arm: [value(by[arm, s]) for s in seeds] for arm in arms}
+        row = [label, *("{:.4f} ± {:.4f}".format(*mean_std(values[arm])) for arm in arms)]
+        rows.append(row + [paired_difference(values[arms[0]], values[arm]) for arm in arms[1:]])
+    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
+    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
+    headers = [first, *(ARM_NAMES.get(a, a) for a in arms), *(f"{a} - {arms[0]} (paired)" for a in arms[1:])]
+    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
 
 
 def ratio_cell(ratios: Sequence[float]) -> str:
