@@ -115,7 +115,10 @@ def run_case(provider: str, scenario: str, args: argparse.Namespace) -> dict:
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import GRPOConfig, GRPOTrainer
+    from unpack_trainer.trainers import grpo
 
+    if args.packed_token_share is not None:
+        grpo.PACKED_TOKEN_SHARE = args.packed_token_share
     hf_logging.set_verbosity_error()
     disable_progress_bar()
     kind, share = scenario.split(":")
@@ -214,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--median-tokens", type=int, default=160, help="median completion length")
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--no-generation", dest="generation", action="store_false", help="skip timing generation")
+    parser.add_argument(
+        "--packed-token-share",
+        type=float,
+        default=None,
+        help="ours: override unpack_trainer.trainers.grpo.PACKED_TOKEN_SHARE (above 1: always pack)",
+    )
     parser.add_argument("--json", help="also write every round's results to this file")
     args = parser.parse_args(argv)
     if args.case:

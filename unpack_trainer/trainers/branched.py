@@ -222,7 +222,12 @@ def install_branched_hooks(model: torch.nn.Module) -> None:
 
 
 def pack_completions(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *, prefix_sharing: bool = True
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    *,
+    prefix_sharing: bool = True,
+    device: torch.device | str | None = None,
 ) -> tuple[dict[str, torch.Tensor], int] | str:
     """The view and the packed row of TRL's batch of prompts and completions, each distinct prompt once.
 
@@ -247,8 +252,8 @@ def pack_completions(
 
     Returns:
         ``(batch, packed_tokens)``: ``batch`` holds the view ``input_ids`` and ``labels`` ``(R, C + 1)`` int64 on
-        ``input_ids``' device, ``packed_view_index`` ``(R, C + 1)`` and ``packed_token_index`` ``(R, L)`` int64 on
-        that device (0 on padding), ``packed_input_ids`` / ``packed_position_ids`` ``(1, T)`` int64,
+        ``device`` (default: ``input_ids``' device), ``packed_view_index`` ``(R, C + 1)`` and ``packed_token_index``
+        ``(R, L)`` int64 on that device (0 on padding), ``packed_input_ids`` / ``packed_position_ids`` ``(1, T)`` int64,
         ``packed_seq_lengths`` ``(num_seqs,)`` int32 and ``packed_seq_parents`` ``(num_seqs,)`` int64 on the CPU;
         ``packed_tokens`` is ``T``. Or a string saying why the batch is not TRL's layout (a prompt that is not
         left-padded or empty, a completion that is not right-padded): the caller runs it as TRL does.
@@ -312,12 +317,12 @@ def pack_completions(
     labels = torch.cat(
         [torch.full((rows, 1), IGNORE_INDEX), completion.masked_fill(~mask[:, num_prompt:], IGNORE_INDEX)], dim=1
     )
-    device = input_ids.device
+    device = input_ids.device if device is None else device
     batch = {
-        "input_ids": view_ids.to(device),
-        "labels": labels.to(device),
-        "packed_view_index": view_index.to(device),
-        "packed_token_index": token_index.to(device),
+        "input_ids": view_ids.to(device, non_blocking=True),
+        "labels": labels.to(device, non_blocking=True),
+        "packed_view_index": view_index.to(device, non_blocking=True),
+        "packed_token_index": token_index.to(device, non_blocking=True),
         "packed_input_ids": torch.tensor(tokens, dtype=torch.int64).unsqueeze(0),
         "packed_position_ids": info.position_ids(),
         "packed_seq_lengths": seq_lengths,

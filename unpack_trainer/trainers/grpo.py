@@ -80,7 +80,8 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
     def _unpack_chunks(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int, fixed: bool
     ) -> list[tuple[int, int]] | str:
-        """Row ranges ``[start, end)`` to pack one at a time, or why TRL's padded batch runs instead.
+        """Row ranges ``[start, end)`` to pack one at a time, or why TRL's padded batch runs instead (``input_ids``
+        and ``attention_mask`` on the CPU).
 
         ``fixed``: TRL's own chunks of ``batch_size`` rows (the MoE auxiliary loss is TRL's mean over them). Otherwise
         consecutive rows while the packed row stays within the padded tokens of one of TRL's chunks (``batch_size *
@@ -88,12 +89,12 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         the packed rows would hold more than [`PACKED_TOKEN_SHARE`] of its tokens.
         """
         rows, width = input_ids.shape
-        mask = attention_mask.detach().to("cpu").bool()
+        mask = attention_mask.bool()
         num_prompt = width - logits_to_keep
         prompt_lengths = mask[:, :num_prompt].sum(1).tolist()
         completion_lengths = mask[:, num_prompt:].sum(1).tolist()
         sharing = self._unpack_sharing()
-        ids = input_ids.detach().to("cpu").tolist() if sharing else None
+        ids = input_ids.tolist() if sharing else None
         budget = batch_size * width
         chunks: list[tuple[int, int]] = []
         start, used, seen, total = 0, 0, set(), 0
@@ -152,7 +153,8 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
                 self._unpack_count_forward("padded")
             return stock()
         batch_size = batch_size or input_ids.size(0)
-        chunks = self._unpack_chunks(input_ids, attention_mask, logits_to_keep, batch_size, fixed=compute_aux_loss)
+        ids, mask = input_ids.detach().cpu(), attention_mask.detach().cpu()  # one copy to the host per forward
+        chunks = self._unpack_chunks(ids, mask, logits_to_keep, batch_size, fixed=compute_aux_loss)
         if isinstance(chunks, str):
             log_once(logger, logging.INFO, f"{self.unpack_name}: a forward ran TRL's padded batch: {chunks}")
             self._unpack_count_forward("padded")
@@ -161,7 +163,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         packed = []
         for start, end in chunks:
             batch = pack_completions(
-                input_ids[start:end], attention_mask[start:end], logits_to_keep, prefix_sharing=sharing
+                ids[start:end], mask[start:end], logits_to_keep, prefix_sharing=sharing, device=input_ids.device
             )
             if isinstance(batch, str):
                 log_once(logger, logging.WARNING, f"{self.unpack_name}: a forward ran TRL's padded batch: {batch}")
