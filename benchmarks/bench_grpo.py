@@ -204,6 +204,19 @@ def _generation_seconds(trainer, groups, args: argparse.Namespace) -> float:
     return time.perf_counter() - start
 
 
+def _case_arguments(argv: list[str]) -> list[str]:
+    """``argv`` without ``--json`` and its value (only the parent writes the results)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--json":
+            skip = True
+        elif not arg.startswith("--json="):
+            kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -237,9 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             order = PROVIDERS[repeat % 3 :] + PROVIDERS[: repeat % 3]
             for provider in order:
                 command = [os.path.abspath(__file__), "--case", f"{provider}@{scenario}"]
-                command += [
-                    arg for arg in (argv if argv is not None else sys.argv[1:]) if not arg.startswith("--json")
-                ]
+                command += _case_arguments(argv if argv is not None else sys.argv[1:])
                 results.setdefault((provider, scenario), []).append(run_in_subprocess(command, timeout=3600))
                 print(f"  round {repeat + 1}, {scenario}, {provider}: "
                       f"{results[(provider, scenario)][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
