@@ -39,18 +39,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table, run_in_subprocess  # noqa: E402
+from common import paired_table, run_seeded_cases, write_runs  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
@@ -163,36 +160,19 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     }
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def summarize(runs: list[dict]) -> str:
     """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
     (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
-    by = {(r["arm"], r["seed"]): r for r in runs}
-    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
-    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
-    rows = []
-    for key, name in (
-        ("eval_loss", "held-out DPO loss"),
-        ("eval_reward_accuracy", "held-out reward accuracy"),
-        ("eval_reward_margin", "held-out reward margin"),
-        ("train_loss", "train loss (epoch mean)"),
-    ):
-        row = [name]
-        values = {arm: [by[arm, s][key] for s in seeds] for arm in arms}
-        row += ["{:.4f} ± {:.4f}".format(*_mean_std(values[arm])) for arm in arms]
-        for arm in arms[1:]:
-            diffs = [b - a for a, b in zip(values["stock"], values[arm])]
-            mean, std = _mean_std(diffs)
-            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(diffs)):.4f})")
-        rows.append(row)
-    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
-    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
-    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
-    headers = ["metric", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
-    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
+    metrics = [
+        (name, lambda run, key=key: run[key])
+        for key, name in (
+            ("eval_loss", "held-out DPO loss"),
+            ("eval_reward_accuracy", "held-out reward accuracy"),
+            ("eval_reward_margin", "held-out reward margin"),
+            ("train_loss", "train loss (epoch mean)"),
+        )
+    ]
+    return paired_table(runs, ARMS, metrics, "metric")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,20 +199,17 @@ def main(argv: list[str] | None = None) -> None:
     shared += ["--learning-rate", str(options.learning_rate), "--beta", str(options.beta)]
     cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
 
-    def one(case: tuple[str, int]) -> dict:
-        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
-        print(f"  seed {run['seed']} {run['arm']}: eval loss {run['eval_loss']:.6f}, "
-              f"reward accuracy {run['eval_reward_accuracy']:.4f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
-        return run
+    def describe(run: dict) -> str:
+        return (f"eval loss {run['eval_loss']:.6f}, reward accuracy {run['eval_reward_accuracy']:.4f}, "
+                f"{run['train_s']:.0f} s")  # fmt: skip
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        runs = list(pool.map(one, cases))
+    runs = run_seeded_cases(
+        os.path.abspath(__file__), cases, shared, jobs=options.jobs, timeout=3600, describe=describe
+    )
     command = "python benchmarks/bench_dpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = {"command": command.strip(), "environment": environment(), "options": {
-        k: v for k, v in vars(options).items() if k not in ("case", "json")
-    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
-    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
+    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
     print()
     print(f"DPO quality, tiny Llama (hidden 64, 2 layers), {options.train_pairs} training pairs, one epoch, "
           f"{options.batch_size} pairs per batch, {options.eval_pairs} held-out pairs, fp32, CPU:")  # fmt: skip

@@ -13,8 +13,14 @@ from unpack_trainer.cli.trainer_comparison import (
     format_table,
     lognormal_lengths,
     lognormal_lengths_with_mean,
+    mean_std,
+    paired_difference,
+    paired_table,
     run_in_subprocess,
+    run_seeded_cases,
+    spread,
     tiny_llama_config,
+    write_runs,
 )
 
 __all__ = [
@@ -23,10 +29,16 @@ __all__ = [
     "format_table",
     "lognormal_lengths",
     "lognormal_lengths_with_mean",
+    "mean_std",
+    "paired_difference",
+    "paired_table",
     "print_header",
     "run_in_subprocess",
+    "run_seeded_cases",
+    "spread",
     "tiny_config",
     "tiny_llama_config",
+    "write_runs",
 ]
 
 # The sizes of tiny_llama_config, for any architecture: hidden 256, 4 layers, 8 heads, 4 kv heads of 32, vocab 4096.

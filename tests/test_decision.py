@@ -414,3 +414,46 @@ def test_packing_decision_has_no_unread_self_check_flag():
     from unpack_trainer.decision import PackingDecision
 
     assert "probe" not in {field.name for field in fields(PackingDecision)}
+
+
+# ------------------------------------------------------------------------------- what any config says, by its fields
+
+
+def _any_config(padding_free_default):
+    """A trainer config class that is none of ours: ``padding_free`` with ``padding_free_default``, or no such field
+    (``padding_free_default`` is ``...``)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    fields = [] if padding_free_default is ... else [("padding_free", bool | None, padding_free_default)]
+    return dataclasses.make_dataclass("OtherConfig", fields, bases=(TrainingArguments,))
+
+
+@pytest.mark.parametrize(
+    ("default", "given", "mode", "reason"),
+    [
+        (None, False, "padded", "padding_free=False was set"),  # failed before: isinstance(config, (SFT, DPO)) only
+        (None, True, "padding_free", "padding_free=True"),
+        (None, None, "padding_free", "automatic padding-free"),
+        (False, False, "padding_free", "automatic padding-free"),  # False is that class's default: not a request
+        (..., None, "padding_free", "automatic padding-free"),  # no such field (GRPOConfig): nothing said
+    ],
+)
+def test_the_decision_reads_padding_free_from_any_config(default, given, mode, reason):
+    """An explicit ``padding_free=False`` is honoured on any config whose field can tell it from the default (not
+    only on our ``SFTConfig`` / ``DPOConfig``); a config whose default is ``False`` or that has no such field says
+    nothing, and the trainer decides."""
+    from unpack_trainer.decision import explicit_padding_free
+
+    cls = _any_config(default)
+    kwargs = {} if given is None else {"padding_free": given}
+    config = cls(output_dir="/tmp/unpack-decision", report_to="none", use_cpu=True, **kwargs)
+    decision = decide(config, model_config=_model(), supported_model_types=SUPPORTED, env={})
+    assert (decision.mode, reason in decision.reason) == (mode, True), decision
+    assert explicit_padding_free(config) == (None if default in (False, ...) and given is not True else given)
+
+
+def test_a_plain_trl_grpo_config_decides_automatic_padding_free():
+    decision = decide(_config(trl.GRPOConfig), model_config=_model(), supported_model_types=SUPPORTED, env={})
+    assert decision.mode == "padding_free" and decision.automatic

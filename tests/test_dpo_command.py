@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from unpack_trainer.cli import main
-from unpack_trainer.dpo_command import load_dpo_dataset, make_parser
+from unpack_trainer.cli.train import load_dataset as load_dpo_dataset
+from unpack_trainer.cli.train import make_parser as _make_parser
+
+
+def make_parser():
+    return _make_parser("dpo")
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,15 +100,15 @@ def test_dpo_launches_like_trl_dpo(monkeypatch):
     argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--num_processes", "1", "--use_cpu"]
     assert main(["dpo", *argv]) == 0
     (args,) = launched
-    assert args.module and args.training_script == "unpack_trainer.dpo_command" and args.num_processes == 1
-    assert args.training_script_args == ["--model_name_or_path", "m", "--dataset_name", "d", "--use_cpu"]
+    assert args.module and args.training_script == "unpack_trainer.cli.train" and args.num_processes == 1
+    assert args.training_script_args == ["dpo", "--model_name_or_path", "m", "--dataset_name", "d", "--use_cpu"]
 
 
 def test_dpo_trains_with_our_trainer_from_a_recipe(tmp_path, caplog, tokenizer, tiny_llama):
     """The launched script's body: a recipe, a local preference file, LoRA flags, our trainer, a saved adapter."""
     import torch
 
-    from unpack_trainer import dpo_command
+    from unpack_trainer.cli import train
 
     model_dir = tmp_path / "model"
     tiny_llama(vocab_size=len(tokenizer)).save_pretrained(model_dir)
@@ -122,7 +128,7 @@ def test_dpo_trains_with_our_trainer_from_a_recipe(tmp_path, caplog, tokenizer, 
     parsed = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", str(out)])
     threads = torch.get_num_threads()
     with caplog.at_level("INFO", logger="unpack_trainer"):
-        dpo_command.main(*parsed)
+        train.main("dpo", *parsed)
     torch.set_num_threads(threads)
     assert "DPOTrainer: mode=padding_free" in caplog.text
     assert (out / "adapter_config.json").is_file()

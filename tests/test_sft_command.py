@@ -15,7 +15,14 @@ import pytest
 from datasets import Dataset, DatasetDict
 
 from unpack_trainer.cli import main
-from unpack_trainer.sft_command import load_sft_dataset, make_parser, resolve_model_name
+from unpack_trainer.cli.train import load_dataset as load_sft_dataset
+from unpack_trainer.cli.train import make_parser as _make_parser
+from unpack_trainer.cli.train import resolve_model_name
+
+
+def make_parser():
+    return _make_parser("sft")
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,15 +130,23 @@ def test_sft_launches_like_trl_sft(monkeypatch, capsys):
     argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--num_processes", "1", "--use_cpu"]
     assert main(["sft", *argv]) == 0
     (args,) = launched
-    assert args.module and args.training_script == "unpack_trainer.sft_command" and args.num_processes == 1
-    assert args.training_script_args == ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--use_cpu"]
+    assert args.module and args.training_script == "unpack_trainer.cli.train" and args.num_processes == 1
+    assert args.training_script_args == [
+        "sft",
+        "--model_name_or_path",
+        "m",
+        "--dataset_name",
+        "d",
+        "--packing",
+        "--use_cpu",
+    ]
 
 
 def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog, tokenizer, tiny_llama):
     """The launched script's body: a recipe, a local data file, packing, LoRA flags, our trainer, a saved adapter."""
     import torch
 
-    from unpack_trainer import sft_command
+    from unpack_trainer.cli import train
 
     model_dir = tmp_path / "model"
     tiny_llama(vocab_size=len(tokenizer)).save_pretrained(model_dir)
@@ -149,7 +164,7 @@ def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog
     parsed = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", str(out)])
     threads = torch.get_num_threads()
     with caplog.at_level("INFO", logger="unpack_trainer"):
-        sft_command.main(*parsed)
+        train.main("sft", *parsed)
     torch.set_num_threads(threads)
     assert "mode=pack" in caplog.text
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()

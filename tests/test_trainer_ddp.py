@@ -1,5 +1,5 @@
 """Two processes with `accelerate launch`: SFT trains every packed row exactly once per epoch, ranks balanced, no
-hang; DPO logs what stock `trl.DPOTrainer` logs, step by step.
+hang; DPO, GRPO and RLOO log what stock TRL logs, step by step.
 
 accelerate's `--cpu` launcher starts several processes only through MPI; torchrun (`--multi_gpu`) starts them on a
 machine without GPUs too, and the processes then use the gloo backend on the CPU.
@@ -85,4 +85,28 @@ def test_dpo_on_two_processes_equals_stock(tmp_path):
                         continue
                     actual = ours_entry[key]
                     what = f"{kind} rank {rank} step {stock_entry.get('step')} {key}: {actual} vs stock {expected}"
+                    assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), what
+
+
+@pytest.mark.timeout(400)
+def test_grpo_and_rloo_on_two_processes_equal_stock(tmp_path):
+    """GRPO and RLOO with 2 processes (each step's two groups split across the ranks, rewards gathered): every rank
+    generates the completions stock generates, runs its log-prob forwards packed, and logs the same losses and metrics
+    (fp32 rel 1e-5) at both steps (the second one from the same generation, num_iterations 2)."""
+    ranks = launch_two_processes("ddp_grpo.py", tmp_path)
+    for trainer in ("grpo", "rloo"):
+        ours, stock = [r[f"{trainer}-ours"] for r in ranks], [r[f"{trainer}-stock"] for r in ranks]
+        assert [r["world_size"] for r in ours] == [2, 2]
+        for rank in range(2):
+            assert ours[rank]["mode"] == "padding_free" and ours[rank]["forwards"]["packed"] >= 2, ours[rank]
+            assert not ours[rank]["forwards"]["padded"]
+            assert ours[rank]["completions"] == stock[rank]["completions"], f"{trainer} rank {rank}"
+            assert len(ours[rank]["log"]) == len(stock[rank]["log"])
+            for ours_entry, stock_entry in zip(ours[rank]["log"], stock[rank]["log"]):
+                assert ours_entry.keys() == stock_entry.keys()
+                for key, expected in stock_entry.items():
+                    if key.endswith(("runtime", "per_second", "total_flos", "step_time")):  # timings
+                        continue
+                    actual = ours_entry[key]
+                    what = f"{trainer} rank {rank} step {stock_entry.get('step')} {key}: {actual} vs stock {expected}"
                     assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), what

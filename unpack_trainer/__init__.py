@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from unpack_trainer.trainers import TRAINERS
+
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
@@ -37,13 +39,9 @@ _EXPORTS: dict[str, str] = {
     "patch_model": "unpack_trainer.models",
     "unpatch_model": "unpack_trainer.models",
     "supported_model_types": "unpack_trainer.models",
-    # trainer
-    "SFTConfig": "unpack_trainer.config",
-    "SFTTrainer": "unpack_trainer.trainers.sft",
+    # trainers: every entry of unpack_trainer.trainers.TRAINERS (its trainer and config classes), added below
     "check_uncontaminated": "unpack_trainer.selfcheck",
     # preference training (DPO)
-    "DPOConfig": "unpack_trainer.dpo_config",
-    "DPOTrainer": "unpack_trainer.trainers.dpo",
     "DataCollatorForPackedPreference": "unpack_trainer.preference",
     "load_default_preference_dataset": "unpack_trainer.preference_data",
     # dataset preparation (what the trainer calls)
@@ -61,15 +59,15 @@ _EXPORTS: dict[str, str] = {
     "load_smollm2": "unpack_trainer.real_model",
     "smollm2_path": "unpack_trainer.real_model",
 }
+for _spec in TRAINERS:
+    _EXPORTS[_spec.trainer] = _spec.trainer_module
+    _EXPORTS[_spec.config] = _spec.config_module
 
 __all__ = [
-    "DPOConfig",
-    "DPOTrainer",
+    *sorted(name for spec in TRAINERS for name in (spec.trainer, spec.config)),
     "DataCollatorForPackedPreference",
     "DataCollatorForPacking",
     "PACKED_BATCH_KEYS",
-    "SFTConfig",
-    "SFTTrainer",
     "StreamingPacker",
     "balanced_rank_order",
     "balanced_step_order",
@@ -115,7 +113,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from unpack_trainer.config import SFTConfig
     from unpack_trainer.data.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
     from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
     from unpack_trainer.data.files import streaming_dataset_reader
@@ -136,4 +133,3 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
     from unpack_trainer.real_model import load_smollm2, smollm2_path
     from unpack_trainer.selfcheck import check_uncontaminated
-    from unpack_trainer.trainers.sft import SFTTrainer

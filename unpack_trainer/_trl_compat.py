@@ -10,6 +10,7 @@ renames it, this is the one file to change.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 KNOWN_TO_WORK = "TRL 1.16 with transformers 5.22 to 5.24 (pyproject allows trl>=1.16,<2 and transformers>=5.22,<6)"
@@ -44,6 +45,21 @@ SFT_TRAINER_ATTRIBUTES: tuple[str, ...] = (
 DPO_TRAINER_METHODS: tuple[str, ...] = ("_compute_loss", "compute_ref_log_probs")
 DPO_TRAINER_ATTRIBUTES: tuple[str, ...] = ("ref_model", "precompute_ref_logps")
 
+# ``trl.GRPOTrainer`` and ``trl.RLOOTrainer``: the packed path overrides the one method every per-token log-prob
+# forward goes through (policy, old policy, reference), called with TRL 1.16's arguments (checked by name below), and
+# reads the group size and the reference model.
+ONLINE_TRAINER_METHODS: tuple[str, ...] = ("_get_per_token_logps_and_entropies", "_generate_and_score_completions")
+ONLINE_TRAINER_ATTRIBUTES: tuple[str, ...] = ("num_generations", "ref_model")
+ONLINE_LOGPS_PARAMETERS: tuple[str, ...] = (
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+)
+
 # Set by transformers (``utils/output_capturing.py``) on a model once a forward asked for hidden states or attentions
 # and its output-capturing forward hooks are installed; the self-check puts it back as found, with the hooks.
 OUTPUT_CAPTURING_HOOKS_FLAG = "_output_capturing_hooks_installed"
@@ -69,6 +85,25 @@ def require_attributes(obj: Any, names: tuple[str, ...], where: str) -> None:
     for name in names:
         if not hasattr(obj, name):
             raise _missing(where, name, "attribute")
+
+
+def require_parameters(cls: type, method: str, names: tuple[str, ...], where: str) -> None:
+    """Raise ``RuntimeError`` naming the first of ``names`` that ``cls.method`` does not take."""
+    parameters = inspect.signature(getattr(cls, method)).parameters
+    for name in names:
+        if name not in parameters:
+            raise _missing(f"{where}.{method}", name, "parameter")
+
+
+def profiled(method: Any) -> Any:
+    """``method`` under TRL's ``profiling_decorator`` (``trl.extras.profiling``: the time of a trainer method, logged
+    to the trackers the trainer reports to), as TRL's own method of that name is; ``method`` itself where TRL has no
+    such decorator."""
+    try:
+        from trl.extras.profiling import profiling_decorator
+    except ImportError:
+        return method
+    return profiling_decorator(method)
 
 
 def sft_padded_collator_class() -> type:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trl
+
+from unpack_trainer.decision import explicit_padding_free
 
 ConfigT = TypeVar("ConfigT")
 
@@ -187,9 +190,13 @@ def convert_config(args: Any, config_class: type[ConfigT]) -> ConfigT:
     """``args`` (any ``TrainingArguments``, e.g. a plain ``trl.SFTConfig``) as ``config_class`` (one of ours).
 
     Every field ``config_class`` shares with ``args`` is copied (tokens included, which ``to_dict`` hides); the fields
-    only ours have take their documented defaults. A plain TRL config cannot tell an explicit ``padding_free=False``
-    from its default, so its ``False`` becomes ``None`` (not set: the trainer decides); ``True`` stays ``True``. An
-    instance of ``config_class`` is returned as is.
+    only ours have take their documented defaults. An instance of the TRL config ``config_class`` extends is copied
+    as it is, its ``__post_init__`` not run again (TRL's derives fields from others and refuses them both set, e.g.
+    ``GRPOConfig``'s ``generation_batch_size`` and ``steps_per_generation``). ``padding_free`` is what the source
+    config says
+    ([`unpack_trainer.decision.explicit_padding_free`]): a plain TRL config cannot tell an explicit ``False`` from its
+    default, so its ``False`` becomes ``None`` (not set: the trainer decides); ``True`` stays ``True``. An instance of
+    ``config_class`` is returned as is.
 
     Example:
         ``convert_config(trl.SFTConfig("out", packing=True), SFTConfig)`` -> ``SFTConfig`` with ``packing=True``,
@@ -197,12 +204,23 @@ def convert_config(args: Any, config_class: type[ConfigT]) -> ConfigT:
     """
     if isinstance(args, config_class):
         return args
+    if isinstance(args, config_class.__bases__[0]):
+        converted = copy.copy(args)
+        converted.__class__ = config_class
+        for declared in dataclasses.fields(config_class):
+            if declared.name not in vars(args):
+                factory = declared.default_factory
+                value = declared.default if factory is dataclasses.MISSING else factory()
+                setattr(converted, declared.name, value)
+        if "padding_free" in vars(converted):
+            converted.padding_free = explicit_padding_free(args)
+        return converted
     values = args.to_dict()
     for name in values:
         if name.endswith("_token"):  # to_dict writes "<HUB_TOKEN>" for hub_token, "<EOS_TOKEN>" for eos_token, ...
             values[name] = getattr(args, name)
     names = {f.name for f in dataclasses.fields(config_class) if f.init}
     values = {name: value for name, value in values.items() if name in names}
-    if "padding_free" in names and values.get("padding_free") is False:
-        values["padding_free"] = None
+    if "padding_free" in names and "padding_free" in values:
+        values["padding_free"] = explicit_padding_free(args)
     return config_class(**values)

@@ -2,7 +2,7 @@
 
 | request                                  | not blocked                     | blocked (reason)                         |
 |------------------------------------------|---------------------------------|------------------------------------------|
-| ``UNPACK_DISABLE=1``                     | stock ``trl.SFTTrainer``        | stock ``trl.SFTTrainer``                 |
+| ``UNPACK_DISABLE=1``                     | stock TRL trainer               | stock TRL trainer                        |
 | ``packing=True``                         | pack (windowed*, padding-free)  | padded, warning "packing=True ignored"   |
 | ``packing=True, packing_strategy="wrapped"`` | stock TRL (user's choice)   | stock TRL                                |
 | ``padding_free=True``                    | padding-free                    | padded, warning "padding_free=True ignored" |
@@ -37,9 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from unpack_trainer.config import SFTConfig
-from unpack_trainer.dpo_config import DPOConfig
-
 Mode = Literal["stock", "pack", "padding_free", "padded"]
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -73,7 +70,7 @@ class PackingDecision:
     """What the trainer does and why.
 
     Attributes:
-        mode: ``"stock"`` (behave exactly like ``trl.SFTTrainer``), ``"pack"``, ``"padding_free"`` or ``"padded"``.
+        mode: ``"stock"`` (behave exactly like the TRL trainer), ``"pack"``, ``"padding_free"`` or ``"padded"``.
         reason: the real reason, for the log line.
         patch: apply our attention patch (the model type is verified: in
             [`unpack_trainer.models.supported_model_types`]). Whenever rows are packed or flattened (``packed``), the
@@ -173,9 +170,9 @@ def decide(
     the environment. Pure: no logging, no model calls.
 
     Args:
-        config: a ``trl.SFTConfig`` (``padding_free`` may be ``None`` = not set; a plain TRL config's ``False`` is its
-            default and is treated as not set, since it cannot be told apart from an explicit ``False``. Use our
-            ``SFTConfig(padding_free=False)`` or ``UNPACK_DISABLE_AUTO_PADDING_FREE=1`` to opt out with certainty).
+        config: any trainer config (``TrainingArguments``); what it says is read from its fields, those it lacks
+            count as not set ([`explicit_padding_free`]): ``packing``, ``packing_strategy``, ``packing_order``,
+            ``padding_free``, ``dataset_kwargs``, ``neftune_noise_alpha``.
         model_config: the model's ``PretrainedConfig`` (``model_type``, ``is_encoder_decoder``, vision sub-configs).
         data_collator: the collator the user passed, or ``None``.
         processing_class: the tokenizer or processor.
@@ -189,7 +186,7 @@ def decide(
     env = os.environ if env is None else env
     blocklist = {} if blocklist is None else blocklist
     if env_flag(env, "UNPACK_DISABLE"):
-        return PackingDecision("stock", "UNPACK_DISABLE is set: behaving exactly like trl.SFTTrainer")
+        return PackingDecision("stock", "UNPACK_DISABLE is set: behaving exactly like the stock TRL trainer")
 
     packing = bool(getattr(config, "packing", False))
     if packing and getattr(config, "packing_strategy", "bfd") == "wrapped":
@@ -198,9 +195,9 @@ def decide(
             "packing_strategy='wrapped' was chosen: rows are cut mid-sample by design, so TRL's own path is used",
         )
 
-    padding_free = getattr(config, "padding_free", None)
-    explicit_padding_free = padding_free is True
-    explicit_off = padding_free is False and isinstance(config, (SFTConfig, DPOConfig))
+    padding_free = explicit_padding_free(config)
+    explicit_on = padding_free is True
+    explicit_off = padding_free is False
 
     reason = blocked_reason(
         model_config=model_config,
@@ -237,7 +234,7 @@ def decide(
             f"packing=True, packing_order={packing_order!r}: {PACKERS.get(packing_order, 'best fit')}" + probe_note,
             patch=verified,
         )
-    if explicit_padding_free:
+    if explicit_on:
         if reason is not None:
             return PackingDecision(
                 "padded", f"padding_free=True ignored ({reason})", automatic=True, overridden_request=True
@@ -262,6 +259,27 @@ def decide(
         patch=verified,
         automatic=True,
     )
+
+
+def explicit_padding_free(config: Any) -> bool | None:
+    """What ``config`` says about ``padding_free``: ``True`` / ``False`` when set, ``None`` when not set.
+
+    Read from the config alone, whatever its class: a config without the field says nothing (``None``); a field whose
+    default is ``None`` (our configs: the trainer decides) holds the user's choice as is; a field whose default is
+    ``False`` (TRL's own configs) cannot tell an explicit ``False`` from its default, so ``False`` there counts as not
+    set (``None``) and only ``True`` is a request.
+
+    Example:
+        ``SFTConfig(padding_free=False)`` -> ``False``; ``trl.SFTConfig(padding_free=False)`` -> ``None``;
+        ``trl.GRPOConfig()`` (no such field) -> ``None``.
+    """
+    value = getattr(config, "padding_free", None)
+    if value is None or value is True:
+        return value
+    fields = getattr(type(config), "__dataclass_fields__", {})
+    declared = fields.get("padding_free")
+    default = getattr(declared, "default", None) if declared is not None else None
+    return None if default is False else bool(value)
 
 
 def neftune_note(config: Any, decision: PackingDecision) -> str | None:

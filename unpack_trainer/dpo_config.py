@@ -51,8 +51,3 @@ class DPOConfig(trl.DPOConfig):
         default=True,
         metadata={"help": "With packed rows, run each prompt once for its chosen and rejected completions."},
     )
-
-    # What the packed-trainer core reads for SFT's step composition; fixed for DPO, whose loss is TRL's mean over the
-    # pairs of a batch.
-    loss_normalization = "token"
-    balance_samples_per_step = False

@@ -22,32 +22,23 @@ with it)::
     completion_mask     [[0, 1, 0], [0, 1, 1]]
     packed_view_index   [[1, 2, 0], [1, 3, 4]]             packed token of each view token
 
-The model hook (:func:`install_packed_view`) runs the packed row and hands back the last hidden state gathered into
-the view's layout (and MoE router logits into TRL's batch layout), so TRL's loss code reads exactly the per-token
-values of its padded batch.
+The model side (:mod:`unpack_trainer.trainers.branched`: ``install_packed_view``) runs the packed row and hands back
+the last hidden state gathered into the view's layout (and MoE router logits into TRL's batch layout), so TRL's loss
+code reads exactly the per-token values of its padded batch.
 """
 
 from __future__ import annotations
 
-import functools
-import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.data.data_collator import DataCollatorMixin
 
-from unpack_trainer.data.collator import IGNORE_INDEX
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
 
-__all__ = [
-    "PACKED_VIEW_KEYS",
-    "DataCollatorForPackedPreference",
-    "install_compact_lm_head",
-    "install_packed_view",
-    "pack_preference_pairs",
-]
+__all__ = ["PACKED_VIEW_KEYS", "DataCollatorForPackedPreference", "completion_view", "pack_preference_pairs"]
 
 # The keys the packed preference collator adds to TRL's padded view; the model hook consumes them.
 PACKED_VIEW_KEYS: tuple[str, ...] = (
@@ -236,137 +227,3 @@ def completion_view(
         "completion_mask": cut(completion_mask, 0),
         "packed_view_index": cut(token_index, 0),
     }
-
-
-# -- the model side ---------------------------------------------------------------------------------------------------
-
-
-class _PackedView:
-    """Forward hooks on a decoder (the backbone under the LM head): a call carrying ``packed_input_ids`` runs the
-    packed row instead of the padded view, and its outputs come back in the view's layout."""
-
-    def __init__(self) -> None:
-        self.index: torch.Tensor | None = None
-        self.token_index: torch.Tensor | None = None
-
-    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from unpack_trainer.models import is_patched
-
-        self.index = None
-        if kwargs.get("packed_input_ids") is None:
-            return args, kwargs
-        if args:
-            raise ValueError("A packed preference batch must reach the decoder as keyword arguments.")
-        if not is_patched(module):
-            raise ValueError(
-                f"A packed preference batch reached {type(module).__name__}, which is not patched for packing "
-                "(unpack_trainer.models.patch_model): its attention would not follow the packed samples."
-            )
-        view_ids = kwargs.pop("input_ids")
-        index = kwargs.pop("packed_view_index")
-        self.token_index = kwargs.pop("packed_token_index")
-        if index.shape != view_ids.shape:
-            raise ValueError(
-                f"`packed_view_index` has shape {tuple(index.shape)} but the padded view is {tuple(view_ids.shape)}."
-            )
-        kwargs["input_ids"] = kwargs.pop("packed_input_ids").to(view_ids.device)
-        kwargs["position_ids"] = kwargs.pop("packed_position_ids").to(view_ids.device)
-        kwargs.pop("attention_mask", None)
-        self.index = index
-        return args, kwargs
-
-    def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        index, self.index = self.index, None
-        if index is None:
-            return output
-        hidden = output.last_hidden_state
-        flat = index.reshape(-1).to(hidden.device)
-        output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).view(*index.shape, -1)
-        router_logits = getattr(output, "router_logits", None)
-        if router_logits is not None:
-            tokens = self.token_index.reshape(-1)
-            output.router_logits = tuple(
-                layer if layer is None else layer.reshape(-1, layer.shape[-1]).index_select(0, tokens.to(layer.device))
-                for layer in router_logits
-            )
-        return output
-
-
-def install_packed_view(decoder: torch.nn.Module) -> None:
-    """Let ``decoder`` (the model's backbone, e.g. ``LlamaModel``) run packed preference batches; idempotent.
-
-    A forward with ``packed_input_ids`` (and the other :data:`PACKED_VIEW_KEYS`) runs the packed row; its
-    ``last_hidden_state`` ``(1, T, H)`` comes back as ``(2 * num_pairs, L, H)``, each view token's hidden state read
-    from its packed token (a shared prompt token feeds both its chosen and its rejected row), and ``router_logits``
-    (one ``(T, num_experts)`` per layer) as ``(2 * num_pairs * L, num_experts)``, so the LM head, the loss and the MoE
-    auxiliary loss see the padded batch's values. The hook runs before the packing patch's own hook, which then finds
-    the packing metadata. A forward without ``packed_input_ids`` is untouched.
-    """
-    if getattr(decoder, "_unpack_packed_view", None) is not None:
-        return
-    view = _PackedView()
-    decoder.register_forward_pre_hook(view.before, with_kwargs=True, prepend=True)
-    decoder.register_forward_hook(view.after, with_kwargs=True)
-    decoder._unpack_packed_view = view
-
-
-# The per-token fields of TRL's fused LM head output (``add_fused_lm_head``), each ``(rows, L - 1)`` or ``None``.
-_FUSED_PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-
-
-def install_compact_lm_head(model: torch.nn.Module) -> None:
-    """Let TRL's fused LM head score only the labelled positions of a packed preference batch; idempotent.
-
-    ``model`` is the causal LM whose ``forward`` TRL's ``add_fused_lm_head`` replaced (under PEFT, the base model).
-    Without Triton (on CPU, for one), TRL's fused head scores every position of the padded view ``(2 * num_pairs, L)``,
-    padding and unlabelled columns included, then zeroes them. A call with ``fused_lm_head=True``, ``labels`` and
-    ``packed_view_index`` instead runs TRL's forward on one compact row ``(1, K + 1)``: the ``K`` positions whose
-    next-token label is not ``-100``, in the view's row-major order, then one unscored position (TRL shifts labels by
-    one: the row's labels are ``[-100, l_1, .., l_K]``). The decoder hook ([`install_packed_view`]) reads each one's
-    hidden state from its packed token as before, and every per-token field of TRL's output is scattered back into the
-    view's ``(2 * num_pairs, L - 1)`` with zeros where the label is ``-100``, as TRL returns it. So each scored value
-    is computed from the same hidden state and label as in the view (the LM head projects each position on its own),
-    the loss TRL's trainer computes from them and the gradients are those of the view (fp32 rel 1e-5: the sums run in
-    another order); the MoE auxiliary loss still sees the view's ``attention_mask`` and the router logits in its
-    layout. Any other call goes to TRL's forward unchanged.
-    """
-    if getattr(model, "_unpack_compact_lm_head", False):
-        return
-    fused_forward = model.forward
-
-    @functools.wraps(type(model).forward)  # the class's signature, as TRL keeps it (`generate` checks kwargs on it)
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        labels = kwargs.get("labels")
-        index = kwargs.get("packed_view_index")
-        if (
-            not kwargs.get("fused_lm_head")
-            or labels is None
-            or index is None
-            or kwargs.get("shift_labels") is not None
-        ):
-            return fused_forward(*args, **kwargs)
-        if labels.shape != index.shape:
-            raise ValueError(
-                f"`labels` has shape {tuple(labels.shape)} but `packed_view_index` is {tuple(index.shape)}."
-            )
-        mask = labels[:, 1:] != IGNORE_INDEX
-        num_scored = int(mask.sum())
-        if num_scored == 0:  # nothing to score: TRL's own path keeps the output connected to the model
-            return fused_forward(*args, **kwargs)
-        compact_index = torch.cat([index[:, :-1][mask], index.new_zeros(1)]).unsqueeze(0)
-        compact_labels = torch.cat([labels.new_full((1,), IGNORE_INDEX), labels[:, 1:][mask]]).unsqueeze(0)
-        kwargs["labels"] = compact_labels
-        kwargs["packed_view_index"] = compact_index
-        if kwargs.get("input_ids") is not None:  # the decoder hook checks the view's shape against the index's
-            kwargs["input_ids"] = compact_labels.clamp(min=0)
-        output = fused_forward(*args, **kwargs)
-        for name in _FUSED_PER_TOKEN_FIELDS:
-            value = getattr(output, name, None)
-            if value is not None:
-                setattr(output, name, value.new_zeros(mask.shape).masked_scatter(mask.to(value.device), value[0]))
-        if getattr(output, "label_mask", None) is not None:
-            output.label_mask = mask.to(output.label_mask.device)
-        return output
-
-    model.forward = types.MethodType(forward, model)
-    model._unpack_compact_lm_head = True

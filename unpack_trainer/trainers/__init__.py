@@ -1,10 +1,113 @@
 """Trainers built on the packed-trainer core ([`unpack_trainer.trainers._packed.PackedTrainerMixin`]): each one is
-TRL's own trainer with the core in front of it and the hooks for its batches (collators, data preparation, loss)."""
+TRL's own trainer with the core in front of it and the hooks for its batches (collators, data preparation, loss).
+
+[`TRAINERS`] declares them, one entry each: the public exports (``unpack_trainer.SFTTrainer``, ``SFTConfig``, ...)
+and the command line (``unpack-trainer sft``, mirroring ``trl sft``) are made from it. Adding a trainer is one
+module ``unpack_trainer/trainers/<command>.py`` holding the trainer class, its config class (the package root holds
+the configs), and one entry here.
+Importing this package imports neither torch nor TRL; the classes are resolved on first use.
+"""
 
 from __future__ import annotations
 
-from unpack_trainer.trainers._packed import PackedTrainerMixin
-from unpack_trainer.trainers.dpo import DPOTrainer
-from unpack_trainer.trainers.sft import SFTTrainer
+import importlib
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["DPOTrainer", "PackedTrainerMixin", "SFTTrainer"]
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """One trainer of the package.
+
+    Attributes:
+        command: TRL's command it mirrors (``trl <command>``, ``trl.scripts.<command>``), ours
+            (``unpack-trainer <command>``) and the trainer's module, ``unpack_trainer.trainers.<command>``.
+        trainer: the trainer class's name, in that module.
+        config: the config class's name, in ``config_module``.
+        config_module: where the config class lives.
+        title: what the command does, for its help (one line).
+        differs: what the trainer does differently from TRL's, for the command's help (a sentence).
+    """
+
+    command: str
+    trainer: str
+    config: str
+    config_module: str
+    title: str
+    differs: str
+
+    @property
+    def trainer_module(self) -> str:
+        return f"unpack_trainer.trainers.{self.command}"
+
+    def trainer_class(self) -> type:
+        return getattr(importlib.import_module(self.trainer_module), self.trainer)
+
+    def config_class(self) -> type:
+        return getattr(importlib.import_module(self.config_module), self.config)
+
+
+TRAINERS: tuple[TrainerSpec, ...] = (
+    TrainerSpec(
+        "sft",
+        "SFTTrainer",
+        "SFTConfig",
+        "unpack_trainer.config",
+        "Supervised fine-tuning with sample packing",
+        "--packing packs globally with no cross-sample attention; without --packing, padding-free batching turns on "
+        "automatically where safe (--padding_free false keeps padded batches)",
+    ),
+    TrainerSpec(
+        "dpo",
+        "DPOTrainer",
+        "DPOConfig",
+        "unpack_trainer.dpo_config",
+        "Preference training (DPO) on packed pairs",
+        "the pairs of each batch run as one packed row, each prompt once for its chosen and rejected completions "
+        "(--prefix_sharing false: [prompt, chosen] and [prompt, rejected] as two samples; --padding_free false: "
+        "TRL's padded batches); the loss and every metric are TRL's",
+    ),
+    TrainerSpec(
+        "grpo",
+        "GRPOTrainer",
+        "GRPOConfig",
+        "unpack_trainer.rl_config",
+        "Online RL (GRPO) with packed training forwards",
+        "the forwards that score completions (policy, old policy, reference) run packed rows, each group's prompt "
+        "once for its completions (--prefix_sharing false: each completion after its own prompt; --padding_free "
+        "false: TRL's padded batches); generation, rewards, the loss and every metric are TRL's",
+    ),
+    TrainerSpec(
+        "rloo",
+        "RLOOTrainer",
+        "RLOOConfig",
+        "unpack_trainer.rl_config",
+        "Online RL (RLOO) with packed training forwards",
+        "the forwards that score completions (policy, old policy, reference) run packed rows, each group's prompt "
+        "once for its completions (--prefix_sharing false: each completion after its own prompt; --padding_free "
+        "false: TRL's padded batches); generation, rewards, the loss and every metric are TRL's",
+    ),
+)
+"""Every trainer of the package, in the order ``unpack-trainer --help`` lists them."""
+
+
+def trainer_spec(command: str) -> TrainerSpec:
+    """The entry of [`TRAINERS`] for ``command``; ``KeyError`` naming the known commands otherwise."""
+    for spec in TRAINERS:
+        if spec.command == command:
+            return spec
+    raise KeyError(f"no trainer for {command!r}; known: {', '.join(spec.command for spec in TRAINERS)}")
+
+
+__all__ = ["TRAINERS", "PackedTrainerMixin", "TrainerSpec", "trainer_spec", *(spec.trainer for spec in TRAINERS)]
+
+_CLASSES = {"PackedTrainerMixin": "unpack_trainer.trainers._packed"} | {
+    spec.trainer: spec.trainer_module for spec in TRAINERS
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _CLASSES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unpack_trainer.trainers' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -5,6 +5,8 @@ and owns the packing decision ([`unpack_trainer.decision.decide`]), the config c
 (``UNPACK_DISABLE``, ``UNPACK_STRICT``, ...), enabling the packed path (collator, attention patch), the contamination
 self-check right before the first data loader is built and the padded fallback if it fails, the padded evaluation
 collator, the balanced-step sampler, the per-sample count of ``loss_normalization="sample"`` and the start line.
+Trainers whose prompts are shared by several completions (DPO's pairs, GRPO's groups) build on
+[`unpack_trainer.trainers.branched.BranchedTrainerMixin`], this core plus the prompt-sharing pieces.
 
 A trainer built on it calls, in its ``__init__``::
 
@@ -13,18 +15,23 @@ A trainer built on it calls, in its ``__init__``::
     super().__init__(model, args, ...)  # TRL's own __init__, with the config TRL should see
     self._unpack_after_init(train_dataset, eval_dataset)
 
-and implements the hooks below (they are what differs between SFT, DPO, ...):
+and implements the hooks below (they are what differs between SFT, DPO, GRPO, ...):
 
-- [`_packed_collator`] / [`_padded_collator`]: the collators of packed training and of padded batches.
-- [`_prepare_padded_datasets`]: prepare the raw datasets again as padded (the self-check's fallback).
+- [`_packed_collator`] / [`_padded_collator`]: the collators of packed training and of padded batches (trainers
+  whose collator packs, ``unpack_packs_in = "collator"``; a trainer that packs inside its step, ``"step"``, keeps
+  TRL's collator and needs neither).
+- [`_prepare_padded_datasets`]: prepare the raw datasets again as padded (the self-check's fallback); by default
+  nothing, for trainers whose padded and packed batches come from the same prepared data.
 - [`_count_samples`]: the samples with a trained token in one collated batch (``loss_normalization="sample"``).
 - [`_check_sample_loss`]: raise if ``loss_normalization="sample"`` cannot be honoured with this configuration.
+- [`_unpack_models`]: the models the packed path patches (default: the policy); the fallback unpatches them all.
 
 Class attributes: ``unpack_config_class`` (our config class, e.g. [`unpack_trainer.SFTConfig`]; any other
 ``TrainingArguments`` is converted to it), ``unpack_trl_class`` (the TRL trainer class behind the mixin, whose private
-names [`unpack_trainer._trl_compat`] checks) and ``unpack_name`` (the start line's prefix). The config class has
-TRL's fields the decision reads (``packing``, ``padding_free``, ``max_length``, ...) and ours the core reads
-(``loss_normalization``, ``balance_samples_per_step``; see [`unpack_trainer.SFTConfig`] for their meaning).
+names [`unpack_trainer._trl_compat`] checks), ``unpack_name`` (the start line's prefix) and ``unpack_packs_in``. The
+core reads from the config only what it has: TRL's fields the decision reads (``packing``, ``padding_free``,
+``max_length``, ...) and ours (``loss_normalization``, ``balance_samples_per_step``; see [`unpack_trainer.SFTConfig`]
+for their meaning; a config without them trains with TRL's token loss and TRL's sampler).
 
 Evaluation: ``eval_loss`` is recomputed from batch weights (see [`PackedTrainerMixin.evaluation_loop`]) when
 transformers would weigh the batches wrongly; the hooks above are all it needs.
@@ -151,8 +158,20 @@ class _ItemCountingCollator:
         return batch
 
 
+def _loss_normalization(args: Any) -> str:
+    """``args.loss_normalization`` (ours), ``"token"`` (TRL's) for a config without it."""
+    return getattr(args, "loss_normalization", "token")
+
+
 class PackedTrainerMixin:
     """The packed-trainer core, in front of a TRL trainer class; see the module docstring for the hooks.
+
+    What every trainer built on it does, whatever its batches: with ``padding_free`` unset (our configs' default; a
+    plain TRL config is converted, and a ``False`` there counts as unset since it cannot be told from TRL's default)
+    the packed path turns on by itself wherever the model, the collator and the data allow it, and the decision is
+    logged once with its reason; ``padding_free=False`` trains exactly as TRL; ``UNPACK_DISABLE=1`` makes the class
+    behave exactly as its TRL trainer. A contamination self-check runs on the model as it will train, right before the
+    first batch, and the trainer falls back to TRL's padded batches if it fails (``UNPACK_STRICT=1`` raises).
 
     Attributes:
         unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
@@ -166,6 +185,9 @@ class PackedTrainerMixin:
     unpack_config_class: type
     unpack_trl_class: type
     unpack_name: str = "Trainer"
+    # "collator": the collator packs each batch (the core swaps collators, keeps batches whole); "step": the trainer
+    # packs inside its training step from TRL's own batches (GRPO's generated groups), its collator untouched.
+    unpack_packs_in: str = "collator"
     _unpack_trl_methods: tuple[str, ...] = ()  # private methods of the TRL class the subclass relies on
     _unpack_trl_attributes: tuple[str, ...] = ()  # attributes TRL's __init__ sets that the subclass reads
 
@@ -180,8 +202,8 @@ class PackedTrainerMixin:
         raise NotImplementedError(f"{type(self).__name__} must implement _padded_collator")
 
     def _prepare_padded_datasets(self, raw_train: Any, raw_eval: Any) -> None:
-        """Prepare the raw datasets again for padded batches (``self.unpack_decision`` is already ``"padded"``)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _prepare_padded_datasets")
+        """Prepare the raw datasets again for padded batches (``self.unpack_decision`` is already ``"padded"``); by
+        default nothing: padded and packed batches are made from the same prepared data."""
 
     def _count_samples(self, batch: dict[str, Any]) -> int:
         """The samples with at least one trained token in one collated batch (``loss_normalization="sample"``)."""
@@ -189,6 +211,16 @@ class PackedTrainerMixin:
 
     def _check_sample_loss(self) -> None:
         """Raise ``ValueError`` if ``loss_normalization="sample"`` is not supported with this configuration."""
+
+    @classmethod
+    def unpack_data_columns(cls, args: Any) -> tuple[tuple[str, ...], ...]:
+        """The column sets a training or evaluation dataset of this trainer is read by, in TRL's order of precedence
+        (``unpack-trainer <command>`` checks a data file's rows against them before training); empty: not checked."""
+        return ()
+
+    def _unpack_models(self) -> list[Any]:
+        """The models the packed path patches (the policy; trainers with a reference model add it), unwrapped."""
+        return [self.accelerator.unwrap_model(self.model)]
 
     # ------------------------------------------------------------------------------------------------ construction
 
@@ -227,7 +259,7 @@ class PackedTrainerMixin:
             args = convert_config(args, self.unpack_config_class)
         if self._unpack_disabled:
             self.unpack_decision = decide(args, model_config=None, env=env)
-            if args is not None and args.loss_normalization != "token":
+            if args is not None and _loss_normalization(args) != "token":
                 log_once(logger, logging.WARNING, "loss_normalization ignored: UNPACK_DISABLE=1 trains as trl does")
             return args
         if args is None:
@@ -250,9 +282,11 @@ class PackedTrainerMixin:
         self._unpack_args = args
         self._unpack_eval_flattened, self._unpack_eval_note = eval_batches(args, decision, has_metrics=has_metrics)
         trl_args = copy.copy(args)
-        trl_args.padding_free = False
-        trl_args.packing = bool(args.packing) and decision.mode in ("pack", "stock")
-        if decision.packed:
+        if hasattr(trl_args, "padding_free"):
+            trl_args.padding_free = False
+        if hasattr(trl_args, "packing"):
+            trl_args.packing = bool(args.packing) and decision.mode in ("pack", "stock")
+        if decision.packed and self.unpack_packs_in == "collator":
             _keep_batches_whole(trl_args, args)
             self._unpack_batches_whole = True
         self._unpack_mode = decision.mode
@@ -279,7 +313,7 @@ class PackedTrainerMixin:
             )
         decision = self.unpack_decision
         args = self._unpack_args
-        if decision.mode == "pack" and args.padding_free is False:
+        if decision.mode == "pack" and getattr(args, "padding_free", None) is False:
             log_once(
                 logger,
                 logging.WARNING,
@@ -302,13 +336,15 @@ class PackedTrainerMixin:
     # ------------------------------------------------------------------------------------------------ packed path
 
     def _enable_packed_path(self) -> None:
-        self.data_collator = self._packed_collator()
+        if self.unpack_packs_in == "collator":
+            self.data_collator = self._packed_collator()
         if self.unpack_decision.patch:
             from unpack_trainer.models import patch_model, resolve_backend
 
             # An impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable.
             resolve_backend(self.model, compute_dtype=_autocast_dtype(self.args))
-            patch_model(self.model)
+            for model in self._unpack_models():
+                patch_model(model)
         self._unpack_checked = False  # the self-check runs right before the first data loader is built
 
     def get_train_dataloader(self) -> Any:
@@ -337,7 +373,7 @@ class PackedTrainerMixin:
         dataset without a length read without batch dispatching (accelerate cannot know the short last batch), or
         ``loss_normalization="sample"`` (a batch weighs its samples, not its rows)."""
         collator = self.data_collator
-        if self.unpack_decision.packed and not self._unpack_eval_flattened:
+        if self.unpack_decision.packed and not self._unpack_eval_flattened and self.unpack_packs_in == "collator":
             self.data_collator = self._padded_collator()
         streamed = self._unpack_batches_whole and not has_length(dataset)
         if streamed or self._unpack_sample_loss:
@@ -377,7 +413,7 @@ class PackedTrainerMixin:
         self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
     ) -> Any:
         """The parent's, after taking the batch's item count off ``inputs`` (see [`evaluation_loop`])."""
-        items = inputs.pop(EVAL_ITEMS_KEY, None)
+        items = inputs.pop(EVAL_ITEMS_KEY, None) if isinstance(inputs, dict) else None
         output = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         loss = output[0]
         if items is not None and loss is not None and self._unpack_eval_weights is not None:
@@ -423,10 +459,12 @@ class PackedTrainerMixin:
         if self.unpack_decision.patch:
             from unpack_trainer.models import unpatch_model
 
-            unpatch_model(self.model)
+            for model in self._unpack_models():
+                unpatch_model(model)
         self.unpack_decision = PackingDecision("padded", reason, automatic=True)
         self._unpack_mode = "padded"
-        self.data_collator = self._padded_collator()
+        if self.unpack_packs_in == "collator":
+            self.data_collator = self._padded_collator()
         self._prepare_padded_datasets(self._unpack_raw["train"], self._unpack_raw["eval"])
 
     def _log_start_line(self) -> None:
@@ -461,7 +499,7 @@ class PackedTrainerMixin:
         args = self.args
         if (
             self._unpack_mode == "pack"
-            and args.balance_samples_per_step
+            and getattr(args, "balance_samples_per_step", False)
             and isinstance(dataset, Dataset)
             and "seq_lengths" in dataset.column_names
         ):
@@ -497,7 +535,7 @@ class PackedTrainerMixin:
     # ------------------------------------------------------------------------------------------------ loss
 
     def _enable_sample_loss(self) -> None:
-        if self.args.loss_normalization != "sample":
+        if _loss_normalization(self.args) != "sample":
             return
         self._check_sample_loss()
         self._unpack_sample_loss = True

@@ -1,12 +1,8 @@
 """``SFTTrainer``: ``trl.SFTTrainer`` that packs without cross-sample contamination, or turns padding-free on itself.
 
-The decision ([`unpack_trainer.decision.decide`]) is made once, before TRL's ``__init__``; then TRL prepares the
-data (tokenization, labels) and this class truncates it with counts, packs it with the global packer, swaps in the
-packed collator and patches the model's attention. The contamination self-check runs when training (or evaluation)
-starts, right before its data loader is built, on the model exactly as it will run (after everything ``train()``
-applies: liger kernels, a resumed checkpoint, ...); if it fails, the collator and the datasets are switched to padded
-before the first batch is drawn. Everything but the SFT data path and loss lives in the packed-trainer core
-([`unpack_trainer.trainers._packed.PackedTrainerMixin`]).
+The SFT data path and loss on the packed-trainer core ([`unpack_trainer.trainers._packed.PackedTrainerMixin`]: the
+decision, the patch, the self-check and the padded fallback): TRL prepares the data (tokenization, labels), this
+class truncates it with counts and packs it with the global packer, and its collator flattens the rows.
 """
 
 from __future__ import annotations
@@ -42,22 +38,10 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     With ``packing=True`` the whole training set is packed into rows of ``max_length`` tokens (``packing_order``:
     by default rows of samples that follow each other in a seeded random order, see [`SFTConfig`]); with packing off
     and ``padding_free`` not set, each batch is flattened into one row (padding-free). Either way positions restart
-    per sample, no label crosses a sample boundary, and attention never crosses a sample: the model's attention is
-    patched for verified architectures, and a contamination probe runs on the actual model before training. Every
-    decision is logged once with its reason; see [`unpack_trainer.decision`] for the full table. ``UNPACK_DISABLE=1``
-    makes this class behave exactly like ``trl.SFTTrainer``.
-
-    ``args`` may be any ``TrainingArguments``: a plain ``trl.SFTConfig`` (or ``TrainingArguments``) is converted to
-    [`SFTConfig`] here, every shared field copied and ours at their documented defaults (a plain config's
-    ``padding_free=False`` cannot be told from its default, so it counts as not set).
-
-    Attributes:
-        unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
-        unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the estimated speedup
-            ([`unpack_trainer.data.estimate`]) for the training set; for a streamed training set, the truncation counts
-            (``"truncation"``) as they are read.
-        unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
-            started (``None`` before, and when nothing is packed).
+    per sample, no label crosses a sample boundary, and attention never crosses a sample. The decision (see
+    [`unpack_trainer.decision`] for the full table), switches, self-check, fallback and attributes are the core's
+    ([`PackedTrainerMixin`]); ``args`` may be any ``TrainingArguments`` (converted to [`SFTConfig`], every shared
+    field copied and ours at their documented defaults).
     """
 
     unpack_config_class = SFTConfig
@@ -97,6 +81,12 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         self._unpack_after_init(train_dataset, eval_dataset)
 
     # ------------------------------------------------------------------------------------------------ hooks
+
+    @classmethod
+    def unpack_data_columns(cls, args: Any) -> tuple[tuple[str, ...], ...]:
+        """``input_ids``; ``prompt`` + ``completion``; ``messages``; ``conversations``; ``dataset_text_field``."""
+        text_field = getattr(args, "dataset_text_field", None) or "text"
+        return (("input_ids",), ("prompt", "completion"), ("messages",), ("conversations",), (text_field,))
 
     def _packed_collator(self) -> DataCollatorForPacking:
         return DataCollatorForPacking(

@@ -1,8 +1,8 @@
-"""The ``unpack-trainer`` subcommands, one module each (``analyze``, ``bench``, ``sft`` + ``smollm2``), and what they
-share.
+"""The ``unpack-trainer`` subcommands, one module each (``analyze``, ``bench``, ``smollm2``; ``train``: one command
+per trainer), and what they share.
 
-Each command module has ``add_command(subparsers)`` (``sft`` has two: ``add_sft_command`` and
-``add_smollm2_command``), which builds its parser and sets ``handler=<function(args) -> int>``. A handler reports a
+Each command module has ``add_command(subparsers)`` (``train`` has ``add_commands``, one per trainer, whose arguments
+go to TRL's own parser unparsed), which builds its parser and sets ``handler=<function(args) -> int>``. A handler reports a
 user error by raising [`CLIError`]: [`unpack_trainer.cli.main`] prints it as one line on stderr and returns exit
 code 2 (no traceback).
 """
