@@ -583,6 +583,9 @@ def patch_model(model: torch.nn.Module, *, attention: bool = True, rope: bool = 
     own = [d.module for d in decoders if getattr(d.module, _STATE_ATTRIBUTE).own_forwards]
     if own:
         _patch_outer(structure.pretrained, own)
+    from unpack_trainer.models.classification_head import install_score_hooks
+
+    install_score_hooks(structure.pretrained)  # a sequence-classification model: one score per packed sequence
     return model
 
 

@@ -66,6 +66,16 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "(--prefix_sharing false: [prompt, chosen] and [prompt, rejected] as two samples; --padding_free false: "
         "TRL's padded batches); the loss and every metric are TRL's",
     ),
+    TrainerSpec(
+        "reward",
+        "RewardTrainer",
+        "RewardConfig",
+        "unpack_trainer.trainers.reward",
+        "Reward modelling on packed pairs",
+        "the pairs of each batch run as one packed row, the tokens chosen and rejected start with (the prompt) once, "
+        "each sequence scored at its own last token (--prefix_sharing false: [prompt, chosen] and [prompt, rejected] "
+        "as two samples; --padding_free false: TRL's padded batches); the loss and every metric are TRL's",
+    ),
 )
 """Every trainer of the package, in the order ``unpack-trainer --help`` lists them."""
 
