@@ -104,15 +104,10 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 
 def _reads_pad_token_id(cls: type) -> bool:
-    """Whether a method of ``cls`` or of a base class outside torch reads an attribute named ``pad_token_id``."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith(("torch.", "builtins")):
-            continue
-        for value in vars(klass).values():
-            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
-            if code is not None and "pad_token_id" in _code_names(code):
-                return True
-    return False
+    """Whether ``cls.forward`` (the one that runs, unwrapped from its decorators) reads an attribute named
+    ``pad_token_id``."""
+    code = getattr(inspect.unwrap(getattr(cls, "forward", None)), "__code__", None)
+    return code is not None and "pad_token_id" in _code_names(code)
 
 
 def find_score_head(model: torch.nn.Module) -> ScoreHead:
@@ -142,8 +137,8 @@ def find_score_head(model: torch.nn.Module) -> ScoreHead:
         )
     if not _reads_pad_token_id(type(model)):
         raise ValueError(
-            f"{name} does not pool its score at the last non-pad token (its code never reads pad_token_id), so the "
-            "token whose score it keeps cannot be found per sample."
+            f"{name} does not pool its score at the last non-pad token (its forward never reads pad_token_id), so "
+            "the token whose score it keeps cannot be found per sample."
         )
     return ScoreHead(prefix, heads[0], int(num_labels))
 
