@@ -137,3 +137,14 @@ def test_a_head_applied_after_pooling_is_refused_at_the_packed_forward():
     patch_model(model)
     with torch.no_grad(), pytest.raises(ValueError, match="head 'score' was not applied once to every token"):
         _packed_scores(model)
+
+
+def test_the_self_check_tolerance_of_a_bf16_classifier_is_bf16s():
+    """A sequence classifier has no output embedding: the self-check reads its dtype from the input embedding (before:
+    float32's tolerance for a bf16 model, which bf16 rounding on another kernel would fail)."""
+    from unpack_trainer.selfcheck import check_uncontaminated
+
+    model = _classifier("llama").to(torch.bfloat16)
+    patch_model(model)
+    report = check_uncontaminated(model, branched=True)
+    assert report.ok and report.dtype == torch.bfloat16
