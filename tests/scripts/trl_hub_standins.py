@@ -22,9 +22,9 @@ The redirection patches ``from_pretrained`` of transformers' model, config, toke
 models and their image data sets, ``tiny-RemoteForCausalLM`` (remote code), the ``harmony`` and ``toolcall`` data
 sets, whose chat templates SmolLM2's cannot render) therefore fail the same way for stock TRL and for ours.
 
-``--unpack-swap`` replaces ``trl.DPOTrainer`` / ``trl.DPOConfig`` and ``trl.SFTTrainer`` / ``trl.SFTConfig`` by
-ours before the test modules import them (``from trl import DPOConfig, DPOTrainer``), so the same tests run our class;
-the run ends with the path each of our trainers took (``padding_free`` / ``pack`` / ``padded`` / ``stock``) and its
+``--unpack-swap`` replaces ``trl.DPOTrainer`` / ``trl.DPOConfig``, ``trl.SFTTrainer`` / ``trl.SFTConfig`` and
+``trl.RewardTrainer`` / ``trl.RewardConfig`` by ours before the test modules import them (``from trl import
+DPOConfig, DPOTrainer``), so the same tests run our class; the run ends with the path each of our trainers took (``padding_free`` / ``pack`` / ``padded`` / ``stock``) and its
 self-check, so a test that passed by falling back to the stock path shows.
 
 Commands (from the repository root; TRL's tests in ``$TRL_TESTS``, a copy of TRL's ``tests/`` folder; this file is
@@ -36,9 +36,11 @@ not collected by our own suite)::
     # the same tests with unpack_trainer.DPOTrainer / DPOConfig
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
         $TRL_TESTS/test_dpo_trainer.py --unpack-swap
-    # the same two for TRL's SFT tests
+    # the same two for TRL's SFT tests, and for its reward-model tests
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
         $TRL_TESTS/test_sft_trainer.py [--unpack-swap]
+    PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
+        $TRL_TESTS/test_reward_trainer.py [--unpack-swap]
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ MODEL_STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
     "trl-internal-testing/tiny-CohereForCausalLM": ("cohere", {}),
     "trl-internal-testing/tiny-DeepseekV3ForCausalLM": ("deepseek_v3", {}),
     "trl-internal-testing/tiny-DeepseekV3ForCausalLM-0528": ("deepseek_v3", {}),
+    # TRL's `test_reward_trainer.py`: a sequence classifier (saved as one; the causal ids are loaded as one by TRL)
+    "trl-internal-testing/tiny-Qwen2ForSequenceClassification-2.5": (
+        "qwen2",
+        {"use_sliding_window": False, "num_labels": 1},
+    ),
 }
 ZEN = "trl-internal-testing/zen"
 ZEN_SPLITS = {"train": ("train", 17), "test": ("eval", 3)}  # hub split -> (embedded split, rows)
@@ -93,7 +100,7 @@ def _standin_path(model_id: str) -> str:
     if target.exists():
         return str(target)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from unpack_trainer.real_model import smollm2_path
     from unpack_trainer.tiny import tiny_config
@@ -110,7 +117,8 @@ def _standin_path(model_id: str) -> str:
         **fields,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if "ForSequenceClassification" in model_id else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     staging = Path(tempfile.mkdtemp(dir=_folder))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -202,7 +210,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--unpack-swap",
         action="store_true",
-        help="run TRL's tests with unpack_trainer's DPOTrainer / DPOConfig and SFTTrainer / SFTConfig in place of trl's",
+        help="run TRL's tests with unpack_trainer's DPOTrainer / DPOConfig, SFTTrainer / SFTConfig and RewardTrainer / "
+        "RewardConfig in place of trl's",
     )
 
 
@@ -240,7 +249,11 @@ def pytest_configure(config):
 
         import unpack_trainer
 
-        for trainer, config in (("DPOTrainer", "DPOConfig"), ("SFTTrainer", "SFTConfig")):
+        for trainer, config in (
+            ("DPOTrainer", "DPOConfig"),
+            ("SFTTrainer", "SFTConfig"),
+            ("RewardTrainer", "RewardConfig"),
+        ):
             setattr(trl, trainer, getattr(unpack_trainer, trainer))
             setattr(trl, config, getattr(unpack_trainer, config))
             _record_modes(getattr(unpack_trainer, trainer))
@@ -305,7 +318,10 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_report_header(config):
     swapped = config.getoption("--unpack-swap")
     source = "unpack_trainer" if swapped else "trl"
-    return f"trl_hub_standins: hub ids -> local stand-ins; DPOTrainer/DPOConfig, SFTTrainer/SFTConfig: {source}"
+    return (
+        f"trl_hub_standins: hub ids -> local stand-ins; DPOTrainer/DPOConfig, SFTTrainer/SFTConfig, "
+        f"RewardTrainer/RewardConfig: {source}"
+    )
 
 
 def pytest_unconfigure(config):
