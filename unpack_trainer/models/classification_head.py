@@ -33,7 +33,6 @@ forward pools the wrong token. Unpacked forwards run exactly as before.
 from __future__ import annotations
 
 import inspect
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,17 +94,11 @@ def _linear_of(module: torch.nn.Module) -> torch.nn.Linear | None:
     return None
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
 def _reads_pad_token_id(cls: type) -> bool:
     """Whether ``cls.forward`` (the one that runs, unwrapped from its decorators) reads an attribute named
     ``pad_token_id``."""
+    from unpack_trainer.models.discovery import _code_names
+
     code = getattr(inspect.unwrap(getattr(cls, "forward", None)), "__code__", None)
     return code is not None and "pad_token_id" in _code_names(code)
 

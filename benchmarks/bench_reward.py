@@ -1,0 +1,186 @@
+"""Reward-model step throughput and peak memory: stock ``trl.RewardTrainer`` (padded) vs
+``unpack_trainer.RewardTrainer`` packed without prefix sharing vs packed with prefix sharing, on pairs whose prompts
+are 20%, 50% and 80% of their tokens.
+
+    python benchmarks/bench_reward.py                          # tiny Llama, 8 pairs per batch, 3 repeats
+    python benchmarks/bench_reward.py --repeats 5 --threads 1  # steadier on a busy machine
+    python benchmarks/bench_reward.py --model smollm2          # SmolLM2-135M-Instruct with LoRA (the `real` extra)
+    python benchmarks/bench_reward.py --shares 0.02            # short prompts: what packing alone gives
+
+Each (provider, prompt share) case runs in its own process: one warm-up step, then ``--steps`` training steps (the
+model's forward and backward through the trainers' own ``compute_loss``) on the same pre-tokenized pairs. The
+providers are interleaved (stock, plain, shared, stock, ...) for ``--repeats`` rounds; the table gives the median and
+spread (min-max) of tokens/s and of each ratio, paired within a round. Tokens/s counts the tokens of ``[p, c]`` and
+``[p, r]`` (what stock TRL runs without its padding), the same numerator for every provider. Peak memory: the growth
+of the process's peak RSS over the training steps, warm-up included (ru_maxrss; CPU).
+
+Data: the pairs of ``benchmarks/bench_dpo.py`` (``|p| + |c| + |r|`` lognormal, median ``--median-tokens``, the
+prompt the given share, random token ids), as TRL's tokenized columns ``chosen_ids = p + c`` and ``rejected_ids =
+p + r``. Models: ``--model tiny_llama`` (default): ``LlamaForSequenceClassification`` at the benchmarks' tiny size
+(hidden 256, 4 layers, 8 heads, 4 kv heads, vocab 4096), fully fine-tuned. ``--model smollm2``:
+SmolLM2-135M-Instruct (fp32, SDPA; the `real` extra) as ``LlamaForSequenceClassification`` (a new ``score`` head)
+with LoRA (``task_type="SEQ_CLS"``, r 16 on every linear layer, the head trained in full); the token ids stay below
+4096 (valid SmolLM2 ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dpo import _spread, make_pairs  # noqa: E402
+from common import environment_line, format_table, run_in_subprocess, tiny_llama_config  # noqa: E402
+
+PROVIDERS = ("stock", "plain", "shared")
+SHARES = (0.2, 0.5, 0.8)
+MODELS = ("tiny_llama", "smollm2")
+
+
+def _model(name: str) -> tuple[object, dict]:
+    """``(model, trainer kwargs)`` of the benchmark's ``--model``."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(0)  # the new score head
+    if name == "smollm2":
+        from peft import LoraConfig
+
+        from unpack_trainer import smollm2_path
+
+        model = LlamaForSequenceClassification.from_pretrained(
+            smollm2_path(), num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        lora = LoraConfig(task_type="SEQ_CLS", r=16, lora_alpha=32, target_modules="all-linear")
+        return model, {"peft_config": lora}
+    config = tiny_llama_config(pad_token_id=0, eos_token_id=2, bos_token_id=1, num_labels=1)
+    return LlamaForSequenceClassification(config), {}
+
+
+def run_case(
+    provider: str, share: float, steps: int, batch_size: int, threads: int | None, model_name: str, median: int
+) -> dict:
+    """Train ``steps`` + 1 steps of ``provider`` in this process; tokens/s and the growth of peak RSS (MiB)."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    import trl
+    from datasets import Dataset
+    from datasets.utils.logging import disable_progress_bar
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer import RewardConfig, RewardTrainer
+
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
+    model, extra = _model(model_name)
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+    pairs = make_pairs(batch_size * (steps + 1), share, median=median)
+    dataset = Dataset.from_list(
+        [
+            {"chosen_ids": p["prompt_ids"] + p["chosen_ids"], "rejected_ids": p["prompt_ids"] + p["rejected_ids"]}
+            for p in pairs
+        ]  # fmt: skip
+    )
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
+                  use_cpu=True, gradient_checkpointing=False, max_length=None)  # fmt: skip
+    if provider == "stock":
+        trainer_class, args = trl.RewardTrainer, trl.RewardConfig(**common)
+    else:
+        trainer_class, args = RewardTrainer, RewardConfig(**common, prefix_sharing=provider == "shared")
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra)
+    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    model = trainer.model
+    model.train()
+    examples = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batches = [
+        trainer._prepare_inputs(trainer.data_collator(examples[i * batch_size : (i + 1) * batch_size]))
+        for i in range(steps + 1)
+    ]
+
+    def step(batch):
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step(batches[0])  # warm-up
+    start = time.perf_counter()
+    for batch in batches[1:]:
+        step(batch)
+    seconds = time.perf_counter() - start
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tokens = sum(len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples[batch_size:])
+    return {"tokens_per_s": tokens / seconds, "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="pairs per batch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
+    parser.add_argument("--model", choices=MODELS, default="tiny_llama")
+    parser.add_argument("--median-tokens", type=int, default=360, help="median |p| + |c| + |r| of a pair")
+    args = parser.parse_args(argv)
+    if args.case:
+        provider, share = args.case.split(":")
+        result = run_case(
+            provider, float(share), args.steps, args.batch_size, args.threads, args.model, args.median_tokens
+        )
+        print(json.dumps(result))
+        return
+
+    print(environment_line())
+    results: dict[tuple[str, float], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for share in args.shares:
+            order = PROVIDERS[repeat % 3 :] + PROVIDERS[: repeat % 3]
+            for provider in order:
+                command = [os.path.abspath(__file__), "--case", f"{provider}:{share}", "--steps", str(args.steps)]
+                command += ["--batch-size", str(args.batch_size), "--model", args.model]
+                command += ["--median-tokens", str(args.median_tokens)]
+                if args.threads is not None:
+                    command += ["--threads", str(args.threads)]
+                results.setdefault((provider, share), []).append(run_in_subprocess(command, timeout=3600))
+                print(f"  round {repeat + 1}, prompt {share:.0%}, {provider}: "
+                      f"{results[(provider, share)][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
+    rows = []
+    for share in args.shares:
+        tps = {p: [r["tokens_per_s"] for r in results[(p, share)]] for p in PROVIDERS}
+        peak = {p: [r["peak_mib"] for r in results[(p, share)]] for p in PROVIDERS}
+        rows.append([
+            f"{share:.0%}",
+            *(_spread(tps[p], ",.0f") for p in PROVIDERS),
+            _spread([b / a for a, b in zip(tps["stock"], tps["plain"])], ".2f"),
+            _spread([b / a for a, b in zip(tps["stock"], tps["shared"])], ".2f"),
+            _spread([b / a for a, b in zip(tps["plain"], tps["shared"])], ".2f"),
+            " / ".join(f"{np.median(peak[p]):.0f}" for p in PROVIDERS),
+            f"{np.median(peak['shared']) / max(np.median(peak['stock']), 1e-9):.2f}",
+        ])  # fmt: skip
+    print()
+    what = {"tiny_llama": "tiny Llama, full", "smollm2": "SmolLM2-135M-Instruct, LoRA r 16"}[args.model]
+    print(f"Reward-model step, {what}, {args.batch_size} pairs per batch (median pair {args.median_tokens} tokens), "
+          f"{args.steps} steps x {args.repeats} rounds (median (min-max)):")  # fmt: skip
+    print(format_table(
+        ["prompt share", "stock tokens/s", "packed tokens/s", "shared tokens/s", "packed / stock",
+         "shared / stock", "shared / packed", "peak MiB stock / packed / shared", "peak shared / stock"],
+        rows,
+    ))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

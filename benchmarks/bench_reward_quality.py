@@ -1,0 +1,211 @@
+"""Quality of packed reward-model training: held-out loss and accuracy of stock ``trl.RewardTrainer`` (padded) vs
+``unpack_trainer.RewardTrainer`` (packed rows, prompts shared), paired per seed.
+
+    python benchmarks/bench_reward_quality.py              # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_reward_quality.py --seeds 0 --train-pairs 64 --eval-pairs 32   # smoke test
+
+For each seed all arms start from the same initial weights (``torch.manual_seed(seed)``'s tiny Llama sequence
+classifier, ``num_labels=1``), see the same training pairs in the same order (the trainers' own seeded sampler,
+``seed`` = ``data_seed`` = the seed) with the same optimizer and learning-rate schedule, and train one epoch in fp32 on
+the CPU:
+
+- ``stock``: ``trl.RewardTrainer``, padded batches (chosen rows, then rejected rows);
+- ``ours``: ``unpack_trainer.RewardTrainer`` with its defaults: each batch's pairs packed into one row, the tokens
+  chosen and rejected start with run once (``prefix_sharing=True``);
+- ``control``: stock again, with every initial weight multiplied by ``1 + 1e-6 * N(0, 1)`` (about fp32 rounding): how
+  far a rounding-size perturbation alone moves the results over an epoch, the yardstick for ``ours - stock``
+  (packed and padded steps agree to fp32 rounding, ``tests/test_reward_trainer.py``).
+
+Every trained model is then evaluated by the same code, a stock ``trl.RewardTrainer.evaluate`` on the same held-out
+pairs: ``eval_loss`` (``-log sigmoid(r_chosen - r_rejected)``, mean over batches), ``eval_accuracy`` (share of pairs
+whose chosen answer scores higher) and ``eval_margin``. The table gives per arm the mean ± std over seeds, and the
+paired differences ``ours - stock`` and ``control - stock`` (mean ± std, standard error over seeds); the per-seed runs
+go to ``benchmarks/RESULTS_reward_quality.json`` (``--json``).
+
+Data: the embedded preference set (standard format; chosen = the right answer, rejected = a near miss of it), the
+first ``--train-pairs`` training pairs and ``--eval-pairs`` held-out pairs that fit in ``--max-length`` tokens (as
+``benchmarks/bench_dpo_quality.py`` selects them: no pair is filtered out by TRL). Defaults: 2,000 training pairs
+(500 steps of 4 pairs), 180 held-out pairs, ``max_length=256``, learning rate 1e-3, cosine schedule with 5% warm-up.
+Model: the default data's tiny Llama made smaller (hidden 64, MLP 128, 2 layers, 4 heads, 2 key/value heads) with the
+embedded tokenizer, as ``LlamaForSequenceClassification``. Each (seed, arm) run is its own process with torch on one
+thread, ``--jobs`` at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_dpo_quality import _mean_std, pair_subset  # noqa: E402
+from common import environment, format_table, run_in_subprocess  # noqa: E402
+
+ARMS = ("stock", "ours", "control")
+RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_reward_quality.json"
+METRICS = (
+    ("eval_loss", "held-out loss"),
+    ("eval_accuracy", "held-out accuracy"),
+    ("eval_margin", "held-out margin"),
+    ("train_loss", "train loss (epoch mean)"),
+)
+
+
+def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
+    """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
+    import torch
+
+    torch.set_num_threads(1)
+    import trl
+    from datasets.utils.logging import disable_progress_bar
+    from transformers import LlamaForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer import RewardConfig, RewardTrainer, unpatch_model
+    from unpack_trainer.cli.sft_comparison import checkpointing_off
+    from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
+
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
+    tokenizer = load_default_tokenizer()
+    train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
+    eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)
+    config = tiny_model_config(
+        tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(config)
+    if arm == "control":
+        generator = torch.Generator().manual_seed(10_000 + seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+                parameter.mul_(1 + 1e-6 * noise)
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        num_train_epochs=1,
+        per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        weight_decay=0.0,
+        max_length=options.max_length,
+        seed=seed,
+        data_seed=seed,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **checkpointing_off(trl.RewardConfig),
+    )
+    if arm in ("stock", "control"):
+        trainer_class, args = trl.RewardTrainer, trl.RewardConfig(**common)
+    else:
+        trainer_class, args = RewardTrainer, RewardConfig(**common)
+    trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer)
+    if arm == "ours":
+        assert trainer.unpack_decision.packed and trainer.data_collator.prefix_sharing, trainer.unpack_decision
+    start = time.perf_counter()
+    output = trainer.train()
+    train_s = time.perf_counter() - start
+    unpatch_model(trainer.model)  # a no-op for the stock arms; the evaluator runs padded batches either way
+    evaluator = trl.RewardTrainer(
+        model=trainer.model,
+        args=trl.RewardConfig(**common),
+        train_dataset=eval_dataset,  # required by trl.RewardTrainer; never trained on
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
+    metrics = evaluator.evaluate()
+    return {
+        "arm": arm,
+        "seed": seed,
+        "eval_loss": metrics["eval_loss"],
+        "eval_accuracy": metrics["eval_accuracy"],
+        "eval_margin": metrics["eval_margin"],
+        "train_loss": output.training_loss,
+        "steps": output.global_step,
+        "train_s": train_s,
+    }
+
+
+def summarize(runs: list[dict]) -> str:
+    """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
+    (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
+    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
+    rows = []
+    for key, name in METRICS:
+        values = {arm: [by[arm, s][key] for s in seeds] for arm in arms}
+        row = [name, *("{:.4f} ± {:.4f}".format(*_mean_std(values[arm])) for arm in arms)]
+        for arm in arms[1:]:
+            mean, std = _mean_std([b - a for a, b in zip(values["stock"], values[arm])])
+            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(seeds)):.4f})")
+        rows.append(row)
+    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
+    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
+    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
+    headers = ["metric", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
+    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
+    parser.add_argument("--train-pairs", type=int, default=2000)
+    parser.add_argument("--eval-pairs", type=int, default=180)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4, help="pairs per batch (train and eval)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each")
+    parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write the per-seed runs")
+    options = parser.parse_args(argv)
+    if options.case:
+        arm, seed = options.case.split(":")
+        print(json.dumps(run_case(arm, int(seed), options)))
+        return
+
+    shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
+    shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
+    shared += ["--learning-rate", str(options.learning_rate)]
+    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
+
+    def one(case: tuple[str, int]) -> dict:
+        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
+        print(f"  seed {run['seed']} {run['arm']}: eval loss {run['eval_loss']:.6f}, "
+              f"accuracy {run['eval_accuracy']:.4f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
+        return run
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        runs = list(pool.map(one, cases))
+    command = "python benchmarks/bench_reward_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    payload = {"command": command.strip(), "environment": environment(), "options": {
+        k: v for k, v in vars(options).items() if k not in ("case", "json")
+    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
+    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    print()
+    print(f"Reward-model quality, tiny Llama (hidden 64, 2 layers), {options.train_pairs} training pairs, one epoch, "
+          f"{options.batch_size} pairs per batch, {options.eval_pairs} held-out pairs, fp32, CPU:")  # fmt: skip
+    print(summarize(runs))
+    print(f"\nruns written to {options.json}")
+
+
+if __name__ == "__main__":
+    main()
