@@ -75,6 +75,47 @@ def pair_subset(split: str, count: int, tokenizer, max_length: int):
     return pairs.select(keep)
 
 
+def jitter(model, seed: int) -> None:
+    """The control arm's start: every weight of ``model`` multiplied by ``1 + 1e-6 * N(0, 1)`` (seeded by
+    ``10_000 + seed``), about fp32 rounding."""
+    import torch
+
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            parameter.mul_(1 + 1e-6 * noise)
+
+
+def training_arguments(config_class: type, options: argparse.Namespace, seed: int, **extra) -> dict:
+    """The arguments every arm trains and is evaluated with: one epoch of ``options.batch_size`` pairs per batch,
+    cosine schedule with 5% warm-up, ``seed`` = ``data_seed``, fp32 on the CPU, no checkpointing; ``extra`` added."""
+    from unpack_trainer.cli.sft_comparison import checkpointing_off
+
+    return dict(
+        output_dir=tempfile.mkdtemp(),
+        num_train_epochs=1,
+        per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        weight_decay=0.0,
+        max_length=options.max_length,
+        seed=seed,
+        data_seed=seed,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **checkpointing_off(config_class),
+        **extra,
+    )
+
+
 def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
     import copy
@@ -88,7 +129,6 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import DPOConfig, DPOTrainer
-    from unpack_trainer.cli.sft_comparison import checkpointing_off
     from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
 
     hf_logging.set_verbosity_error()
@@ -104,33 +144,8 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     model = LlamaForCausalLM(config)
     ref_model = copy.deepcopy(model)
     if arm == "control":
-        generator = torch.Generator().manual_seed(10_000 + seed)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-                parameter.mul_(1 + 1e-6 * noise)
-    common = dict(
-        output_dir=tempfile.mkdtemp(),
-        num_train_epochs=1,
-        per_device_train_batch_size=options.batch_size,
-        per_device_eval_batch_size=options.batch_size,
-        learning_rate=options.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=0.05,
-        weight_decay=0.0,
-        beta=options.beta,
-        max_length=options.max_length,
-        seed=seed,
-        data_seed=seed,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        **checkpointing_off(trl.DPOConfig),
-    )
+        jitter(model, seed)
+    common = training_arguments(trl.DPOConfig, options, seed, beta=options.beta)
     if arm in ("stock", "control"):
         trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
     else:
@@ -168,19 +183,22 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summarize(runs: list[dict]) -> str:
-    """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
-    (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
+METRICS = (
+    ("eval_loss", "held-out DPO loss"),
+    ("eval_reward_accuracy", "held-out reward accuracy"),
+    ("eval_reward_margin", "held-out reward margin"),
+    ("train_loss", "train loss (epoch mean)"),
+)
+
+
+def summarize(runs: list[dict], metrics: tuple[tuple[str, str], ...] = METRICS) -> str:
+    """Markdown table: per metric (``(key, name)`` of ``metrics``), each arm's mean ± std over seeds and the paired
+    differences to ``stock`` (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
     by = {(r["arm"], r["seed"]): r for r in runs}
     arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
     seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
     rows = []
-    for key, name in (
-        ("eval_loss", "held-out DPO loss"),
-        ("eval_reward_accuracy", "held-out reward accuracy"),
-        ("eval_reward_margin", "held-out reward margin"),
-        ("train_loss", "train loss (epoch mean)"),
-    ):
+    for key, name in metrics:
         row = [name]
         values = {arm: [by[arm, s][key] for s in seeds] for arm in arms}
         row += ["{:.4f} ± {:.4f}".format(*_mean_std(values[arm])) for arm in arms]
@@ -194,6 +212,34 @@ def summarize(runs: list[dict]) -> str:
     names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
     headers = ["metric", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
     return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
+
+
+def run_arms(
+    script: str, options: argparse.Namespace, argv: list[str] | None, extra: list[str], accuracy: str
+) -> list[dict]:
+    """Run every (arm, seed) of ``options`` as ``script --case arm:seed`` (with the shared options and ``extra``),
+    ``options.jobs`` processes at a time, each run's held-out loss and ``accuracy`` printed as it ends; the runs,
+    with the command and environment, written to ``options.json``."""
+    shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
+    shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
+    shared += ["--learning-rate", str(options.learning_rate), *extra]
+    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
+
+    def one(case: tuple[str, int]) -> dict:
+        run = run_in_subprocess([os.path.abspath(script), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
+        print(f"  seed {run['seed']} {run['arm']}: eval loss {run['eval_loss']:.6f}, "
+              f"{accuracy} {run[accuracy]:.4f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
+        return run
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        runs = list(pool.map(one, cases))
+    command = f"python benchmarks/{Path(script).name} " + " ".join(argv if argv is not None else sys.argv[1:])
+    payload = {"command": command.strip(), "environment": environment(), "options": {
+        k: v for k, v in vars(options).items() if k not in ("case", "json")
+    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
+    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    return runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,25 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_case(arm, int(seed), options)))
         return
 
-    shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
-    shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
-    shared += ["--learning-rate", str(options.learning_rate), "--beta", str(options.beta)]
-    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
-
-    def one(case: tuple[str, int]) -> dict:
-        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
-        print(f"  seed {run['seed']} {run['arm']}: eval loss {run['eval_loss']:.6f}, "
-              f"reward accuracy {run['eval_reward_accuracy']:.4f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
-        return run
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        runs = list(pool.map(one, cases))
-    command = "python benchmarks/bench_dpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = {"command": command.strip(), "environment": environment(), "options": {
-        k: v for k, v in vars(options).items() if k not in ("case", "json")
-    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
-    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    runs = run_arms(__file__, options, argv, ["--beta", str(options.beta)], "eval_reward_accuracy")
     print()
     print(f"DPO quality, tiny Llama (hidden 64, 2 layers), {options.train_pairs} training pairs, one epoch, "
           f"{options.batch_size} pairs per batch, {options.eval_pairs} held-out pairs, fp32, CPU:")  # fmt: skip

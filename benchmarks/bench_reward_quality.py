@@ -35,19 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import statistics
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dpo_quality import _mean_std, pair_subset  # noqa: E402
-from common import environment, format_table, run_in_subprocess  # noqa: E402
+from bench_dpo_quality import jitter, pair_subset, run_arms, summarize, training_arguments  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_reward_quality.json"
@@ -70,7 +64,6 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import RewardConfig, RewardTrainer, unpatch_model
-    from unpack_trainer.cli.sft_comparison import checkpointing_off
     from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
 
     hf_logging.set_verbosity_error()
@@ -85,32 +78,8 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     torch.manual_seed(seed)
     model = LlamaForSequenceClassification(config)
     if arm == "control":
-        generator = torch.Generator().manual_seed(10_000 + seed)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-                parameter.mul_(1 + 1e-6 * noise)
-    common = dict(
-        output_dir=tempfile.mkdtemp(),
-        num_train_epochs=1,
-        per_device_train_batch_size=options.batch_size,
-        per_device_eval_batch_size=options.batch_size,
-        learning_rate=options.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=0.05,
-        weight_decay=0.0,
-        max_length=options.max_length,
-        seed=seed,
-        data_seed=seed,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        **checkpointing_off(trl.RewardConfig),
-    )
+        jitter(model, seed)
+    common = training_arguments(trl.RewardConfig, options, seed)
     if arm in ("stock", "control"):
         trainer_class, args = trl.RewardTrainer, trl.RewardConfig(**common)
     else:
@@ -142,27 +111,6 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     }
 
 
-def summarize(runs: list[dict]) -> str:
-    """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
-    (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
-    by = {(r["arm"], r["seed"]): r for r in runs}
-    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in runs)]
-    seeds = sorted({r["seed"] for r in runs if all((arm, r["seed"]) in by for arm in arms)})
-    rows = []
-    for key, name in METRICS:
-        values = {arm: [by[arm, s][key] for s in seeds] for arm in arms}
-        row = [name, *("{:.4f} ± {:.4f}".format(*_mean_std(values[arm])) for arm in arms)]
-        for arm in arms[1:]:
-            mean, std = _mean_std([b - a for a, b in zip(values["stock"], values[arm])])
-            row.append(f"{mean:+.4f} ± {std:.4f} (se {std / math.sqrt(len(seeds)):.4f})")
-        rows.append(row)
-    seconds = [f"{statistics.fmean(by[arm, s]['train_s'] for s in seeds):.0f}" for arm in arms]
-    rows.append(["train seconds (mean)", *seconds, *([""] * (len(arms) - 1))])
-    names = {"stock": "stock (padded)", "ours": "ours (packed, shared)", "control": "control (stock, init jitter)"}
-    headers = ["metric", *(names[arm] for arm in arms), *(f"{arm} - stock (paired)" for arm in arms[1:])]
-    return f"{len(seeds)} seeds, mean ± std over seeds:\n\n" + format_table(headers, rows)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -181,29 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_case(arm, int(seed), options)))
         return
 
-    shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
-    shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
-    shared += ["--learning-rate", str(options.learning_rate)]
-    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
-
-    def one(case: tuple[str, int]) -> dict:
-        run = run_in_subprocess([os.path.abspath(__file__), "--case", f"{case[0]}:{case[1]}", *shared], timeout=3600)
-        print(f"  seed {run['seed']} {run['arm']}: eval loss {run['eval_loss']:.6f}, "
-              f"accuracy {run['eval_accuracy']:.4f}, {run['train_s']:.0f} s", flush=True)  # fmt: skip
-        return run
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        runs = list(pool.map(one, cases))
-    command = "python benchmarks/bench_reward_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    payload = {"command": command.strip(), "environment": environment(), "options": {
-        k: v for k, v in vars(options).items() if k not in ("case", "json")
-    }, "wall_s": time.perf_counter() - start, "runs": runs}  # fmt: skip
-    options.json.write_text(json.dumps(payload, indent=1) + "\n")
+    runs = run_arms(__file__, options, argv, [], "eval_accuracy")
     print()
     print(f"Reward-model quality, tiny Llama (hidden 64, 2 layers), {options.train_pairs} training pairs, one epoch, "
           f"{options.batch_size} pairs per batch, {options.eval_pairs} held-out pairs, fp32, CPU:")  # fmt: skip
-    print(summarize(runs))
+    print(summarize(runs, METRICS))
     print(f"\nruns written to {options.json}")
 
 
