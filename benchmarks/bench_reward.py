@@ -10,8 +10,10 @@ are 20%, 50% and 80% of their tokens.
 Each (provider, prompt share) case runs in its own process: one warm-up step, then ``--steps`` training steps (the
 model's forward and backward through the trainers' own ``compute_loss``) on the same pre-tokenized pairs. The
 providers are interleaved (stock, plain, shared, stock, ...) for ``--repeats`` rounds; the table gives the median and
-spread (min-max) of tokens/s and of each ratio, paired within a round. Tokens/s counts the tokens of ``[p, c]`` and
-``[p, r]`` (what stock TRL runs without its padding), the same numerator for every provider. Peak memory: the growth
+spread (min-max) of tokens/s and of each ratio, paired within a round, once by the process's CPU time (torch on one
+thread with ``--threads 1``: what the step costs, steadier than wall time on a machine other jobs share) and once by
+wall time. Tokens/s counts the tokens of ``[p, c]`` and ``[p, r]`` (what stock TRL runs without its padding), the same
+numerator for every provider. Peak memory: the growth
 of the process's peak RSS over the training steps, warm-up included (ru_maxrss; CPU).
 
 Data: the pairs of ``benchmarks/bench_dpo.py`` (``|p| + |c| + |r|`` lognormal, median ``--median-tokens``, the
@@ -116,13 +118,14 @@ def run_case(
 
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step(batches[0])  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for batch in batches[1:]:
         step(batch)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tokens = sum(len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples[batch_size:])
-    return {"tokens_per_s": tokens / seconds, "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds}
+    return {"tokens_per_s": tokens / seconds, "tokens_per_cpu_s": tokens / cpu_seconds,
+            "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,9 +161,19 @@ def main(argv: list[str] | None = None) -> None:
                 results.setdefault((provider, share), []).append(run_in_subprocess(command, timeout=3600))
                 print(f"  round {repeat + 1}, prompt {share:.0%}, {provider}: "
                       f"{results[(provider, share)][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
+    what = {"tiny_llama": "tiny Llama, full", "smollm2": "SmolLM2-135M-Instruct, LoRA r 16"}[args.model]
+    for key, clock in (("tokens_per_cpu_s", "the process's CPU time"), ("tokens_per_s", "wall time")):
+        print(f"\nReward-model step, {what}, {args.batch_size} pairs per batch (median pair {args.median_tokens} "
+              f"tokens), {args.steps} steps x {args.repeats} rounds, by {clock} (median (min-max)):")  # fmt: skip
+        print(_table(results, args.shares, key))
+
+
+def _table(results: dict[tuple[str, float], list[dict]], shares: list[float], key: str) -> str:
+    """Tokens per second (``key``: per wall or CPU second) of each provider, their ratios paired within a round, and
+    the median peak memory."""
     rows = []
-    for share in args.shares:
-        tps = {p: [r["tokens_per_s"] for r in results[(p, share)]] for p in PROVIDERS}
+    for share in shares:
+        tps = {p: [r[key] for r in results[(p, share)]] for p in PROVIDERS}
         peak = {p: [r["peak_mib"] for r in results[(p, share)]] for p in PROVIDERS}
         rows.append([
             f"{share:.0%}",
@@ -171,15 +184,11 @@ def main(argv: list[str] | None = None) -> None:
             " / ".join(f"{np.median(peak[p]):.0f}" for p in PROVIDERS),
             f"{np.median(peak['shared']) / max(np.median(peak['stock']), 1e-9):.2f}",
         ])  # fmt: skip
-    print()
-    what = {"tiny_llama": "tiny Llama, full", "smollm2": "SmolLM2-135M-Instruct, LoRA r 16"}[args.model]
-    print(f"Reward-model step, {what}, {args.batch_size} pairs per batch (median pair {args.median_tokens} tokens), "
-          f"{args.steps} steps x {args.repeats} rounds (median (min-max)):")  # fmt: skip
-    print(format_table(
+    return format_table(
         ["prompt share", "stock tokens/s", "packed tokens/s", "shared tokens/s", "packed / stock",
          "shared / stock", "shared / packed", "peak MiB stock / packed / shared", "peak shared / stock"],
         rows,
-    ))  # fmt: skip
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ go to ``benchmarks/RESULTS_reward_quality.json`` (``--json``).
 Data: the embedded preference set (standard format; chosen = the right answer, rejected = a near miss of it), the
 first ``--train-pairs`` training pairs and ``--eval-pairs`` held-out pairs that fit in ``--max-length`` tokens (as
 ``benchmarks/bench_dpo_quality.py`` selects them: no pair is filtered out by TRL). Defaults: 2,000 training pairs
-(500 steps of 4 pairs), 180 held-out pairs, ``max_length=256``, learning rate 1e-3, cosine schedule with 5% warm-up.
+(500 steps of 4 pairs), 180 held-out pairs, ``max_length=256``, learning rate 3e-4 (of 3e-5, 1e-4, 3e-4, 1e-3 and 3e-3,
+the lowest held-out loss of stock on seed 0: 0.671, against 0.684 to 0.692; at 1e-3 and above stock stays at chance),
+cosine schedule with 5% warm-up.
 Model: the default data's tiny Llama made smaller (hidden 64, MLP 128, 2 layers, 4 heads, 2 key/value heads) with the
 embedded tokenizer, as ``LlamaForSequenceClassification``. Each (seed, arm) run is its own process with torch on one
 thread, ``--jobs`` at a time.
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-pairs", type=int, default=180)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4, help="pairs per batch (train and eval)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each")
     parser.add_argument("--json", type=Path, default=RESULTS_JSON, help="where to write the per-seed runs")
