@@ -116,19 +116,16 @@ def training_arguments(config_class: type, options: argparse.Namespace, seed: in
     )
 
 
-def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
-    """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
-    import copy
-
+def setup(options: argparse.Namespace, **config) -> tuple:
+    """``(tokenizer, train pairs, held-out pairs, model config)`` of a run, in a process set up for it (torch on one
+    thread, transformers' and datasets' logs quiet): the embedded tokenizer, the pairs of [`pair_subset`], the tiny
+    model config (``config`` added)."""
     import torch
 
     torch.set_num_threads(1)
-    import trl
     from datasets.utils.logging import disable_progress_bar
-    from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from unpack_trainer import DPOConfig, DPOTrainer
     from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
 
     hf_logging.set_verbosity_error()
@@ -136,10 +133,24 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     tokenizer = load_default_tokenizer()
     train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
     eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)
-    config = tiny_model_config(
+    model_config = tiny_model_config(
         tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=2, **config,
     )  # fmt: skip
+    return tokenizer, train_dataset, eval_dataset, model_config
+
+
+def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
+    """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
+    import copy
+
+    import torch
+    import trl
+    from transformers import LlamaForCausalLM
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+
+    tokenizer, train_dataset, eval_dataset, config = setup(options)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     ref_model = copy.deepcopy(model)

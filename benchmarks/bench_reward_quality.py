@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dpo_quality import jitter, pair_subset, run_arms, summarize, training_arguments  # noqa: E402
+from bench_dpo_quality import jitter, run_arms, setup, summarize, training_arguments  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_reward_quality.json"
@@ -58,25 +58,12 @@ METRICS = (
 def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
     import torch
-
-    torch.set_num_threads(1)
     import trl
-    from datasets.utils.logging import disable_progress_bar
     from transformers import LlamaForSequenceClassification
-    from transformers.utils import logging as hf_logging
 
     from unpack_trainer import RewardConfig, RewardTrainer, unpatch_model
-    from unpack_trainer.default_data import load_default_tokenizer, tiny_model_config
 
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
-    tokenizer = load_default_tokenizer()
-    train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
-    eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)
-    config = tiny_model_config(
-        tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_labels=1,
-    )  # fmt: skip
+    tokenizer, train_dataset, eval_dataset, config = setup(options, num_labels=1)
     torch.manual_seed(seed)
     model = LlamaForSequenceClassification(config)
     if arm == "control":
