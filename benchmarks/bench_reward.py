@@ -27,7 +27,6 @@ with LoRA (``task_type="SEQ_CLS"``, r 16 on every linear layer, the head trained
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -38,12 +37,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dpo import _spread, make_pairs  # noqa: E402
-from common import environment_line, format_table, run_in_subprocess, tiny_llama_config  # noqa: E402
-
-PROVIDERS = ("stock", "plain", "shared")
-SHARES = (0.2, 0.5, 0.8)
-MODELS = ("tiny_llama", "smollm2")
+from bench_dpo import PROVIDERS, _spread, make_pairs, parse_arguments, run_cases  # noqa: E402
+from common import format_table, tiny_llama_config  # noqa: E402
 
 
 def _model(name: str) -> tuple[object, dict]:
@@ -129,16 +124,7 @@ def run_case(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8, help="pairs per batch")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
-    parser.add_argument("--model", choices=MODELS, default="tiny_llama")
-    parser.add_argument("--median-tokens", type=int, default=360, help="median |p| + |c| + |r| of a pair")
-    args = parser.parse_args(argv)
+    args = parse_arguments(__doc__, argv)
     if args.case:
         provider, share = args.case.split(":")
         result = run_case(
@@ -146,21 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(json.dumps(result))
         return
-
-    print(environment_line())
-    results: dict[tuple[str, float], list[dict]] = {}
-    for repeat in range(args.repeats):
-        for share in args.shares:
-            order = PROVIDERS[repeat % 3 :] + PROVIDERS[: repeat % 3]
-            for provider in order:
-                command = [os.path.abspath(__file__), "--case", f"{provider}:{share}", "--steps", str(args.steps)]
-                command += ["--batch-size", str(args.batch_size), "--model", args.model]
-                command += ["--median-tokens", str(args.median_tokens)]
-                if args.threads is not None:
-                    command += ["--threads", str(args.threads)]
-                results.setdefault((provider, share), []).append(run_in_subprocess(command, timeout=3600))
-                print(f"  round {repeat + 1}, prompt {share:.0%}, {provider}: "
-                      f"{results[(provider, share)][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
+    results = run_cases(__file__, args)
     what = {"tiny_llama": "tiny Llama, full", "smollm2": "SmolLM2-135M-Instruct, LoRA r 16"}[args.model]
     for key, clock in (("tokens_per_cpu_s", "the process's CPU time"), ("tokens_per_s", "wall time")):
         print(f"\nReward-model step, {what}, {args.batch_size} pairs per batch (median pair {args.median_tokens} "
