@@ -89,8 +89,6 @@ def run_case(
     import trl
     from datasets import Dataset
     from datasets.utils.logging import disable_progress_bar
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import DPOConfig, DPOTrainer
@@ -98,9 +96,7 @@ def run_case(
     hf_logging.set_verbosity_error()
     disable_progress_bar()
     model, ref_model, extra = _models(model_name)
-    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+    tokenizer = word_tokenizer()
     texts = [
         # completions start with a space: TRL tokenizes prompt + completion as one text, and the word-level
         # tokenizer would merge the prompt's last word with the completion's first
@@ -184,16 +180,36 @@ def run_cases(script: str, args: argparse.Namespace) -> dict[tuple[str, float], 
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_arguments(__doc__, argv)
+def measure(script: str, description: str, argv: list[str] | None, run_case) -> tuple[argparse.Namespace, dict | None]:
+    """The body of this benchmark and of ``bench_reward.py``: with ``--case``, ``run_case(provider, share, steps,
+    batch_size, threads, model, median_tokens)`` in this process, its result printed as JSON (no results returned);
+    otherwise every case of ``script`` ([`run_cases`]). Returns the arguments and the results."""
+    args = parse_arguments(description, argv)
     if args.case:
         provider, share = args.case.split(":")
         result = run_case(
             provider, float(share), args.steps, args.batch_size, args.threads, args.model, args.median_tokens
         )
         print(json.dumps(result))
+        return args, None
+    return args, run_cases(script, args)
+
+
+def word_tokenizer():
+    """A word-level tokenizer over ``t0`` .. ``t4095`` (token id ``i`` is the word ``t{i}``; pad ``t0``, BOS ``t1``,
+    EOS ``t2``): the benchmarks' pairs are token ids, and the trainers need a tokenizer for their special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, results = measure(__file__, __doc__, argv, run_case)
+    if results is None:
         return
-    results = run_cases(__file__, args)
     rows = []
     for share in args.shares:
         stock, plain, shared = (results[(p, share)] for p in PROVIDERS)

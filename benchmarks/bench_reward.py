@@ -27,7 +27,6 @@ with LoRA (``task_type="SEQ_CLS"``, r 16 on every linear layer, the head trained
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
@@ -37,7 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dpo import PROVIDERS, _spread, make_pairs, parse_arguments, run_cases  # noqa: E402
+from bench_dpo import PROVIDERS, _spread, make_pairs, measure, word_tokenizer  # noqa: E402
 from common import format_table, tiny_llama_config  # noqa: E402
 
 
@@ -72,8 +71,6 @@ def run_case(
     import trl
     from datasets import Dataset
     from datasets.utils.logging import disable_progress_bar
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import RewardConfig, RewardTrainer
@@ -81,8 +78,7 @@ def run_case(
     hf_logging.set_verbosity_error()
     disable_progress_bar()
     model, extra = _model(model_name)
-    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+    tokenizer = word_tokenizer()
     pairs = make_pairs(batch_size * (steps + 1), share, median=median)
     dataset = Dataset.from_list(
         [
@@ -124,15 +120,9 @@ def run_case(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_arguments(__doc__, argv)
-    if args.case:
-        provider, share = args.case.split(":")
-        result = run_case(
-            provider, float(share), args.steps, args.batch_size, args.threads, args.model, args.median_tokens
-        )
-        print(json.dumps(result))
+    args, results = measure(__file__, __doc__, argv, run_case)
+    if results is None:
         return
-    results = run_cases(__file__, args)
     what = {"tiny_llama": "tiny Llama, full", "smollm2": "SmolLM2-135M-Instruct, LoRA r 16"}[args.model]
     for key, clock in (("tokens_per_cpu_s", "the process's CPU time"), ("tokens_per_s", "wall time")):
         print(f"\nReward-model step, {what}, {args.batch_size} pairs per batch (median pair {args.median_tokens} "
