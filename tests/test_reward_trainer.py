@@ -269,8 +269,13 @@ def test_a_model_whose_score_cannot_be_read_per_sequence_trains_padded_and_says_
         trainer = _trainer(tmp_path, model=model)
         trainer.train()
     assert trainer.unpack_decision.mode == "padded" and type(trainer.data_collator) is DataCollatorForPreference
-    lines = [r.getMessage() for r in caplog.records if "cannot be read per packed sequence" in r.getMessage()]
-    assert len(lines) == 1 and "pad_token_id" in lines[0], lines
+    lines = [r for r in caplog.records if "cannot be read per packed sequence" in r.getMessage()]
+    assert len(lines) == 1 and "pad_token_id" in lines[0].getMessage() and lines[0].levelname == "INFO", lines
+    caplog.clear()
+    with caplog.at_level("INFO", logger="unpack_trainer"):  # asked for explicitly: a warning that says it is ignored
+        _trainer(tmp_path, model=model, args=_args(RewardConfig, tmp_path, padding_free=True))
+    lines = [r for r in caplog.records if "cannot be read per packed sequence" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING" and "padding_free=True ignored" in lines[0].getMessage()
 
 
 def test_the_self_check_passes_on_a_real_run(tmp_path):

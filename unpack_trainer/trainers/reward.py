@@ -230,7 +230,7 @@ class RewardTrainer(BranchedTrainerMixin, trl.RewardTrainer):
         the reason in the start line."""
         refusal = score_head_refusal(self.accelerator.unwrap_model(self.model))
         if refusal is not None:
-            explicit = explicit_padding_free(self.args) is True
+            explicit = explicit_padding_free(self._unpack_args) is True  # ours (TRL's copy has it False)
             what = "padding_free=True ignored" if explicit else "automatic padding-free off"
             self.unpack_decision = PackingDecision(
                 "padded",
