@@ -89,8 +89,6 @@ def run_case(
     import trl
     from datasets import Dataset
     from datasets.utils.logging import disable_progress_bar
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer import DPOConfig, DPOTrainer
@@ -98,14 +96,14 @@ def run_case(
     hf_logging.set_verbosity_error()
     disable_progress_bar()
     model, ref_model, extra = _models(model_name)
-    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+    tokenizer = word_tokenizer()
     texts = [
         # completions start with a space: TRL tokenizes prompt + completion as one text, and the word-level
         # tokenizer would merge the prompt's last word with the completion's first
-        {name.removesuffix("_ids"): ("" if name == "prompt_ids" else " ") + " ".join(f"t{i}" for i in ids)
-         for name, ids in pair.items()}  # fmt: skip
+        {
+            name.removesuffix("_ids"): ("" if name == "prompt_ids" else " ") + " ".join(f"t{i}" for i in ids)
+            for name, ids in pair.items()
+        }  # fmt: skip
         for pair in make_pairs(batch_size * (steps + 1), share, median=median)
     ]
     dataset = Dataset.from_list(texts)
@@ -147,8 +145,10 @@ def _spread(values, fmt: str) -> str:
     return f"{format(float(np.median(values)), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_arguments(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of this benchmark and of ``bench_reward.py``: steps, pairs per batch, rounds, threads, prompt
+    shares, model, median pair length (and the hidden ``--case provider:share`` of one measured process)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="pairs per batch")
@@ -157,22 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
     parser.add_argument("--model", choices=MODELS, default="tiny_llama")
     parser.add_argument("--median-tokens", type=int, default=360, help="median |p| + |c| + |r| of a pair")
-    args = parser.parse_args(argv)
-    if args.case:
-        provider, share = args.case.split(":")
-        result = run_case(
-            provider, float(share), args.steps, args.batch_size, args.threads, args.model, args.median_tokens
-        )
-        print(json.dumps(result))
-        return
+    return parser.parse_args(argv)
 
+
+def run_cases(script: str, args: argparse.Namespace) -> dict[tuple[str, float], list[dict]]:
+    """``script --case provider:share`` for every provider of [`PROVIDERS`] and share, each in its own process, the
+    providers interleaved (their order rotated each round) for ``args.repeats`` rounds: the results by case."""
     print(environment_line())
     results: dict[tuple[str, float], list[dict]] = {}
     for repeat in range(args.repeats):
         for share in args.shares:
             order = PROVIDERS[repeat % 3 :] + PROVIDERS[: repeat % 3]
             for provider in order:
-                command = [os.path.abspath(__file__), "--case", f"{provider}:{share}", "--steps", str(args.steps)]
+                command = [os.path.abspath(script), "--case", f"{provider}:{share}", "--steps", str(args.steps)]
                 command += ["--batch-size", str(args.batch_size), "--model", args.model]
                 command += ["--median-tokens", str(args.median_tokens)]
                 if args.threads is not None:
@@ -180,6 +177,39 @@ def main(argv: list[str] | None = None) -> None:
                 results.setdefault((provider, share), []).append(run_in_subprocess(command, timeout=3600))
                 print(f"  round {repeat + 1}, prompt {share:.0%}, {provider}: "
                       f"{results[(provider, share)][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
+    return results
+
+
+def measure(script: str, description: str, argv: list[str] | None, run_case) -> tuple[argparse.Namespace, dict | None]:
+    """The body of this benchmark and of ``bench_reward.py``: with ``--case``, ``run_case(provider, share, steps,
+    batch_size, threads, model, median_tokens)`` in this process, its result printed as JSON (no results returned);
+    otherwise every case of ``script`` ([`run_cases`]). Returns the arguments and the results."""
+    args = parse_arguments(description, argv)
+    if args.case:
+        provider, share = args.case.split(":")
+        result = run_case(
+            provider, float(share), args.steps, args.batch_size, args.threads, args.model, args.median_tokens
+        )
+        print(json.dumps(result))
+        return args, None
+    return args, run_cases(script, args)
+
+
+def word_tokenizer():
+    """A word-level tokenizer over ``t0`` .. ``t4095`` (token id ``i`` is the word ``t{i}``; pad ``t0``, BOS ``t1``,
+    EOS ``t2``): the benchmarks' pairs are token ids, and the trainers need a tokenizer for their special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, results = measure(__file__, __doc__, argv, run_case)
+    if results is None:
+        return
     rows = []
     for share in args.shares:
         stock, plain, shared = (results[(p, share)] for p in PROVIDERS)

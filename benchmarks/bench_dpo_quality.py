@@ -72,40 +72,24 @@ def pair_subset(split: str, count: int, tokenizer, max_length: int):
     return pairs.select(keep)
 
 
-def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
-    """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
-    import copy
-
+def jitter(model, seed: int) -> None:
+    """The control arm's start: every weight of ``model`` multiplied by ``1 + 1e-6 * N(0, 1)`` (seeded by
+    ``10_000 + seed``), about fp32 rounding."""
     import torch
 
-    torch.set_num_threads(1)
-    import trl
-    from datasets.utils.logging import disable_progress_bar
-    from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            parameter.mul_(1 + 1e-6 * noise)
 
-    from unpack_trainer import DPOConfig, DPOTrainer, load_default_tokenizer, tiny_model_config
+
+def training_arguments(config_class: type, options: argparse.Namespace, seed: int, **extra) -> dict:
+    """The arguments every arm trains and is evaluated with: one epoch of ``options.batch_size`` pairs per batch,
+    cosine schedule with 5% warm-up, ``seed`` = ``data_seed``, fp32 on the CPU, no checkpointing; ``extra`` added."""
     from unpack_trainer.cli.sft_comparison import checkpointing_off
 
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
-    tokenizer = load_default_tokenizer()
-    train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
-    eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)
-    config = tiny_model_config(
-        tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    ref_model = copy.deepcopy(model)
-    if arm == "control":
-        generator = torch.Generator().manual_seed(10_000 + seed)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-                parameter.mul_(1 + 1e-6 * noise)
-    common = dict(
+    return dict(
         output_dir=tempfile.mkdtemp(),
         num_train_epochs=1,
         per_device_train_batch_size=options.batch_size,
@@ -114,7 +98,6 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
         lr_scheduler_type="cosine",
         warmup_steps=0.05,
         weight_decay=0.0,
-        beta=options.beta,
         max_length=options.max_length,
         seed=seed,
         data_seed=seed,
@@ -125,8 +108,52 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
         logging_steps=10,
         disable_tqdm=True,
         dataloader_num_workers=0,
-        **checkpointing_off(trl.DPOConfig),
+        **checkpointing_off(config_class),
+        **extra,
     )
+
+
+def setup(options: argparse.Namespace, **config) -> tuple:
+    """``(tokenizer, train pairs, held-out pairs, model config)`` of a run, in a process set up for it (torch on one
+    thread, transformers' and datasets' logs quiet): the embedded tokenizer, the pairs of [`pair_subset`], the tiny
+    model config (``config`` added)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from datasets.utils.logging import disable_progress_bar
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer import load_default_tokenizer, tiny_model_config
+
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
+    tokenizer = load_default_tokenizer()
+    train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
+    eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)
+    model_config = tiny_model_config(
+        tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, **config,
+    )  # fmt: skip
+    return tokenizer, train_dataset, eval_dataset, model_config
+
+
+def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
+    """Train ``arm`` for one epoch from ``seed``'s initial weights, then evaluate it with a stock evaluator."""
+    import copy
+
+    import torch
+    import trl
+    from transformers import LlamaForCausalLM
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+
+    tokenizer, train_dataset, eval_dataset, config = setup(options)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    ref_model = copy.deepcopy(model)
+    if arm == "control":
+        jitter(model, seed)
+    common = training_arguments(trl.DPOConfig, options, seed, beta=options.beta)
     if arm in ("stock", "control"):
         trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
     else:
@@ -160,19 +187,41 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     }
 
 
-def summarize(runs: list[dict]) -> str:
-    """Markdown table: per metric, each arm's mean ± std over seeds and the paired differences to ``stock``
-    (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
-    metrics = [
-        (name, lambda run, key=key: run[key])
-        for key, name in (
-            ("eval_loss", "held-out DPO loss"),
-            ("eval_reward_accuracy", "held-out reward accuracy"),
-            ("eval_reward_margin", "held-out reward margin"),
-            ("train_loss", "train loss (epoch mean)"),
-        )
-    ]
-    return paired_table(runs, ARMS, metrics, "metric")
+METRICS = (
+    ("eval_loss", "held-out DPO loss"),
+    ("eval_reward_accuracy", "held-out reward accuracy"),
+    ("eval_reward_margin", "held-out reward margin"),
+    ("train_loss", "train loss (epoch mean)"),
+)
+
+
+def summarize(runs: list[dict], metrics: tuple[tuple[str, str], ...] = METRICS) -> str:
+    """Markdown table: per metric (``(key, name)`` of ``metrics``), each arm's mean ± std over seeds and the paired
+    differences to ``stock`` (mean ± std, standard error) of ``ours`` and of the rounding-perturbation ``control``."""
+    rows = [(name, lambda run, key=key: run[key]) for key, name in metrics]
+    return paired_table(runs, ARMS, rows, "metric")
+
+
+def run_arms(
+    script: str, options: argparse.Namespace, argv: list[str] | None, extra: list[str], accuracy: str
+) -> list[dict]:
+    """Run every (arm, seed) of ``options`` as ``script --case arm:seed`` (with the shared options and ``extra``),
+    ``options.jobs`` processes at a time, each run's held-out loss and ``accuracy`` printed as it ends; the runs,
+    with the command and environment, written to ``options.json``."""
+    shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
+    shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
+    shared += ["--learning-rate", str(options.learning_rate), *extra]
+    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
+
+    def describe(run: dict) -> str:
+        return f"eval loss {run['eval_loss']:.6f}, {accuracy} {run[accuracy]:.4f}, {run['train_s']:.0f} s"
+
+    start = time.perf_counter()
+    runs = run_seeded_cases(os.path.abspath(script), cases, shared, jobs=options.jobs, timeout=3600, describe=describe)
+    command = f"python benchmarks/{Path(script).name} " + " ".join(argv if argv is not None else sys.argv[1:])
+    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
+    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,22 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_case(arm, int(seed), options)))
         return
 
-    shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
-    shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
-    shared += ["--learning-rate", str(options.learning_rate), "--beta", str(options.beta)]
-    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
-
-    def describe(run: dict) -> str:
-        return (f"eval loss {run['eval_loss']:.6f}, reward accuracy {run['eval_reward_accuracy']:.4f}, "
-                f"{run['train_s']:.0f} s")  # fmt: skip
-
-    start = time.perf_counter()
-    runs = run_seeded_cases(
-        os.path.abspath(__file__), cases, shared, jobs=options.jobs, timeout=3600, describe=describe
-    )
-    command = "python benchmarks/bench_dpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
-    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
+    runs = run_arms(__file__, options, argv, ["--beta", str(options.beta)], "eval_reward_accuracy")
     print()
     print(f"DPO quality, tiny Llama (hidden 64, 2 layers), {options.train_pairs} training pairs, one epoch, "
           f"{options.batch_size} pairs per batch, {options.eval_pairs} held-out pairs, fp32, CPU:")  # fmt: skip

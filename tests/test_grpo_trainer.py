@@ -488,6 +488,8 @@ def test_eight_completions_per_prompt_equal_the_padded_batch_on_every_backend(ba
     from trl.trainer.utils import add_fused_lm_head
 
     from unpack_trainer.patches import attention
+    from unpack_trainer.patches.attention import _common as attention_common
+    from unpack_trainer.patches.attention import flash as flash_backend
     from unpack_trainer.trainers.branched import install_branched_hooks
 
     model = grpo_model(attn_implementation="eager" if backend == "eager" else "sdpa")
@@ -507,9 +509,9 @@ def test_eight_completions_per_prompt_equal_the_padded_batch_on_every_backend(ba
     stock = run(input_ids=ids, attention_mask=mask, labels=labels)
     if backend == "flash":
         kernel = _BottomRightFlash()
-        monkeypatch.setattr(attention, "_KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-        monkeypatch.setattr(attention, "_FLASH_DTYPES", (torch.float32,))
-        monkeypatch.setattr(attention, "_flash_varlen_kernel", lambda: kernel)
+        monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(flash_backend, "DTYPES", (torch.float32,))
+        monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
         monkeypatch.setenv(attention.ENV_BACKEND, "flash")
     install_branched_hooks(model)
     batch, total = pack_completions(ids, mask, width_c)

@@ -1,5 +1,5 @@
 """Two processes with `accelerate launch`: SFT trains every packed row exactly once per epoch, ranks balanced, no
-hang; DPO, GRPO and RLOO log what stock TRL logs, step by step.
+hang; DPO, GRPO, RLOO and reward models log what stock TRL logs, step by step.
 
 accelerate's `--cpu` launcher starts several processes only through MPI; torchrun (`--multi_gpu`) starts them on a
 machine without GPUs too, and the processes then use the gloo backend on the CPU.
@@ -60,12 +60,9 @@ def test_two_processes_train_every_sample_exactly_once_with_balanced_ranks(tmp_p
     assert abs(tokens[0] - tokens[1]) <= 0.15 * sum(tokens), tokens
 
 
-@pytest.mark.timeout(400)
-def test_dpo_on_two_processes_equals_stock(tmp_path):
-    """DPO with 2 processes, map-style and iterable pairs (train and eval): every rank's trainer gets the same pairs as
-    stock `trl.DPOTrainer`'s, trains padding-free with prompts shared after passing the self-check, and logs the same
-    losses, metrics and evaluations (fp32 rel 1e-5) at every step."""
-    ranks = launch_two_processes("ddp_dpo.py", tmp_path)
+def assert_two_processes_equal_stock(ranks: list[dict]) -> None:
+    """Per data kind (map-style, iterable): our trainer ran padding-free on both ranks after passing the self-check,
+    trained every pair once, got the same pairs as stock per rank, and logged the same values (fp32 rel 1e-5)."""
     for kind in ("map", "iterable"):
         ours, stock = [r[f"ours-{kind}"] for r in ranks], [r[f"stock-{kind}"] for r in ranks]
         assert [r["world_size"] for r in ours] == [2, 2]
@@ -110,3 +107,19 @@ def test_grpo_and_rloo_on_two_processes_equal_stock(tmp_path):
                     actual = ours_entry[key]
                     what = f"{trainer} rank {rank} step {stock_entry.get('step')} {key}: {actual} vs stock {expected}"
                     assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), what
+
+
+@pytest.mark.timeout(400)
+def test_dpo_on_two_processes_equals_stock(tmp_path):
+    """DPO with 2 processes, map-style and iterable pairs (train and eval): every rank's trainer gets the same pairs as
+    stock `trl.DPOTrainer`'s, trains padding-free with prompts shared after passing the self-check, and logs the same
+    losses, metrics and evaluations (fp32 rel 1e-5) at every step."""
+    assert_two_processes_equal_stock(launch_two_processes("ddp_dpo.py", tmp_path))
+
+
+@pytest.mark.timeout(400)
+def test_reward_on_two_processes_equals_stock(tmp_path):
+    """RewardTrainer with 2 processes, map-style and iterable pairs with a margin (train and eval): the same pairs
+    per rank as stock `trl.RewardTrainer`, packed with prompts shared after the self-check, and the same losses,
+    accuracies, margins, rewards and evaluations at every step."""
+    assert_two_processes_equal_stock(launch_two_processes("ddp_reward.py", tmp_path))

@@ -59,6 +59,9 @@ ONLINE_LOGPS_PARAMETERS: tuple[str, ...] = (
     "compute_entropy",
     "compute_aux_loss",
 )
+# ``trl.RewardTrainer``: TRL's ``compute_loss`` is kept whole (the model call returns its padded batch's logits);
+# its padded collator builds the view of every packed batch.
+REWARD_TRAINER_METHODS: tuple[str, ...] = ("compute_loss", "_prepare_dataset")
 
 # Set by transformers (``utils/output_capturing.py``) on a model once a forward asked for hidden states or attentions
 # and its output-capturing forward hooks are installed; the self-check puts it back as found, with the hooks.
@@ -125,4 +128,15 @@ def dpo_padded_collator_class() -> type:
     collator = getattr(dpo_trainer, "DataCollatorForPreference", None)
     if collator is None:
         raise _missing("trl.trainer.dpo_trainer", "DataCollatorForPreference", "class")
+    return collator
+
+
+def reward_padded_collator_class() -> type:
+    """TRL's padded reward collator (``trl.trainer.reward_trainer.DataCollatorForPreference``: chosen rows, then
+    rejected rows): the view of every packed reward batch, the padded fallback."""
+    from trl.trainer import reward_trainer
+
+    collator = getattr(reward_trainer, "DataCollatorForPreference", None)
+    if collator is None:
+        raise _missing("trl.trainer.reward_trainer", "DataCollatorForPreference", "class")
     return collator

@@ -364,7 +364,8 @@ def _last_states(outputs: object) -> torch.Tensor:
 
 
 def _logits_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype the model computes in: the output embedding's weight dtype, or its compute dtype when quantized."""
+    """The dtype the model computes in: the output embedding's weight dtype (the input embedding's for a model without
+    one, e.g. a sequence classifier), or its compute dtype when quantized."""
     config = getattr(model, "config", None)
     quantization = getattr(config, "quantization_config", None)
     compute = getattr(quantization, "bnb_4bit_compute_dtype", None) if quantization is not None else None
@@ -373,5 +374,5 @@ def _logits_dtype(model: torch.nn.Module) -> torch.dtype:
     if isinstance(compute, str) and hasattr(torch, compute):
         return getattr(torch, compute)
     output = model.get_output_embeddings()
-    weight = getattr(output, "weight", None)
+    weight = getattr(output if output is not None else model.get_input_embeddings(), "weight", None)
     return weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32

@@ -55,9 +55,12 @@ def llama(tiny_model):
 def test_no_module_per_architecture():
     """The patch is generic: the package holds one module per responsibility; the one architecture-specific module
     (alibi: bloom's and mpt's attention, which no extension point reaches) is keyed by attention class; positions
-    (embeddings that number tokens themselves, the RoBERTa family) is found from the structure."""
+    (embeddings that number tokens themselves, the RoBERTa family) and classification_head (a sequence classifier's
+    head and decoder) are found from the structure."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
-    assert modules == {"__main__", "alibi", "coverage", "discovery", "mixers", "patch", "positions", "refusals"}
+    assert modules == {
+        "__main__", "alibi", "classification_head", "coverage", "discovery", "mixers", "patch", "positions", "refusals"
+    }  # fmt: skip
 
 
 def test_public_exports():

@@ -37,10 +37,9 @@ def _token_ids(example: dict) -> list[list[int]]:
     return [example["prompt_ids"], example["chosen_ids"], example["rejected_ids"]]
 
 
-def run(output_dir: str, name: str, kind: str) -> dict:
-    trainer_class, config_class = TRAINERS[name]
-    tokenizer = char_tokenizer()
-    rows = pairs(24)
+def data_and_args(config_class, output_dir: str, name: str, kind: str, rows: list[dict]) -> tuple:
+    """``(train, evaluation, args)``: the first 16 of ``rows`` to train on, the rest to evaluate, map-style or
+    iterable (``kind``), and ``config_class``'s arguments: 4 steps of 2 pairs per rank, evaluation every 2 steps."""
     train, evaluation = Dataset.from_list(rows[:16]), Dataset.from_list(rows[16:])
     if kind == "iterable":  # TRL turns `dispatch_batches` off for an iterable train set only: eval is dispatched
         train, evaluation = train.to_iterable_dataset(), evaluation.to_iterable_dataset()
@@ -60,6 +59,13 @@ def run(output_dir: str, name: str, kind: str) -> dict:
         seed=0,
         max_length=40,
     )
+    return train, evaluation, args
+
+
+def run(output_dir: str, name: str, kind: str) -> dict:
+    trainer_class, config_class = TRAINERS[name]
+    tokenizer = char_tokenizer()
+    train, evaluation, args = data_and_args(config_class, output_dir, name, kind, pairs(24))
     vocab = dict(vocab_size=len(tokenizer), max_position_embeddings=512)
     trainer = trainer_class(
         model=tiny_model("llama", seed=0, **vocab),
@@ -69,11 +75,17 @@ def run(output_dir: str, name: str, kind: str) -> dict:
         eval_dataset=evaluation,
         processing_class=tokenizer,
     )
+    return train_and_record(trainer, _token_ids)
+
+
+def train_and_record(trainer, token_ids) -> dict:
+    """Train ``trainer``; what its collator got (``token_ids(example)`` of each example of each batch, training and
+    evaluation in order), its training pairs, log history, path and self-check (ours only), rank and world size."""
     seen = []
     collate = trainer.data_collator
 
     def recording_collator(examples):
-        seen.append([_token_ids(example) for example in examples])
+        seen.append([token_ids(example) for example in examples])
         return collate(examples)
 
     trainer.data_collator = recording_collator
@@ -82,7 +94,7 @@ def run(output_dir: str, name: str, kind: str) -> dict:
     check = getattr(trainer, "unpack_selfcheck", None)
     return {
         "seen": seen,
-        "train_pairs": [_token_ids(example) for example in trainer.train_dataset],
+        "train_pairs": [token_ids(example) for example in trainer.train_dataset],
         "log": trainer.state.log_history,
         "mode": None if decision is None else decision.mode,
         "self_check": None if check is None else check.ok,
@@ -91,7 +103,9 @@ def run(output_dir: str, name: str, kind: str) -> dict:
     }
 
 
-def main(output_dir: str) -> None:
+def main(output_dir: str, run=run) -> None:
+    """Every trainer of ``TRAINERS`` on map-style and iterable data (``run(output_dir, name, kind)``); this rank's
+    results to ``rank{N}.json``."""
     results = {f"{name}-{kind}": run(output_dir, name, kind) for kind in ("map", "iterable") for name in TRAINERS}
     rank = results["ours-map"]["rank"]
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as handle:

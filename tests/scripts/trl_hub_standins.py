@@ -38,9 +38,9 @@ not collected by our own suite)::
     # the same tests with unpack_trainer.DPOTrainer / DPOConfig
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
         $TRL_TESTS/test_dpo_trainer.py --unpack-swap
-    # the same two for TRL's SFT, GRPO and RLOO tests
+    # the same two for TRL's SFT, GRPO, RLOO and reward-model tests
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
-        $TRL_TESTS/test_sft_trainer.py [--unpack-swap]   # test_grpo_trainer.py, test_rloo_trainer.py
+        $TRL_TESTS/test_sft_trainer.py [--unpack-swap]   # test_grpo_trainer.py, test_rloo_trainer.py, test_reward_trainer.py
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ per responsibility:
   (the RoBERTa family counts from ``padding_idx + 1``), on packed rows;
 - :mod:`~unpack_trainer.models.patch`: the patch itself (registration in transformers' interfaces, the decoder hooks,
   RoPE, state and undo);
+- :mod:`~unpack_trainer.models.classification_head`: a ``*ForSequenceClassification`` model's score read per packed
+  sequence at its own last non-pad token (installed by the patch), or a packed forward refused with the reason;
 - :mod:`~unpack_trainer.models.coverage`: which model types are verified, one by one (:func:`supported_model_types`;
   ``python -m unpack_trainer.models --coverage`` prints the table).
 

@@ -25,6 +25,9 @@ be packed exactly). Then, on each decoder:
 - with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
   model of that module is unpatched or collected);
+- on a sequence-classification model (``*ForSequenceClassification``), hooks that score each packed sequence at its
+  own last non-pad token instead of one token per row, or refuse a packed forward with the reason
+  (:mod:`unpack_trainer.models.classification_head`);
 - where the decoder applies ``config.sliding_window`` through its mask only, tells its attention modules the window;
   likewise the chunk size of each chunked-attention layer (llama4), whose chunks then count from each sample's start,
   and a per-sample correction where a layer scales its queries by positions along the row (llama4's temperature
@@ -596,6 +599,9 @@ def patch_model(model: torch.nn.Module, *, attention: bool = True, rope: bool = 
     own = [d.module for d in decoders if getattr(d.module, _STATE_ATTRIBUTE).own_forwards]
     if own:
         _patch_outer(structure.pretrained, own)
+    from unpack_trainer.models.classification_head import install_score_hooks
+
+    install_score_hooks(structure.pretrained)  # a sequence-classification model: one score per packed sequence
     return model
 
 

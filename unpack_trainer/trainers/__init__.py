@@ -87,6 +87,16 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "once for its completions (--prefix_sharing false: each completion after its own prompt; --padding_free "
         "false: TRL's padded batches); generation, rewards, the loss and every metric are TRL's",
     ),
+    TrainerSpec(
+        "reward",
+        "RewardTrainer",
+        "RewardConfig",
+        "unpack_trainer.trainers.reward",
+        "Reward modelling on packed pairs",
+        "the pairs of each batch run as one packed row, the tokens chosen and rejected start with (the prompt) once, "
+        "each sequence scored at its own last token (--prefix_sharing false: [prompt, chosen] and [prompt, rejected] "
+        "as two samples; --padding_free false: TRL's padded batches); the loss and every metric are TRL's",
+    ),
 )
 """Every trainer of the package, in the order ``unpack-trainer --help`` lists them."""
 

@@ -344,7 +344,8 @@ class BranchedTrainerMixin(PackedTrainerMixin):
     A model whose token mixers carry state along the sequence (convolutions, recurrent scans) cannot continue a
     prompt's state in a branch, so sharing is off for it from the start (logged once).
 
-    The config has ``prefix_sharing`` (`bool`). Hooks: [`_unpack_probe_branches`] and [`_unpack_stop_sharing`].
+    The config has ``prefix_sharing`` (`bool`). Hooks: [`_unpack_probe_branches`], [`_unpack_stop_sharing`] and
+    [`_unpack_install_hooks`].
 
     Attributes:
         unpack_selfcheck_branched (`ContaminationReport` or `None`): the branched probe's result, once training or
@@ -380,7 +381,12 @@ class BranchedTrainerMixin(PackedTrainerMixin):
             self.unpack_decision = dataclasses.replace(self.unpack_decision, patch=True)
         super()._enable_packed_path()
         for model in self._unpack_models():
-            install_branched_hooks(model)
+            self._unpack_install_hooks(model)
+
+    def _unpack_install_hooks(self, model: Any) -> None:
+        """What a model of [`_unpack_models`] needs to run this trainer's packed batches, on top of the patch: by
+        default [`install_branched_hooks`] (the decoder's packed view, the compact LM head)."""
+        install_branched_hooks(model)
 
     def _unpack_check_before_first_batch(self) -> None:
         """The core's self-check, then (with prompts shared) the branched probe; if that fails, the completions are
