@@ -32,6 +32,7 @@ forward pools the wrong token. Unpacked forwards run exactly as before.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,11 +87,15 @@ class ScoreHead:
 
 
 def _linear_of(module: torch.nn.Module) -> torch.nn.Linear | None:
-    """``module`` if it is a ``Linear``, or the ``Linear`` a PEFT wrapper holds (``modules_to_save``'s
-    ``original_module``, a LoRA layer's ``base_layer``), else ``None``."""
-    for candidate in (module, getattr(module, "original_module", None), getattr(module, "base_layer", None)):
-        if isinstance(candidate, torch.nn.Linear):
-            return candidate
+    """``module`` if it is a ``Linear``, or the ``Linear`` PEFT wrappers hold, however nested (``modules_to_save``'s
+    ``original_module``, a LoRA layer's ``base_layer``; PEFT 0.18 wraps the head in both, a LoRA layer inside the
+    ``modules_to_save`` wrapper), else ``None``."""
+    seen: set[int] = set()
+    while isinstance(module, torch.nn.Module) and id(module) not in seen:
+        if isinstance(module, torch.nn.Linear):
+            return module
+        seen.add(id(module))
+        module = getattr(module, "original_module", None) or getattr(module, "base_layer", None)
     return None
 
 
@@ -232,7 +237,6 @@ class _ScoreHooks:
 
     head: ScoreHead | None
     refusal: str | None
-    hook_ids: list[int] = field(default_factory=list)
     calls: list[_ScoreCall] = field(default_factory=list)
     positional: tuple[str, ...] = ()
 
@@ -331,11 +335,8 @@ def _cache_length(kwargs: dict) -> int:
 
 
 def _remove_score_hooks(model: torch.nn.Module) -> None:
-    from unpack_trainer.models.patch import _remove_hook
-
-    hooks = model.__dict__.pop(_HOOKS_ATTRIBUTE, None)
-    for hook_id in hooks.hook_ids if hooks is not None else ():
-        _remove_hook(model, hook_id)
+    if model.__dict__.pop(_HOOKS_ATTRIBUTE, None) is not None:
+        model.__dict__.pop("forward", None)
 
 
 def install_score_hooks(model: torch.nn.Module) -> ScoreHead | None:
@@ -373,8 +374,22 @@ def install_score_hooks(model: torch.nn.Module) -> ScoreHead | None:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
     )
     hooks = _ScoreHooks(head, refusal, positional=positional)
-    hooks.hook_ids.append(model.register_forward_pre_hook(hooks.before, with_kwargs=True, prepend=True).id)
-    hooks.hook_ids.append(model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True).id)
+    # The model's own ``forward`` wrapped on the instance, not module hooks: PEFT (0.18, for one) calls the wrapped
+    # model's ``forward`` directly, which skips its forward hooks, and its stock pooling would then score one token
+    # per row without an error.
+    stock_forward = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = hooks.before(self, args, kwargs)
+        try:
+            output = stock_forward(*args, **kwargs)
+        except BaseException:
+            hooks.after(self, args, kwargs, None)  # drops the call and its head hook
+            raise
+        return hooks.after(self, args, kwargs, output)
+
+    model.forward = forward.__get__(model)
     model.__dict__[_HOOKS_ATTRIBUTE] = hooks
     model.__dict__.setdefault(UNDO_ATTRIBUTE, []).append(_remove_score_hooks)
     return head
