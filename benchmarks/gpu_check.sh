@@ -13,12 +13,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# The versions the CPU suite runs with (pyproject.toml bounds; see README); the GPU kernels' pure wheels.
+# Only what the GPU image lacks or holds too old (its package list: the device tool's KINDS.md; it has torch 2.11,
+# transformers 5.17 -- below our lower bound --, accelerate, peft, pyarrow, pandas, hypothesis, pytest, einops,
+# tokenizers, safetensors, huggingface-hub, xxhash, fsspec): a call carries at most 64 MiB, and pyarrow alone is 55 MB.
+# datasets 4.8.5 (our lower bound) asks pyarrow >= 21 where 5.x asks >= 24; transformers 5.24 asks regex >= 2025.10.
 WHEELS=(
-  "transformers==5.24.0" "trl==1.16.0" "datasets==5.2.0" "accelerate==1.15.0" "peft==0.21.2"
-  "huggingface_hub" "tokenizers" "safetensors" "dill==0.4.1" "multiprocess==0.70.19" "xxhash" "pyarrow" "fsspec"
-  "fla-core==0.6.0" "einops" "liger-kernel==0.8.5"
-  "pytest" "pytest-timeout" "hypothesis" "sortedcontainers" "iniconfig" "pluggy"
+  "transformers==5.24.0" "trl==1.16.0" "datasets==4.8.5" "peft==0.21.2" "dill==0.4.1" "multiprocess==0.70.19"
+  "regex==2026.11.19" "fla-core==0.6.0" "liger-kernel==0.8.5"
 )
 
 if [[ "${1:-}" == "download" ]]; then
@@ -33,6 +34,7 @@ SITE=/tmp/unpack_site
 {
   nvidia-smi || true
   python -c "import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+  python -m pip list 2>/dev/null | grep -iE "^(torch|triton|transformers|accelerate|peft|pyarrow|fsspec|tokenizers|safetensors|huggingface.hub|numpy|pandas) "
 } > "$OUT/environment.txt" 2>&1
 
 # The carried wheels, without touching the image's own packages (torch stays the image's).
