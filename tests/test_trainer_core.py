@@ -11,7 +11,7 @@ import trl
 from datasets import Dataset, Features, IterableDataset, Value
 
 from unpack_trainer import SFTConfig, SFTTrainer, _trl_compat
-from unpack_trainer.config import convert_config
+from unpack_trainer.configs import convert_config
 from unpack_trainer.data.sampler import BalancedStepSampler
 from unpack_trainer.trainers import PackedTrainerMixin
 from unpack_trainer.trainers._packed import _first_example

@@ -31,9 +31,9 @@ def info_of(lengths):
 @pytest.fixture(autouse=True)
 def _empty_stack():
     """Every test starts and ends with no packed forward running in this thread."""
-    masks.ATTENTION_FORWARDS.clear()
+    masks.PACKED_FORWARDS.clear()
     yield
-    masks.ATTENTION_FORWARDS.clear()
+    masks.PACKED_FORWARDS.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -67,11 +67,25 @@ def test_marking_twice_replaces_the_entry():
     first, second = info_of([3, 2]), info_of([5])
     packed_forward_active(model, first)
     packed_forward_active(model, second)  # e.g. after a failed trace left the first entry behind
-    assert masks.ATTENTION_FORWARDS.stack == [(model, second)]
+    assert masks.PACKED_FORWARDS.stack == [(model, second, True)]
     reset_packed_forward(model)
     assert current_packed_info() is None
     reset_packed_forward(model)  # not packed any more: a no-op
     assert current_packed_info() is None
+
+
+def test_one_entry_serves_attention_and_the_mixers():
+    """With ``output_attentions`` the hook publishes the forward for the token mixers only: attention and the mask
+    function take transformers' dense path, the mixers still run per sample."""
+    model, info = decoder(), info_of([3, 2])
+    packed_forward_active(model, info, attention=False)
+    assert current_packed_info(model.config) is None and current_packed_info() is None
+    assert current_packed_info(for_attention=False) is info
+    assert current_packed_info(model.config, for_attention=False) is info
+    packed_forward_active(model, info)
+    assert current_packed_info(model.config) is info and current_packed_info(for_attention=False) is info
+    reset_packed_forward(model)
+    assert current_packed_info(for_attention=False) is None
 
 
 def test_stack_is_per_thread():

@@ -11,7 +11,7 @@ reversing, rewriting short stories, ...) gives one pair, with no download:
   completions, as real preference data does.
 
 Example:
-    >>> from unpack_trainer.preference_data import load_default_preference_dataset
+    >>> from unpack_trainer.data.default_preference_data import load_default_preference_dataset
     >>> pairs = load_default_preference_dataset("train")  # columns: prompt, chosen, rejected (4,000 pairs)
 """
 
