@@ -93,6 +93,20 @@ def test_a_missing_trl_attribute_or_class_is_one_clear_error(monkeypatch):
         _trl_compat.sft_padded_collator_class()
 
 
+def test_an_evaluation_loop_argument_is_found_by_name_not_position(monkeypatch):
+    """``evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)``: the prefix
+    by position, by keyword, or its default; a signature without it is one clear error."""
+    find = _trl_compat.evaluation_loop_argument
+    assert find((None, "Evaluation", None, None, "test"), {}, "metric_key_prefix") == "test"
+    assert find((None, "Evaluation"), {"metric_key_prefix": "dev"}, "metric_key_prefix") == "dev"
+    assert find((None, "Evaluation"), {}, "metric_key_prefix") == "eval"
+    import transformers
+
+    monkeypatch.setattr(transformers.Trainer, "evaluation_loop", lambda self, dataloader, description: None)
+    with pytest.raises(RuntimeError, match=r"parameter `transformers\.Trainer\.evaluation_loop\.metric_key_prefix`"):
+        find((None, "Evaluation"), {}, "metric_key_prefix")
+
+
 def test_every_name_listed_exists_in_the_installed_trl():
     _trl_compat.require_methods(trl.SFTTrainer, _trl_compat.TRAINER_METHODS, "transformers.Trainer")
     _trl_compat.require_methods(trl.SFTTrainer, _trl_compat.SFT_TRAINER_METHODS, "trl.SFTTrainer")

@@ -186,6 +186,19 @@ def test_lengths_make_a_packed_batch_and_fill_in_positions():
     assert kwargs["use_cache"] is False
 
 
+def test_the_collators_metadata_is_adopted_not_rebuilt():
+    """The hook's PackedSeqInfo holds the collator's own cumsum and longest length (checked, not derived again)."""
+    from unpack_trainer import DataCollatorForPacking
+
+    batch = DataCollatorForPacking(pad_token_id=0)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    kwargs = {key: value for key, value in batch.items() if key != "labels"}
+    info = packed_info_for_forward(kwargs)
+    assert info.cu_seqlens.data_ptr() == batch["cu_seq_lens_q"].data_ptr()  # the collator's tensor, not a new one
+    assert batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"]
+    assert info.max_seqlen == batch["max_length_q"] == 3
+    assert info.seq_lengths.tolist() == [3, 2]
+
+
 def test_cu_seqlens_and_an_all_ones_mask():
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     kwargs = {

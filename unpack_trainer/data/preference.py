@@ -1,5 +1,8 @@
 """Packed preference batches: many (prompt, chosen, rejected) pairs in one row, the prompt shared by both answers.
 
+Stage 5 of the data path (collate) for preference pairs, as [`unpack_trainer.data.collator`] is for plain samples;
+the model side ([`unpack_trainer.trainers.branched`]) runs the packed row in place of TRL's view.
+
 TRL's ``DataCollatorForPreference`` pads ``[p, c]`` and ``[p, r]`` to the longest sequence of the batch (chosen rows
 first, then rejected rows), so every prompt runs twice and every row pays for the longest. Here the pairs of a batch
 go into one packed row instead. With ``prefix_sharing=True`` a pair is one branched segment ``[p, c, r]``: ``c`` and

@@ -1,4 +1,9 @@
-"""Contamination probe: do packed samples give the same logits as the same samples run one by one, on *this* model?"""
+"""Contamination probe: do packed samples give the same logits as the same samples run one by one, on *this* model?
+
+On the model side (``unpack_trainer.models``): it builds its probe batches with the data path's collator
+([`unpack_trainer.data.collator.packed_metadata`]) and runs them through the model as it will train; the trainers
+([`unpack_trainer.trainers._packed`]) call it before the first batch. Read-only: the model is left as found.
+"""
 
 from __future__ import annotations
 
