@@ -31,9 +31,9 @@ def info_of(lengths):
 @pytest.fixture(autouse=True)
 def _empty_stack():
     """Every test starts and ends with no packed forward running in this thread."""
-    masks.PACKED_FORWARDS.clear()
+    masks.RUNNING_FORWARDS.clear()
     yield
-    masks.PACKED_FORWARDS.clear()
+    masks.RUNNING_FORWARDS.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def test_marking_twice_replaces_the_entry():
     first, second = info_of([3, 2]), info_of([5])
     packed_forward_active(model, first)
     packed_forward_active(model, second)  # e.g. after a failed trace left the first entry behind
-    assert masks.PACKED_FORWARDS.stack == [(model, second, True)]
+    assert masks.RUNNING_FORWARDS.stack == [(model, second, True)]
     reset_packed_forward(model)
     assert current_packed_info() is None
     reset_packed_forward(model)  # not packed any more: a no-op

@@ -41,7 +41,7 @@ from unpack_trainer.packed_seq_info import (
     zero_prefixed_cumsum,
 )
 
-__all__ = ["IGNORE_INDEX", "PACKED_BATCH_KEYS", "DataCollatorForPacking", "packed_metadata"]
+__all__ = ["IGNORE_INDEX", "DataCollatorForPacking", "packed_metadata"]
 
 IGNORE_INDEX = -100
 

@@ -13,7 +13,7 @@ one.
 How the decision reaches the layers: the hook puts the forward's :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`
 in the decoder's keyword arguments (``packed_seq_info``), which transformers' decoders hand down to every attention
 call; it survives gradient checkpointing, whose recomputation runs after the forward has ended. The one other channel
-is the packed forward the hook publishes here for its duration (:data:`PACKED_FORWARDS`, :func:`packed_forward_active`,
+is the packed forward the hook publishes here for its duration (:data:`RUNNING_FORWARDS`, :func:`packed_forward_active`,
 read with :func:`current_packed_info`), for what a keyword cannot reach: the mask function (transformers calls it with
 fixed arguments), attention modules whose decoder does not hand its keyword arguments down (bloom, mpt) and the token
 mixers (their forwards take no such keyword; :mod:`unpack_trainer.patches.mixers`). One entry per packed forward
@@ -43,7 +43,7 @@ from unpack_trainer.packed_seq_info import (
 )
 
 __all__ = [
-    "PACKED_FORWARDS",
+    "RUNNING_FORWARDS",
     "PackedForwards",
     "current_packed_info",
     "detect_packed",
@@ -95,25 +95,25 @@ class PackedForwards:
 
 
 # The packed forwards running now, published by the model hook.
-PACKED_FORWARDS = PackedForwards()
+RUNNING_FORWARDS = PackedForwards()
 
 
 def packed_forward_active(decoder: Any, info: PackedSeqInfo, *, attention: bool = True) -> None:
     """Publish the forward of ``decoder`` now starting as packed with ``info`` (for attention and the mask function
     too unless ``attention=False``); undo with :func:`reset_packed_forward`."""
-    PACKED_FORWARDS.start(decoder, info, attention=attention)
+    RUNNING_FORWARDS.start(decoder, info, attention=attention)
 
 
 def reset_packed_forward(decoder: Any) -> None:
     """End the packed forward of ``decoder`` (no-op when its forward was not packed)."""
-    PACKED_FORWARDS.end(decoder)
+    RUNNING_FORWARDS.end(decoder)
 
 
 def current_packed_info(config: Any = None, *, for_attention: bool = True) -> PackedSeqInfo | None:
     """The packing metadata of the innermost packed forward running in this thread (of the decoder whose config is
     ``config``, when given; for the token mixers, ``for_attention=False``, also a forward whose attention takes the
     dense path), or ``None``."""
-    entry = PACKED_FORWARDS.innermost(config, for_attention=for_attention)
+    entry = RUNNING_FORWARDS.innermost(config, for_attention=for_attention)
     return None if entry is None else entry[1]
 
 
@@ -144,7 +144,7 @@ def make_mask_function(
     stock_functions = mask_functions()
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
-        entry = PACKED_FORWARDS.innermost(kwargs.get("config"))
+        entry = RUNNING_FORWARDS.innermost(kwargs.get("config"))
         if entry is not None:
             return entry[0].__dict__.get(MASK_PLACEHOLDER_ATTRIBUTE)
         original = fallback or stock_functions.get(original_implementation)
