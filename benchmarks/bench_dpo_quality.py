@@ -24,7 +24,7 @@ pairs against the same reference model: ``eval_loss`` (TRL's mean DPO loss over 
 The table gives per arm the mean ± std over seeds, and the paired differences ``ours - stock`` and
 ``control - stock``: mean ± std and standard error over seeds. The per-seed runs go to ``benchmarks/RESULTS_dpo_quality.json`` (``--json``).
 
-Data: the embedded preference set ([`unpack_trainer.preference_data.load_default_preference_dataset`], standard
+Data: the embedded preference set ([`unpack_trainer.data.default_preference_data.load_default_preference_dataset`], standard
 format): the first ``--train-pairs`` training pairs and the first ``--eval-pairs`` held-out pairs whose
 ``[prompt, chosen]`` and ``[prompt, rejected]`` fit in ``--max-length`` tokens (no truncation in any arm). Defaults: 2,000 training pairs (500 steps of 4
 pairs), 180 held-out pairs, ``max_length=256``, learning rate 1e-3 with a cosine schedule and 5% warm-up, ``beta=0.1``.
@@ -56,7 +56,7 @@ RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
 def pair_subset(split: str, count: int, tokenizer, max_length: int):
     """The first ``count`` pairs of ``split`` whose prompt + chosen and prompt + rejected fit in ``max_length``
     tokens (counted with BOS and EOS, as TRL tokenizes them)."""
-    from unpack_trainer.preference_data import load_default_preference_dataset
+    from unpack_trainer.data.default_preference_data import load_default_preference_dataset
 
     pairs = load_default_preference_dataset(split, conversational=False)
     keep = []

@@ -7,7 +7,7 @@
 The task: a prompt is a few letters of ``abcd``; the reward of a completion is the share of its first
 ``--completion-length`` characters that repeat the prompt's last letter (the characters before ``</s>``; a completion
 that stops early scores less). It needs the prompt (prefix sharing must keep it visible to every completion) and is
-checked by a program. The policy: a tiny random Llama over the character tokenizer ([`unpack_trainer.tiny`]) whose
+checked by a program. The policy: a tiny random Llama over the character tokenizer ([`unpack_trainer.models.tiny`]) whose
 ``</s>`` logit is raised, so that early completions end at different lengths.
 
 For each seed all arms start from the same initial weights, draw the same prompts in the same order and sample with

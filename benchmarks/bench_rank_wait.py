@@ -47,7 +47,7 @@ def _worker(rank: int, port: int, queue) -> None:
     from unpack_trainer import patch_model
     from unpack_trainer.data.packing import balanced_rank_order, balanced_step_order, row_costs
     from unpack_trainer.data.sampler import measure_attention_cost_ratio
-    from unpack_trainer.tiny import packed_batch, tiny_model
+    from unpack_trainer.models.tiny import packed_batch, tiny_model
 
     model = tiny_model(
         "llama",

@@ -15,8 +15,8 @@ import trl
 from datasets import Dataset
 from dpo_steps import one_dpo_step
 
-from unpack_trainer.dpo_config import DPOConfig
-from unpack_trainer.tiny import char_tokenizer, tiny_model
+from unpack_trainer.configs import DPOConfig
+from unpack_trainer.models.tiny import char_tokenizer, tiny_model
 from unpack_trainer.trainers.dpo import DPOTrainer
 
 REL = 1e-5
@@ -313,7 +313,7 @@ def test_a_plain_trl_config_gets_our_defaults(tmp_path):
 def test_a_failed_self_check_trains_padded(tmp_path, monkeypatch):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from unpack_trainer import selfcheck
+    from unpack_trainer.models import selfcheck
     from unpack_trainer.trainers import _packed
 
     failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
@@ -372,7 +372,7 @@ def test_train_and_evaluate_on_the_embedded_preference_set(conversational, tmp_p
     from transformers import LlamaForCausalLM
 
     from unpack_trainer import load_default_tokenizer, tiny_model_config
-    from unpack_trainer.preference_data import load_default_preference_dataset
+    from unpack_trainer.data.default_preference_data import load_default_preference_dataset
 
     tokenizer = load_default_tokenizer()
     config = tiny_model_config(tokenizer)
@@ -400,7 +400,7 @@ def test_train_and_evaluate_on_the_embedded_preference_set(conversational, tmp_p
 
 
 def test_the_collator_matches_its_worked_example():
-    from unpack_trainer.preference import DataCollatorForPackedPreference
+    from unpack_trainer.data.preference import DataCollatorForPackedPreference
 
     batch = DataCollatorForPackedPreference(pad_token_id=0)(
         [{"prompt_ids": [5, 6], "chosen_ids": [7], "rejected_ids": [8, 9]}]

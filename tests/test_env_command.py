@@ -10,7 +10,7 @@ from importlib import metadata
 import pytest
 
 from unpack_trainer.cli.main import main
-from unpack_trainer.tiny import tiny_config
+from unpack_trainer.models.tiny import tiny_config
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

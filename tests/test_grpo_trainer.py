@@ -432,8 +432,7 @@ def test_a_completion_that_sees_a_sibling_fails_the_self_check_and_sharing_stops
 
 
 def test_a_failed_plain_self_check_trains_stock_and_unpatches(tmp_path, llama, monkeypatch):
-    from unpack_trainer import selfcheck
-    from unpack_trainer.models import is_patched
+    from unpack_trainer.models import is_patched, selfcheck
     from unpack_trainer.trainers import _packed
 
     failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)

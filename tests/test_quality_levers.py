@@ -26,7 +26,7 @@ from unpack_trainer.data.packing import (
     windowed_packing,
 )
 from unpack_trainer.data.sampler import BalancedStepSampler
-from unpack_trainer.loss import sample_weights
+from unpack_trainer.trainers.loss import sample_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

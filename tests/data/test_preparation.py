@@ -1,7 +1,6 @@
 """``unpack_trainer.data.preparation``: the dataset-level preparation the trainer calls (truncate, pack)."""
 
 import ast
-import graphlib
 import logging
 from pathlib import Path
 
@@ -319,16 +318,3 @@ def test_the_data_path_walks_one_way():
     assert "unpack_trainer.data.streaming" not in _imports("trainers/sft")
     for lower in ("data/streaming", "data/packing"):
         assert not {"unpack_trainer.trainers.sft", "unpack_trainer.data.preparation"} & _imports(lower), lower
-
-
-def test_the_data_package_imports_nothing_above_it_and_has_no_circle():
-    """Every module of ``unpack_trainer/data/`` imports, at its top or inside a function, only from that folder,
-    ``unpack_trainer._logging`` and ``unpack_trainer.packed_seq_info`` (never the package root, the trainers, models,
-    patches or CLI), and no chain of those imports comes back to where it started."""
-    below = {"unpack_trainer._logging", "unpack_trainer.packed_seq_info"}
-    graph = {}
-    for path in sorted((Path(unpack_trainer.__file__).parent / "data").glob("*.py")):
-        ours = {m for m in _imports(f"data/{path.stem}") if m.partition(".")[0] == "unpack_trainer"}
-        assert {m for m in ours if not m.startswith("unpack_trainer.data.")} <= below, path.name
-        graph[f"unpack_trainer.data.{path.stem}"] = {m for m in ours if m.startswith("unpack_trainer.data.")}
-    graphlib.TopologicalSorter(graph).prepare()  # CycleError names the circle

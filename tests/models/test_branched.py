@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from unpack_trainer.models import patch_model
-from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.models.tiny import tiny_model
+from unpack_trainer.packed_seq_info import SEQ_PARENTS_KEY, PackedSeqInfo
 from unpack_trainer.patches.attention import _common as attention_common
 from unpack_trainer.patches.attention import flash as flash_backend
 from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
-from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
-from unpack_trainer.tiny import tiny_model
 
 REL = 1e-5
 SIZES = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512, head_dim=16, sliding_window=5)

@@ -2,7 +2,7 @@
 refused with a named reason, or skipped with a reason. Nothing fails, nothing is silently dense.
 
 Each type builds a tiny model from its config class (2 layers, hidden size 32; see
-``unpack_trainer.tiny.tiny_config``) and runs ``check_model_type``: packed logits == each sample alone (fp32,
+``unpack_trainer.models.tiny.tiny_config``) and runs ``check_model_type``: packed logits == each sample alone (fp32,
 relative 1e-5), loss and every gradient == the padded batch, SDPA and eager, the packed helper in every attention layer
 and transformers' mask function never called for the packed batch (no (T, T) mask).
 """
@@ -17,16 +17,9 @@ import transformers
 from unpack_trainer.decision import blocked_reason
 from unpack_trainer.models import BLOCKLIST, RefusalKind, refusal_reason, supported_model_types
 from unpack_trainer.models.__main__ import README_END, README_START
-from unpack_trainer.models.coverage import (
-    NOT_VERIFIED_ON,
-    VERIFIED_MODEL_TYPES,
-    VERIFIED_WITH,
-    check_model_type,
-    coverage_table,
-    model_types,
-    verified_model_types,
-)
-from unpack_trainer.tiny import config_class, tiny_config
+from unpack_trainer.models.coverage import check_model_type, coverage_table, model_types
+from unpack_trainer.models.tiny import config_class, tiny_config
+from unpack_trainer.models.verified import NOT_VERIFIED_ON, VERIFIED_MODEL_TYPES, VERIFIED_WITH, verified_model_types
 
 MODEL_TYPES = model_types()
 MEASURED = transformers.__version__ in VERIFIED_WITH  # a release the verified lists were generated with

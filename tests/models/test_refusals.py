@@ -33,8 +33,8 @@ from unpack_trainer.models import (
     unpatch_model,
 )
 from unpack_trainer.models.refusals import APPLIED_TERMS
+from unpack_trainer.models.tiny import packed_batch, tiny_config, tiny_model
 from unpack_trainer.patches.attention import packed_attention_forward
-from unpack_trainer.tiny import packed_batch, tiny_config, tiny_model
 
 
 def _project(self, hidden_states, position_embeddings):

@@ -27,7 +27,7 @@ from unpack_trainer.patches import attention, rope
 from unpack_trainer.patches.attention import _common as attention_common
 from unpack_trainer.patches.attention import flash as flash_backend
 
-# On top of unpack_trainer.tiny's sizes; None takes LlamaConfig's default.
+# On top of unpack_trainer.models.tiny's sizes; None takes LlamaConfig's default.
 SIZES = dict(
     num_hidden_layers=1,
     num_attention_heads=2,
@@ -56,10 +56,12 @@ def test_no_module_per_architecture():
     """The patch is generic: the package holds one module per responsibility; the one architecture-specific module
     (alibi: bloom's and mpt's attention, which no extension point reaches) is keyed by attention class; positions
     (embeddings that number tokens themselves, the RoBERTa family) and classification_head (a sequence classifier's
-    head and decoder) are found from the structure."""
+    head and decoder) are found from the structure. Beside the patch: what undoes the pieces installed on top of it,
+    the verified types, the self-check, and the models the package builds (tiny ones, SmolLM2)."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
     assert modules == {
-        "__main__", "alibi", "classification_head", "coverage", "discovery", "mixers", "patch", "positions", "refusals"
+        "__main__", "alibi", "classification_head", "coverage", "discovery", "mixers", "patch", "positions", "refusals",
+        "undo", "verified", "selfcheck", "tiny", "real_model",
     }  # fmt: skip
 
 

@@ -31,9 +31,9 @@ def info_of(lengths):
 @pytest.fixture(autouse=True)
 def _empty_stack():
     """Every test starts and ends with no packed forward running in this thread."""
-    masks.ATTENTION_FORWARDS.clear()
+    masks.RUNNING_FORWARDS.clear()
     yield
-    masks.ATTENTION_FORWARDS.clear()
+    masks.RUNNING_FORWARDS.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -67,11 +67,25 @@ def test_marking_twice_replaces_the_entry():
     first, second = info_of([3, 2]), info_of([5])
     packed_forward_active(model, first)
     packed_forward_active(model, second)  # e.g. after a failed trace left the first entry behind
-    assert masks.ATTENTION_FORWARDS.stack == [(model, second)]
+    assert masks.RUNNING_FORWARDS.stack == [(model, second, True)]
     reset_packed_forward(model)
     assert current_packed_info() is None
     reset_packed_forward(model)  # not packed any more: a no-op
     assert current_packed_info() is None
+
+
+def test_one_entry_serves_attention_and_the_mixers():
+    """With ``output_attentions`` the hook publishes the forward for the token mixers only: attention and the mask
+    function take transformers' dense path, the mixers still run per sample."""
+    model, info = decoder(), info_of([3, 2])
+    packed_forward_active(model, info, attention=False)
+    assert current_packed_info(model.config) is None and current_packed_info() is None
+    assert current_packed_info(for_attention=False) is info
+    assert current_packed_info(model.config, for_attention=False) is info
+    packed_forward_active(model, info)
+    assert current_packed_info(model.config) is info and current_packed_info(for_attention=False) is info
+    reset_packed_forward(model)
+    assert current_packed_info(for_attention=False) is None
 
 
 def test_stack_is_per_thread():
@@ -170,6 +184,19 @@ def test_lengths_make_a_packed_batch_and_fill_in_positions():
     assert kwargs["position_ids"].dtype == torch.int64
     assert kwargs["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
     assert kwargs["use_cache"] is False
+
+
+def test_the_collators_metadata_is_adopted_not_rebuilt():
+    """The hook's PackedSeqInfo holds the collator's own cumsum and longest length (checked, not derived again)."""
+    from unpack_trainer import DataCollatorForPacking
+
+    batch = DataCollatorForPacking(pad_token_id=0)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    kwargs = {key: value for key, value in batch.items() if key != "labels"}
+    info = packed_info_for_forward(kwargs)
+    assert info.cu_seqlens.data_ptr() == batch["cu_seq_lens_q"].data_ptr()  # the collator's tensor, not a new one
+    assert batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"]
+    assert info.max_seqlen == batch["max_length_q"] == 3
+    assert info.seq_lengths.tolist() == [3, 2]
 
 
 def test_cu_seqlens_and_an_all_ones_mask():

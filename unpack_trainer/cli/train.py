@@ -13,11 +13,11 @@ TRL's GRPO and RLOO scripts build them), training, saving, pushing. What differs
 - ``--dataset_name`` also takes a local data file (``.jsonl``/``.json``/``.csv``/``.parquet``/``.arrow``/``.txt``,
   optionally ``.gz``) or a folder written by ``Dataset.save_to_disk``, besides what ``datasets.load_dataset`` takes;
 - offline names: ``--model_name_or_path unpack_trainer:smollm2`` is SmolLM2-135M-Instruct from the ``real`` extra
-  (converted once, see [`unpack_trainer.smollm2_path`]); ``--dataset_name`` takes the names of [`DATASET_NAMES`]
-  (the data the package ships, ``train`` and ``test`` splits);
+  (converted once, see [`unpack_trainer.smollm2_path`]); ``--dataset_name`` takes the names of
+  [`unpack_trainer.cli.commands.train.DATASET_NAMES`] (the data the package ships, ``train`` and ``test`` splits);
 - a user error is one line on stderr, ``unpack-trainer <command>: error: ...``, and exit status 2, not a traceback:
-  [`check_arguments`] (``--max_length``, a model or data path that does not exist; also run by the launcher, before
-  ``accelerate launch``), a data file that cannot be read or is empty, a split that is not there, and
+  [`unpack_trainer.cli.commands.train.check_arguments`] (``--max_length``, a model or data path that does not exist;
+  also run by the launcher, before ``accelerate launch``), a data file that cannot be read or is empty, a split that is not there, and
   [`check_split`] (a row without a column the trainer reads, or with it null: the file, line or row and field
   named);
 - ``--ignore_bias_buffers`` applies to every command (TRL's DPO script reads it; it is a field of every script's
@@ -33,13 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from unpack_trainer.cli.commands import CLIError, one_line
-from unpack_trainer.cli.commands.train import PROG, make_parser
+from unpack_trainer.cli.commands.train import DATASET_NAMES, PROG, SMOLLM2_NAME, check_arguments, make_parser
 from unpack_trainer.data import files as data_files
 from unpack_trainer.trainers import trainer_spec
 
 __all__ = [
-    "DATASET_NAMES",
-    "check_arguments",
     "check_split",
     "load_dataset",
     "main",
@@ -48,71 +46,14 @@ __all__ = [
     "run",
 ]
 
-SMOLLM2_NAME = "unpack_trainer:smollm2"
-# --dataset_name -> (the commands whose --help lists it, "module:function" of its loader, conversational)
-DATASET_NAMES: dict[str, tuple[tuple[str, ...], str, bool]] = {
-    "unpack_trainer:chat": (("sft",), "unpack_trainer.data.default_data:load_default_dataset", True),
-    "unpack_trainer:default": (("sft",), "unpack_trainer.data.default_data:load_default_dataset", False),
-    "unpack_trainer:preference_chat": (
-        ("dpo", "reward"),
-        "unpack_trainer.preference_data:load_default_preference_dataset",
-        True,
-    ),
-    "unpack_trainer:preference": (
-        ("dpo", "reward"),
-        "unpack_trainer.preference_data:load_default_preference_dataset",
-        False,
-    ),
-}
-
 
 def resolve_model_name(name: str | None) -> str | None:
     """``unpack_trainer:smollm2`` -> the converted SmolLM2 folder (converted on first use); other names unchanged."""
     if name == SMOLLM2_NAME:
-        from unpack_trainer.real_model import smollm2_path
+        from unpack_trainer.models.real_model import smollm2_path
 
         return str(smollm2_path())
     return name
-
-
-def _is_hub_id(name: str) -> bool:
-    """Whether ``name`` has the shape of a Hub repository id (``name`` or ``namespace/name``)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def check_arguments(script_args: Any, training_args: Any, model_args: Any, dataset_args: Any = None) -> None:
-    """The checks that need no data and no model: ``CLIError`` naming the flag and the value.
-
-    ``--max_length`` below 1 (for a config that has it); a ``--model_name_or_path`` that is neither an existing path
-    nor shaped like a Hub id (transformers would say "Repo id must be in the form ..."); a ``--dataset_name`` that
-    names a local data file (a path, or a data file suffix) that does not exist; neither ``--dataset_name`` nor
-    ``datasets``.
-    """
-    max_length = getattr(training_args, "max_length", None)
-    if max_length is not None and max_length < 1:
-        raise CLIError(f"--max_length must be a positive integer (or None: no truncation), got {max_length}.")
-    model = model_args.model_name_or_path
-    if model is None:
-        raise CLIError("--model_name_or_path is required: a model folder, a Hub model id, or unpack_trainer:smollm2.")
-    if model != SMOLLM2_NAME and not Path(model).expanduser().exists() and not _is_hub_id(model):
-        raise CLIError(
-            f"--model_name_or_path {model}: no such file or directory (and not a Hub model id, 'name' or "
-            "'namespace/name')."
-        )
-    if dataset_args is not None and dataset_args.datasets:
-        return
-    name = script_args.dataset_name
-    if not name:
-        raise CLIError("--dataset_name (or `datasets` in a --config recipe) is required.")
-    local = data_files.file_format(name) is not None or not _is_hub_id(name)
-    if name not in DATASET_NAMES and local and not Path(name).expanduser().exists():
-        raise CLIError(f"--dataset_name {name}: no such file or directory.")
 
 
 def _embedded_splits(name: str, *, streaming: bool) -> Any:
@@ -135,7 +76,7 @@ def _embedded_splits(name: str, *, streaming: bool) -> Any:
 def load_dataset(name: str, *, config: str | None = None, streaming: bool = False) -> Any:
     """The dataset behind ``--dataset_name``, as a ``DatasetDict`` (or ``IterableDatasetDict`` when streaming).
 
-    - a name of [`DATASET_NAMES`]: the data the package ships, ``train`` and ``test`` splits;
+    - a name of [`unpack_trainer.cli.commands.train.DATASET_NAMES`]: the data the package ships, ``train`` and ``test`` splits;
     - a local file or a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``:
       [`unpack_trainer.data.files.read_splits`] (a file is read with the ``datasets`` builder of its extension,
       ``.jsonl.gz`` -> ``json``, as split ``train``; a saved ``Dataset`` becomes ``train``);
@@ -337,9 +278,11 @@ def main(command: str, script_args: Any, training_args: Any, model_args: Any, da
     if script_args.ignore_bias_buffers:
         import torch
 
-        trainer.model._ddp_params_and_buffers_to_ignore = [
-            name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
-        ]
+        from unpack_trainer._compat import ignore_in_ddp
+
+        ignore_in_ddp(
+            trainer.model, [name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool]
+        )
     _train_and_save(trainer, training_args, dataset_name=script_args.dataset_name)
 
 

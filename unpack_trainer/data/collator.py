@@ -29,28 +29,26 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer.data.validation import check_positive_int, check_seq_lengths, token_list
-from unpack_trainer.packed_seq_info import restart_positions, zero_prefixed_cumsum
+from unpack_trainer.packed_seq_info import (
+    CU_SEQ_LENS_K_KEY,
+    CU_SEQ_LENS_Q_KEY,
+    MAX_LENGTH_K_KEY,
+    MAX_LENGTH_Q_KEY,
+    PACKED_BATCH_KEYS,
+    SEQ_LENGTHS_COLUMN,
+    SEQ_LENGTHS_KEY,
+    restart_positions,
+    zero_prefixed_cumsum,
+)
 
-__all__ = ["IGNORE_INDEX", "PACKED_BATCH_KEYS", "DataCollatorForPacking", "packed_metadata"]
+__all__ = ["IGNORE_INDEX", "DataCollatorForPacking", "packed_metadata"]
 
 IGNORE_INDEX = -100
 
-# The keys of every batch DataCollatorForPacking returns, in order; ``use_cache`` follows unless ``use_cache=None``.
-# ``input_ids`` and ``labels`` are the tokens; the rest is the packing metadata an unpatched model must be spared.
-PACKED_BATCH_KEYS: tuple[str, ...] = (
-    "input_ids",
-    "labels",
-    "position_ids",
-    "packed_seq_lengths",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-)
-
 
 def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]:
-    """Everything derived from the per-sample lengths of a flat row, computed once on the CPU.
+    """Everything derived from the per-sample lengths of a flat row, computed once on the CPU (the model hook adopts
+    it: :meth:`unpack_trainer.packed_seq_info.PackedSeqInfo.from_seq_lengths`).
 
     Args:
         seq_lengths: ``(num_samples,)`` lengths of the samples in the row, in order; all positive.
@@ -58,7 +56,9 @@ def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]
     Returns:
         ``position_ids`` ``(1, total_tokens)`` int64 restarting at 0 per sample; ``packed_seq_lengths``
         ``(num_samples,)`` int32; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(num_samples + 1,)`` int32 zero-prefixed
-        cumsum; ``max_length_q`` / ``max_length_k`` the longest sample as a Python int.
+        cumsum (one tensor under both keys); ``max_length_q`` / ``max_length_k`` the longest sample as a Python int.
+        ``cu_seq_lens_*`` and ``max_length_*`` are transformers' flash-attention keywords: its own flash path reads
+        them on an unpatched model instead of deriving them from ``position_ids`` in every layer.
     """
     lengths = torch.as_tensor(seq_lengths, dtype=torch.int32).reshape(-1)
     if lengths.numel() == 0 or bool((lengths <= 0).any()):
@@ -68,11 +68,11 @@ def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]
     max_length = int(lengths.max())
     return {
         "position_ids": position_ids,
-        "packed_seq_lengths": lengths,
-        "cu_seq_lens_q": cu_seqlens,
-        "cu_seq_lens_k": cu_seqlens,
-        "max_length_q": max_length,
-        "max_length_k": max_length,
+        SEQ_LENGTHS_KEY: lengths,
+        CU_SEQ_LENS_Q_KEY: cu_seqlens,
+        CU_SEQ_LENS_K_KEY: cu_seqlens,
+        MAX_LENGTH_Q_KEY: max_length,
+        MAX_LENGTH_K_KEY: max_length,
     }
 
 
@@ -85,12 +85,13 @@ class DataCollatorForPacking(DataCollatorMixin):
     samples; their lengths must sum to ``len(input_ids)``). Without ``seq_lengths`` each example is one sample
     (padding-free batching).
 
-    Output keys (:data:`PACKED_BATCH_KEYS`, then ``use_cache``): ``input_ids`` ``(1, T)`` int64; ``labels`` ``(1, T)`` int64 with ``-100`` at every sample's first
-    token, wherever the example's labels are ``-100``, where ``assistant_masks == 0``, and where
-    ``completion_mask == 0`` when ``completion_only_loss``; ``position_ids`` ``(1, T)`` int64; ``packed_seq_lengths``
-    ``(num_samples,)`` int32 summing to ``T``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32; ``max_length_q`` /
-    ``max_length_k`` int; ``use_cache=False`` (unless ``use_cache=None``). No ``attention_mask``: a mask would make
-    transformers ignore the packing.
+    Output keys (:data:`unpack_trainer.packed_seq_info.PACKED_BATCH_KEYS`, then ``use_cache``): ``input_ids``
+    ``(1, T)`` int64; ``labels`` ``(1, T)`` int64 with ``-100`` at every sample's first token, wherever the example's
+    labels are ``-100``, where ``assistant_masks == 0``, and where ``completion_mask == 0`` when
+    ``completion_only_loss``; ``position_ids`` ``(1, T)`` int64; ``packed_seq_lengths`` ``(num_samples,)`` int32
+    summing to ``T``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32; ``max_length_q`` / ``max_length_k`` int;
+    ``use_cache=False`` (unless ``use_cache=None``). No ``attention_mask``: a mask would make transformers ignore the
+    packing.
 
     Safe by default for any model, patched or not: transformers' own models detect a packed row from
     ``position_ids`` that restart, but only when they build no KV cache; with their default ``use_cache=True`` an
@@ -143,17 +144,17 @@ class DataCollatorForPacking(DataCollatorMixin):
     def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         if not examples:
             raise ValueError("Cannot collate an empty batch.")
-        packed_ahead = "seq_lengths" in examples[0]
+        packed_ahead = SEQ_LENGTHS_COLUMN in examples[0]
         input_ids, labels, seq_lengths = [], [], []
         for index, example in enumerate(examples):
             ids, example_labels = self._example_tokens(example, index)
-            if packed_ahead != ("seq_lengths" in example):
+            if packed_ahead != (SEQ_LENGTHS_COLUMN in example):
                 raise ValueError(
                     f"Example {index} {'lacks' if packed_ahead else 'has'} `seq_lengths` while example 0 "
                     f"{'has' if packed_ahead else 'does not'}; mix packed and unpacked rows in different batches."
                 )
             if packed_ahead:
-                lengths = check_seq_lengths(example["seq_lengths"], len(ids), index, "example {index}")
+                lengths = check_seq_lengths(example[SEQ_LENGTHS_COLUMN], len(ids), index, "example {index}")
             else:
                 lengths = [len(ids)]
             input_ids.extend(ids)
@@ -171,7 +172,7 @@ class DataCollatorForPacking(DataCollatorMixin):
         if input_tensor is None or label_tensor is None:
             self._raise_for_bad_values(examples)
         output["input_ids"] = input_tensor
-        label_tensor[0, output["cu_seq_lens_q"][:-1].long()] = IGNORE_INDEX
+        label_tensor[0, output[CU_SEQ_LENS_Q_KEY][:-1].long()] = IGNORE_INDEX
         output["labels"] = label_tensor
         batch = {key: output[key] for key in PACKED_BATCH_KEYS}
         if self.use_cache is not None:

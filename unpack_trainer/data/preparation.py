@@ -33,10 +33,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
+from unpack_trainer._compat import stream_format_type
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.packing import best_fit_decreasing, shuffled_best_fit, split_rows, windowed_packing
 from unpack_trainer.data.streaming import StreamingPacker
 from unpack_trainer.data.validation import Overflow, check_positive_int, check_seq_lengths
+from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 
 __all__ = [
     "TruncationCounts",
@@ -73,14 +75,14 @@ def sample_lengths(dataset: Dataset, packed_ahead: bool = False) -> np.ndarray:
     of the rows packed ahead (``seq_lengths`` flattened, row-major)."""
     table = dataset.with_format("arrow")[:]
     if packed_ahead:
-        return pc.list_flatten(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
+        return pc.list_flatten(table[SEQ_LENGTHS_COLUMN]).to_numpy(zero_copy_only=False).astype(np.int64)
     return pc.list_value_length(table["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def samples_per_row(dataset: Dataset) -> np.ndarray:
     """``(num_rows,)`` int64 number of samples in each row of a packed dataset (the lengths of its ``seq_lengths``)."""
     table = dataset.with_format("arrow")[:]
-    return pc.list_value_length(table["seq_lengths"]).to_numpy(zero_copy_only=False).astype(np.int64)
+    return pc.list_value_length(table[SEQ_LENGTHS_COLUMN]).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _trained_tokens(dataset: Dataset) -> np.ndarray:
@@ -115,8 +117,8 @@ def split_packed_rows(dataset: Dataset | IterableDataset, name: str) -> Dataset 
     counter = {"row": 0}
 
     def split(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {column: [] for column in columns if column != "seq_lengths"}
-        for index, lengths in enumerate(batch["seq_lengths"]):
+        out: dict[str, list] = {column: [] for column in columns if column != SEQ_LENGTHS_COLUMN}
+        for index, lengths in enumerate(batch[SEQ_LENGTHS_COLUMN]):
             row = counter["row"]
             counter["row"] += 1
             ids = batch["input_ids"][index]
@@ -264,8 +266,7 @@ def _dataset_format(dataset: Any) -> dict[str, Any]:
     if isinstance(dataset, Dataset):
         format = dict(dataset.format)
     else:
-        formatting = getattr(dataset, "_formatting", None)
-        format = {"type": formatting.format_type if formatting is not None else None}
+        format = {"type": stream_format_type(dataset)}
     format.update(format.pop("format_kwargs", None) or {})
     return format
 
@@ -569,7 +570,7 @@ def pack_dataset(
     if isinstance(packed, Dataset) and format.get("columns") is not None:
         names = packed.column_names
         format["columns"] = [name for name in format["columns"] if name in names] + [
-            name for name in ("seq_lengths",) if name in names and name not in format["columns"]
+            name for name in (SEQ_LENGTHS_COLUMN,) if name in names and name not in format["columns"]
         ]
     return packed.with_format(**format)
 
@@ -586,7 +587,7 @@ def _pack_table(
     rows_multiple_of: int,
 ) -> pa.Table:
     """[`pack_dataset`] on one Arrow table (the whole map-style dataset, or one ``map`` batch of a stream)."""
-    if "seq_lengths" in table.column_names or not table.column_names:
+    if SEQ_LENGTHS_COLUMN in table.column_names or not table.column_names:
         raise ValueError(
             f"pack_dataset needs an `input_ids` column and no `seq_lengths` column (rows packed ahead: split them "
             f"first with split_packed_rows); got the columns {table.column_names}."
@@ -643,7 +644,7 @@ def _pack_table(
         return pa.LargeListArray.from_arrays(row_offsets, values)
 
     columns = {name: regroup(table[name]) for name in names}
-    columns["seq_lengths"] = pa.LargeListArray.from_arrays(
+    columns[SEQ_LENGTHS_COLUMN] = pa.LargeListArray.from_arrays(
         pa.array(sample_offsets, pa.int64()), pa.array(lengths[sample_order], pa.int64())
     )
     return pa.table(columns)

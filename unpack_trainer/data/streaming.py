@@ -63,6 +63,7 @@ from unpack_trainer.data.validation import (
     token_list,
     value_list,
 )
+from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 
 logger = logging.getLogger(__name__)
 
@@ -241,12 +242,12 @@ class StreamingPacker(IterableDataset):
             raise ValueError(f"`max_hold_rounds` must be a non-negative integer, got {max_hold_rounds!r}.")
         self.max_hold_rounds = int(max_hold_rounds)
         fields = tuple(DEFAULT_TOKEN_FIELDS if token_fields is None else token_fields)
-        if not fields or fields[0] != "input_ids" or len(set(fields)) != len(fields) or "seq_lengths" in fields:
+        if not fields or fields[0] != "input_ids" or len(set(fields)) != len(fields) or SEQ_LENGTHS_COLUMN in fields:
             raise ValueError(
                 f"`token_fields` must start with 'input_ids', list each field once and not 'seq_lengths', got {fields}."
             )
         self.token_fields = fields
-        self._inspected_keys = frozenset(fields[1:]) | {"attention_mask", "seq_lengths"}
+        self._inspected_keys = frozenset(fields[1:]) | {"attention_mask", SEQ_LENGTHS_COLUMN}
         if (rank is None) != (world_size is None):
             raise ValueError("Pass both `rank` and `world_size`, or neither.")
         if world_size is not None:
@@ -313,12 +314,12 @@ class StreamingPacker(IterableDataset):
         for sample in samples:
             ids = sample["input_ids"]
             input_ids.extend(ids)
-            own = sample.get("seq_lengths")
+            own = sample.get(SEQ_LENGTHS_COLUMN)
             if own is None:
                 seq_lengths.append(len(ids))
             else:
                 seq_lengths.extend(own)
-        row: Sample = {"input_ids": input_ids, "seq_lengths": seq_lengths}
+        row: Sample = {"input_ids": input_ids, SEQ_LENGTHS_COLUMN: seq_lengths}
         keys = set().union(*samples)
         for field in self.token_fields[1:]:
             if field not in keys:
@@ -628,12 +629,12 @@ class StreamingPacker(IterableDataset):
                 f"Sample {index} of the stream has padding (attention_mask == 0); packing needs unpadded samples. "
                 "Tokenize without padding."
             )
-        own = item.get("seq_lengths")
+        own = item.get(SEQ_LENGTHS_COLUMN)
         if own is not None:
             own = check_seq_lengths(own, length, index, "sample {index} of the stream")
             if sample is item:
                 sample = dict(item)
-            sample["seq_lengths"] = own
+            sample[SEQ_LENGTHS_COLUMN] = own
         return sample
 
     def _log_dropped_keys(self, item: Mapping) -> None:
@@ -641,7 +642,7 @@ class StreamingPacker(IterableDataset):
         default_pack = (
             self._pack_hook is None and type(self).pack_selected_samples is StreamingPacker.pack_selected_samples
         )
-        dropped = sorted(set(item) - set(self.token_fields) - {"seq_lengths"})
+        dropped = sorted(set(item) - set(self.token_fields) - {SEQ_LENGTHS_COLUMN})
         if dropped and default_pack:
             carried = ", ".join(f"`{f}`" for f in self.token_fields)
             log_once(
@@ -666,8 +667,8 @@ class StreamingPacker(IterableDataset):
             for field in self.token_fields:
                 if sample.get(field) is not None:
                     chunk[field] = sample[field][start:stop]
-            if sample.get("seq_lengths") is not None:
-                chunk["seq_lengths"] = _cut_seq_lengths(sample["seq_lengths"], start, stop)
+            if sample.get(SEQ_LENGTHS_COLUMN) is not None:
+                chunk[SEQ_LENGTHS_COLUMN] = _cut_seq_lengths(sample[SEQ_LENGTHS_COLUMN], start, stop)
             chunks.append((chunk, stop - start))
         return chunks
 

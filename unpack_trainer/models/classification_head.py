@@ -39,10 +39,20 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.patches.masks import SEQ_PARENTS_KEY, detect_packed
+from unpack_trainer._compat import cache_argument, cache_length
+from unpack_trainer.models.undo import add_undo
+from unpack_trainer.packed_seq_info import (
+    CU_SEQ_LENS_Q_KEY,
+    MAX_LENGTH_Q_KEY,
+    PACKED_INPUT_IDS_KEY,
+    PACKED_POSITION_IDS_KEY,
+    SCORE_ORDER_KEY,
+    SEQ_LENGTHS_KEY,
+    SEQ_PARENTS_KEY,
+)
+from unpack_trainer.patches.masks import detect_packed
 
 __all__ = [
-    "SCORE_ORDER_KEY",
     "ScoreHead",
     "find_score_head",
     "install_score_hooks",
@@ -51,12 +61,7 @@ __all__ = [
     "score_token_index",
 ]
 
-SCORE_ORDER_KEY = "packed_score_order"
-# The keys of a packed row carried next to a padded view of the same sequences (the reward trainer's batches): the
-# view's ``input_ids`` / ``attention_mask`` are what the trainer's loss and metrics read; the model runs the row.
-_VIEW_KEYS = {"packed_input_ids": "input_ids", "packed_position_ids": "position_ids"}
 _HOOKS_ATTRIBUTE = "_unpack_score_hooks"  # on the model: the _ScoreHooks installed
-_METADATA_KEYS = ("packed_seq_lengths", "cu_seq_lens_q", SEQ_PARENTS_KEY)
 
 
 def is_sequence_classifier(model: torch.nn.Module) -> bool:
@@ -244,23 +249,24 @@ class _ScoreHooks:
         if args:
             kwargs = {**dict(zip(self.positional, args)), **kwargs}
             args = ()
-        packed_ids = kwargs.pop("packed_input_ids", None)
+        packed_ids = kwargs.pop(PACKED_INPUT_IDS_KEY, None)
         order = kwargs.pop(SCORE_ORDER_KEY, None)
         if packed_ids is not None:  # a packed row next to its padded view: the model runs the row
             kwargs.pop("attention_mask", None)
             view = kwargs.pop("input_ids", None)
             kwargs["input_ids"] = packed_ids if view is None else packed_ids.to(view.device)
-            kwargs["position_ids"] = kwargs.pop("packed_position_ids", None)
+            kwargs["position_ids"] = kwargs.pop(PACKED_POSITION_IDS_KEY, None)
         reference = kwargs.get("input_ids")
         reference = reference if reference is not None else kwargs.get("inputs_embeds")
-        if reference is None or reference.dim() < 2 or _cache_length(kwargs) > 0:
+        if reference is None or reference.dim() < 2 or cache_length(cache_argument(kwargs)) > 0:
             return args, kwargs
         info = detect_packed(
             reference.shape[0],
             reference.shape[1],
-            packed_seq_lengths=kwargs.get("packed_seq_lengths"),
-            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-            seq_parents=kwargs.get(SEQ_PARENTS_KEY),
+            packed_seq_lengths=kwargs.get(SEQ_LENGTHS_KEY),
+            packed_seq_parents=kwargs.get(SEQ_PARENTS_KEY),
+            cu_seq_lens_q=kwargs.get(CU_SEQ_LENS_Q_KEY),
+            max_length_q=kwargs.get(MAX_LENGTH_Q_KEY),
             position_ids=kwargs.get("position_ids"),
             attention_mask=kwargs.get("attention_mask"),
         )
@@ -326,14 +332,6 @@ class _ScoreHooks:
         return call
 
 
-def _cache_length(kwargs: dict) -> int:
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    if cache is None:
-        return 0
-    length = getattr(cache, "get_seq_length", None)
-    return int(length()) if callable(length) else 0
-
-
 def _remove_score_hooks(model: torch.nn.Module) -> None:
     if model.__dict__.pop(_HOOKS_ATTRIBUTE, None) is not None:
         model.__dict__.pop("forward", None)
@@ -362,8 +360,6 @@ def install_score_hooks(model: torch.nn.Module) -> ScoreHead | None:
     installed = model.__dict__.get(_HOOKS_ATTRIBUTE)
     if installed is not None:
         return installed.head
-    from unpack_trainer.models.patch import UNDO_ATTRIBUTE
-
     try:
         head, refusal = find_score_head(model), None
     except ValueError as error:
@@ -391,5 +387,5 @@ def install_score_hooks(model: torch.nn.Module) -> ScoreHead | None:
 
     model.forward = forward.__get__(model)
     model.__dict__[_HOOKS_ATTRIBUTE] = hooks
-    model.__dict__.setdefault(UNDO_ATTRIBUTE, []).append(_remove_score_hooks)
+    add_undo(model, _remove_score_hooks)
     return head

@@ -12,10 +12,10 @@ A handler makes the mixer's state restart at every sample's first token on a pac
 (a right-padded batch per bucket of similar lengths; once on the packed row through the installed kernels' own
 ``seq_idx`` / ``cu_seqlens`` support where the mixer's code hands them on, see
 :mod:`unpack_trainer.patches.mixer_kernels`; or masked taps for a bare depthwise causal convolution). Inside a
-packed forward a handler finds the row's samples with :func:`unpack_trainer.patches.masks.current_packed_info` (pass
-the decoder's ``config``), which the decoder hook publishes before the decoder runs (and, for decoders with mixers,
-:func:`unpack_trainer.patches.mixers.publish_packed_forward`); ``None`` there means the batch is not packed and the
-mixer must run exactly as stock (padded batches, generation with a cache). Adding a handler is one class and one entry
+packed forward a handler finds the row's samples in the ``packed_seq_info`` keyword where its layer hands it down,
+else with :func:`unpack_trainer.patches.masks.current_packed_info` (``for_attention=False``), which the decoder hook
+publishes before the decoder runs; ``None`` there means the batch is not packed and the mixer must run exactly as
+stock (padded batches, generation with a cache). Adding a handler is one class and one entry
 in :data:`MIXER_HANDLERS`.
 """
 

@@ -14,7 +14,9 @@ be packed exactly). Then, on each decoder:
 - adds a forward pre-hook on the decoder that decides once per forward whether the batch is packed
   (:func:`unpack_trainer.patches.masks.packed_info_for_forward`, the one detector) and computes the packing metadata
   (:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`), which reaches every layer as a keyword argument (so it
-  survives gradient checkpointing) and token mixers through :func:`unpack_trainer.patches.masks.current_packed_info`.
+  survives gradient checkpointing) and, where no keyword reaches (the mask function, token mixers, attention under a
+  decoder that does not hand its keyword arguments down), through the packed forward it publishes
+  (:func:`unpack_trainer.patches.masks.current_packed_info`).
   Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left as it came;
 - patches each token mixer with the handler that owns it (:mod:`unpack_trainer.models.mixers`);
 - hooks each embeddings module that numbers tokens itself (:mod:`unpack_trainer.models.positions`: the RoBERTa
@@ -47,6 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unpack_trainer._compat import (
+    attention_implementation,
+    locally_registered,
+    mask_functions,
+    remove_hook,
+    set_attention_implementation,
+)
 from unpack_trainer.models import alibi
 from unpack_trainer.models.alibi import packed_forward_for, patch_attention_class, unpatch_attention_class
 from unpack_trainer.models.discovery import (
@@ -60,7 +69,9 @@ from unpack_trainer.models.discovery import (
 from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.positions import POSITIONS_ATTRIBUTE, own_position_embeddings, sample_positions
 from unpack_trainer.models.refusals import check_model
-from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE, SEQ_PARENTS_KEY
+from unpack_trainer.models.undo import run_undos
+from unpack_trainer.packed_seq_info import INFO_KEY, METADATA_KEYS
+from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE
 
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
@@ -77,10 +88,6 @@ __all__ = [
 logger = logging.getLogger("unpack_trainer.models")
 
 _STATE_ATTRIBUTE = "_unpack_trainer_patch"
-# On any submodule: functions ``undo(module)`` that :func:`unpatch_model` calls once, for what is installed on top of
-# the patch (the prompt-sharing view and compact LM head of :mod:`unpack_trainer.trainers.branched`). Module-level
-# functions, so a deep copy of the model keeps them and they act on the copy.
-UNDO_ATTRIBUTE = "_unpack_trainer_undo"
 
 
 @dataclass
@@ -122,7 +129,7 @@ def supported_model_types() -> list[str]:
     SDPA and eager, with no ``(T, T)`` mask built. Other types may still patch (the patch is generic); the trainer's
     self-check guards them.
     """
-    from unpack_trainer.models.coverage import verified_model_types
+    from unpack_trainer.models.verified import verified_model_types
 
     return sorted(verified_model_types())
 
@@ -150,17 +157,17 @@ def _route(implementation: str, decoder: torch.nn.Module | None) -> None:
     decoder using it is unpatched or collected. So a patched model's ``config._attn_implementation`` reads what a
     stock one reads.
     """
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from unpack_trainer.patches.attention import make_attention_function
     from unpack_trainer.patches.masks import make_mask_function
 
     if implementation not in _routed:
-        previous_attention = ALL_ATTENTION_FUNCTIONS._local_mapping.get(implementation)
-        previous_mask = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping.get(implementation)
+        previous_attention = locally_registered(ALL_ATTENTION_FUNCTIONS, implementation)
+        previous_mask = locally_registered(ALL_MASK_ATTENTION_FUNCTIONS, implementation)
         ALL_ATTENTION_FUNCTIONS[implementation] = make_attention_function(implementation, fallback=previous_attention)
-        if implementation in AttentionMaskInterface._global_mapping:
+        if implementation in mask_functions():
             # (transformers builds no mask at all for a name missing there, packed or not)
             ALL_MASK_ATTENTION_FUNCTIONS[implementation] = make_mask_function(implementation, fallback=previous_mask)
         _routed[implementation] = (previous_attention, previous_mask)
@@ -190,7 +197,7 @@ def _release_route(implementation: str, decoder: torch.nn.Module | None = None) 
     ):
         if previous is not None:
             interface[implementation] = previous
-        elif getattr(interface._local_mapping.get(implementation), "original_implementation", None) is not None:
+        elif getattr(locally_registered(interface, implementation), "original_implementation", None) is not None:
             del interface[implementation]
 
 
@@ -207,7 +214,7 @@ def _wants_attention_weights(module: torch.nn.Module, kwargs: dict) -> bool:
 def _follow_implementation(module: torch.nn.Module, state: _PatchState) -> None:
     """Route the decoder's packed batches through its implementation now: after
     ``model.set_attn_implementation(impl)`` changed it, and on the first forward of a copy."""
-    current = module.config._attn_implementation or "eager"
+    current = attention_implementation(module.config) or "eager"
     changed = current != state.implementation
     _route(current, module)
     if changed:
@@ -233,7 +240,7 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
     if (
         state is not None
         and state.attention
-        and (not state.routed or module.config._attn_implementation != state.implementation)
+        and (not state.routed or attention_implementation(module.config) != state.implementation)
     ):
         _follow_implementation(module, state)
     if args:
@@ -257,7 +264,8 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
     info = packed_info_for_forward(kwargs)
     if info is None:
         return args, kwargs
-    if _wants_attention_weights(module, kwargs) and state is not None and state.no_dense_path is not None:
+    dense = _wants_attention_weights(module, kwargs)
+    if dense and state is not None and state.no_dense_path is not None:
         raise ValueError(
             f"output_attentions=True with a packed batch is not supported for {state.model_type}: its packed "
             f"attention returns no weights and the model has no exact dense path for packed rows "
@@ -269,11 +277,7 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
             embeddings.__dict__[POSITIONS_ATTRIBUTE] = sample_positions(
                 embeddings, info, input_ids=kwargs.get("input_ids"), inputs_embeds=kwargs.get("inputs_embeds")
             )
-    if state is not None and state.mixers:
-        from unpack_trainer.patches.mixers import publish_packed_forward
-
-        publish_packed_forward(module, info)
-    if _wants_attention_weights(module, kwargs):
+    if dense:
         # The packed helper returns no weights: transformers' own packed path (a dense block mask from the restarting
         # position_ids, which the metadata filled in) computes the same outputs and returns them.
         from unpack_trainer._logging import log_once
@@ -285,23 +289,16 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
             "unpack_trainer: output_attentions=True: packed batches take transformers' dense-mask path, which "
             "returns the attention weights.",
         )
-        kwargs["packed_seq_info"] = None
-        return args, kwargs
-    packed_forward_active(module, info)
+        kwargs[INFO_KEY] = None
+    # One publication for the mask function, the attention modules no keyword reaches and the token mixers; attention
+    # follows it unless it takes the dense path.
+    packed_forward_active(module, info, attention=not dense)
     return args, kwargs
 
 
 # Keys of the packed batch an outer model may not hand down to its decoder (bloom's and mpt's CausalLM forwards pass
 # only their named arguments): the outer hook carries them to the decoder hook.
-_CARRIED_KEYS = (
-    "packed_seq_lengths",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-    "position_ids",
-    SEQ_PARENTS_KEY,
-)
+_CARRIED_KEYS = (*METADATA_KEYS, "position_ids")
 _CARRIED_ATTRIBUTE = "_unpack_carried_kwargs"
 _OUTER_ATTRIBUTE = "_unpack_trainer_outer"  # on the outer model: {"decoders": [qualified names], "hook_ids": [...]}
 
@@ -333,15 +330,13 @@ def _unpatch_outer(model: torch.nn.Module) -> None:
         outer = module.__dict__.pop(_OUTER_ATTRIBUTE, None)
         if outer is not None:
             for hook_id in outer["hook_ids"]:
-                _remove_hook(module, hook_id)
+                remove_hook(module, hook_id)
 
 
 def _decoder_post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     from unpack_trainer.patches.masks import reset_packed_forward
-    from unpack_trainer.patches.mixers import end_packed_forward
 
     reset_packed_forward(module)
-    end_packed_forward(module)
     state: _PatchState | None = module.__dict__.get(_STATE_ATTRIBUTE)
     for name, _ in state.positions if state is not None else ():
         module.get_submodule(name).__dict__.pop(POSITIONS_ATTRIBUTE, None)
@@ -421,22 +416,6 @@ def _unpatch_rope(modules: tuple[str, ...], decoder: torch.nn.Module) -> None:
         _release_rope(name)
 
 
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
-
-
-def _remove_hook(module: torch.nn.Module, hook_id: int) -> None:
-    """What ``RemovableHandle.remove`` does, on ``module``'s own hook dicts (a handle of the original model would
-    point at the original's dicts after ``copy.deepcopy``)."""
-    for name in _HOOK_DICTS:
-        getattr(module, name, {}).pop(hook_id, None)
-
-
 _WINDOW_ATTRIBUTE = "_unpack_sliding_window"
 _CHUNK_ATTRIBUTE = "_unpack_attention_chunk"  # chunked attention (llama4): read by the packed attention function
 _QUERY_CORRECTION_ATTRIBUTE = "_unpack_query_correction"  # read by the packed attention function
@@ -495,9 +474,10 @@ def _patch_decoder(model_type: str, decoder: Decoder, *, attention: bool, rope: 
             setattr(layer, _CHUNK_ATTRIBUTE, chunk)
         if _scales_queries_by_row_position(layer):
             setattr(layer, _QUERY_CORRECTION_ATTRIBUTE, _temperature_per_sample)
-    if config._attn_implementation is None:
-        config._attn_implementation = "eager"  # what transformers runs for None, under a name the routing can use
-    state = _PatchState(model_type, config._attn_implementation, attention, rope)
+    if attention_implementation(config) is None:
+        # what transformers runs for None, under a name the routing can use
+        set_attention_implementation(config, "eager")
+    state = _PatchState(model_type, attention_implementation(config), attention, rope)
     if attention:
         _route(state.implementation, module)
         for layer in decoder.attention:
@@ -536,10 +516,10 @@ def _unpatch_decoder(module: torch.nn.Module) -> None:
     if state is None:
         return
     for hook_id in state.hook_ids:
-        _remove_hook(module, hook_id)
+        remove_hook(module, hook_id)
     for name, hook_id in state.positions:
         embeddings = module.get_submodule(name)
-        _remove_hook(embeddings, hook_id)
+        remove_hook(embeddings, hook_id)
         embeddings.__dict__.pop(POSITIONS_ATTRIBUTE, None)
     if state.attention:
         _release_route(state.implementation, module)
@@ -611,9 +591,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     An implementation chosen with ``set_attn_implementation`` after patching is kept.
     """
     pretrained_model(model)
-    for module in model.modules():
-        for undo in module.__dict__.pop(UNDO_ATTRIBUTE, ()):
-            undo(module)
+    run_undos(model)  # what is installed on top of the patch (score hooks, the prompt-sharing view)
     for module in _patched_decoders(model):
         _unpatch_decoder(module)
     _unpatch_outer(model)
@@ -666,7 +644,7 @@ def resolve_backend(model: torch.nn.Module, *, compute_dtype: torch.dtype | None
     from unpack_trainer.patches.attention import compute_dtype as attention_dtype
 
     pretrained = pretrained_model(model)
-    implementation = pretrained.config._attn_implementation
+    implementation = attention_implementation(pretrained.config)
     parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     dtype = parameter.dtype if parameter is not None else torch.float32

@@ -57,6 +57,7 @@ from unpack_trainer.models.discovery import (
     mentions_alibi,
 )
 from unpack_trainer.models.mixers import handler_for
+from unpack_trainer.packed_seq_info import METADATA_KEYS
 
 __all__ = [
     "APPLIED_TERMS",
@@ -186,11 +187,7 @@ NOT_TERMS = frozenset(
     {
         "attention_mask",
         "position_ids",
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-        "packed_seq_lengths",
+        *METADATA_KEYS,
         "output_attentions",
         "use_cache",
         "layer_idx",

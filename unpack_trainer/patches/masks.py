@@ -1,15 +1,24 @@
-"""Model-level side of packed attention: detect a packed forward once, and build no ``(T, T)`` mask for it.
+"""Model-level side of packed attention: detect a packed forward once, publish it, and build no ``(T, T)`` mask for it.
 
 transformers builds the attention mask once per forward through ``AttentionMaskInterface``. For a packed batch the
 mask function registered here returns ``None`` (the attention helper derives the per-sample mask from the packing
 metadata); for anything else it returns exactly what the model's own implementation ("sdpa", "eager", ...) returns.
 
 Whether a batch is packed is decided in one place, :func:`detect_packed`. The model hook calls it once per forward
-through :func:`packed_info_for_forward` before the decoder runs, and publishes the result for the mask function and the
-token mixers (:func:`current_packed_info`) through :func:`packed_forward_active` on a per-thread stack (a plain list in
-a ``threading.local``: ``torch.compile(fullgraph=True)`` traces it, where it cannot trace a ``ContextVar``); a direct
-call of the attention helper without the hook decides with it too. Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left exactly as it
-came, with no Python branch on tensor values, so a compiled or exported patched model traces as an unpatched one.
+through :func:`packed_info_for_forward` before the decoder runs; a direct call of the attention helper without the
+hook decides with it too. Under ``torch.compile`` / ``torch.export`` a batch without packing metadata is left exactly
+as it came, with no Python branch on tensor values, so a compiled or exported patched model traces as an unpatched
+one.
+
+How the decision reaches the layers: the hook puts the forward's :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`
+in the decoder's keyword arguments (``packed_seq_info``), which transformers' decoders hand down to every attention
+call; it survives gradient checkpointing, whose recomputation runs after the forward has ended. The one other channel
+is the packed forward the hook publishes here for its duration (:data:`RUNNING_FORWARDS`, :func:`packed_forward_active`,
+read with :func:`current_packed_info`), for what a keyword cannot reach: the mask function (transformers calls it with
+fixed arguments), attention modules whose decoder does not hand its keyword arguments down (bloom, mpt) and the token
+mixers (their forwards take no such keyword; :mod:`unpack_trainer.patches.mixers`). One entry per packed forward
+serves all three: with ``output_attentions`` the forward is published for the mixers only, since attention then takes
+transformers' dense path, which returns the weights.
 """
 
 from __future__ import annotations
@@ -20,12 +29,21 @@ from typing import Any
 
 import torch
 
-from unpack_trainer._transformers_compat import cache_argument, cache_length
-from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer._compat import cache_argument, cache_length, mask_functions
+from unpack_trainer.packed_seq_info import (
+    BOUNDARY_KEYS,
+    CU_SEQ_LENS_K_KEY,
+    CU_SEQ_LENS_Q_KEY,
+    INFO_KEY,
+    MAX_LENGTH_K_KEY,
+    MAX_LENGTH_Q_KEY,
+    SEQ_LENGTHS_KEY,
+    SEQ_PARENTS_KEY,
+    PackedSeqInfo,
+)
 
 __all__ = [
-    "ATTENTION_FORWARDS",
-    "SEQ_PARENTS_KEY",
+    "RUNNING_FORWARDS",
     "PackedForwards",
     "current_packed_info",
     "detect_packed",
@@ -36,25 +54,18 @@ __all__ = [
 ]
 
 
-# The batch key of the branch structure (shared prefixes): ``(num_seqs,)`` int, ``-1`` or the sample each continues.
-SEQ_PARENTS_KEY = "packed_seq_parents"
-
-# Keys of a decoder forward's kwargs that mark a batch as explicitly packed.
-_METADATA_KEYS = ("packed_seq_lengths", "cu_seq_lens_q")
-
-
 class PackedForwards:
-    """Per thread (``nn.DataParallel`` runs its replicas in threads): ``(decoder, PackedSeqInfo)`` of the packed
+    """Per thread (``nn.DataParallel`` runs its replicas in threads): ``(decoder, info, attention)`` of the packed
     forwards now running, innermost last, in a plain list in a ``threading.local`` (``torch.compile(fullgraph=True)``
-    traces it, where it cannot trace a ``ContextVar``). Attention (:data:`ATTENTION_FORWARDS`) and the token mixers
-    (``unpack_trainer.patches.mixers``) each read one, since a forward can be packed for one and not the other
-    (``output_attentions`` sends attention down transformers' dense path while the mixers stay per sample)."""
+    traces it, where it cannot trace a ``ContextVar``). ``attention`` is whether attention and the mask function follow
+    the packing (``False`` when ``output_attentions`` sends attention down transformers' dense path while the token
+    mixers stay per sample)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
 
     @property
-    def stack(self) -> list[tuple[Any, PackedSeqInfo]]:
+    def stack(self) -> list[tuple[Any, PackedSeqInfo, bool]]:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
@@ -63,10 +74,10 @@ class PackedForwards:
     def clear(self) -> None:
         self._local.stack = []
 
-    def start(self, decoder: Any, info: PackedSeqInfo) -> None:
+    def start(self, decoder: Any, info: PackedSeqInfo, *, attention: bool = True) -> None:
         """Mark the forward of ``decoder`` now starting as packed with ``info``; undo with :meth:`end`."""
         self.end(decoder)  # an entry a failed forward or trace left behind
-        self.stack.append((decoder, info))
+        self.stack.append((decoder, info, attention))
 
     def end(self, decoder: Any) -> None:
         """End the packed forward of ``decoder`` (no-op when its forward was not packed)."""
@@ -74,34 +85,35 @@ class PackedForwards:
         if any(entry[0] is decoder for entry in stack):
             stack[:] = [entry for entry in stack if entry[0] is not decoder]
 
-    def innermost(self, config: Any = None) -> tuple[Any, PackedSeqInfo] | None:
+    def innermost(self, config: Any = None, *, for_attention: bool = True) -> tuple[Any, PackedSeqInfo] | None:
         """``(decoder, info)`` of the innermost packed forward (of the decoder whose config is ``config``, when
-        given), or ``None``."""
-        for decoder, info in reversed(self.stack):
-            if config is None or getattr(decoder, "config", None) is config:
+        given; one whose attention follows the packing, when ``for_attention``), or ``None``."""
+        for decoder, info, attention in reversed(self.stack):
+            if (config is None or getattr(decoder, "config", None) is config) and (attention or not for_attention):
                 return decoder, info
         return None
 
 
-# The packed forwards attention and the mask function see.
-ATTENTION_FORWARDS = PackedForwards()
+# The packed forwards running now, published by the model hook.
+RUNNING_FORWARDS = PackedForwards()
 
 
-def packed_forward_active(decoder: Any, info: PackedSeqInfo) -> None:
-    """Mark the forward of ``decoder`` now starting as packed with ``info`` for attention and the mask function; undo
-    with :func:`reset_packed_forward`."""
-    ATTENTION_FORWARDS.start(decoder, info)
+def packed_forward_active(decoder: Any, info: PackedSeqInfo, *, attention: bool = True) -> None:
+    """Publish the forward of ``decoder`` now starting as packed with ``info`` (for attention and the mask function
+    too unless ``attention=False``); undo with :func:`reset_packed_forward`."""
+    RUNNING_FORWARDS.start(decoder, info, attention=attention)
 
 
 def reset_packed_forward(decoder: Any) -> None:
     """End the packed forward of ``decoder`` (no-op when its forward was not packed)."""
-    ATTENTION_FORWARDS.end(decoder)
+    RUNNING_FORWARDS.end(decoder)
 
 
-def current_packed_info(config: Any = None) -> PackedSeqInfo | None:
+def current_packed_info(config: Any = None, *, for_attention: bool = True) -> PackedSeqInfo | None:
     """The packing metadata of the innermost packed forward running in this thread (of the decoder whose config is
-    ``config``, when given), or ``None``."""
-    entry = ATTENTION_FORWARDS.innermost(config)
+    ``config``, when given; for the token mixers, ``for_attention=False``, also a forward whose attention takes the
+    dense path), or ``None``."""
+    entry = RUNNING_FORWARDS.innermost(config, for_attention=for_attention)
     return None if entry is None else entry[1]
 
 
@@ -127,14 +139,15 @@ def make_mask_function(
     called with, else the original implementation's mask (``sdpa_mask``, ``eager_mask``, ...) called with the same
     arguments: ``fallback`` when given, else transformers' own function of that name (the class-wide registry, so the
     returned function can be registered under the same name)."""
+    # Looked up here, not inside the mask function (which a compiled forward traces); the registry's own dict, read
+    # per call.
+    stock_functions = mask_functions()
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
-        entry = ATTENTION_FORWARDS.innermost(kwargs.get("config"))
+        entry = RUNNING_FORWARDS.innermost(kwargs.get("config"))
         if entry is not None:
             return entry[0].__dict__.get(MASK_PLACEHOLDER_ATTRIBUTE)
-        from transformers.masking_utils import AttentionMaskInterface
-
-        original = fallback or AttentionMaskInterface._global_mapping.get(original_implementation)
+        original = fallback or stock_functions.get(original_implementation)
         if original is None:
             # transformers builds no mask for implementations without a mask function; neither do we.
             return None
@@ -162,21 +175,24 @@ def detect_packed(
     seq_len: int,
     *,
     packed_seq_lengths: torch.Tensor | None = None,
+    packed_seq_parents: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
-    seq_parents: torch.Tensor | None = None,
+    max_length_q: int | None = None,
     position_ids: torch.Tensor | None = None,
     attention_mask: Any = None,
     cached: int = 0,
 ) -> PackedSeqInfo | None:
     """The one detector of a packed batch: its metadata, or ``None`` when the batch is not packed.
 
-    A batch of ``batch_size`` rows of ``seq_len`` tokens is packed when it carries packing metadata
-    (``packed_seq_lengths`` ``(num_seqs,)`` int, else ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, zero-prefixed), or
-    when ``position_ids`` ``(B, T)`` or ``(1, T)`` int restart inside a row and the batch has more than one token, no
-    ``cached`` tokens before it and no ``attention_mask`` (or a ``(B, T)`` one of all ones; a 4D mask counts as one
-    that hides tokens). With metadata the mask is not looked at (the caller checks it). ``seq_parents``
-    ``(num_seqs,)`` int (with ``packed_seq_lengths`` only): for each sample, -1 or the index of the earlier sample
-    whose prefix it continues (branched segments, e.g. a DPO prompt with its chosen and rejected completions).
+    The keyword arguments are the batch's keys of the same names. A batch of ``batch_size`` rows of ``seq_len`` tokens
+    is packed when it carries packing metadata (``packed_seq_lengths`` ``(num_seqs,)`` int, else ``cu_seq_lens_q``
+    ``(num_seqs + 1,)`` int32, zero-prefixed), or when ``position_ids`` ``(B, T)`` or ``(1, T)`` int restart inside a
+    row and the batch has more than one token, no ``cached`` tokens before it and no ``attention_mask`` (or a
+    ``(B, T)`` one of all ones; a 4D mask counts as one that hides tokens). With metadata the mask is not looked at
+    (the caller checks it); the collator's ``cu_seq_lens_q`` and ``max_length_q`` are adopted, not derived again
+    (:meth:`PackedSeqInfo.from_seq_lengths`). ``packed_seq_parents`` ``(num_seqs,)`` int (with ``packed_seq_lengths``
+    only): for each sample, -1 or the index of the earlier sample whose prefix it continues (branched segments, e.g.
+    a DPO prompt with its chosen and rejected completions).
 
     :func:`packed_info_for_forward` (the model hook, once per forward) and
     :func:`unpack_trainer.patches.attention.packed_info_from_kwargs` (a direct call of the packed attention helper)
@@ -184,10 +200,17 @@ def detect_packed(
     """
     if packed_seq_lengths is not None:
         return PackedSeqInfo.from_seq_lengths(
-            packed_seq_lengths, batch_size=batch_size, seq_len=seq_len, seq_parents=seq_parents
+            packed_seq_lengths,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seq_parents=packed_seq_parents,
+            cu_seqlens=cu_seq_lens_q,
+            max_seqlen=max_length_q,
         )
     if cu_seq_lens_q is not None:
-        return PackedSeqInfo.from_cu_seqlens(cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len)
+        return PackedSeqInfo.from_cu_seqlens(
+            cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, max_seqlen=max_length_q
+        )
     if position_ids is None or seq_len <= 1 or cached or not _hides_nothing(attention_mask):
         return None
     if position_ids.shape[0] != batch_size:
@@ -200,13 +223,15 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
 
     ``kwargs`` are the keyword arguments of the decoder model's ``forward`` (``input_ids`` or ``inputs_embeds``,
     ``attention_mask``, ``position_ids``, ``past_key_values``, and the packing metadata ``packed_seq_lengths`` /
-    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
+    ``packed_seq_parents`` / ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
 
     The batch is packed when it carries packing metadata, or when it has no cached tokens, no ``attention_mask`` (or
     one of all ones) and ``position_ids`` that restart inside a row. On return ``kwargs["packed_seq_info"]`` holds the
-    metadata (``None`` for an unpacked batch, which then runs exactly as without the patch). For a packed batch, an
-    all-ones ``attention_mask`` is dropped, missing ``position_ids`` are filled in (restarting per sample), and
-    ``use_cache`` defaults to ``False`` (an explicit ``use_cache=True`` is kept).
+    metadata (``None`` for an unpacked batch, which then runs exactly as without the patch), built from the collator's
+    ``packed_seq_lengths``, ``cu_seq_lens_q`` and ``max_length_q`` (the key ``cu_seq_lens_k`` / ``max_length_k`` is
+    checked against them; the collator passes the same objects). For a packed batch, an all-ones ``attention_mask`` is
+    dropped, missing ``position_ids`` are filled in (restarting per sample), and ``use_cache`` defaults to ``False``
+    (an explicit ``use_cache=True`` is kept).
 
     Raises:
         ValueError: inconsistent metadata, a packed batch with cached tokens, or with a mask that hides tokens.
@@ -214,57 +239,48 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     embeds = kwargs.get("inputs_embeds")
     input_ids = kwargs.get("input_ids")
     reference = input_ids if input_ids is not None else embeds
-    if reference is None or (is_tracing() and all(kwargs.get(key) is None for key in _METADATA_KEYS)):
+    if reference is None or (is_tracing() and all(kwargs.get(key) is None for key in BOUNDARY_KEYS)):
         # Nothing to pack, or a compiled / exported forward without packing metadata: run as unpatched, with no
         # Python branch on tensor values (a packed batch given only by `position_ids` then takes transformers' path).
-        kwargs["packed_seq_info"] = None
+        kwargs[INFO_KEY] = None
         return None
     batch_size, seq_len = reference.shape[0], reference.shape[1]
     attention_mask = kwargs.get("attention_mask")
     position_ids = kwargs.get("position_ids")
     cached = cache_length(cache_argument(kwargs))  # `cache` since transformers 5.24, `past_key_values` before
 
-    lengths, cu_q, cu_k = kwargs.get("packed_seq_lengths"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    lengths, cu_q, max_q = kwargs.get(SEQ_LENGTHS_KEY), kwargs.get(CU_SEQ_LENS_Q_KEY), kwargs.get(MAX_LENGTH_Q_KEY)
     explicit = lengths is not None or cu_q is not None
     parents = kwargs.pop(SEQ_PARENTS_KEY, None)
     if parents is not None and lengths is None:
-        raise ValueError(f"`{SEQ_PARENTS_KEY}` needs `packed_seq_lengths` (the samples the parents refer to).")
+        raise ValueError(f"`{SEQ_PARENTS_KEY}` needs `{SEQ_LENGTHS_KEY}` (the samples the parents refer to).")
     info = detect_packed(
         batch_size,
         seq_len,
         packed_seq_lengths=lengths,
+        packed_seq_parents=parents,
         cu_seq_lens_q=cu_q,
-        seq_parents=parents,
+        max_length_q=max_q,
         position_ids=position_ids,
         attention_mask=attention_mask,
         cached=cached,
     )
     if explicit:
-        for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-            given = kwargs.get(name)
-            if given is not None and not torch.equal(given.detach().cpu().to(torch.int32), info.cu_seqlens):
-                raise ValueError(
-                    f"`{name}` does not match the packed sample lengths: expected the zero-prefixed cumsum "
-                    f"{info.cu_seqlens.tolist()[:8]}..., got {given.tolist()[:8]}..."
-                )
-        if cu_k is not None and cu_q is not None and lengths is None and not torch.equal(cu_q.cpu(), cu_k.cpu()):
-            raise ValueError("Packed self-attention needs `cu_seq_lens_q` == `cu_seq_lens_k`.")
-        for name in ("max_length_q", "max_length_k"):
-            given = kwargs.get(name)
-            if given is not None and int(given) != info.max_seqlen:
-                raise ValueError(f"`{name}`={int(given)} but the longest packed sample has {info.max_seqlen} tokens.")
+        _check_key_side(kwargs, info)
         if attention_mask is not None:
             if not _hides_nothing(attention_mask):
                 raise ValueError(
-                    "A packed batch (with `packed_seq_lengths` / `cu_seq_lens_q`) cannot also hide tokens with an "
-                    "`attention_mask`; make trailing padding a sample of its own and drop the mask."
+                    f"A packed batch (with `{SEQ_LENGTHS_KEY}` / `{CU_SEQ_LENS_Q_KEY}`) cannot also hide tokens with "
+                    "an `attention_mask`; make trailing padding a sample of its own and drop the mask."
                 )
             kwargs["attention_mask"] = None
         if position_ids is None:
             kwargs["position_ids"] = info.position_ids(reference.device)
-        elif info.is_branched and not torch.equal(position_ids.detach().cpu().expand(batch_size, -1), info.position_ids()):
+        elif info.is_branched and not torch.equal(
+            position_ids.detach().cpu().expand(batch_size, -1), info.position_ids()
+        ):
             raise ValueError(
-                "`position_ids` do not match the branched samples (`packed_seq_parents`): every branch continues its "
+                f"`position_ids` do not match the branched samples (`{SEQ_PARENTS_KEY}`): every branch continues its "
                 "prefix's positions; pass no `position_ids` to have them filled in."
             )
     elif info is not None:
@@ -278,5 +294,21 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     if info is not None and kwargs.get("use_cache") is None:
         # A cache of a packed row is of no use for generation (its keys span several samples): do not build one.
         kwargs["use_cache"] = False
-    kwargs["packed_seq_info"] = info
+    kwargs[INFO_KEY] = info
     return info
+
+
+def _check_key_side(kwargs: dict[str, Any], info: PackedSeqInfo) -> None:
+    """``cu_seq_lens_k`` / ``max_length_k`` (keys of packed self-attention: the queries' own samples) checked against
+    ``info``, built from the query side; nothing to compare when they are the query side's objects."""
+    cu_k, max_k = kwargs.get(CU_SEQ_LENS_K_KEY), kwargs.get(MAX_LENGTH_K_KEY)
+    if cu_k is not None and cu_k is not kwargs.get(CU_SEQ_LENS_Q_KEY):
+        if not torch.equal(cu_k.detach().cpu().to(torch.int32), info.cu_seqlens):
+            raise ValueError(
+                f"`{CU_SEQ_LENS_K_KEY}` does not match the packed sample lengths: expected the zero-prefixed cumsum "
+                f"{info.cu_seqlens.tolist()[:8]}..., got {cu_k.tolist()[:8]}..."
+            )
+    if max_k is not None and int(max_k) != info.max_seqlen:
+        raise ValueError(
+            f"`{MAX_LENGTH_K_KEY}`={int(max_k)} but the longest packed sample has {info.max_seqlen} tokens."
+        )

@@ -39,9 +39,10 @@ Which modules run per sample is found from the model's structure
 :mod:`unpack_trainer.models.mixers` offers them to, and it owns every one it can make exact (a bare convolution that
 is not depthwise causal, or a mixer outside the decoder layers, stays refused with the reason).
 
-Only packed forwards change: the model hook publishes the packing metadata for the decoder's forward
-(:func:`publish_packed_forward`; the layers' ``packed_seq_info`` keyword where the mixer receives it), and a mixer
-recomputed in the backward (gradient checkpointing, after that forward ended) uses what it used in its forward. Any
+Only packed forwards change. A mixer reads the packing metadata from the ``packed_seq_info`` keyword where its layer
+hands it down, else from the packed forward the model hook published
+(:func:`unpack_trainer.patches.masks.current_packed_info`: a mixer's forward takes no such keyword in most models); a
+mixer recomputed in the backward (gradient checkpointing, after that forward ended) uses what it used in its forward. Any
 other forward (a padded batch, generation with a cache, a compiled forward without metadata) runs the mixer's own
 forward unchanged. A packed forward that reaches a mixer with a cache is refused: the cache of a packed row would carry
 one sample's state into the next.
@@ -57,11 +58,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from unpack_trainer._compat import in_backward
 from unpack_trainer._logging import log_once
-from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.packed_seq_info import FORWARD_KEYS, INFO_KEY, PackedSeqInfo
 from unpack_trainer.patches import mixer_kernels
 from unpack_trainer.patches.buckets import GatherSlots, ScatterTokens, build_plan
-from unpack_trainer.patches.masks import PackedForwards
+from unpack_trainer.patches.masks import current_packed_info
 from unpack_trainer.patches.mixer_kernels import VarlenPlan, varlen_plan
 
 logger = logging.getLogger(__name__)
@@ -69,11 +71,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PerSampleMixers",
     "conv_problem",
-    "end_packed_forward",
     "is_mixer_patched",
     "mixer_kind",
     "packed_conv1d",
-    "publish_packed_forward",
     "run_padded",
     "run_varlen",
 ]
@@ -87,15 +87,6 @@ STATE_MIXER_NAMES = re.compile(
 PER_TOKEN_NAMES = re.compile(r"Norm|Mlp|MLP|Embedding|Rotary")
 # Parameters only state-space layers have.
 STATE_PARAMETERS = ("A_log", "dt_bias")
-# Keyword arguments that describe the packed row: not passed to a mixer that runs on a padded batch.
-PACKING_KEYS = (
-    "packed_seq_info",
-    "packed_seq_lengths",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-)
 # Arguments that carry a cache or a recurrent state between calls.
 CACHE_ARGUMENTS = ("cache_params", "past_key_values", "past_key_value", "cache", "state")
 # Cost of one more mixer call (forward + backward) in units of one padded token, for the bucket plan (power 1).
@@ -143,28 +134,9 @@ def conv_problem(module: torch.nn.Module) -> str | None:
 # Packing metadata of the running forward
 # --------------------------------------------------------------------------------------------------------------------
 
-# The packed forwards the token mixers see: published by the model hook for decoders with token mixers, also where
-# attention takes transformers' own dense path (output_attentions).
-_MIXER_FORWARDS = PackedForwards()
 # On a patched mixer: the packing metadata of its last forward, for its recomputation in the backward (gradient
 # checkpointing recomputes a layer after the forward's published state is gone).
 _LAST_INFO_ATTRIBUTE = "_unpack_mixer_last_info"
-
-
-def publish_packed_forward(decoder: Any, info: PackedSeqInfo) -> None:
-    """Tell the token mixers of ``decoder`` that its forward now starting is packed with ``info``; undo with
-    :func:`end_packed_forward`."""
-    _MIXER_FORWARDS.start(decoder, info)
-
-
-def end_packed_forward(decoder: Any) -> None:
-    """End the packed forward of ``decoder`` (no-op when none is published)."""
-    _MIXER_FORWARDS.end(decoder)
-
-
-def _in_backward() -> bool:
-    """Whether the code now running is part of a backward pass (where checkpointed layers recompute their forward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
@@ -173,13 +145,12 @@ def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqI
     the backward, what this mixer used in its last forward."""
     from unpack_trainer.patches.masks import is_tracing
 
-    info = kwargs.get("packed_seq_info")
+    info = kwargs.get(INFO_KEY)
     if info is None:
-        entry = _MIXER_FORWARDS.innermost()
-        info = None if entry is None else entry[1]
+        info = current_packed_info(for_attention=False)
     if is_tracing():
         return info  # a compiled / exported forward: no state kept on the module, no backward recomputation here
-    if _in_backward():
+    if in_backward():
         return info if info is not None else module.__dict__.get(_LAST_INFO_ATTRIBUTE)
     if torch.is_grad_enabled():  # only a forward that builds a graph can be recomputed in its backward
         module.__dict__[_LAST_INFO_ATTRIBUTE] = info
@@ -201,12 +172,7 @@ def _bucket_plan(info: PackedSeqInfo, device: torch.device) -> Any:
 
 
 def _is_sequence(x: Any, info: PackedSeqInfo) -> bool:
-    return (
-        isinstance(x, Tensor)
-        and x.dim() >= 2
-        and x.shape[1] == info.seq_len
-        and x.shape[0] in (info.batch_size, 1)
-    )
+    return isinstance(x, Tensor) and x.dim() >= 2 and x.shape[1] == info.seq_len and x.shape[0] in (info.batch_size, 1)
 
 
 def _to_buckets(x: Tensor, plan: Any, info: PackedSeqInfo) -> list[Tensor]:
@@ -289,11 +255,11 @@ def run_padded(
 
     Every argument that is a sequence tensor ``(B, T, *rest)`` (or ``(1, T, *rest)``, broadcast over the rows; also
     inside tuples, e.g. ``position_embeddings``) is re-batched to ``(n, L, *rest)`` per bucket of similar lengths, with
-    zeros at the padding slots; the packing keywords (:data:`PACKING_KEYS`) are dropped; ``forward`` runs once per
+    zeros at the padding slots; the packing keywords (``unpack_trainer.packed_seq_info.FORWARD_KEYS``) are dropped; ``forward`` runs once per
     bucket, and every per-token output is scattered back to ``(B, T, *rest)`` (padding slots get a zero gradient).
     Exact for a causal ``forward``: a real token's output reads only its own sample's earlier tokens.
     """
-    kwargs = {k: v for k, v in kwargs.items() if k not in PACKING_KEYS}
+    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
     reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
     if reference is None:
         raise TypeError(
@@ -369,13 +335,13 @@ def run_varlen(
 
     The rows are flattened into one (every sequence tensor ``(B, T, *rest)`` becomes ``(1, B * T, *rest)``; the
     flash-linear-attention kernels take a batch of 1 with ``cu_seqlens``); the packing keywords
-    (:data:`PACKING_KEYS`) are replaced by ``plan.keywords``, each carrying its varlen argument: ``seq_idx``
+    (``unpack_trainer.packed_seq_info.FORWARD_KEYS``) are replaced by ``plan.keywords``, each carrying its varlen argument: ``seq_idx``
     ``(1, B * T)`` int32, the sample index of every token, or ``cu_seqlens`` ``(num_seqs + 1,)`` int32; per-token
     outputs come back as ``(B, T, *rest)``. Exact when every sequence kernel the forward calls honours its varlen
     argument (what :func:`~unpack_trainer.patches.mixer_kernels.varlen_plan` checks from the code; the self-check
     verifies it on the model).
     """
-    kwargs = {k: v for k, v in kwargs.items() if k not in PACKING_KEYS}
+    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
     reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
     if reference is None:
         raise TypeError(

@@ -2,10 +2,14 @@
 TRL's own trainer with the core in front of it and the hooks for its batches (collators, data preparation, loss).
 
 [`TRAINERS`] declares them, one entry each: the public exports (``unpack_trainer.SFTTrainer``, ``SFTConfig``, ...)
-and the command line (``unpack-trainer sft``, mirroring ``trl sft``) are made from it. Adding a trainer is one
-module ``unpack_trainer/trainers/<command>.py`` holding the trainer class, its config class (the package root holds
-the configs), and one entry here.
-Importing this package imports neither torch nor TRL; the classes are resolved on first use.
+and the command line (``unpack-trainer sft``, mirroring ``trl sft``) are made from it. One rule places the classes:
+the trainer class in ``unpack_trainer/trainers/<command>.py``, its config class in ``unpack_trainer/configs.py``
+(every config there, so the command line's parsers and ``--help`` need no trainer, model or kernel). Adding a trainer
+is that module, its config class and one entry here.
+
+Beside the trainer modules: ``_packed.py`` (the packed-trainer core every trainer stands on), ``branched.py`` (what
+trainers whose prompts are shared by several completions add: DPO, GRPO, RLOO, reward) and ``loss.py`` (per-sample
+loss weights). Importing this package imports neither torch nor TRL; the classes are resolved on first use.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from typing import Any
+
+# Where every trainer's config class lives.
+CONFIG_MODULE = "unpack_trainer.configs"
 
 
 @dataclass(frozen=True)
@@ -23,8 +30,7 @@ class TrainerSpec:
         command: TRL's command it mirrors (``trl <command>``, ``trl.scripts.<command>``), ours
             (``unpack-trainer <command>``) and the trainer's module, ``unpack_trainer.trainers.<command>``.
         trainer: the trainer class's name, in that module.
-        config: the config class's name, in ``config_module``.
-        config_module: where the config class lives.
+        config: the config class's name, in ``unpack_trainer.configs`` (:data:`CONFIG_MODULE`).
         title: what the command does, for its help (one line).
         differs: what the trainer does differently from TRL's, for the command's help (a sentence).
     """
@@ -32,7 +38,6 @@ class TrainerSpec:
     command: str
     trainer: str
     config: str
-    config_module: str
     title: str
     differs: str
 
@@ -44,7 +49,7 @@ class TrainerSpec:
         return getattr(importlib.import_module(self.trainer_module), self.trainer)
 
     def config_class(self) -> type:
-        return getattr(importlib.import_module(self.config_module), self.config)
+        return getattr(importlib.import_module(CONFIG_MODULE), self.config)
 
 
 TRAINERS: tuple[TrainerSpec, ...] = (
@@ -52,7 +57,6 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "sft",
         "SFTTrainer",
         "SFTConfig",
-        "unpack_trainer.config",
         "Supervised fine-tuning with sample packing",
         "--packing packs globally with no cross-sample attention; without --packing, padding-free batching turns on "
         "automatically where safe (--padding_free false keeps padded batches)",
@@ -61,7 +65,6 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "dpo",
         "DPOTrainer",
         "DPOConfig",
-        "unpack_trainer.dpo_config",
         "Preference training (DPO) on packed pairs",
         "the pairs of each batch run as one packed row, each prompt once for its chosen and rejected completions "
         "(--prefix_sharing false: [prompt, chosen] and [prompt, rejected] as two samples; --padding_free false: "
@@ -71,7 +74,6 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "grpo",
         "GRPOTrainer",
         "GRPOConfig",
-        "unpack_trainer.rl_config",
         "Online RL (GRPO) with packed training forwards",
         "the forwards that score completions (policy, old policy, reference) run packed rows, each group's prompt "
         "once for its completions (--prefix_sharing false: each completion after its own prompt; --padding_free "
@@ -81,7 +83,6 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "rloo",
         "RLOOTrainer",
         "RLOOConfig",
-        "unpack_trainer.rl_config",
         "Online RL (RLOO) with packed training forwards",
         "the forwards that score completions (policy, old policy, reference) run packed rows, each group's prompt "
         "once for its completions (--prefix_sharing false: each completion after its own prompt; --padding_free "
@@ -91,7 +92,6 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "reward",
         "RewardTrainer",
         "RewardConfig",
-        "unpack_trainer.trainers.reward",
         "Reward modelling on packed pairs",
         "the pairs of each batch run as one packed row, the tokens chosen and rejected start with (the prompt) once, "
         "each sequence scored at its own last token (--prefix_sharing false: [prompt, chosen] and [prompt, rejected] "
@@ -109,7 +109,14 @@ def trainer_spec(command: str) -> TrainerSpec:
     raise KeyError(f"no trainer for {command!r}; known: {', '.join(spec.command for spec in TRAINERS)}")
 
 
-__all__ = ["TRAINERS", "PackedTrainerMixin", "TrainerSpec", "trainer_spec", *(spec.trainer for spec in TRAINERS)]
+__all__ = [
+    "CONFIG_MODULE",
+    "TRAINERS",
+    "PackedTrainerMixin",
+    "TrainerSpec",
+    "trainer_spec",
+    *(spec.trainer for spec in TRAINERS),
+]
 
 _CLASSES = {"PackedTrainerMixin": "unpack_trainer.trainers._packed"} | {
     spec.trainer: spec.trainer_module for spec in TRAINERS

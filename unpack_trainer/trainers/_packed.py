@@ -8,14 +8,12 @@ collator, the balanced-step sampler, the per-sample count of ``loss_normalizatio
 Trainers whose prompts are shared by several completions (DPO's pairs, GRPO's groups) build on
 [`unpack_trainer.trainers.branched.BranchedTrainerMixin`], this core plus the prompt-sharing pieces.
 
-A trainer built on it calls, in its ``__init__``::
+The core's ``__init__`` takes exactly the arguments of its TRL trainer's (bound to that ``__init__``'s signature,
+whatever it is), decides ([`_unpack_before_init`]), runs TRL's ``__init__`` with the config TRL should see
+([`_unpack_trl_init`]) and enables the packed path ([`_unpack_after_init`]); a trainer built on it writes no
+``__init__`` and implements the hooks below (they are what differs between SFT, DPO, GRPO, ...):
 
-    args = self._unpack_before_init(model, args, data_collator=..., processing_class=..., train_dataset=...,
-                                    eval_dataset=..., peft_config=..., has_metrics=...)
-    super().__init__(model, args, ...)  # TRL's own __init__, with the config TRL should see
-    self._unpack_after_init(train_dataset, eval_dataset)
-
-and implements the hooks below (they are what differs between SFT, DPO, GRPO, ...):
+- [`_unpack_has_metrics`]: whether evaluation computes metrics from predictions (they then see one row per example);
 
 - [`_packed_collator`] / [`_padded_collator`]: the collators of packed training and of padded batches (trainers
   whose collator packs, ``unpack_packs_in = "collator"``; a trainer that packs inside its step, ``"step"``, keeps
@@ -41,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -52,13 +51,15 @@ from transformers import AutoConfig
 from transformers.trainer_utils import has_length
 
 from unpack_trainer import _trl_compat
+from unpack_trainer._compat import attention_implementation
 from unpack_trainer._logging import log_once
-from unpack_trainer.config import convert_config
+from unpack_trainer.configs import convert_config
 from unpack_trainer.data.packing import attention_cost_ratio, row_costs
 from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
 from unpack_trainer.data.sampler import BalancedStepSampler
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
-from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
+from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
+from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 
 logger = logging.getLogger("unpack_trainer")
 
@@ -138,7 +139,7 @@ def _attention_backend(model: Any, patched: bool, args: Any) -> str:
         from unpack_trainer.models import resolve_backend
 
         return str(resolve_backend(model, compute_dtype=_autocast_dtype(args)))
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    implementation = attention_implementation(getattr(model, "config", None))
     return f"{implementation} (transformers' own packed-position path, unpatched)"
 
 
@@ -222,7 +223,35 @@ class PackedTrainerMixin:
         """The models the packed path patches (the policy; trainers with a reference model add it), unwrapped."""
         return [self.accelerator.unwrap_model(self.model)]
 
+    def _unpack_has_metrics(self, given: dict[str, Any]) -> bool:
+        """Whether the trainer's arguments ``given`` (by name) compute metrics from evaluation predictions: by default
+        a ``compute_metrics`` or ``preprocess_logits_for_metrics`` (evaluation then stays padded, one row per
+        example, unless asked otherwise)."""
+        return any(given.get(name) is not None for name in ("compute_metrics", "preprocess_logits_for_metrics"))
+
     # ------------------------------------------------------------------------------------------------ construction
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """TRL's trainer's own arguments (``unpack_trl_class.__init__``'s, by position or by name): the core decides
+        before TRL's ``__init__`` runs and enables the packed path after it."""
+        bound = inspect.signature(self.unpack_trl_class.__init__).bind(self, *args, **kwargs)
+        given = bound.arguments
+        given["args"] = self._unpack_before_init(
+            given["model"],
+            given.get("args"),
+            data_collator=given.get("data_collator"),
+            processing_class=given.get("processing_class"),
+            train_dataset=given.get("train_dataset"),
+            eval_dataset=given.get("eval_dataset"),
+            peft_config=given.get("peft_config"),
+            has_metrics=self._unpack_has_metrics(given),
+        )
+        self._unpack_trl_init(bound.args[1:], bound.kwargs)
+        self._unpack_after_init(given.get("train_dataset"), given.get("eval_dataset"))
+
+    def _unpack_trl_init(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """TRL's own ``__init__`` with the config TRL should see (``args`` / ``kwargs`` as the user passed them)."""
+        super().__init__(*args, **kwargs)
 
     def _unpack_before_init(
         self,
@@ -395,7 +424,7 @@ class PackedTrainerMixin:
             recorded = self._unpack_eval_weights
         finally:
             self._unpack_eval_weights = None
-        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        prefix = _trl_compat.evaluation_loop_argument(args, kwargs, "metric_key_prefix")
         key = f"{prefix}_loss"
         if recorded and key in output.metrics:
             losses = torch.stack([loss for loss, _ in recorded]).double()
@@ -501,7 +530,7 @@ class PackedTrainerMixin:
             self._unpack_mode == "pack"
             and getattr(args, "balance_samples_per_step", False)
             and isinstance(dataset, Dataset)
-            and "seq_lengths" in dataset.column_names
+            and SEQ_LENGTHS_COLUMN in dataset.column_names
         ):
             strategy = getattr(args, "train_sampling_strategy", "random")
             if strategy != "random":
@@ -521,7 +550,7 @@ class PackedTrainerMixin:
                 ratio = getattr(args, "attention_cost_ratio", None)
                 if ratio is None:
                     ratio = attention_cost_ratio(getattr(self.model, "config", None)) or 0.0
-                costs = row_costs(dataset["seq_lengths"], ratio)
+                costs = row_costs(dataset[SEQ_LENGTHS_COLUMN], ratio)
             return BalancedStepSampler(
                 samples_per_row(dataset),
                 rows_per_step,

@@ -9,14 +9,15 @@ model) and one packed row in which each prompt appears once and its completions 
   hidden state in the view's layout (and MoE router logits in TRL's batch layout);
 - [`install_compact_lm_head`]: TRL's fused LM head (``add_fused_lm_head``) scoring only the labelled positions of the
   view, each per-token output scattered back where TRL expects it;
-- [`BranchedTrainerMixin`]: the packed-trainer core plus what prompt sharing adds to a trainer: the policy and the
+- [`BranchedTrainerMixin`] (and [`PackedPairsMixin`], for trainers whose collator packs pairs): the packed-trainer core
+  plus what prompt sharing adds to a trainer: the policy and the
   reference model patched and hooked, sharing off for models whose token mixers carry state, and the branched
   self-check (a prompt and ``k`` completions) before the first batch, whose failure packs the completions unshared;
 - [`pack_completions`]: the view and the packed row of TRL's own ``(rows, prompt + completion)`` batch (left-padded
   prompts, right-padded completions: GRPO's and RLOO's training forwards), each distinct prompt once.
 
 Both hooks are undone by [`unpack_trainer.models.unpatch_model`]. How a trainer builds the view and the packed row is
-its own: DPO's collator ([`unpack_trainer.preference`]), GRPO's and RLOO's step ([`pack_completions`],
+its own: DPO's collator ([`unpack_trainer.data.preference`]), GRPO's and RLOO's step ([`pack_completions`],
 [`unpack_trainer.trainers.grpo`]).
 """
 
@@ -26,21 +27,29 @@ import dataclasses
 import functools
 import logging
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
 
+from unpack_trainer._compat import remove_hook
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX
-from unpack_trainer.models.patch import UNDO_ATTRIBUTE, _remove_hook
-from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
-from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
+from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
+from unpack_trainer.models.undo import add_undo
+from unpack_trainer.packed_seq_info import (
+    PACKED_INPUT_IDS_KEY,
+    PACKED_POSITION_IDS_KEY,
+    TOKEN_INDEX_KEY,
+    VIEW_INDEX_KEY,
+    branched_row,
+)
 from unpack_trainer.trainers._packed import PackedTrainerMixin
 
 __all__ = [
     "BranchedTrainerMixin",
+    "PackedPairsMixin",
     "install_branched_hooks",
     "install_compact_lm_head",
     "install_packed_view",
@@ -51,10 +60,6 @@ logger = logging.getLogger("unpack_trainer")
 
 _VIEW_ATTRIBUTE = "_unpack_packed_view"  # on the decoder: its _PackedView
 _COMPACT_ATTRIBUTE = "_unpack_compact_lm_head"  # on the causal LM: the forward the compact head replaced
-
-
-def _add_undo(module: torch.nn.Module, undo: Any) -> None:
-    module.__dict__.setdefault(UNDO_ATTRIBUTE, []).append(undo)
 
 
 class _PackedView:
@@ -70,7 +75,7 @@ class _PackedView:
         from unpack_trainer.models import is_patched
 
         self.index = None
-        if kwargs.get("packed_input_ids") is None:
+        if kwargs.get(PACKED_INPUT_IDS_KEY) is None:
             return args, kwargs
         if args:
             raise ValueError("A packed batch with shared prompts must reach the decoder as keyword arguments.")
@@ -80,14 +85,14 @@ class _PackedView:
                 "packing (unpack_trainer.models.patch_model): its attention would not follow the packed samples."
             )
         view_ids = kwargs.pop("input_ids")
-        index = kwargs.pop("packed_view_index")
-        self.token_index = kwargs.pop("packed_token_index")
+        index = kwargs.pop(VIEW_INDEX_KEY)
+        self.token_index = kwargs.pop(TOKEN_INDEX_KEY)
         if index.shape != view_ids.shape:
             raise ValueError(
-                f"`packed_view_index` has shape {tuple(index.shape)} but the padded view is {tuple(view_ids.shape)}."
+                f"`{VIEW_INDEX_KEY}` has shape {tuple(index.shape)} but the padded view is {tuple(view_ids.shape)}."
             )
-        kwargs["input_ids"] = kwargs.pop("packed_input_ids").to(view_ids.device)
-        kwargs["position_ids"] = kwargs.pop("packed_position_ids").to(view_ids.device)
+        kwargs["input_ids"] = kwargs.pop(PACKED_INPUT_IDS_KEY).to(view_ids.device)
+        kwargs["position_ids"] = kwargs.pop(PACKED_POSITION_IDS_KEY).to(view_ids.device)
         kwargs.pop("attention_mask", None)
         self.index = index
         return args, kwargs
@@ -112,7 +117,7 @@ class _PackedView:
 def _remove_packed_view(decoder: torch.nn.Module) -> None:
     view = decoder.__dict__.pop(_VIEW_ATTRIBUTE, None)
     for hook_id in view.hook_ids if view is not None else ():
-        _remove_hook(decoder, hook_id)
+        remove_hook(decoder, hook_id)
 
 
 def install_packed_view(decoder: torch.nn.Module) -> None:
@@ -134,7 +139,7 @@ def install_packed_view(decoder: torch.nn.Module) -> None:
     view.hook_ids.append(decoder.register_forward_pre_hook(view.before, with_kwargs=True, prepend=True).id)
     view.hook_ids.append(decoder.register_forward_hook(view.after, with_kwargs=True).id)
     decoder.__dict__[_VIEW_ATTRIBUTE] = view
-    _add_undo(decoder, _remove_packed_view)
+    add_undo(decoder, _remove_packed_view)
 
 
 # The per-token fields of TRL's fused LM head output (``add_fused_lm_head``), each ``(rows, L - 1)`` or ``None``.
@@ -174,7 +179,7 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
     @functools.wraps(type(model).forward)  # the class's signature, as TRL keeps it (`generate` checks kwargs on it)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         labels = kwargs.get("labels")
-        index = kwargs.get("packed_view_index")
+        index = kwargs.get(VIEW_INDEX_KEY)
         if (
             not kwargs.get("fused_lm_head")
             or labels is None
@@ -184,7 +189,7 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
             return fused_forward(*args, **kwargs)
         if labels.shape != index.shape:
             raise ValueError(
-                f"`labels` has shape {tuple(labels.shape)} but `packed_view_index` is {tuple(index.shape)}."
+                f"`labels` has shape {tuple(labels.shape)} but `{VIEW_INDEX_KEY}` is {tuple(index.shape)}."
             )
         mask = labels[:, 1:] != IGNORE_INDEX
         num_scored = int(mask.sum())
@@ -193,7 +198,7 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
         compact_index = torch.cat([index[:, :-1][mask], index.new_zeros(1)]).unsqueeze(0)
         compact_labels = torch.cat([labels.new_full((1,), IGNORE_INDEX), labels[:, 1:][mask]]).unsqueeze(0)
         kwargs["labels"] = compact_labels
-        kwargs["packed_view_index"] = compact_index
+        kwargs[VIEW_INDEX_KEY] = compact_index
         if kwargs.get("input_ids") is not None:  # the decoder hook checks the view's shape against the index's
             kwargs["input_ids"] = compact_labels.clamp(min=0)
         output = fused_forward(*args, **kwargs)
@@ -207,7 +212,7 @@ def install_compact_lm_head(model: torch.nn.Module) -> None:
 
     model.__dict__[_COMPACT_ATTRIBUTE] = model.__dict__.get("forward", _NO_INSTANCE_FORWARD)
     model.forward = types.MethodType(forward, model)
-    _add_undo(model, _remove_compact_lm_head)
+    add_undo(model, _remove_compact_lm_head)
 
 
 def install_branched_hooks(model: torch.nn.Module) -> None:
@@ -309,9 +314,6 @@ def pack_completions(
             if completion_list[row] > 0:
                 start = add(row, num_prompt, num_prompt + completion_list[row], root)
                 view_index[row, 1 : completion_list[row] + 1] = torch.arange(start, start + completion_list[row])
-    seq_lengths = torch.tensor(lengths, dtype=torch.int32)
-    seq_parents = torch.tensor(parents, dtype=torch.int64)
-    info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=1, seq_len=len(tokens), seq_parents=seq_parents)
     completion = ids[:, num_prompt:]
     view_ids = torch.cat([ids[:, num_prompt - 1 : num_prompt], completion], dim=1)
     labels = torch.cat(
@@ -321,12 +323,9 @@ def pack_completions(
     batch = {
         "input_ids": view_ids.to(device, non_blocking=True),
         "labels": labels.to(device, non_blocking=True),
-        "packed_view_index": view_index.to(device, non_blocking=True),
-        "packed_token_index": token_index.to(device, non_blocking=True),
-        "packed_input_ids": torch.tensor(tokens, dtype=torch.int64).unsqueeze(0),
-        "packed_position_ids": info.position_ids(),
-        "packed_seq_lengths": seq_lengths,
-        SEQ_PARENTS_KEY: seq_parents,
+        VIEW_INDEX_KEY: view_index.to(device, non_blocking=True),
+        TOKEN_INDEX_KEY: token_index.to(device, non_blocking=True),
+        **branched_row(tokens, lengths, parents),
     }
     return batch, len(tokens)
 
@@ -436,3 +435,34 @@ class BranchedTrainerMixin(PackedTrainerMixin):
                 )
                 return name
         return None
+
+
+class PackedPairsMixin(BranchedTrainerMixin):
+    """[`BranchedTrainerMixin`] for trainers whose collator packs the pairs of each batch (DPO, reward models): TRL's
+    padded collator is kept as TRL's ``__init__`` built it (it makes the padded view of every packed batch, padded
+    evaluation and the padded fallback) before the core replaces it with the packed one, and a failed branched probe
+    rebuilds the packed collator unshared.
+
+    Class attribute ``unpack_trl_collator``: the [`unpack_trainer._trl_compat`] function that returns TRL's padded
+    collator class of the trainer (checked when the collator is kept).
+    """
+
+    unpack_trl_collator: Callable[[], type]
+
+    def _padded_collator(self) -> Any:
+        collator = getattr(self, "_unpack_padded_collator", None)
+        if collator is None:
+            collator = self._unpack_padded_collator = self.data_collator  # TRL's, as its __init__ built it
+            expected = type(self).unpack_trl_collator()
+            if not isinstance(collator, expected):
+                raise TypeError(
+                    f"{self.unpack_name} expected TRL's {expected.__name__}, found {type(collator).__name__}"
+                )
+        return collator
+
+    def _unpack_stop_sharing(self) -> None:
+        self.data_collator = self._packed_collator()
+
+    def _enable_packed_path(self) -> None:
+        self._padded_collator()  # keep TRL's collator before the core replaces it
+        super()._enable_packed_path()

@@ -16,7 +16,6 @@ TRL's layout, runs as TRL runs it.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -25,7 +24,7 @@ import trl
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
-from unpack_trainer.rl_config import GRPOConfig
+from unpack_trainer.configs import GRPOConfig
 from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions
 
 __all__ = ["GRPOTrainer", "PackedCompletionsMixin"]
@@ -48,26 +47,12 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
     unpack_packs_in = "step"
     unpack_unshared = "each completion is packed after its own copy of its prompt"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """TRL's trainer's own arguments (bound to its ``__init__``'s signature, whatever it is): the core decides
-        before TRL's ``__init__`` (the trainer has no collator and no metrics), and enables the packed path after."""
+    def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
+        """The core's decision, after checking the arguments of the one method every log-prob forward goes through."""
         where = f"trl.{self.unpack_trl_class.__name__}"
         logps = "_get_per_token_logps_and_entropies"
         _trl_compat.require_parameters(self.unpack_trl_class, logps, _trl_compat.ONLINE_LOGPS_PARAMETERS, where)
-        bound = inspect.signature(self.unpack_trl_class.__init__).bind(self, *args, **kwargs)
-        given = bound.arguments
-        given["args"] = self._unpack_before_init(
-            given["model"],
-            given.get("args"),
-            data_collator=None,
-            processing_class=given.get("processing_class"),
-            train_dataset=given.get("train_dataset"),
-            eval_dataset=given.get("eval_dataset"),
-            peft_config=given.get("peft_config"),
-            has_metrics=False,
-        )
-        super().__init__(*bound.args[1:], **bound.kwargs)
-        self._unpack_after_init(given.get("train_dataset"), given.get("eval_dataset"))
+        return super()._unpack_before_init(model, args, **arguments)
 
     @classmethod
     def unpack_data_columns(cls, args: Any) -> tuple[tuple[str, ...], ...]:

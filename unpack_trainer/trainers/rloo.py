@@ -10,7 +10,7 @@ from __future__ import annotations
 import trl
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.rl_config import RLOOConfig
+from unpack_trainer.configs import RLOOConfig
 from unpack_trainer.trainers.grpo import PackedCompletionsMixin
 
 __all__ = ["RLOOTrainer"]

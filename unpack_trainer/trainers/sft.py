@@ -12,10 +12,9 @@ from typing import Any
 import torch
 import trl
 from datasets import Dataset, IterableDataset
-from transformers import TrainingArguments
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.config import SFTConfig
+from unpack_trainer.configs import SFTConfig
 from unpack_trainer.data.collator import DataCollatorForPacking
 from unpack_trainer.data.estimate import estimated_speedup
 from unpack_trainer.data.preparation import (
@@ -28,8 +27,9 @@ from unpack_trainer.data.preparation import (
     truncate_dataset,
 )
 from unpack_trainer.data.validation import check_dataset_token_ids
-from unpack_trainer.loss import sample_weights
+from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
+from unpack_trainer.trainers.loss import sample_weights
 
 
 class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
@@ -50,35 +50,13 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     _unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
 
-    def __init__(
-        self,
-        model: Any,
-        args: TrainingArguments | None = None,
-        data_collator: Any = None,
-        train_dataset: Dataset | IterableDataset | None = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        args = self._unpack_before_init(
-            model,
-            args,
-            data_collator=data_collator,
-            processing_class=processing_class,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            peft_config=kwargs.get("peft_config"),
-            has_metrics=any(
-                kwargs.get(name) is not None for name in ("compute_metrics", "preprocess_logits_for_metrics")
-            ),
-        )
+    def _unpack_trl_init(self, args: tuple, kwargs: dict[str, Any]) -> None:
         try:
-            super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+            super()._unpack_trl_init(args, kwargs)
         except StopIteration:  # TRL reads the first example of the training set: an empty stream
             if self._unpack_disabled:
                 raise
             raise empty_train_dataset_error() from None
-        self._unpack_after_init(train_dataset, eval_dataset)
 
     # ------------------------------------------------------------------------------------------------ hooks
 
@@ -144,7 +122,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         self._unpack_train_prepared = True
         if self._unpack_mode == "stock":
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
-        packed_ahead = "seq_lengths" in column_names(dataset)
+        packed_ahead = SEQ_LENGTHS_COLUMN in column_names(dataset)
         flatten = self._unpack_mode in ("pack", "padding_free") and (is_train or self._unpack_eval_flattened)
         if not flatten:
             if self._unpack_user_collator:  # the user's collator decides what seq_lengths mean

@@ -2,7 +2,7 @@
 
 The versions of python, torch and the Hugging Face libraries, of every optional kernel package, the devices, and
 for a given ``--model`` (a local model folder or a ``model_type`` such as ``llama``, built tiny from its config by
-:mod:`unpack_trainer.tiny`) whether :func:`unpack_trainer.models.patch_model` takes it or refuses it (and why),
+:mod:`unpack_trainer.models.tiny`) whether :func:`unpack_trainer.models.patch_model` takes it or refuses it (and why),
 which packed attention backend it would take with float32 weights, bfloat16 weights and float32 weights under
 bfloat16 autocast, and the path of each token mixer. The model is built on the ``meta`` device: no weights, no memory.
 The text is markdown, to paste into an issue; ``--json`` prints the same as one JSON object.
@@ -173,7 +173,7 @@ def _config(model: str) -> tuple[Any, str]:
     """The config of ``model`` (a local folder or a model type) and how it was found."""
     from transformers import AutoConfig
 
-    from unpack_trainer.tiny import config_class, tiny_config
+    from unpack_trainer.models.tiny import config_class, tiny_config
 
     path = Path(model).expanduser()
     if path.exists():
@@ -189,7 +189,7 @@ def _config(model: str) -> tuple[Any, str]:
         raise CLIError(
             f"--model {model}: neither a folder nor a transformers model_type (e.g. llama, qwen3, gemma2)"
         ) from None
-    return tiny_config(model), f"model_type {model!r}, built tiny from its config (unpack_trainer.tiny)"
+    return tiny_config(model), f"model_type {model!r}, built tiny from its config (unpack_trainer.models.tiny)"
 
 
 def _precisions(device: Any, implementation: str | None, features: dict[str, Any]) -> dict[str, dict[str, str]]:
@@ -257,10 +257,11 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from unpack_trainer._compat import attention_implementation
     from unpack_trainer.models import PatchRefused, supported_model_types
-    from unpack_trainer.models.coverage import VERIFIED_WITH
     from unpack_trainer.models.patch import attention_features
     from unpack_trainer.models.refusals import check_model, quiet_transformers
+    from unpack_trainer.models.verified import VERIFIED_WITH
 
     config, source = _config(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -276,7 +277,7 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         "class": type(built).__name__,
         "verified": getattr(config, "model_type", None) in supported_model_types(),
         "verified_with": "transformers " + " and ".join(VERIFIED_WITH),
-        "attn_implementation": built.config._attn_implementation,
+        "attn_implementation": attention_implementation(built.config),
         "device": str(device),
     }
     try:
@@ -292,7 +293,7 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         )
         return report
     report.update(patched=True, trainer="packs through the patch (after its self-check on the first batch)")
-    report["attention"] = _precisions(device, built.config._attn_implementation, attention_features(built))
+    report["attention"] = _precisions(device, attention_implementation(built.config), attention_features(built))
     report["mixers"] = _mixer_paths(structure, device)
     return report
 

@@ -16,12 +16,24 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from unpack_trainer.cli.commands import CLIError
 from unpack_trainer.trainers import TRAINERS, TrainerSpec, trainer_spec
 
-__all__ = ["COMMANDS", "PROG", "SCRIPT", "add_commands", "launch_script", "make_parser", "run"]
+__all__ = [
+    "COMMANDS",
+    "DATASET_NAMES",
+    "PROG",
+    "SCRIPT",
+    "SMOLLM2_NAME",
+    "add_commands",
+    "check_arguments",
+    "launch_script",
+    "make_parser",
+    "run",
+]
 
 PROG = "unpack-trainer"
 ERROR_EXIT_CODE = 2  # a user error, as `unpack-trainer analyze` and argparse
@@ -52,9 +64,67 @@ examples:
 """
 
 
-def _offline_datasets(command: str) -> list[str]:
-    from unpack_trainer.cli.train import DATASET_NAMES
+SMOLLM2_NAME = "unpack_trainer:smollm2"
+# --dataset_name -> (the commands whose --help lists it, "module:function" of its loader, conversational)
+DATASET_NAMES: dict[str, tuple[tuple[str, ...], str, bool]] = {
+    "unpack_trainer:chat": (("sft",), "unpack_trainer.data.default_data:load_default_dataset", True),
+    "unpack_trainer:default": (("sft",), "unpack_trainer.data.default_data:load_default_dataset", False),
+    "unpack_trainer:preference_chat": (
+        ("dpo", "reward"),
+        "unpack_trainer.data.default_preference_data:load_default_preference_dataset",
+        True,
+    ),
+    "unpack_trainer:preference": (
+        ("dpo", "reward"),
+        "unpack_trainer.data.default_preference_data:load_default_preference_dataset",
+        False,
+    ),
+}
 
+
+def _is_hub_id(name: str) -> bool:
+    """Whether ``name`` has the shape of a Hub repository id (``name`` or ``namespace/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_arguments(script_args: Any, training_args: Any, model_args: Any, dataset_args: Any = None) -> None:
+    """The checks that need no data and no model: ``CLIError`` naming the flag and the value.
+
+    ``--max_length`` below 1 (for a config that has it); a ``--model_name_or_path`` that is neither an existing path
+    nor shaped like a Hub id (transformers would say "Repo id must be in the form ..."); a ``--dataset_name`` that
+    names a local data file (a path, or a data file suffix) that does not exist; neither ``--dataset_name`` nor
+    ``datasets``.
+    """
+    max_length = getattr(training_args, "max_length", None)
+    if max_length is not None and max_length < 1:
+        raise CLIError(f"--max_length must be a positive integer (or None: no truncation), got {max_length}.")
+    model = model_args.model_name_or_path
+    if model is None:
+        raise CLIError("--model_name_or_path is required: a model folder, a Hub model id, or unpack_trainer:smollm2.")
+    if model != SMOLLM2_NAME and not Path(model).expanduser().exists() and not _is_hub_id(model):
+        raise CLIError(
+            f"--model_name_or_path {model}: no such file or directory (and not a Hub model id, 'name' or "
+            "'namespace/name')."
+        )
+    if dataset_args is not None and dataset_args.datasets:
+        return
+    name = script_args.dataset_name
+    if not name:
+        raise CLIError("--dataset_name (or `datasets` in a --config recipe) is required.")
+    from unpack_trainer.data.files import file_format
+
+    local = file_format(name) is not None or not _is_hub_id(name)
+    if name not in DATASET_NAMES and local and not Path(name).expanduser().exists():
+        raise CLIError(f"--dataset_name {name}: no such file or directory.")
+
+
+def _offline_datasets(command: str) -> list[str]:
     names = [name for name, (commands, *_) in DATASET_NAMES.items() if command in commands]
     return names or list(DATASET_NAMES)
 
@@ -106,14 +176,12 @@ def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]
 
 def run(command: str, argv: Sequence[str]) -> int:
     """``unpack-trainer <command> ARGS``: parse as ``trl <command>`` does (``--help`` exits here), check what needs no
-    data or model ([`unpack_trainer.cli.train.check_arguments`]), then ``accelerate launch`` the training script with
+    data or model ([`check_arguments`]), then ``accelerate launch`` the training script with
     the command and the script's arguments; the arguments the parser does not know go to ``accelerate launch``.
 
     Returns the exit status: 0; 2 on a user error (one line on stderr, here or from the training script, which
     reports its own the same way); the training script's status if it failed otherwise (its traceback is its own).
     """
-    from unpack_trainer.cli.train import check_arguments
-
     return launch_script(command, argv, make_parser(command), check=check_arguments)
 
 

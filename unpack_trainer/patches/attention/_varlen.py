@@ -13,6 +13,7 @@ from torch import Tensor
 
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.attention import eager, sdpa
 from unpack_trainer.patches.attention._common import CallOptions, logger, tokens_major
 
 __all__ = ["MAX_HEAD_DIM", "fits_offsets", "one_head_dim", "varlen_forward", "varlen_window"]
@@ -149,16 +150,14 @@ def varlen_forward(
         if chunk.cu_seqlens is not None:
             outputs.append(crop(kernel_call(q_in[part], k_in[part], v_in[part], chunk.cu_seqlens, chunk.max_seqlen)))
             continue
-        fallback = "eager" if options.softcap is not None else "sdpa"
+        fallback = eager if options.softcap is not None else sdpa
         log_once(
             logger,
             logging.WARNING,
             f"Packed sample {chunk.first_seq} ({chunk.end - chunk.begin} tokens) alone exceeds {kernel_name}'s 32-bit "
-            f"offsets; it runs on {fallback} instead.",
+            f"offsets; it runs on {fallback.BACKEND.name} instead.",
         )
         q, k, v = (x[part].transpose(0, 1).unsqueeze(0) for x in (q_tokens, k_tokens, v_tokens))
-        from unpack_trainer.patches.attention.registry import REGISTRY  # the registry imports this module
-
-        out = REGISTRY[fallback].forward(q, k, v, chunk.fallback, options)
+        out = fallback.forward(q, k, v, chunk.fallback, options)
         outputs.append(out.reshape(chunk.end - chunk.begin, num_heads, head_dim_v))
     return torch.cat(outputs).view(batch_size, seq_len, num_heads, head_dim_v)

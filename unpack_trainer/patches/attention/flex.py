@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from unpack_trainer._compat import recompile_limit_at_least
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches._torch_compat import recompile_limit_at_least
 from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, optional_kernel, tokens_major
 from unpack_trainer.patches.buckets import grid_length
 

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer._compat import tensor_version
+from unpack_trainer.packed_seq_info import BOUNDARY_KEYS, INFO_KEY, SEQ_PARENTS_KEY, PackedSeqInfo
 from unpack_trainer.patches.masks import detect_packed
 
 __all__ = ["chunked_info", "packed_info_from_kwargs"]
@@ -30,7 +31,7 @@ class _LastDerivedInfo:
     def get(self, source_name: str, source: Tensor, batch_size: int, seq_len: int) -> PackedSeqInfo | None:
         """The metadata of ``source`` (``packed_seq_lengths``, ``cu_seq_lens_q`` or ``position_ids``), derived once
         by the one detector, :func:`unpack_trainer.patches.masks.detect_packed`."""
-        key = (source_name, source._version, batch_size, seq_len)
+        key = (source_name, tensor_version(source), batch_size, seq_len)
         if self._source is not None and self._source() is source and self._key == key:
             return self._info
         info = detect_packed(batch_size, seq_len, **{source_name: source})
@@ -51,15 +52,15 @@ def packed_info_from_kwargs(
     ``cu_seq_lens_q`` or ``position_ids`` (the latter only without an attention mask and with as many keys as
     queries, i.e. no KV cache).
     """
-    if "packed_seq_info" in kwargs:
-        return kwargs["packed_seq_info"]
-    if kwargs.get("packed_seq_parents") is not None:
+    if INFO_KEY in kwargs:
+        return kwargs[INFO_KEY]
+    if kwargs.get(SEQ_PARENTS_KEY) is not None:
         raise ValueError(
-            "Branched packed samples (`packed_seq_parents`) reach attention through the patched model's hook, which "
-            "passes `packed_seq_info`; patch the model with unpack_trainer.models.patch_model."
+            f"Branched packed samples (`{SEQ_PARENTS_KEY}`) reach attention through the patched model's hook, which "
+            f"passes `{INFO_KEY}`; patch the model with unpack_trainer.models.patch_model."
         )
     batch_size, _, seq_len, _ = query.shape
-    for name in ("packed_seq_lengths", "cu_seq_lens_q"):
+    for name in BOUNDARY_KEYS:
         source = kwargs.get(name)
         if source is not None:
             return _last_derived.get(name, source, batch_size, seq_len)

@@ -12,14 +12,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer._compat import attention_functions
+from unpack_trainer.packed_seq_info import INFO_KEY, OWN_KEYS, SEQ_LENGTHS_KEY, PackedSeqInfo
 from unpack_trainer.patches.attention.dispatch import packed_attention_forward
 from unpack_trainer.patches.attention.metadata import packed_info_from_kwargs
 from unpack_trainer.patches.masks import current_packed_info
 
 __all__ = ["make_attention_function"]
-
-_METADATA_KWARGS = ("packed_seq_info", "packed_seq_lengths")
 
 
 @functools.cache
@@ -53,9 +52,9 @@ def _routed_info(module: torch.nn.Module, query: Tensor, key: Tensor, kwargs: di
     passes (``cu_seq_lens_q``, ``position_ids``) never reroute a call, so an unpatched model sharing the registered
     name runs exactly as stock.
     """
-    if "packed_seq_info" in kwargs:
-        return kwargs["packed_seq_info"]
-    if kwargs.get("packed_seq_lengths") is not None:
+    if INFO_KEY in kwargs:
+        return kwargs[INFO_KEY]
+    if kwargs.get(SEQ_LENGTHS_KEY) is not None:
         return packed_info_from_kwargs(query, key, None, kwargs)
     config = getattr(module, "config", None)
     return current_packed_info(config) if config is not None else None
@@ -70,9 +69,7 @@ def make_attention_function(
     of that name (the class-wide registry, so the returned function can be registered under the same name)."""
     # Looked up here, not inside the forward: torch 2.11's dynamo cannot import transformers' lazy module while
     # tracing (compile with fullgraph=True failed there). The mapping is the registry's own dict, read per call.
-    from transformers import AttentionInterface
-
-    stock_functions = AttentionInterface._global_mapping
+    stock_functions = attention_functions()
 
     def unpack_attention_forward(
         module: torch.nn.Module,
@@ -84,7 +81,7 @@ def make_attention_function(
     ) -> tuple[Tensor, Any]:
         info = _routed_info(module, query, key, kwargs)
         if info is not None:
-            kwargs["packed_seq_info"] = info
+            kwargs[INFO_KEY] = info
             if kwargs.get("sliding_window") is None and getattr(module, "_unpack_sliding_window", None):
                 # The model applies this window through its mask only (set by unpack_trainer.models.patch_model).
                 kwargs["sliding_window"] = module._unpack_sliding_window
@@ -98,7 +95,7 @@ def make_attention_function(
             return packed_attention_forward(
                 module, query, key, value, None, original_implementation=original_implementation, **kwargs
             )
-        for name in _METADATA_KWARGS:
+        for name in OWN_KEYS:  # transformers' own functions do not know them
             kwargs.pop(name, None)
         if fallback is not None:
             function = fallback

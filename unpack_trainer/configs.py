@@ -1,4 +1,16 @@
-"""``SFTConfig``: TRL's config with ``padding_free`` left unset by default, so the trainer can decide."""
+"""The config of every trainer: TRL's own config class with ``padding_free`` left unset by default (so the trainer
+can decide) and the fields packing adds, one class per entry of [`unpack_trainer.trainers.TRAINERS`].
+
+Every config lives here, and only configs (with [`convert_config`], which turns a plain TRL config into ours): the
+command line builds its parsers from these classes (``unpack-trainer <command> --help``), so this module imports TRL's
+configs and nothing of the trainers, models or kernels.
+
+- [`SFTConfig`] (``trl.SFTConfig``): packing order, window, per-row bound, loss normalization, balanced steps;
+- [`DPOConfig`] (``trl.DPOConfig``) and [`RewardConfig`] (``trl.RewardConfig``): packed preference pairs,
+  ``prefix_sharing``;
+- [`GRPOConfig`] / [`RLOOConfig`] (``trl.GRPOConfig`` / ``trl.RLOOConfig``): packed training forwards,
+  ``prefix_sharing``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +23,24 @@ import trl
 
 from unpack_trainer.decision import explicit_padding_free
 
+__all__ = ["DPOConfig", "GRPOConfig", "RLOOConfig", "RewardConfig", "SFTConfig", "convert_config"]
+
 ConfigT = TypeVar("ConfigT")
+
+_DECIDES = "None (default) lets the trainer decide and log why; False is never overridden."
+
+
+def _padding_free_field(help: str) -> Any:
+    """``padding_free``: ``None`` by default (the trainer decides); ``help`` says what it turns on."""
+    return field(default=None, metadata={"help": f"{help} {_DECIDES}"})
+
+
+def _prefix_sharing_field(help: str) -> Any:
+    """``prefix_sharing``: ``True`` by default; ``help`` says what runs once."""
+    return field(default=True, metadata={"help": help})
+
+
+_PAIRS_PADDING_FREE = "Run the pairs of each batch as one packed row without padding (exact: TRL's loss and metrics)."
 
 
 @dataclass
@@ -100,8 +129,8 @@ class SFTConfig(trl.SFTConfig):
     padding_free: bool | None = field(
         default=None,
         metadata={
-            "help": "Flatten each batch into one row without padding. None (default) lets the trainer decide and log "
-            "why; False is never overridden. With packing=True rows are always padding-free."
+            "help": f"Flatten each batch into one row without padding. {_DECIDES} With packing=True rows are always "
+            "padding-free."
         },
     )
     packing_buffer_size: int = field(
@@ -184,6 +213,122 @@ class SFTConfig(trl.SFTConfig):
             raise ValueError(f"`loss_normalization` must be 'token' or 'sample', got {self.loss_normalization!r}.")
         if self.packing_buffer_size <= 0:
             raise ValueError(f"`packing_buffer_size` must be positive, got {self.packing_buffer_size}.")
+
+
+@dataclass
+class DPOConfig(trl.DPOConfig):
+    r"""
+    [`trl.DPOConfig`] for [`unpack_trainer.DPOTrainer`]. Every TRL field keeps its meaning; these differ or are added:
+
+    > Parameters that control packing of preference pairs
+
+    Args:
+        padding_free (`bool` or `None`, *optional*, defaults to `None`):
+            Whether to run the pairs of each batch as one packed row without padding, instead of TRL's padded batch of
+            `2 * per_device_train_batch_size` rows (chosen rows, then rejected rows). Pairs never attend to each other,
+            and the loss, every logged metric and every gradient are those of TRL's padded batch. `None` lets the
+            trainer decide: it turns it on when the model, collator and data allow it and logs why (set
+            `UNPACK_DISABLE_AUTO_PADDING_FREE=1` to keep padded batches); it stays off for a custom `data_collator`,
+            a vision dataset, prompt-learning PEFT or a model the packing patch refuses. `False` is never overridden
+            and trains exactly as `trl.DPOTrainer` (TRL 1.16 turns its own `padding_free=True` off).
+        packing (`bool`, *optional*, defaults to `False`):
+            Asks for the packed rows explicitly (logged as a request if it cannot be honoured). Pairs are packed per
+            batch, as with `padding_free`: each optimizer step keeps TRL's number of pairs, over which its loss is a
+            mean.
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            With packed rows, run each prompt once: a pair is one segment `[prompt, chosen, rejected]` in which chosen
+            and rejected both continue from the prompt (positions, attention, and the first completion token's
+            prediction from the prompt's last token) and never see each other. `False` packs `[prompt, chosen]` and
+            `[prompt, rejected]` as two ordinary samples. With `truncation_mode="keep_end"`, a truncated pair is
+            packed unshared.
+    """
+
+    padding_free: bool | None = _padding_free_field(_PAIRS_PADDING_FREE)
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Ask for packed rows explicitly (pairs are packed per batch, as with padding_free)."},
+    )
+    prefix_sharing: bool = _prefix_sharing_field(
+        "With packed rows, run each prompt once for its chosen and rejected completions."
+    )
+
+
+_DOC = r"""
+    [`trl.{name}`] for [`unpack_trainer.{trainer}`]. Every TRL field keeps its meaning; these are added:
+
+    > Parameters that control packing of the training forwards
+
+    Args:
+        padding_free (`bool` or `None`, *optional*, defaults to `None`):
+            Whether the forwards that compute per-token log-probabilities (the policy with gradients, the old policy
+            with `num_iterations > 1` or importance sampling, the reference model with `beta > 0`) run each batch as
+            one packed row without padding, instead of TRL's `(completions, prompt + completion)` batch with
+            left-padded prompts and right-padded completions. Completions never attend to each other, and the loss,
+            every logged metric and every gradient are those of TRL's padded batch; generation is untouched. `None`
+            lets the trainer decide: it turns it on when the model and the data allow it (not for vision inputs, a
+            processor, prompt-learning PEFT or a model the packing patch refuses), logs why, and per forward runs
+            TRL's padded batch instead where packing would not save enough tokens to be faster. `False` is never
+            overridden and trains exactly as `trl.{trainer}`.
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            With packed rows, run each distinct prompt of a forward once, its completions (the `num_generations` of
+            a group, wherever they are in the batch) as branches that continue from it (positions, attention, and
+            each first completion token's prediction from the prompt's last token) and never see each other.
+            `False` packs each completion after its own copy of its prompt.
+"""
+
+
+_RL_PADDING_FREE = (
+    "Run the training forwards (policy, old policy, reference) as packed rows without padding (exact: TRL's loss and "
+    "metrics)."
+)
+_RL_PREFIX_SHARING = "With packed rows, run each distinct prompt once for all its completions."
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    __doc__ = _DOC.format(name="GRPOConfig", trainer="GRPOTrainer")
+
+    padding_free: bool | None = _padding_free_field(_RL_PADDING_FREE)
+    prefix_sharing: bool = _prefix_sharing_field(_RL_PREFIX_SHARING)
+
+
+@dataclass
+class RLOOConfig(trl.RLOOConfig):
+    __doc__ = _DOC.format(name="RLOOConfig", trainer="RLOOTrainer")
+
+    padding_free: bool | None = _padding_free_field(_RL_PADDING_FREE)
+    prefix_sharing: bool = _prefix_sharing_field(_RL_PREFIX_SHARING)
+
+
+@dataclass
+class RewardConfig(trl.RewardConfig):
+    r"""
+    [`trl.RewardConfig`] for [`unpack_trainer.RewardTrainer`]. Every TRL field keeps its meaning; these are added:
+
+    > Parameters that control packing of preference pairs
+
+    Args:
+        padding_free (`bool` or `None`, *optional*, defaults to `None`):
+            Whether to run the pairs of each batch as one packed row without padding, instead of TRL's padded batch
+            of `2 * per_device_train_batch_size` rows (chosen rows, then rejected rows). Pairs never attend to each
+            other, each sequence is scored at its own last token, and the loss, every logged metric and every
+            gradient are those of TRL's padded batch. `None` lets the trainer decide: it turns it on when the model,
+            collator and data allow it and logs why (set `UNPACK_DISABLE_AUTO_PADDING_FREE=1` to keep padded
+            batches); it stays off for a custom `data_collator`, prompt-learning PEFT, a model the packing patch
+            refuses, or a model whose score head cannot be read per packed sequence (logged with the reason).
+            `False` is never overridden and trains exactly as `trl.RewardTrainer`.
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            With packed rows, run the tokens chosen and rejected start with once: a pair is one segment
+            `[shared, chosen', rejected']` in which both continue the shared tokens (positions and attention) and
+            never see each other. The shared tokens are the longest common start of the two tokenized sequences
+            (the prompt, explicit or implicit, and what the completions share), at most all but one token of the
+            shorter one. `False` packs `[prompt, chosen]` and `[prompt, rejected]` as two ordinary samples.
+    """
+
+    padding_free: bool | None = _padding_free_field(_PAIRS_PADDING_FREE)
+    prefix_sharing: bool = _prefix_sharing_field(
+        "With packed rows, run the tokens chosen and rejected start with once per pair."
+    )
 
 
 def convert_config(args: Any, config_class: type[ConfigT]) -> ConfigT:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from unpack_trainer.data.default_data import load_default_records
-from unpack_trainer.preference_data import load_default_preference_dataset, near_miss
+from unpack_trainer.data.default_preference_data import load_default_preference_dataset, near_miss
 
 
 @pytest.mark.parametrize(

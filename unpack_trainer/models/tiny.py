@@ -5,7 +5,7 @@ samples packed in one row, and padded): the coverage check (:mod:`unpack_trainer
 default data's tiny Llama (:func:`unpack_trainer.data.default_data.tiny_model_config`), the tests (through the fixtures in
 ``tests/conftest.py``) and the scripts they launch all build their models here.
 
-    >>> from unpack_trainer.tiny import char_tokenizer, tiny_config, tiny_model
+    >>> from unpack_trainer.models.tiny import char_tokenizer, tiny_config, tiny_model
     >>> tiny_config("qwen3").hidden_size
     32
     >>> model = tiny_model("llama", vocab_size=len(char_tokenizer()), attn_implementation="eager")
@@ -84,27 +84,44 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen4_exp_text": dict(
-        layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
-        indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=8,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
     ),
     "lfm3": dict(layer_types=["conv", "full_attention"]),
     "granitemoehybrid": dict(
-        layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4
+        layer_types=["linear_attention", "full_attention"],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
     ),
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4),
     "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_chunk_size=4),
     "nemotron_h": dict(chunk_size=4),
     "mamba2": dict(num_heads=4, head_dim=16, chunk_size=4, n_groups=1),
     "jamba": dict(
-        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_dt_rank=8,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_dt_rank=8,
         use_mamba_kernels=False,
     ),
     "zamba": dict(
         num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"], mamba_dt_rank=8, use_mamba_kernels=False
     ),
     "zamba2": dict(
-        layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1], mamba_headdim=16, n_mamba_heads=4,
-        attention_head_dim=8, use_mamba_kernels=False, chunk_size=4,
+        layers_block_type=["linear_attention", "hybrid"],
+        hybrid_layer_ids=[1],
+        mamba_headdim=16,
+        n_mamba_heads=4,
+        attention_head_dim=8,
+        use_mamba_kernels=False,
+        chunk_size=4,
     ),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=32),
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8),
@@ -116,7 +133,8 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     # attention sub-config (and clamps with clip_qkv, which fails when unset: 8 as in the released model); the
     # feed-forward sub-config copies d_model before the hidden_size alias is applied, so d_model is given by name.
     "dbrx": dict(
-        hidden_size=None, d_model=32,
+        hidden_size=None,
+        d_model=32,
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
     ),
@@ -127,8 +145,12 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     # Its last num_kv_shared_layers layers reuse the keys and values of the last earlier layer of their type: four
     # layers, the last two sharing (one sliding, one full), the first with sparse activations as in the released model.
     "gemma3n_text": dict(
-        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
-        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], laurel_rank=4, hidden_size_per_layer_input=8,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+        laurel_rank=4,
+        hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=128,
     ),
     # Rotary settings per layer type (None: no rotary embedding), with M-RoPE sections summing to head_dim / 2; one
@@ -143,9 +165,18 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     # A causal LM only as a decoder; one local-chunk and one LSH layer, chunks smaller than the samples, axial position
     # embeddings factoring max_position_embeddings (64 = 8 x 8) and summing to the hidden size.
     "reformer": dict(
-        is_decoder=True, attn_layers=["local", "lsh"], attention_head_size=8, feed_forward_size=64,
-        axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4, lsh_attn_chunk_length=4,
-        num_buckets=2, hash_seed=0, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+        is_decoder=True,
+        attn_layers=["local", "lsh"],
+        attention_head_size=8,
+        feed_forward_size=64,
+        axial_pos_shape=[8, 8],
+        axial_pos_embds_dim=[16, 16],
+        local_attn_chunk_length=4,
+        lsh_attn_chunk_length=4,
+        num_buckets=2,
+        hash_seed=0,
+        hidden_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0,
     ),
     # Its language adapters need a language: the config's only default one.
     "xmod": dict(default_language="en_XX"),
@@ -357,4 +388,3 @@ def raise_token_logit(model: Any, token_id: int, amount: float, *, seed: int = 0
         hidden = model.base_model(input_ids=text).last_hidden_state.mean((0, 1))
         model.get_output_embeddings().weight[token_id] += amount * hidden / hidden.square().sum()
     return model
-

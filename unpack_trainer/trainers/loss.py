@@ -1,4 +1,7 @@
-"""Per-sample loss weighting (``loss_normalization="sample"``): every sample weighs the same, whatever its length."""
+"""Per-sample loss weighting (``loss_normalization="sample"``): every sample weighs the same, whatever its length.
+
+Part of the trainers' room: the SFT trainer's loss ([`unpack_trainer.trainers.sft`]) weighs its token losses with it.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from unpack_trainer.selfcheck import check_uncontaminated
+from unpack_trainer.models.selfcheck import check_uncontaminated
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -166,7 +166,7 @@ BRANCHED_MODELS = {
 
 def _branched_model(key):
     from unpack_trainer.models import patch_model
-    from unpack_trainer.tiny import tiny_model
+    from unpack_trainer.models.tiny import tiny_model
 
     model_type, backend, overrides = BRANCHED_MODELS[key]
     model = tiny_model(model_type, attn_implementation=backend, hidden_size=32, head_dim=8, **overrides)
@@ -220,7 +220,7 @@ def test_selfcheck_reads_every_stream_of_a_model_with_stacked_hidden_states(bran
     """Gemma3n's hidden states are ``(altup streams, batch, tokens, hidden)``: the probe crashed on them (the plain
     probe split the streams as if they were rows). Every stream of every token is compared now."""
     from unpack_trainer.models import patch_model
-    from unpack_trainer.tiny import tiny_model
+    from unpack_trainer.models.tiny import tiny_model
 
     model = patch_model(tiny_model("gemma3n_text").eval())
     report = check_uncontaminated(model, branched=branched)

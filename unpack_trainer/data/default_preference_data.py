@@ -1,5 +1,8 @@
 """The embedded preference set: (prompt, chosen, rejected) triples made from the shipped instruction data.
 
+Stage 1 of the data path (read), beside [`unpack_trainer.data.default_data`]: the source that needs no file of yours;
+public as ``unpack_trainer.load_default_preference_dataset``.
+
 Every record of [`unpack_trainer.data.default_data`] (learnable tasks with one right answer: arithmetic, sorting,
 reversing, rewriting short stories, ...) gives one pair, with no download:
 
@@ -11,7 +14,7 @@ reversing, rewriting short stories, ...) gives one pair, with no download:
   completions, as real preference data does.
 
 Example:
-    >>> from unpack_trainer.preference_data import load_default_preference_dataset
+    >>> from unpack_trainer import load_default_preference_dataset
     >>> pairs = load_default_preference_dataset("train")  # columns: prompt, chosen, rejected (4,000 pairs)
 """
 

@@ -1,5 +1,8 @@
 """Packed preference batches: many (prompt, chosen, rejected) pairs in one row, the prompt shared by both answers.
 
+Stage 5 of the data path (collate) for preference pairs, as [`unpack_trainer.data.collator`] is for plain samples;
+the model side ([`unpack_trainer.trainers.branched`]) runs the packed row in place of TRL's view.
+
 TRL's ``DataCollatorForPreference`` pads ``[p, c]`` and ``[p, r]`` to the longest sequence of the batch (chosen rows
 first, then rejected rows), so every prompt runs twice and every row pays for the longest. Here the pairs of a batch
 go into one packed row instead. With ``prefix_sharing=True`` a pair is one branched segment ``[p, c, r]``: ``c`` and
@@ -35,20 +38,9 @@ from typing import Any
 import torch
 from transformers.data.data_collator import DataCollatorMixin
 
-from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
+from unpack_trainer.packed_seq_info import TOKEN_INDEX_KEY, VIEW_INDEX_KEY, branched_row
 
-__all__ = ["PACKED_VIEW_KEYS", "DataCollatorForPackedPreference", "completion_view", "pack_preference_pairs"]
-
-# The keys the packed preference collator adds to TRL's padded view; the model hook consumes them.
-PACKED_VIEW_KEYS: tuple[str, ...] = (
-    "packed_input_ids",
-    "packed_position_ids",
-    "packed_seq_lengths",
-    SEQ_PARENTS_KEY,
-    "packed_token_index",
-    "packed_view_index",
-)
+__all__ = ["DataCollatorForPackedPreference", "completion_view", "pack_preference_pairs"]
 
 
 def _truncate(ids: list[int], max_length: int | None, mode: str) -> list[int]:
@@ -126,16 +118,7 @@ def pack_preference_pairs(
     view_index = torch.zeros(len(views), view_length, dtype=torch.int64)
     for row, view in enumerate(views):
         view_index[row, : len(view)] = torch.tensor(view, dtype=torch.int64)
-    seq_lengths = torch.tensor(lengths, dtype=torch.int32)
-    seq_parents = torch.tensor(parents, dtype=torch.int64)
-    info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=1, seq_len=len(ids), seq_parents=seq_parents)
-    return {
-        "packed_input_ids": torch.tensor(ids, dtype=torch.int64).unsqueeze(0),
-        "packed_position_ids": info.position_ids(),
-        "packed_seq_lengths": seq_lengths,
-        SEQ_PARENTS_KEY: seq_parents,
-        "packed_token_index": view_index,
-    }
+    return {**branched_row(ids, lengths, parents), TOKEN_INDEX_KEY: view_index}
 
 
 @dataclass
@@ -179,7 +162,7 @@ class DataCollatorForPackedPreference(DataCollatorMixin):
             prefix_sharing=self.prefix_sharing,
             view_length=view["input_ids"].shape[1],
         )
-        return {**view, **packed, **completion_view(view, packed["packed_token_index"], self.pad_to_multiple_of)}
+        return {**view, **packed, **completion_view(view, packed[TOKEN_INDEX_KEY], self.pad_to_multiple_of)}
 
 
 def completion_view(
@@ -225,5 +208,5 @@ def completion_view(
     return {
         "input_ids": cut(input_ids, pad_id),
         "completion_mask": cut(completion_mask, 0),
-        "packed_view_index": cut(token_index, 0),
+        VIEW_INDEX_KEY: cut(token_index, 0),
     }

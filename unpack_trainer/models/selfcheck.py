@@ -1,4 +1,9 @@
-"""Contamination probe: do packed samples give the same logits as the same samples run one by one, on *this* model?"""
+"""Contamination probe: do packed samples give the same logits as the same samples run one by one, on *this* model?
+
+On the model side (``unpack_trainer.models``): it builds its probe batches with the data path's collator
+([`unpack_trainer.data.collator.packed_metadata`]) and runs them through the model as it will train; the trainers
+([`unpack_trainer.trainers._packed`]) call it before the first batch. Read-only: the model is left as found.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,10 @@ from typing import Any
 
 import torch
 
-from unpack_trainer import _trl_compat
+from unpack_trainer._compat import hook_dicts, output_capturing_flag
 from unpack_trainer.data.collator import packed_metadata
 from unpack_trainer.data.validation import check_lengths
-from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.masks import SEQ_PARENTS_KEY
+from unpack_trainer.packed_seq_info import SEQ_LENGTHS_KEY, SEQ_PARENTS_KEY, PackedSeqInfo
 
 # Relative tolerance on logits, by the dtype the model computes in: packed and one-by-one runs sum in different orders.
 _RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -205,11 +209,12 @@ class _Snapshot:
         self.parameters = [
             (module, name, parameter, parameter.data)
             for module in model.modules()
-            for name, parameter in module._parameters.items()
-            if parameter is not None
+            for name, parameter in module.named_parameters(recurse=False, remove_duplicate=False)
         ]
         self.buffers = [
-            (module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
+            (module, name, buffer)
+            for module in model.modules()
+            for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False)
         ]
         owners = [module for module, _ in self.modes] + [parameter for _, _, parameter, _ in self.parameters]
         states = {id(state): state for owner in owners for state in _quant_states(owner)}
@@ -219,27 +224,23 @@ class _Snapshot:
             for module, _ in self.modes
             if _quant_states(getattr(module, "weight", None)) or _quant_states(module)
         ]
-        self.hooks = [
-            (hooks, dict(hooks))
-            for module, _ in self.modes
-            for name, hooks in vars(module).items()
-            if name.endswith("hooks") and isinstance(hooks, dict)
-        ]
-        self.flags = [
-            (module, vars(module).get(_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG, _ABSENT)) for module, _ in self.modes
-        ]
+        self.hooks = [(hooks, dict(hooks)) for module, _ in self.modes for hooks in hook_dicts(module)]
+        self.flag = output_capturing_flag()
+        self.flags = (
+            [] if self.flag is None else [(module, vars(module).get(self.flag, _ABSENT)) for module, _ in self.modes]
+        )
 
     def restore(self) -> None:
         for state, attributes in self.states:
             vars(state).clear()
             vars(state).update(attributes)
         for module, name, parameter, data in self.parameters:
-            module._parameters[name] = parameter
+            setattr(module, name, parameter)
             current = parameter.data
             if (current.data_ptr(), current.shape, current.dtype) != (data.data_ptr(), data.shape, data.dtype):
                 parameter.data = data
         for module, name, buffer in self.buffers:
-            module._buffers[name] = buffer
+            setattr(module, name, buffer)
         for module, training in self.modes:
             module.training = training
         for hooks, found in self.hooks:
@@ -248,9 +249,9 @@ class _Snapshot:
                 hooks.update(found)
         for module, flag in self.flags:
             if flag is _ABSENT:
-                vars(module).pop(_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG, None)
+                vars(module).pop(self.flag, None)
             else:
-                vars(module)[_trl_compat.OUTPUT_CAPTURING_HOOKS_FLAG] = flag
+                vars(module)[self.flag] = flag
 
 
 _ProbeBatch = tuple[torch.Tensor, dict[str, object], torch.Tensor, torch.Tensor, tuple[int, int]]
@@ -324,7 +325,7 @@ def _branched_probe_batch(lengths: tuple[int, ...], vocab_size: int, seed: int) 
         offset += len(samples)
     seq_parents = torch.tensor(parents, dtype=torch.int64)
     info = PackedSeqInfo.from_seq_lengths(seq_lengths, batch_size=len(rows), seq_len=total, seq_parents=seq_parents)
-    metadata = {"position_ids": info.position_ids(), "packed_seq_lengths": seq_lengths, SEQ_PARENTS_KEY: seq_parents}
+    metadata = {"position_ids": info.position_ids(), SEQ_LENGTHS_KEY: seq_lengths, SEQ_PARENTS_KEY: seq_parents}
     start = branch_lengths[-1]
     segment = torch.arange(start, start + segment_length + 1, dtype=torch.int64)
     references = [torch.arange(total, total + p + branch_lengths[0])]  # p, c1: row 1

@@ -1,0 +1,406 @@
+"""Every private or moved name of transformers, torch and datasets the package reads, in one place.
+
+Each is found by feature (no version numbers) and checked once, at first use: a name that is missing raises one
+``RuntimeError`` that names it and the versions known to work ([`KNOWN_TO_WORK`]), instead of an ``AttributeError``
+deep inside a forward. When a library makes a name public, renames or drops it, this is the one file to change. (TRL's
+trainers and transformers' ``Trainer`` they extend are the trainer side's: ``unpack_trainer._trl_compat``.)
+
+Names that moved between releases, both spellings handled:
+
+- the KV cache keyword of a model's ``forward``: ``cache`` since transformers 5.24 (``past_key_values`` stays a
+  deprecated alias until 5.40, renamed by a decorator before the model's own code runs), ``past_key_values`` before:
+  :data:`CACHE_KEYWORDS`, :func:`cache_argument`, :func:`cache_keyword`, :func:`output_cache`; how many tokens a cache
+  holds, for a cache of recurrent states too (:func:`cache_length`). A hook on a decoder sees whichever name the outer
+  model passed;
+- activation checkpointing on a ``PreTrainedModel``: ``activation_checkpointing_enable`` / ``_disable`` /
+  ``is_activation_checkpointing`` since 5.24, ``gradient_checkpointing_*`` before (deprecated in 5.24, with a
+  ``FutureWarning`` per call): :func:`checkpointing_enabled`, :func:`enable_checkpointing`,
+  :func:`disable_checkpointing`;
+- dynamo's recompile limit: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before torch 2.7):
+  :func:`recompile_limit_at_least` (without either, logged once and nothing changes).
+
+Private names, with what each is for and what would replace it:
+
+- transformers' attention and mask registries: the class-wide tables ``AttentionInterface._global_mapping`` /
+  ``AttentionMaskInterface._global_mapping`` (:func:`attention_functions`, :func:`mask_functions`: the functions the
+  packed routing falls back to) and an interface instance's own ``_local_mapping`` (:func:`locally_registered`: what
+  a name mapped to before the routing replaced it). transformers has no public lookup that tells the two apart;
+- ``PretrainedConfig._attn_implementation``, the attention implementation a model runs (transformers' own models
+  read it; no public getter): :func:`attention_implementation`, :func:`set_attention_implementation`;
+- ``PreTrainedModel._supports_sdpa``, whether a model class runs SDPA (:func:`supports_sdpa`);
+- the flag transformers' output capturing sets on a model once its capturing hooks are installed
+  (``utils/output_capturing.py``; the self-check puts it back as found, with the hooks): :func:`output_capturing_flag`;
+- torch's hook dictionaries on a module (``_forward_pre_hooks``, ``_forward_hooks``, ...): a hook removed by id, so
+  a deep copy of a patched model removes its own (:func:`remove_hook`); every hook dict put back as found by the
+  self-check (:func:`hook_dicts`);
+- ``torch._C._current_graph_task_id``, whether autograd is running a backward now (a mixer recomputed by gradient
+  checkpointing uses what its forward used): :func:`in_backward`;
+- ``Tensor._version``, the in-place version counter (the packing metadata derived from a tensor is cached per
+  version): :func:`tensor_version`;
+- ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, the parameters and buffers DDP does not
+  synchronise (``--ignore_bias_buffers``, as TRL's DPO script sets them): :func:`ignore_in_ddp`;
+- datasets' ``IterableDataset._formatting``, a stream's format (TRL's ``_get_dataset_format`` reads it too):
+  :func:`stream_format_type`.
+
+Nothing is imported at module import: torch, transformers and datasets are imported by the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from unpack_trainer._logging import log_once
+
+__all__ = [
+    "CACHE_KEYWORDS",
+    "KNOWN_TO_WORK",
+    "attention_functions",
+    "attention_implementation",
+    "cache_argument",
+    "cache_keyword",
+    "cache_length",
+    "checkpointing_enabled",
+    "disable_checkpointing",
+    "enable_checkpointing",
+    "hook_dicts",
+    "ignore_in_ddp",
+    "in_backward",
+    "locally_registered",
+    "mask_functions",
+    "missing_name_error",
+    "output_cache",
+    "output_capturing_flag",
+    "recompile_limit_at_least",
+    "remove_hook",
+    "reset_checks",
+    "set_attention_implementation",
+    "stream_format_type",
+    "supports_sdpa",
+    "tensor_version",
+]
+
+logger = logging.getLogger("unpack_trainer")
+
+KNOWN_TO_WORK = (
+    "transformers 5.22 to 5.24, torch 2.11 to 2.13 and datasets 4.8.5 to 5.2 (pyproject allows transformers>=5.22,<6, "
+    "torch>=2.11, datasets>=4.8.5)"
+)
+
+_MISSING = object()
+# name -> what it resolved to: each private name is looked up and checked once per process.
+_resolved: dict[str, Any] = {}
+
+
+def missing_name_error(name: str) -> RuntimeError:
+    """The one error for a private name the installed libraries do not have."""
+    return RuntimeError(
+        f"unpack_trainer needs `{name}`, which the installed libraries do not have (it moved or was removed). Known to "
+        f"work: {KNOWN_TO_WORK}. Install a version in that range, or set UNPACK_DISABLE=1 to train exactly as TRL "
+        "does."
+    )
+
+
+def _private(name: str, find: Callable[[], Any]) -> Any:
+    """What ``find()`` returns for the private name ``name`` (``_MISSING`` when the name is not there), looked up
+    once and cached; [`missing_name_error`] when it is missing."""
+    value = _resolved.get(name, _MISSING)
+    if value is _MISSING:
+        value = find()
+        if value is _MISSING:
+            raise missing_name_error(name)
+        _resolved[name] = value
+    return value
+
+
+def reset_checks() -> None:
+    """Forget every private name looked up so far (for tests that take one away)."""
+    _resolved.clear()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# transformers: names that moved
+# --------------------------------------------------------------------------------------------------------------------
+
+# The KV cache keyword of a model's forward: the current name first.
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def cache_argument(kwargs: Mapping[str, Any]) -> Any:
+    """The KV cache in a forward's keyword arguments under either name of :data:`CACHE_KEYWORDS`, or ``None``."""
+    for name in CACHE_KEYWORDS:
+        value = kwargs.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model.forward`` takes its KV cache under (``cache`` or ``past_key_values``)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in CACHE_KEYWORDS if name in parameters), CACHE_KEYWORDS[-1])
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model's forward returned: its output's ``cache`` field (transformers 5.24), ``past_key_values`` or,
+    for state-space models before 5.24, ``cache_params``; read without touching a deprecated alias."""
+    fields = getattr(type(output), "__dataclass_fields__", {})
+    name = next((name for name in (*CACHE_KEYWORDS, "cache_params") if name in fields), CACHE_KEYWORDS[-1])
+    return getattr(output, name, None)
+
+
+def cache_length(cache: Any) -> int:
+    """How many tokens ``cache`` already holds; 0 for ``None`` or an object without ``get_seq_length``.
+
+    A cache of recurrent states only (Mamba's since transformers 5.24) keeps no sequence length, and its
+    ``get_seq_length`` raises ``ValueError``: it counts as 1 once it holds a state (it has seen tokens), else 0.
+    """
+    get_seq_length = getattr(cache, "get_seq_length", None)
+    if not callable(get_seq_length):
+        return 0
+    try:
+        return int(get_seq_length())
+    except ValueError:
+        has_previous_state = getattr(cache, "has_previous_state", None)
+        return int(bool(has_previous_state())) if callable(has_previous_state) else 0
+
+
+def checkpointing_enabled(model: Any) -> bool:
+    """Whether activation (gradient) checkpointing is on for ``model`` (a ``PreTrainedModel``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> None:
+    """Turn activation checkpointing on, with ``kwargs`` for ``torch.utils.checkpoint`` (``{"use_reentrant": False}``)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_checkpointing(model: Any) -> None:
+    """Turn activation checkpointing off."""
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# transformers: private names
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _class_table(module: str, cls: str) -> Callable[[], Any]:
+    def find() -> Any:
+        interface = getattr(importlib.import_module(module), cls)
+        table = getattr(interface, "_global_mapping", _MISSING)
+        return table if isinstance(table, dict) else _MISSING
+
+    return find
+
+
+def attention_functions() -> dict[str, Callable[..., Any]]:
+    """transformers' class-wide attention registry, ``AttentionInterface._global_mapping``: implementation name ->
+    attention function (``"sdpa"`` -> ``sdpa_attention_forward``, ...). The dict itself: read it per call, it follows
+    ``AttentionInterface.register``."""
+    return _private(
+        "transformers.AttentionInterface._global_mapping", _class_table("transformers", "AttentionInterface")
+    )
+
+
+def mask_functions() -> dict[str, Callable[..., Any]]:
+    """transformers' class-wide mask registry, ``AttentionMaskInterface._global_mapping``: implementation name -> mask
+    function (``"sdpa"`` -> ``sdpa_mask``, ...). The dict itself, as [`attention_functions`]."""
+    return _private(
+        "transformers.masking_utils.AttentionMaskInterface._global_mapping",
+        _class_table("transformers.masking_utils", "AttentionMaskInterface"),
+    )
+
+
+def locally_registered(interface: Any, name: str) -> Any:
+    """What ``interface[name] = function`` set on this instance of an attention or mask interface
+    (``ALL_ATTENTION_FUNCTIONS``, ``ALL_MASK_ATTENTION_FUNCTIONS``), read from its ``_local_mapping``; ``None`` when
+    only the class-wide registry has ``name``."""
+
+    def find() -> Any:
+        table = getattr(interface, "_local_mapping", _MISSING)
+        return True if isinstance(table, dict) else _MISSING
+
+    _private(f"transformers.{type(interface).__name__}._local_mapping", find)
+    return interface._local_mapping.get(name)
+
+
+def _config_attribute() -> Any:
+    from transformers import PretrainedConfig
+
+    return True if hasattr(PretrainedConfig, "_attn_implementation") else _MISSING
+
+
+def attention_implementation(config: Any) -> str | None:
+    """``config._attn_implementation``: the attention implementation the model runs (``"sdpa"``, ``"eager"``, ...,
+    ``None`` before transformers resolved it); ``None`` for an object that is not a model config."""
+    _private("transformers.PretrainedConfig._attn_implementation", _config_attribute)
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(config: Any, implementation: str) -> None:
+    """Set ``config._attn_implementation`` (only the name: the model's ``set_attn_implementation`` also loads kernels)."""
+    _private("transformers.PretrainedConfig._attn_implementation", _config_attribute)
+    config._attn_implementation = implementation
+
+
+def supports_sdpa(model_class: type) -> bool:
+    """Whether ``model_class`` (a ``PreTrainedModel`` subclass) runs SDPA: its ``_supports_sdpa``."""
+
+    def find() -> Any:
+        from transformers import PreTrainedModel
+
+        return True if hasattr(PreTrainedModel, "_supports_sdpa") else _MISSING
+
+    _private("transformers.PreTrainedModel._supports_sdpa", find)
+    return bool(getattr(model_class, "_supports_sdpa", False))
+
+
+# Set by transformers on a model once its output-capturing forward hooks are installed (utils/output_capturing.py).
+_OUTPUT_CAPTURING_FLAG = "_output_capturing_hooks_installed"
+
+
+def output_capturing_flag() -> str | None:
+    """The attribute transformers sets on a model once a forward asked for hidden states or attentions and its
+    output-capturing hooks are installed; ``None`` where transformers has no output capturing (nothing to put back).
+
+    Checked by reading the module's code: some function of ``transformers.utils.output_capturing`` sets the flag."""
+
+    def find() -> Any:
+        try:
+            module = importlib.import_module("transformers.utils.output_capturing")
+        except ImportError:
+            return None
+        for value in vars(module).values():
+            code = getattr(value, "__code__", None)
+            if code is not None and _OUTPUT_CAPTURING_FLAG in code.co_consts:
+                return _OUTPUT_CAPTURING_FLAG
+        return _MISSING
+
+    return _private(f"transformers.utils.output_capturing: model.{_OUTPUT_CAPTURING_FLAG}", find)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# torch
+# --------------------------------------------------------------------------------------------------------------------
+
+
+# The dictionaries ``nn.Module.register_forward_pre_hook`` / ``register_forward_hook`` keep a module's hooks in, by id.
+_FORWARD_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _module_hook_dicts() -> Any:
+    import torch
+
+    module = torch.nn.Module()
+    return True if all(isinstance(getattr(module, name, None), dict) for name in _FORWARD_HOOK_DICTS) else _MISSING
+
+
+def remove_hook(module: Any, hook_id: int) -> None:
+    """What ``RemovableHandle.remove`` does, on ``module``'s own forward hook dicts (``_forward_pre_hooks``,
+    ``_forward_hooks``, ...), by hook id: a handle of the original model would point at the original's dicts after
+    ``copy.deepcopy``, an id stays valid in the copy."""
+    _private("torch.nn.Module._forward_pre_hooks / _forward_hooks", _module_hook_dicts)
+    for name in _FORWARD_HOOK_DICTS:
+        getattr(module, name, {}).pop(hook_id, None)
+
+
+def hook_dicts(module: Any) -> list[dict]:
+    """Every hook dictionary torch keeps on ``module`` (``_forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks``,
+    ``_state_dict_hooks``, ...: its attributes named ``*hooks`` that are dicts), to be put back as found."""
+    _private("torch.nn.Module._forward_pre_hooks / _forward_hooks", _module_hook_dicts)
+    return [hooks for name, hooks in vars(module).items() if name.endswith("hooks") and isinstance(hooks, dict)]
+
+
+def in_backward() -> bool:
+    """Whether the code now running is part of a backward pass (where gradient checkpointing recomputes a layer's
+    forward): ``torch._C._current_graph_task_id() != -1``. Not for a traced region (dynamo does not trace it)."""
+
+    def find() -> Any:
+        import torch
+
+        return getattr(torch._C, "_current_graph_task_id", _MISSING)
+
+    return _private("torch._C._current_graph_task_id", find)() != -1
+
+
+def tensor_version(tensor: Any) -> int:
+    """``tensor._version``: autograd's counter of in-place changes, so what was derived from a tensor can be cached
+    per version."""
+
+    def find() -> Any:
+        import torch
+
+        return True if isinstance(getattr(torch.zeros(0), "_version", None), int) else _MISSING
+
+    _private("torch.Tensor._version", find)
+    return tensor._version
+
+
+def ignore_in_ddp(module: Any, names: Iterable[str]) -> None:
+    """Make ``DistributedDataParallel`` leave the parameters and buffers ``names`` of ``module`` unsynchronised (set
+    before the model is wrapped), through DDP's own static method for it."""
+
+    def find() -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", _MISSING)
+
+    _private("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", find)(
+        module, list(names)
+    )
+
+
+def recompile_limit_at_least(limit: int) -> contextlib.AbstractContextManager:
+    """A context in which ``torch.compile`` recompiles a function up to ``limit`` times (its default is 8) before it
+    falls back to eager: the flex attention backend compiles once per shape class and mask variant, which a long run
+    can exceed. ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before torch 2.7) has no public
+    equivalent; without either, nothing changes (logged once)."""
+    from torch._dynamo import config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        current = getattr(config, name, None)
+        if isinstance(current, int):
+            return config.patch(**{name: max(limit, current)})
+    log_once(
+        logger,
+        logging.WARNING,
+        "unpack_trainer: torch._dynamo.config has neither `recompile_limit` nor `cache_size_limit`; flex attention "
+        f"runs with torch's own recompile limit (known to work: {KNOWN_TO_WORK}).",
+    )
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# datasets
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def stream_format_type(dataset: Any) -> str | None:
+    """The format type of a streamed dataset (``IterableDataset``: ``"torch"``, ``"arrow"``, ..., ``None`` for
+    Python objects), read from its ``_formatting`` as TRL's ``_get_dataset_format`` does."""
+
+    def find() -> Any:
+        from datasets import IterableDataset
+
+        return True if "_formatting" in IterableDataset.__init__.__code__.co_names else _MISSING
+
+    _private("datasets.IterableDataset._formatting", find)
+    formatting = getattr(dataset, "_formatting", None)
+    return formatting.format_type if formatting is not None else None
