@@ -71,7 +71,8 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     from datasets.utils.logging import disable_progress_bar
     from transformers.utils import logging as hf_logging
 
-    from unpack_trainer import GRPOConfig, GRPOTrainer, tiny
+    from unpack_trainer import GRPOConfig, GRPOTrainer
+    from unpack_trainer.models import tiny
 
     hf_logging.set_verbosity_error()
     disable_progress_bar()

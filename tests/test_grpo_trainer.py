@@ -19,7 +19,8 @@ import trl
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, tiny
+from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from unpack_trainer.models import tiny
 from unpack_trainer.trainers.branched import pack_completions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

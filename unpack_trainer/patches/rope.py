@@ -58,27 +58,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    unsqueeze_dim: int = 1,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: the same operations, in the same order, as transformers' ``apply_rotary_pos_emb``.
 
-    Args:
-        q: ``(B, H, T, D)`` queries (``(B, T, H, D)`` with ``unsqueeze_dim=2``).
-        k: ``(B, H_kv, T, D)`` keys, same layout as ``q``.
-        cos, sin: ``(B, T, D)`` (or ``(1, T, D)``) as returned by the model's rotary embedding for the batch's
-            ``position_ids`` (for a packed row, positions restart per sample; nothing else changes).
-        position_ids: ignored; accepted because transformers' signature carried it before 4.48.
-        unsqueeze_dim: the head dimension of ``q``/``k`` (1 for ``(B, H, T, D)``, 2 for ``(B, T, H, D)``).
-
-    Returns:
-        ``(q_embed, k_embed)`` with the shapes of ``q`` and ``k``, dtype from torch's type promotion of the inputs.
+    Arguments, shapes and result as :func:`apply_rotary_pos_emb` (without its ignored ``position_ids``; for a packed
+    row, positions restart per sample in ``cos``/``sin`` and nothing else changes); the dtype is torch's type
+    promotion of the inputs.
     """
-    del position_ids
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     q_embed = (q * cos) + (rotate_half(q) * sin)
@@ -334,9 +321,9 @@ def apply_rotary_pos_emb(
     """
     mode = rope_backend()
     if mode == "torch":
-        return apply_rotary_pos_emb_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
+        return apply_rotary_pos_emb_torch(q, k, cos, sin, unsqueeze_dim)
     if mode == "auto" and (not q.is_cuda or torch.compiler.is_compiling() or not triton_available()):
-        return apply_rotary_pos_emb_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
+        return apply_rotary_pos_emb_torch(q, k, cos, sin, unsqueeze_dim)
     reason = _kernel_unsupported(q, k, cos, sin, unsqueeze_dim)
     if reason is None:
         return _launch(q, k, cos, sin, None, _head_dim_of(unsqueeze_dim), validate=False)
@@ -345,4 +332,4 @@ def apply_rotary_pos_emb(
             f"{ROPE_ENV}=triton forces the fused RoPE kernel, which cannot take these inputs: {reason}. "
             f"Unset {ROPE_ENV} to fall back to the torch reference for them."
         )
-    return apply_rotary_pos_emb_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return apply_rotary_pos_emb_torch(q, k, cos, sin, unsqueeze_dim)

@@ -52,30 +52,20 @@ The packing metadata is computed once per forward on the CPU
 that object (``PackedSeqInfo.plan``, one namespace per backend), so no layer synchronises with the device.
 """
 
+from unpack_trainer.patches.attention import registry
 from unpack_trainer.patches.attention._common import logger
 from unpack_trainer.patches.attention.dispatch import packed_attention_forward
 from unpack_trainer.patches.attention.metadata import chunked_info, packed_info_from_kwargs
+from unpack_trainer.patches.attention.registry import *  # noqa: F403  (its __all__: one list, not two in step)
 from unpack_trainer.patches.attention.registry import (
     _BACKEND_FUNCTIONS,  # noqa: F401  (the forwards by name, for spies: tests, unpack_trainer.models.coverage)
-    BACKENDS,
-    ENV_BACKEND,
-    REGISTRY,
-    BackendChoice,
-    backend_unavailable_reason,
-    choose_backend,
-    compute_dtype,
 )
 from unpack_trainer.patches.attention.routing import make_attention_function
 
+# The registry's (the table and the choice), then the forward, its metadata and its routing.
 __all__ = [
-    "BACKENDS",
-    "ENV_BACKEND",
-    "REGISTRY",
-    "BackendChoice",
-    "backend_unavailable_reason",
-    "choose_backend",
+    *registry.__all__,
     "chunked_info",
-    "compute_dtype",
     "logger",
     "make_attention_function",
     "packed_attention_forward",
