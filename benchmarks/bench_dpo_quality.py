@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import paired_table, run_seeded_cases, write_runs  # noqa: E402
+from common import paired_table, run_arms_and_record  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
@@ -211,17 +210,11 @@ def run_arms(
     shared = ["--train-pairs", str(options.train_pairs), "--eval-pairs", str(options.eval_pairs)]
     shared += ["--max-length", str(options.max_length), "--batch-size", str(options.batch_size)]
     shared += ["--learning-rate", str(options.learning_rate), *extra]
-    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
 
     def describe(run: dict) -> str:
         return f"eval loss {run['eval_loss']:.6f}, {accuracy} {run[accuracy]:.4f}, {run['train_s']:.0f} s"
 
-    start = time.perf_counter()
-    runs = run_seeded_cases(os.path.abspath(script), cases, shared, jobs=options.jobs, timeout=3600, describe=describe)
-    command = f"python benchmarks/{Path(script).name} " + " ".join(argv if argv is not None else sys.argv[1:])
-    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
-    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
-    return runs
+    return run_arms_and_record(script, options, argv, shared, describe, timeout=3600)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import paired_table, run_seeded_cases, write_runs  # noqa: E402
+from common import paired_table, run_arms_and_record  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_grpo_quality.json"
@@ -155,19 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     shared = ["--steps", str(options.steps), "--prompts", str(options.prompts)]
     shared += ["--generations", str(options.generations), "--completion-length", str(options.completion_length)]
     shared += ["--learning-rate", str(options.learning_rate)]
-    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
 
     def describe(run: dict) -> str:
         first, last = run["rewards"][: options.window], run["rewards"][-options.window :]
         return f"reward {statistics.fmean(first):.3f} -> {statistics.fmean(last):.3f}, {run['train_s']:.0f} s"
 
-    start = time.perf_counter()
-    runs = run_seeded_cases(
-        os.path.abspath(__file__), cases, shared, jobs=options.jobs, timeout=7200, describe=describe
-    )
-    command = "python benchmarks/bench_grpo_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
-    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
+    runs = run_arms_and_record(__file__, options, argv, shared, describe, timeout=7200)
     print()
     print(f"GRPO quality, tiny Llama (hidden 64, 2 layers), repeat-the-last-letter task, {options.steps} steps of "
           f"{options.prompts} prompts x {options.generations} completions, fp32, CPU:")  # fmt: skip

@@ -7,6 +7,13 @@ The pieces live in the package, [`unpack_trainer.cli.trainer_comparison`] (``unp
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 from unpack_trainer.cli.trainer_comparison import (
     environment,
     environment_line,
@@ -33,6 +40,7 @@ __all__ = [
     "paired_difference",
     "paired_table",
     "print_header",
+    "run_arms_and_record",
     "run_in_subprocess",
     "run_seeded_cases",
     "spread",
@@ -68,3 +76,25 @@ def tiny_config(model_type: str, **overrides):
 def print_header(title: str) -> None:
     print(f"## {title}\n")
     print(environment_line() + "\n")
+
+
+def run_arms_and_record(
+    script: str,
+    options: argparse.Namespace,
+    argv: list[str] | None,
+    shared: list[str],
+    describe: Callable[[dict], str],
+    timeout: float,
+) -> list[dict]:
+    """Run every (arm, seed) of ``options.arms`` x ``options.seeds`` as ``script --case arm:seed`` with the options
+    ``shared``, ``options.jobs`` processes at a time (``describe`` prints each run as it ends); the runs, with the
+    command and the options chosen, written to ``options.json``. For the quality benchmarks (DPO, reward, GRPO)."""
+    cases = [(arm, seed) for seed in options.seeds for arm in options.arms]
+    start = time.perf_counter()
+    runs = run_seeded_cases(
+        os.path.abspath(script), cases, shared, jobs=options.jobs, timeout=timeout, describe=describe
+    )
+    command = f"python benchmarks/{Path(script).name} " + " ".join(argv if argv is not None else sys.argv[1:])
+    chosen = {k: v for k, v in vars(options).items() if k not in ("case", "json")}
+    write_runs(options.json, command, chosen, runs, time.perf_counter() - start)
+    return runs
