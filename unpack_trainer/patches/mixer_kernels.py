@@ -52,6 +52,7 @@ __all__ = [
     "KernelEntry",
     "VarlenPlan",
     "kernel_entry",
+    "masked_causal_taps",
     "packed_causal_conv1d",
     "replaced_kernels",
     "varlen_plan",
@@ -202,6 +203,28 @@ def _fla_causal_conv1d() -> Callable[..., Any] | None:
     return causal_conv1d
 
 
+def masked_causal_taps(x: torch.Tensor, weight: torch.Tensor, keep: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A depthwise causal convolution whose taps stop at sample boundaries, without bias or activation.
+
+    Args:
+        x: ``(B, C, T)`` the packed rows, channels first.
+        weight: ``(C, W)`` the depthwise kernel (tap ``s`` reads ``x[t - s]`` with ``weight[:, W - 1 - s]``).
+        keep: for each shift ``1 <= s < W``, a ``(B, 1, T)`` mask in ``x``'s dtype, 1 where ``x[t - s]`` belongs to
+            ``t``'s sample (its values at ``t < s`` do not matter: the shifted input is zero there).
+
+    Returns:
+        ``(B, C, T)``: ``y[t] = sum_{s < W} weight[:, W - 1 - s] * x[t - s] * keep(s)[t]`` (``keep(0)`` is 1), the
+        products in that order. The exact torch path of :func:`packed_causal_conv1d` and
+        :func:`unpack_trainer.patches.mixers.packed_conv1d`.
+    """
+    width, seq_len = weight.shape[-1], x.shape[-1]
+    out = x * weight[:, width - 1 : width]
+    for shift in range(1, min(width, seq_len)):
+        shifted = torch.nn.functional.pad(x[..., : seq_len - shift], (shift, 0))
+        out = out + shifted * keep(shift) * weight[:, width - 1 - shift : width - shift]
+    return out
+
+
 def packed_causal_conv1d(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -231,12 +254,12 @@ def packed_causal_conv1d(
         out, _ = fla_conv(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens.long())
         return out.transpose(1, 2).to(hidden_states.dtype)
     x = hidden_states.to(weight.dtype)
-    width, seq_len = weight.shape[-1], x.shape[-1]
-    out = x * weight[:, width - 1 : width]
-    for shift in range(1, min(width, seq_len)):
-        same = (seq_idx[:, shift:] == seq_idx[:, :-shift]).unsqueeze(1)  # (B, 1, T - shift)
-        tap = x[..., :-shift] * same.to(x.dtype) * weight[:, width - 1 - shift : width - shift]
-        out = out + torch.nn.functional.pad(tap, (shift, 0))
+
+    def same_sample(shift: int) -> torch.Tensor:  # (B, 1, T): x[t - shift] is in t's sample
+        same = (seq_idx[:, shift:] == seq_idx[:, :-shift]).unsqueeze(1).to(x.dtype)
+        return torch.nn.functional.pad(same, (shift, 0))
+
+    out = masked_causal_taps(x, weight, same_sample)
     if bias is not None:
         out = out + bias.unsqueeze(-1)
     if activation is not None:

@@ -391,13 +391,8 @@ def packed_conv1d(module: torch.nn.Conv1d, x: Tensor, info: PackedSeqInfo) -> Te
             f"unpack_trainer: packed convolution input of shape {tuple(x.shape)}; expected (batch={info.batch_size}, "
             f"channels, {info.seq_len})."
         )
-    weight = module.weight[:, 0, :].unsqueeze(-1)  # (C, k, 1)
     masks = _tap_masks(info, k, x.dtype, x.device)
-    seq_len = x.shape[-1]
-    out = x * weight[:, k - 1]
-    for s in range(1, min(k, seq_len)):
-        shifted = torch.nn.functional.pad(x[..., : seq_len - s], (s, 0))
-        out = out + shifted * masks[s] * weight[:, k - 1 - s]
+    out = mixer_kernels.masked_causal_taps(x, module.weight[:, 0, :], masks.__getitem__)
     if module.bias is not None:
         out = out + module.bias.unsqueeze(-1)
     return torch.nn.functional.pad(out, (0, k - 1))
