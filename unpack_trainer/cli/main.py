@@ -14,12 +14,9 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from unpack_trainer.cli.commands import CLIError, analyze, bench, env, smollm2, train
+from unpack_trainer.cli.commands import ERROR_EXIT_CODE, PROG, CLIError, analyze, bench, env, smollm2, train
 
 __all__ = ["CLIError", "build_parser", "main"]
-
-PROG = "unpack-trainer"
-ERROR_EXIT_CODE = 2
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     analyze.add_command,

@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from unpack_trainer.cli.commands import CLIError, one_line
-from unpack_trainer.cli.commands.train import DATASET_NAMES, PROG, SMOLLM2_NAME, check_arguments, make_parser
+from unpack_trainer.cli.commands import ERROR_EXIT_CODE, PROG, CLIError, one_line
+from unpack_trainer.cli.commands.train import DATASET_NAMES, SMOLLM2_NAME, check_arguments, make_parser
 from unpack_trainer.data import files as data_files
 from unpack_trainer.trainers import trainer_spec
 
@@ -310,7 +310,7 @@ def run(argv: list[str] | None = None) -> int:
         main(command, *parser.parse_args_and_config(args, fail_with_unknown_args=False))
     except CLIError as error:
         print(f"{PROG} {command}: error: {error}", file=sys.stderr)
-        return 2
+        return ERROR_EXIT_CODE
     return 0
 
 

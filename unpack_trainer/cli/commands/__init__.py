@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["CLIError", "add_command_parser", "one_line", "positive_int"]
+__all__ = ["ERROR_EXIT_CODE", "PROG", "CLIError", "add_command_parser", "one_line", "positive_int"]
+
+PROG = "unpack-trainer"
+ERROR_EXIT_CODE = 2  # a user error, as argparse exits on a usage error
 
 
 class CLIError(Exception):

@@ -19,24 +19,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from unpack_trainer.cli.commands import CLIError
+from unpack_trainer.cli.commands import ERROR_EXIT_CODE, PROG, CLIError
 from unpack_trainer.trainers import TRAINERS, TrainerSpec, trainer_spec
 
 __all__ = [
     "COMMANDS",
     "DATASET_NAMES",
-    "PROG",
     "SCRIPT",
     "SMOLLM2_NAME",
     "add_commands",
     "check_arguments",
-    "launch_script",
     "make_parser",
     "run",
 ]
 
-PROG = "unpack-trainer"
-ERROR_EXIT_CODE = 2  # a user error, as `unpack-trainer analyze` and argparse
 SCRIPT = "unpack_trainer.cli.train"  # the module `accelerate launch` runs
 COMMANDS: tuple[str, ...] = tuple(spec.command for spec in TRAINERS)
 
@@ -182,14 +178,6 @@ def run(command: str, argv: Sequence[str]) -> int:
     Returns the exit status: 0; 2 on a user error (one line on stderr, here or from the training script, which
     reports its own the same way); the training script's status if it failed otherwise (its traceback is its own).
     """
-    return launch_script(command, argv, make_parser(command), check=check_arguments)
-
-
-def launch_script(command: str, argv: Sequence[str], parser: Any, *, check: Any = None) -> int:
-    """Parse ``argv`` with ``parser`` (a ``TrlParser``) as ``trl <command>`` does, run ``check`` (if given) on the
-    parsed dataclasses (a [`CLIError`] there is one line on stderr and exit status 2), then ``accelerate launch``
-    [`SCRIPT`] with ``command`` and the script's arguments; the arguments the parser does not know go to ``accelerate
-    launch``. Returns the exit status (the script's own if it failed)."""
     import subprocess
 
     from accelerate.commands.launch import launch_command, launch_command_parser
@@ -197,14 +185,13 @@ def launch_script(command: str, argv: Sequence[str], parser: Any, *, check: Any 
 
     all_args = list(argv)
     try:
-        *parsed, config_remaining, cli_remaining = parser.parse_args_and_config(
+        *parsed, config_remaining, cli_remaining = make_parser(command).parse_args_and_config(
             all_args, return_remaining_strings=True, separate_remaining_strings=True
         )
     except SystemExit as exit_:  # --help, or a usage error argparse already printed
         return exit_.code if isinstance(exit_.code, int) else 0
     try:
-        if check is not None:
-            check(*parsed)
+        check_arguments(*parsed)
     except CLIError as error:
         print(f"{PROG} {command}: error: {error}", file=sys.stderr)
         return ERROR_EXIT_CODE
