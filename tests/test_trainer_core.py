@@ -107,6 +107,14 @@ def test_an_evaluation_loop_argument_is_found_by_name_not_position(monkeypatch):
         find((None, "Evaluation"), {}, "metric_key_prefix")
 
 
+def test_a_method_gone_from_trl_is_the_one_clear_error_for_its_parameters_too():
+    class Moved:  # a TRL trainer class whose method was renamed
+        pass
+
+    with pytest.raises(RuntimeError, match=r"method `trl\.GRPOTrainer\._get_per_token_logps_and_entropies`.*Known"):
+        _trl_compat.require_parameters(Moved, "_get_per_token_logps_and_entropies", ("model",), "trl.GRPOTrainer")
+
+
 def test_every_name_listed_exists_in_the_installed_trl():
     _trl_compat.require_methods(trl.SFTTrainer, _trl_compat.TRAINER_METHODS, "transformers.Trainer")
     _trl_compat.require_methods(trl.SFTTrainer, _trl_compat.SFT_TRAINER_METHODS, "trl.SFTTrainer")

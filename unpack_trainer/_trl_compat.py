@@ -90,7 +90,9 @@ def require_attributes(obj: Any, names: tuple[str, ...], where: str) -> None:
 
 
 def require_parameters(cls: type, method: str, names: tuple[str, ...], where: str) -> None:
-    """Raise ``RuntimeError`` naming the first of ``names`` that ``cls.method`` does not take."""
+    """Raise ``RuntimeError`` naming ``cls.method`` where ``cls`` lacks it (as :func:`require_methods`), else the first
+    of ``names`` that it does not take."""
+    require_methods(cls, (method,), where)
     parameters = inspect.signature(getattr(cls, method)).parameters
     for name in names:
         if name not in parameters:

@@ -225,11 +225,8 @@ def _is_arange(node: ast.AST) -> bool:
 
 
 def _names_in(node: ast.AST) -> set[str]:
+    """The bare names read or assigned anywhere in ``node`` (an expression, or an assignment target)."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-
-
-def _assigned_names(target: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
 
 
 def _none_fallbacks(tree: ast.AST) -> set[int]:
@@ -247,7 +244,7 @@ def _none_fallbacks(tree: ast.AST) -> set[int]:
             for child in ast.walk(statement):
                 if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                     targets = child.targets if isinstance(child, ast.Assign) else [child.target]
-                    if any(test.left.id in _assigned_names(t) for t in targets):
+                    if any(test.left.id in _names_in(t) for t in targets):
                         found.add(id(child))
     return found
 
@@ -281,7 +278,7 @@ def _row_position_names(tree: ast.AST) -> set[str]:
                 pairs = [(target, value)]
             for part, part_value in pairs:
                 if derived(part_value):
-                    tainted |= _assigned_names(part)
+                    tainted |= _names_in(part)
     return tainted
 
 
@@ -312,7 +309,7 @@ def attention_call(cls: type) -> AttentionCall | None:
             eager_here = [f for f in functions if names & interface or f.__name__.endswith("attention_forward")]
             if names & interface or eager_here:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                bound |= set().union(*map(_assigned_names, targets))
+                bound |= set().union(*map(_names_in, targets))
                 eager.update((id(f), f) for f in eager_here)
     calls = [
         node
@@ -329,7 +326,7 @@ def attention_call(cls: type) -> AttentionCall | None:
         and isinstance(node.value, ast.Constant)
         and node.value.value is None
         for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        for name in _assigned_names(target)
+        for name in _names_in(target)
     }
     row = _row_position_names(tree)
     keywords: dict[str, str] = {}
