@@ -221,6 +221,11 @@ def install_branched_hooks(model: torch.nn.Module) -> None:
     from unpack_trainer.models import patch_model
 
     patch_model(model)
+    _install_view_and_head(model)
+
+
+def _install_view_and_head(model: torch.nn.Module) -> None:
+    """The two hooks of [`install_branched_hooks`] on a model that is patched already."""
     pretrained = model.get_base_model() if is_peft_model(model) else model
     install_packed_view(pretrained.base_model)
     install_compact_lm_head(pretrained)
@@ -383,9 +388,10 @@ class BranchedTrainerMixin(PackedTrainerMixin):
             self._unpack_install_hooks(model)
 
     def _unpack_install_hooks(self, model: Any) -> None:
-        """What a model of [`_unpack_models`] needs to run this trainer's packed batches, on top of the patch: by
-        default [`install_branched_hooks`] (the decoder's packed view, the compact LM head)."""
-        install_branched_hooks(model)
+        """What a model of [`_unpack_models`] needs to run this trainer's packed batches, on top of the patch (the
+        core's [`_enable_packed_path`] patched it): by default the hooks of [`install_branched_hooks`] (the decoder's
+        packed view, the compact LM head)."""
+        _install_view_and_head(model)
 
     def _unpack_check_before_first_batch(self) -> None:
         """The core's self-check, then (with prompts shared) the branched probe; if that fails, the completions are
