@@ -107,9 +107,9 @@ def _linear_of(module: torch.nn.Module) -> torch.nn.Linear | None:
 def _reads_pad_token_id(cls: type) -> bool:
     """Whether ``cls.forward`` (the one that runs, unwrapped from its decorators) reads an attribute named
     ``pad_token_id``."""
-    from unpack_trainer.models.discovery import _code_names
+    from unpack_trainer.models.discovery import _code_names, unwrapped
 
-    code = getattr(inspect.unwrap(getattr(cls, "forward", None)), "__code__", None)
+    code = getattr(unwrapped(getattr(cls, "forward", None), "forward"), "__code__", None)
     return code is not None and "pad_token_id" in _code_names(code)
 
 
