@@ -268,6 +268,10 @@ class PackedSeqInfo:
         seq_parents: ``None`` (no sample continues another), or ``(num_seqs,)`` int64 CPU: ``-1`` for a sample that
             starts at position 0, else the index of the earlier sample of the same row it continues (a shared
             prefix, see the module docstring). Positions, attention and the first prediction of a branch follow it.
+        bidirectional_spans: ``None``, or ``(num_spans, 2)`` int64 CPU ``[start, end)`` token ranges (row-major over
+            ``B * T``, ascending, disjoint, each inside one sample): the tokens of a span attend to each other both
+            ways (an image's tokens in Gemma 3), every other pair causally as usual. With a sliding window ``w`` a key
+            ``j`` of query ``i`` is still within ``i - w < j``. See :meth:`with_bidirectional_spans`.
 
     What a consumer derives from the metadata (device copies, the SDPA buckets, masks, flash-attn chunks, xformers
     biases, the backend choice) is built on first use and cached on the object through :meth:`plan`, one namespace
@@ -327,6 +331,7 @@ class PackedSeqInfo:
         self.max_seqlen = longest
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
+        self.bidirectional_spans: torch.Tensor | None = None
         self._plans: dict[str, dict[Hashable, Any]] = {}
 
     def __repr__(self) -> str:
@@ -334,6 +339,65 @@ class PackedSeqInfo:
             f"PackedSeqInfo(num_seqs={self.num_seqs}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
             f"max_seqlen={self.max_seqlen})"
         )
+
+    def with_bidirectional_spans(self, spans: torch.Tensor | None) -> PackedSeqInfo:
+        """These samples with the token ranges ``spans`` attending both ways (``bidirectional_spans``): a new object
+        (nothing derived is shared), or ``self`` when ``spans`` is ``None`` or empty.
+
+        Args:
+            spans: ``(num_spans, 2)`` integer ``[start, end)`` ranges, row-major over ``B * T``, ascending and disjoint,
+                each of at least one token and inside one sample.
+
+        Raises:
+            ValueError: a span that is empty, overlaps another, or crosses a sample boundary; branched samples.
+
+        Example::
+
+            >>> info = PackedSeqInfo.from_seq_lengths(torch.tensor([5, 4]), batch_size=1, seq_len=9)
+            >>> info.with_bidirectional_spans(torch.tensor([[1, 3], [6, 8]])).bidirectional_spans.tolist()
+            [[1, 3], [6, 8]]
+        """
+        if spans is None:
+            return self
+        spans = torch.as_tensor(spans).detach().to(device="cpu", dtype=torch.int64).reshape(-1, 2)
+        if spans.numel() == 0:
+            return self
+        if self.is_branched:
+            raise ValueError("Bidirectional spans are not supported on branched samples (shared prefixes).")
+        starts, ends = spans[:, 0].contiguous(), spans[:, 1].contiguous()
+        cu = self.cu_seqlens.to(torch.int64)
+        sample_end = cu[(torch.searchsorted(cu, starts, right=True) - 1).clamp(0, cu.numel() - 2) + 1]
+        bad = (starts < 0) | (ends <= starts) | (ends > sample_end)
+        bad[1:] |= starts[1:] < ends[:-1]
+        if bool(bad.any()):
+            index = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(
+                f"Bidirectional span {index} [{int(starts[index])}, {int(ends[index])}) is empty, overlaps the span "
+                "before it, or crosses a sample boundary; every span must lie inside one sample."
+            )
+        info = PackedSeqInfo(
+            self.seq_lengths, batch_size=self.batch_size, seq_len=self.seq_len, cu_seqlens=self.cu_seqlens
+        )
+        info.bidirectional_spans = spans
+        return info
+
+    def bidirectional_ids(self) -> torch.Tensor:
+        """``(B * T,)`` int64 CPU: for each token the index of its bidirectional span, ``-1`` outside every span
+        (all ``-1`` without spans). Cached."""
+
+        def build() -> torch.Tensor:
+            ids = torch.full((self.total_tokens,), -1, dtype=torch.int64)
+            spans = self.bidirectional_spans
+            if spans is not None:
+                lengths = spans[:, 1] - spans[:, 0]
+                index = torch.repeat_interleave(torch.arange(spans.shape[0], dtype=torch.int64), lengths)
+                offsets = torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(
+                    zero_prefixed_cumsum(lengths)[:-1], lengths
+                )
+                ids[torch.repeat_interleave(spans[:, 0], lengths) + offsets] = index
+            return ids
+
+        return self.plan("bidirectional_ids", None, build)
 
     @property
     def is_branched(self) -> bool:

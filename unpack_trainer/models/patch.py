@@ -70,6 +70,7 @@ from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.positions import POSITIONS_ATTRIBUTE, own_position_embeddings, sample_positions
 from unpack_trainer.models.refusals import check_model
 from unpack_trainer.models.undo import run_undos
+from unpack_trainer.models.vision import VISION_LANGUAGE
 from unpack_trainer.packed_seq_info import INFO_KEY, METADATA_KEYS
 from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE
 
@@ -234,7 +235,7 @@ def _follow_implementation(module: torch.nn.Module, state: _PatchState) -> None:
 
 
 def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    from unpack_trainer.patches.masks import packed_forward_active, packed_info_for_forward
+    from unpack_trainer.patches.masks import packed_forward_active, packed_info_for_forward, published_info
 
     state: _PatchState | None = module.__dict__.get(_STATE_ATTRIBUTE)
     if (
@@ -261,7 +262,8 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
         del module.__dict__[_CARRIED_ATTRIBUTE]
     if carried:
         kwargs = {**carried, **{key: value for key, value in kwargs.items() if value is not None}}
-    info = packed_info_for_forward(kwargs)
+    # an outer model's hook may have decided already (a vision-language model's: models.vision)
+    info = packed_info_for_forward(kwargs, decided=published_info(module))
     if info is None:
         return args, kwargs
     dense = _wants_attention_weights(module, kwargs)
@@ -582,6 +584,8 @@ def patch_model(model: torch.nn.Module, *, attention: bool = True, rope: bool = 
     from unpack_trainer.models.classification_head import install_score_hooks
 
     install_score_hooks(structure.pretrained)  # a sequence-classification model: one score per packed sequence
+    if attention and VISION_LANGUAGE.applies(structure.pretrained) is not None:
+        VISION_LANGUAGE.install(structure.pretrained, structure)  # vision tower untouched, positions per sample
     return model
 
 

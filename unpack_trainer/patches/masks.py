@@ -47,10 +47,13 @@ __all__ = [
     "PackedForwards",
     "current_packed_info",
     "detect_packed",
+    "hides_nothing",
     "make_mask_function",
     "packed_forward_active",
     "packed_info_for_forward",
+    "published_info",
     "reset_packed_forward",
+    "text_positions",
 ]
 
 
@@ -109,6 +112,15 @@ def reset_packed_forward(decoder: Any) -> None:
     RUNNING_FORWARDS.end(decoder)
 
 
+def published_info(decoder: Any) -> PackedSeqInfo | None:
+    """The packing an outer model's hook published for the forward of ``decoder`` now starting (a vision-language
+    model's, :mod:`unpack_trainer.models.vision`), or ``None``."""
+    for entry in RUNNING_FORWARDS.stack:
+        if entry[0] is decoder:
+            return entry[1]
+    return None
+
+
 def current_packed_info(config: Any = None, *, for_attention: bool = True) -> PackedSeqInfo | None:
     """The packing metadata of the innermost packed forward running in this thread (of the decoder whose config is
     ``config``, when given; for the token mixers, ``for_attention=False``, also a forward whose attention takes the
@@ -163,11 +175,25 @@ def _is_2d_mask(attention_mask: Any) -> bool:
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
 
 
-def _hides_nothing(attention_mask: Any) -> bool:
-    """Whether ``attention_mask`` is absent or a 2D mask of ones (a padding-free batch that carries one anyway)."""
+def hides_nothing(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is absent, a 2D mask of ones (a padding-free batch that carries one anyway), or a
+    mapping of masks by layer type that are all absent (what an outer multimodal model built through the mask
+    functions inside a packed forward, which return ``None``: Gemma 3 builds its text model's masks itself)."""
     if attention_mask is None:
         return True
+    if isinstance(attention_mask, dict):
+        return all(mask is None for mask in attention_mask.values())
     return _is_2d_mask(attention_mask) and bool(attention_mask.bool().all())
+
+
+def text_positions(position_ids: Any) -> Any:
+    """The row of ``position_ids`` that numbers the tokens of each sample as text: ``position_ids`` itself when it is
+    ``(B, T)`` (or ``(T,)``); for multi-axis positions ``(rows, B, T)`` (Qwen2-VL's multimodal RoPE), the text row
+    ``position_ids[0]`` of the 4-row layout ``[text; t; h; w]`` its text models take, and ``None`` for 3 rows
+    ``[t; h; w]`` (no text row: transformers' models do not find packed samples in them either)."""
+    if position_ids is None or position_ids.dim() < 3:
+        return position_ids
+    return position_ids[0] if position_ids.shape[0] == 4 else None
 
 
 def detect_packed(
@@ -188,7 +214,8 @@ def detect_packed(
     is packed when it carries packing metadata (``packed_seq_lengths`` ``(num_seqs,)`` int, else ``cu_seq_lens_q``
     ``(num_seqs + 1,)`` int32, zero-prefixed), or when ``position_ids`` ``(B, T)`` or ``(1, T)`` int restart inside a
     row and the batch has more than one token, no ``cached`` tokens before it and no ``attention_mask`` (or a
-    ``(B, T)`` one of all ones; a 4D mask counts as one that hides tokens). With metadata the mask is not looked at
+    ``(B, T)`` one of all ones; a 4D mask counts as one that hides tokens). Multi-axis ``position_ids``
+    ``(rows, B, T)`` are read by their text row (:func:`text_positions`). With metadata the mask is not looked at
     (the caller checks it); the collator's ``cu_seq_lens_q`` and ``max_length_q`` are adopted, not derived again
     (:meth:`PackedSeqInfo.from_seq_lengths`). ``packed_seq_parents`` ``(num_seqs,)`` int (with ``packed_seq_lengths``
     only): for each sample, -1 or the index of the earlier sample whose prefix it continues (branched segments, e.g.
@@ -211,15 +238,20 @@ def detect_packed(
         return PackedSeqInfo.from_cu_seqlens(
             cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, max_seqlen=max_length_q
         )
-    if position_ids is None or seq_len <= 1 or cached or not _hides_nothing(attention_mask):
+    position_ids = text_positions(position_ids)
+    if position_ids is None or seq_len <= 1 or cached or not hides_nothing(attention_mask):
         return None
     if position_ids.shape[0] != batch_size:
         position_ids = position_ids.expand(batch_size, -1)
     return PackedSeqInfo.from_position_ids(position_ids)
 
 
-def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+def packed_info_for_forward(kwargs: dict[str, Any], *, decided: PackedSeqInfo | None = None) -> PackedSeqInfo | None:
     """Decide, once per forward of the decoder model, whether the batch in ``kwargs`` is packed; edit ``kwargs``.
+
+    ``decided``: the packing an outer model's hook already decided for this forward (a vision-language model's,
+    :mod:`unpack_trainer.models.vision`, which keeps the metadata keys from its vision tower): adopted as the batch's
+    metadata, with the same edits and checks.
 
     ``kwargs`` are the keyword arguments of the decoder model's ``forward`` (``input_ids`` or ``inputs_embeds``,
     ``attention_mask``, ``position_ids``, ``past_key_values``, and the packing metadata ``packed_seq_lengths`` /
@@ -239,7 +271,9 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     embeds = kwargs.get("inputs_embeds")
     input_ids = kwargs.get("input_ids")
     reference = input_ids if input_ids is not None else embeds
-    if reference is None or (is_tracing() and all(kwargs.get(key) is None for key in BOUNDARY_KEYS)):
+    if reference is None or (
+        decided is None and is_tracing() and all(kwargs.get(key) is None for key in BOUNDARY_KEYS)
+    ):
         # Nothing to pack, or a compiled / exported forward without packing metadata: run as unpatched, with no
         # Python branch on tensor values (a packed batch given only by `position_ids` then takes transformers' path).
         kwargs[INFO_KEY] = None
@@ -250,25 +284,33 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     cached = cache_length(cache_argument(kwargs))  # `cache` since transformers 5.24, `past_key_values` before
 
     lengths, cu_q, max_q = kwargs.get(SEQ_LENGTHS_KEY), kwargs.get(CU_SEQ_LENS_Q_KEY), kwargs.get(MAX_LENGTH_Q_KEY)
-    explicit = lengths is not None or cu_q is not None
+    explicit = lengths is not None or cu_q is not None or decided is not None
     parents = kwargs.pop(SEQ_PARENTS_KEY, None)
     if parents is not None and lengths is None:
         raise ValueError(f"`{SEQ_PARENTS_KEY}` needs `{SEQ_LENGTHS_KEY}` (the samples the parents refer to).")
-    info = detect_packed(
-        batch_size,
-        seq_len,
-        packed_seq_lengths=lengths,
-        packed_seq_parents=parents,
-        cu_seq_lens_q=cu_q,
-        max_length_q=max_q,
-        position_ids=position_ids,
-        attention_mask=attention_mask,
-        cached=cached,
-    )
+    if decided is not None:
+        if (decided.batch_size, decided.seq_len) != (batch_size, seq_len):
+            raise ValueError(
+                f"The packing decided for this forward describes {decided.batch_size} row(s) of {decided.seq_len} "
+                f"tokens but the decoder received {batch_size} row(s) of {seq_len} tokens."
+            )
+        info = decided
+    else:
+        info = detect_packed(
+            batch_size,
+            seq_len,
+            packed_seq_lengths=lengths,
+            packed_seq_parents=parents,
+            cu_seq_lens_q=cu_q,
+            max_length_q=max_q,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cached=cached,
+        )
     if explicit:
         _check_key_side(kwargs, info)
         if attention_mask is not None:
-            if not _hides_nothing(attention_mask):
+            if not hides_nothing(attention_mask):
                 raise ValueError(
                     f"A packed batch (with `{SEQ_LENGTHS_KEY}` / `{CU_SEQ_LENS_Q_KEY}`) cannot also hide tokens with "
                     "an `attention_mask`; make trailing padding a sample of its own and drop the mask."
@@ -277,7 +319,7 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
         if position_ids is None:
             kwargs["position_ids"] = info.position_ids(reference.device)
         elif info.is_branched and not torch.equal(
-            position_ids.detach().cpu().expand(batch_size, -1), info.position_ids()
+            text_positions(position_ids).detach().cpu().expand(batch_size, -1), info.position_ids()
         ):
             raise ValueError(
                 f"`position_ids` do not match the branched samples (`{SEQ_PARENTS_KEY}`): every branch continues its "

@@ -1,0 +1,352 @@
+"""Image (and video) samples packed: processor outputs -> one packed row with every vision tensor in pack order.
+
+The vision stage of the data path, beside the text collator ([`unpack_trainer.data.collator`]): a vision-language
+sample is tokenized with its images by the model's processor (as TRL's ``DataCollatorForVisionLanguageModeling``
+does), and the processed samples of a batch become one packed row (``(1, T)``, no attention mask). The tokens of every
+sample follow each other; each per-token key (``mm_token_type_ids``, ``token_type_ids``, ...) is concatenated the same
+way; every vision tensor (``pixel_values``, ``image_grid_thw``, ``video_grid_thw``, ``second_per_grid_ts``,
+``pixel_attention_mask``, ``image_sizes``, ...) keeps the order of the processor's batch, which is the samples' order,
+which is the pack order. An image is never split across rows (a sample is never split) and never cut by truncation:
+a sample whose image tokens do not fit ``max_length`` is an error naming the sample and the limit; only text after
+the last image token is truncated (``keep_start``), and that is counted. Image tokens == image features is checked per
+row where the processor's grids tell the features (Qwen2-VL family).
+
+Worked example (two samples, Qwen2-VL markup, merge 2: a 56 x 56 image is a 4 x 4 grid, 4 tokens)::
+
+    sample 0   [t t <vs> I I I I <ve> t]   9 tokens, image_grid_thw [[1, 4, 4]]
+    sample 1   [t t t]                     3 tokens
+    packed     input_ids (1, 12), mm_token_type_ids (1, 12), packed_seq_lengths [9, 3],
+               pixel_values (16, 1176), image_grid_thw [[1, 4, 4]],
+               position_ids (1, 12) [0..8, 0..2], or (4, 1, 12) from the model's get_rope_index per sample
+               labels -100 at 0 and 9, and wherever the processor's labels are -100
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unpack_trainer._logging import log_once
+from unpack_trainer.data.collator import IGNORE_INDEX, packed_metadata
+from unpack_trainer.data.validation import check_positive_int
+from unpack_trainer.packed_seq_info import CU_SEQ_LENS_Q_KEY, PACKED_BATCH_KEYS, PackedSeqInfo
+
+__all__ = [
+    "PER_TOKEN_KEYS",
+    "VISION_ROWS_KEY",
+    "DataCollatorForVisionPacking",
+    "VisionRows",
+    "image_token_ids",
+    "pack_processed",
+    "truncate_processed",
+]
+
+logger = logging.getLogger("unpack_trainer")
+
+# Keys a processor (or TRL's collator) returns with one value per token, shaped as ``input_ids``.
+PER_TOKEN_KEYS: tuple[str, ...] = (
+    "input_ids",
+    "attention_mask",
+    "labels",
+    "mm_token_type_ids",
+    "token_type_ids",
+    "assistant_masks",
+    "completion_mask",
+)
+# The key of a row packed ahead (:class:`VisionRows`): the raw examples of the row, in pack order.
+VISION_ROWS_KEY = "vision_samples"
+
+# ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``: a model's positions per sample (models.vision.RopeIndex).
+PositionFunction = Callable[[torch.Tensor, PackedSeqInfo, dict[str, Any]], torch.Tensor]
+
+
+def image_token_ids(processor: Any) -> frozenset[int]:
+    """The token ids of ``processor`` that stand for an image or a video (placeholders and the markers around them):
+    its and its tokenizer's ``image_token_id`` / ``video_token_id`` / ``boi_token_id`` / ``eoi_token_id`` and the
+    ids of its ``image_token`` / ``video_token`` / ``fake_image_token`` / ``boi_token`` strings."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids: set[int] = set()
+    for owner in (processor, tokenizer):
+        for name in ("image_token_id", "video_token_id", "boi_token_id", "eoi_token_id"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int):
+                ids.add(value)
+        for name in ("image_token", "video_token", "fake_image_token", "boi_token", "eoi_token"):
+            token = getattr(owner, name, None)
+            if isinstance(token, str):
+                value = tokenizer.convert_tokens_to_ids(token)
+                if isinstance(value, int) and value != getattr(tokenizer, "unk_token_id", None):
+                    ids.add(value)
+    return frozenset(ids)
+
+
+def _row_lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Each row's real tokens of a right-padded ``(n, L)`` mask; ``ValueError`` where a row is not ones then zeros."""
+    mask = attention_mask.to(torch.bool)
+    lengths = mask.sum(1)
+    steps = torch.arange(mask.shape[1]).unsqueeze(0)
+    if not torch.equal(mask, steps < lengths.unsqueeze(1)):
+        row = int(torch.nonzero((mask != (steps < lengths.unsqueeze(1))).any(1))[0, 0])
+        raise ValueError(
+            f"Sample {row} of the processed batch is not right-padded (its attention_mask is not ones then zeros); "
+            "the vision packing collator reads each sample's tokens from the left."
+        )
+    return lengths.tolist()
+
+
+def _image_positions(processed: dict[str, Any], row: int, length: int, image_ids: frozenset[int]) -> torch.Tensor:
+    """``(length,)`` bool: the tokens of sample ``row`` that belong to an image or a video (an id of ``image_ids``, or
+    a nonzero ``mm_token_type_ids`` / ``token_type_ids``)."""
+    ids = processed["input_ids"][row, :length]
+    marked = (
+        torch.isin(ids, torch.tensor(sorted(image_ids), dtype=ids.dtype))
+        if image_ids
+        else torch.zeros_like(ids, dtype=torch.bool)
+    )
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        types = processed.get(key)
+        if isinstance(types, torch.Tensor) and types.shape == processed["input_ids"].shape:
+            marked |= types[row, :length] != 0
+    return marked
+
+
+@dataclass
+class TruncatedSamples:
+    """What :func:`truncate_processed` cut: ``samples`` truncated, ``tokens`` removed."""
+
+    samples: int = 0
+    tokens: int = 0
+
+
+def truncate_processed(
+    processed: dict[str, Any],
+    max_length: int | None,
+    image_ids: frozenset[int],
+    *,
+    names: Sequence[str] | None = None,
+) -> tuple[list[int], TruncatedSamples]:
+    """Each sample's length in a right-padded processed batch, truncated to ``max_length`` where only text is cut.
+
+    Args:
+        processed: a processor's (or TRL's vision collator's) padded batch: ``input_ids`` and ``attention_mask``
+            ``(n, L)``, per-token keys of the same shape, the vision tensors.
+        max_length: the longest a sample may be (``None``: no limit).
+        image_ids: the token ids that belong to images (:func:`image_token_ids`).
+        names: how to name each sample in an error (its dataset index, ...); ``"sample {row} of the batch"`` else.
+
+    Returns:
+        ``(lengths, counts)``: every sample's length after truncation, and what was cut.
+
+    Raises:
+        ValueError: a sample longer than ``max_length`` whose cut would remove a token of an image (named, with its
+            length, the limit and where its last image token is).
+    """
+    lengths = _row_lengths(processed["attention_mask"])
+    counts = TruncatedSamples()
+    if max_length is None:
+        return lengths, counts
+    for row, length in enumerate(lengths):
+        if length <= max_length:
+            continue
+        image = _image_positions(processed, row, length, image_ids)
+        if bool(image[max_length:].any()):
+            last = int(torch.nonzero(image)[-1, 0])
+            name = names[row] if names is not None else f"sample {row} of the batch"
+            raise ValueError(
+                f"{name.capitalize()} has {length} tokens, more than max_length={max_length}, and truncating it would "
+                f"cut its image tokens (the last one is token {last}); an image is never cut. Raise max_length to at "
+                f"least {last + 1}, use smaller images (the processor's max_pixels / size), or leave the sample out."
+            )
+        counts.samples += 1
+        counts.tokens += length - max_length
+        lengths[row] = max_length
+    return lengths, counts
+
+
+def _check_grids(processed: dict[str, Any], processor: Any, num_image_tokens: int, num_video_tokens: int) -> None:
+    """Image tokens == image features of the row, where the processor's grids tell the features (Qwen2-VL family:
+    ``prod(grid_thw) / merge_size**2`` per image or video)."""
+    for grid_key, count, what, sub in (
+        ("image_grid_thw", num_image_tokens, "image", "image_processor"),
+        ("video_grid_thw", num_video_tokens, "video", "video_processor"),
+    ):
+        grid = processed.get(grid_key)
+        merge = getattr(getattr(processor, sub, None), "merge_size", None)
+        if not isinstance(grid, torch.Tensor) or not isinstance(merge, int):
+            continue
+        features = int((grid.prod(-1) // merge**2).sum())
+        if features != count:
+            raise ValueError(
+                f"The packed row has {count} {what} tokens but its {what}s give {features} features "
+                f"({grid_key} {grid.tolist()}, merge size {merge}); every {what} token must be in the row with its "
+                f"{what}."
+            )
+
+
+def pack_processed(
+    processed: dict[str, Any],
+    lengths: Sequence[int],
+    *,
+    positions: PositionFunction | None = None,
+    processor: Any = None,
+    use_cache: bool | None = False,
+) -> dict[str, Any]:
+    """A processed, right-padded batch of samples as one packed row.
+
+    Args:
+        processed: ``input_ids`` ``(n, L)`` and the other per-token keys of :data:`PER_TOKEN_KEYS` (``labels``
+            optional: ``input_ids`` with ``-100`` on padding when absent), and the vision tensors, in sample order.
+        lengths: each sample's length (at most its real tokens: a truncated sample is shorter).
+        positions: the model's positions per sample (``models.vision.RopeIndex`` through ``multimodal_positions``:
+            ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``); ``None``: ``position_ids`` ``(1, T)`` restarting at
+            0 per sample.
+        processor: the processor, for the per-row check of image tokens against its grids; ``None`` skips it.
+        use_cache: the ``use_cache`` value of the batch (``None`` leaves it out), as the text collator.
+
+    Returns:
+        ``input_ids`` / ``labels`` ``(1, T)`` int64 (labels ``-100`` at every sample's first token), every other
+        per-token key ``(1, T)``, ``position_ids`` ``(1, T)`` or ``(rows, 1, T)`` int64, ``packed_seq_lengths``,
+        ``cu_seq_lens_q/k``, ``max_length_q/k``, the vision tensors as the processor returned them, ``use_cache``. No
+        ``attention_mask``.
+    """
+    lengths = [int(length) for length in lengths]
+    if len(lengths) != processed["input_ids"].shape[0]:
+        raise ValueError(f"{len(lengths)} lengths for {processed['input_ids'].shape[0]} processed samples.")
+    for index, length in enumerate(lengths):
+        if length <= 0:
+            raise ValueError(f"Sample {index} of the batch is empty; every sample needs at least one token.")
+    shape = processed["input_ids"].shape
+    if "labels" not in processed:
+        processed = {**processed, "labels": processed["input_ids"].masked_fill(processed["attention_mask"] == 0, -100)}
+    batch = packed_metadata(lengths)
+    out: dict[str, Any] = {}
+    for key, value in processed.items():
+        if key == "attention_mask":
+            continue
+        if key in PER_TOKEN_KEYS and isinstance(value, torch.Tensor) and value.shape == shape:
+            out[key] = torch.cat([value[row, :length] for row, length in enumerate(lengths)]).unsqueeze(0)
+        else:
+            out[key] = value  # a vision tensor: already in sample order
+    labels = out["labels"].to(torch.int64).clone()
+    labels[0, batch[CU_SEQ_LENS_Q_KEY][:-1].long()] = IGNORE_INDEX
+    out["labels"] = labels
+    out["input_ids"] = out["input_ids"].to(torch.int64)
+    if processor is not None:
+        ids = out["input_ids"]
+        image = getattr(processor, "image_token_id", None)
+        video = getattr(processor, "video_token_id", None)
+        _check_grids(
+            out,
+            processor,
+            int((ids == image).sum()) if isinstance(image, int) else 0,
+            int((ids == video).sum()) if isinstance(video, int) else 0,
+        )
+    if positions is not None:
+        info = PackedSeqInfo.from_seq_lengths(
+            batch["packed_seq_lengths"], batch_size=1, seq_len=sum(lengths), cu_seqlens=batch[CU_SEQ_LENS_Q_KEY]
+        )
+        inputs = {key: value for key, value in out.items() if key not in ("input_ids", "labels")}
+        batch["position_ids"] = positions(out["input_ids"], info, inputs)
+    result = {key: (out[key] if key in out else batch[key]) for key in PACKED_BATCH_KEYS}
+    result.update({key: value for key, value in out.items() if key not in result})
+    if use_cache is not None:
+        result["use_cache"] = use_cache
+    return result
+
+
+class VisionRows(torch.utils.data.Dataset):
+    """Vision-language samples packed ahead into rows: item ``i`` is ``{"vision_samples": [the raw examples of row i,
+    in pack order], "seq_lengths": [their lengths]}``, the examples read from ``dataset`` when the item is read (the
+    images are decoded and processed by the collator, per batch, as TRL does).
+
+    Args:
+        dataset: the raw dataset (``datasets.Dataset`` or any sequence of example dicts).
+        rows: each row's example indices, in order.
+        lengths: each example's processed length (what the rows were packed from).
+    """
+
+    def __init__(self, dataset: Any, rows: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
+        self.dataset = dataset
+        self.rows = [list(map(int, row)) for row in rows]
+        self.lengths = [int(length) for length in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.rows[index]
+        return {VISION_ROWS_KEY: [self.dataset[i] for i in row], "seq_lengths": [self.lengths[i] for i in row]}
+
+
+@dataclass
+class DataCollatorForVisionPacking:
+    """Vision-language examples -> one packed row (padding-free), or rows packed ahead (:class:`VisionRows`) -> one
+    packed row of all their samples.
+
+    Each example is what TRL's vision collator takes (``images`` / ``image`` with ``messages``, ``prompt`` +
+    ``completion`` or a text field). The batch's samples are processed together by ``process`` (TRL's
+    ``DataCollatorForVisionLanguageModeling`` without truncation: one right-padded processor batch, labels as TRL
+    makes them), truncated image-safely (:func:`truncate_processed`) and packed (:func:`pack_processed`).
+
+    Args:
+        process: ``examples -> processed padded batch`` (``input_ids``, ``attention_mask``, ``labels``, the
+            processor's keys).
+        processor: the model's processor (its image token ids, the grid check).
+        max_length: the longest a sample may be (``None``: no limit).
+        positions: the model's positions per sample (see :func:`pack_processed`); ``None``: restarting 1-D
+            positions (a model with multi-axis RoPE then computes them in its forward hook).
+        use_cache: the batch's ``use_cache`` value (``None`` leaves it out).
+    """
+
+    process: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    processor: Any
+    max_length: int | None = None
+    positions: PositionFunction | None = None
+    use_cache: bool | None = False
+    image_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None:
+            check_positive_int(self.max_length, "max_length")
+        self.image_ids = image_token_ids(self.processor)
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        if not examples:
+            raise ValueError("Cannot collate an empty batch.")
+        samples: list[dict[str, Any]] = []
+        for index, example in enumerate(examples):
+            if VISION_ROWS_KEY in example:
+                samples.extend(example[VISION_ROWS_KEY])
+            elif samples and VISION_ROWS_KEY in examples[0]:
+                raise ValueError(f"Example {index} is not a packed row while example 0 is; mix them in other batches.")
+            else:
+                samples.append(example)
+        processed = dict(self.process([dict(sample) for sample in samples]))
+        lengths, counts = truncate_processed(processed, self.max_length, self.image_ids)
+        if counts.samples:
+            log_once(
+                logger,
+                logging.WARNING,
+                f"Vision samples longer than max_length={self.max_length} are truncated after their last image token "
+                "(text only; an image is never cut). Raise max_length to keep their whole text.",
+            )
+        return pack_processed(
+            processed, lengths, positions=self.positions, processor=self.processor, use_cache=self.use_cache
+        )
+
+    def sample_lengths(self, dataset: Any, *, name: str = "train") -> list[int]:
+        """Every example's processed length (truncated as the collator truncates it), one processor call each:
+        what :class:`VisionRows` packs from. An example whose images do not fit ``max_length`` is an error naming
+        it (``"example 12 of the train dataset"``)."""
+        lengths = []
+        for index in range(len(dataset)):
+            processed = dict(self.process([dict(dataset[index])]))
+            (length,), _ = truncate_processed(
+                processed, self.max_length, self.image_ids, names=[f"example {index} of the {name} dataset"]
+            )
+            lengths.append(length)
+        return lengths

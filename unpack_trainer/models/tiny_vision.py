@@ -1,0 +1,397 @@
+"""Tiny vision-language models of each supported family, their samples and processors, built locally (no downloads).
+
+The one home for "a tiny VLM of family X" (as :mod:`unpack_trainer.models.tiny` is for text models): the tests, the
+self-check's probe of a VLM, the coverage table's VLM section, ``examples/vlm_packing.py`` and
+``benchmarks/bench_vlm.py`` build their models, samples and processors here.
+
+- :func:`tiny_vision_config` / :func:`tiny_vision_model`: a ``*ForConditionalGeneration`` of the family with a vision
+  tower of hidden size 32 and a text model of :data:`~unpack_trainer.models.tiny.TINY_SIZES`, as transformers' own
+  model testers build them;
+- :func:`vision_sample`: one sample's model inputs (a batch of one: ``input_ids``, the processor's token-type keys,
+  ``pixel_values`` and the family's image keys), images of the given sizes, random pixels, built without a processor;
+- :func:`tiny_processor`: the family's processor over a character tokenizer with the family's image tokens and a chat
+  template, and the family's image processor (the PIL one: no torchvision needed), for the data path.
+
+Token ids of the tiny vocabulary (128): ``0`` pad, ``1`` bos, ``2`` eos, then the image tokens of
+:data:`IMAGE_TOKENS`, text from :data:`FIRST_TEXT_ID` on.
+
+Nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from typing import Any
+
+from unpack_trainer.models.tiny import TINY_SIZES, _quiet
+
+__all__ = [
+    "FIRST_TEXT_ID",
+    "IMAGE_TOKENS",
+    "VISION_FAMILIES",
+    "family_unavailable_reason",
+    "processed_batch",
+    "tiny_vision_config",
+    "tiny_vision_model",
+    "vision_sample",
+]
+
+# The special tokens of every family's image markup, in id order after pad / bos / eos.
+IMAGE_TOKENS: tuple[str, ...] = (
+    "<|image_pad|>",  # 3  qwen image placeholder
+    "<|video_pad|>",  # 4  qwen video placeholder
+    "<|vision_start|>",  # 5
+    "<|vision_end|>",  # 6
+    "<image>",  # 7  llava / idefics3 / smolvlm placeholder
+    "<start_of_image>",  # 8  gemma3 boi
+    "<end_of_image>",  # 9  gemma3 eoi
+    "<image_soft_token>",  # 10 gemma3 placeholder
+    "<fake_token_around_image>",  # 11 idefics3 / smolvlm
+    "<global-img>",  # 12
+    "[IMG]",  # 13 mistral3 placeholder
+    "[IMG_BREAK]",  # 14
+    "[IMG_END]",  # 15
+    "<end_of_utterance>",  # 16
+)
+_SPECIALS = ("<pad>", "<s>", "</s>", *IMAGE_TOKENS)
+FIRST_TEXT_ID = len(_SPECIALS)
+_ID = {token: index for index, token in enumerate(_SPECIALS)}
+
+VOCAB = TINY_SIZES["vocab_size"]
+PATCH = 14  # the vision towers' patch size (pixels)
+
+# model_type -> the text config's model type of the family (its decoder is a text model of this type).
+VISION_FAMILIES: dict[str, str] = {
+    "qwen2_vl": "qwen2_vl_text",
+    "qwen2_5_vl": "qwen2_5_vl_text",
+    "qwen3_vl": "qwen3_vl_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "gemma3": "gemma3_text",
+    "idefics3": "llama",
+    "smolvlm": "llama",
+    "llava": "llama",
+    "mistral3": "mistral",
+}
+
+_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    initializer_range=0.1,  # as the tiny text models: attention patterns (and contamination) move the logits
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, patch_size=PATCH)
+_QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH, temporal_patch_size=2)
+_QWEN_IDS = dict(
+    image_token_id=_ID["<|image_pad|>"],
+    video_token_id=_ID["<|video_pad|>"],
+    vision_start_token_id=_ID["<|vision_start|>"],
+    vision_end_token_id=_ID["<|vision_end|>"],
+)
+# The rope sections of the tiny head dim (8: 4 frequencies) over t, h, w.
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+GEMMA3_IMAGE_SIZE = 56  # 4 x 4 patches, pooled to 4 tokens per image
+IDEFICS3_IMAGE_SIZE = 56  # 4 x 4 patches, pixel shuffle by 2: 4 tokens per image
+LLAVA_IMAGE_SIZE = 28  # 2 x 2 patches + CLS: 4 tokens per image
+
+
+def family_unavailable_reason(model_type: str) -> str | None:
+    """Why the installed transformers cannot build the tiny model of ``model_type`` (``None``: it can)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in VISION_FAMILIES:
+        return f"{model_type!r} is not one of the tiny vision families ({', '.join(VISION_FAMILIES)})"
+    if model_type not in CONFIG_MAPPING:
+        return f"this transformers has no model type {model_type!r}"
+    return None
+
+
+def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
+    """A tiny config of the vision-language family ``model_type`` (a key of :data:`VISION_FAMILIES`).
+
+    The text model has :data:`~unpack_trainer.models.tiny.TINY_SIZES`' sizes (vocabulary 128, 2 layers, 4 heads of 8,
+    2 key/value heads), ``text_overrides`` on top (``sliding_window=4``, ...); the vision tower 2 layers of hidden size
+    32, patches of 14 pixels. The image token ids are those of :data:`IMAGE_TOKENS`.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    reason = family_unavailable_reason(model_type)
+    if reason is not None:
+        raise ValueError(reason)
+    text = {**_TEXT, **text_overrides}
+    cls = CONFIG_MAPPING[model_type]
+    if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        text["rope_parameters"] = dict(_MROPE)
+        vision = dict(_QWEN_VISION, spatial_merge_size=2)
+        if model_type == "qwen2_vl":
+            vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH,
+                          temporal_patch_size=2, spatial_merge_size=2)  # fmt: skip
+        elif model_type == "qwen2_5_vl":
+            vision.update(out_hidden_size=32, window_size=56, fullatt_block_indexes=[1])
+        else:
+            vision.update(out_hidden_size=32, num_position_embeddings=64, deepstack_visual_indexes=[1])
+        if model_type == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+        return cls(text_config=text, vision_config=vision, **_QWEN_IDS)
+    if model_type == "gemma3":
+        text.update(sliding_window=text_overrides.get("sliding_window", 512), query_pre_attn_scalar=8)
+        text["layer_types"] = ["sliding_attention", "full_attention"]
+        vision = dict(_VISION, image_size=GEMMA3_IMAGE_SIZE, vision_use_head=False)
+        return cls(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            boi_token_index=_ID["<start_of_image>"],
+            eoi_token_index=_ID["<end_of_image>"],
+            image_token_index=_ID["<image_soft_token>"],
+        )
+    if model_type in ("idefics3", "smolvlm"):
+        vision = dict(_VISION, image_size=IDEFICS3_IMAGE_SIZE)
+        return cls(text_config=text, vision_config=vision, scale_factor=2, image_token_id=_ID["<image>"])
+    if model_type == "llava":
+        vision = dict(_VISION, model_type="clip_vision_model", image_size=LLAVA_IMAGE_SIZE, projection_dim=32)
+        return cls(
+            text_config=text,
+            vision_config=vision,
+            image_token_index=_ID["<image>"],
+            image_seq_length=(LLAVA_IMAGE_SIZE // PATCH) ** 2,
+            vision_feature_layer=-1,
+        )
+    if model_type == "mistral3":
+        text.update(sliding_window=None)
+        vision = dict(_VISION, model_type="pixtral", image_size=112, head_dim=8)
+        return cls(text_config=text, vision_config=vision, image_token_index=_ID["[IMG]"], spatial_merge_size=2)
+    raise AssertionError(model_type)  # pragma: no cover - family_unavailable_reason covers the rest
+
+
+def tiny_vision_model(
+    model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **text_overrides: Any
+) -> Any:
+    """The ``*ForConditionalGeneration`` model of :func:`tiny_vision_config`, random weights drawn after
+    ``torch.manual_seed(seed)``, fp32 on the CPU, in training mode (call ``.eval()`` for inference)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    config = tiny_vision_config(model_type, **text_overrides)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    torch.manual_seed(seed)
+    with _quiet():
+        return AutoModelForImageTextToText.from_config(config, **kwargs)
+
+
+def _text(length: int, generator: Any) -> list[int]:
+    import torch
+
+    return torch.randint(FIRST_TEXT_ID, VOCAB, (length,), generator=generator).tolist()
+
+
+def vision_sample(
+    model_type: str,
+    config: Any,
+    segments: Sequence[int | tuple[int, int]],
+    *,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One sample's model inputs, as the family's processor would give them for a batch of one, random pixels.
+
+    Args:
+        model_type: the family (a key of :data:`VISION_FAMILIES`).
+        config: the model's config (its image token ids, merge and pooling sizes).
+        segments: in order, an ``int`` for that many random text tokens, a ``(height, width)`` in pixels for an image
+            (qwen families: any multiple of 28; the others have fixed-size images, so the size is ignored).
+        seed: the seed of the text tokens and the pixels.
+
+    Returns:
+        ``input_ids`` ``(1, L)`` int64; ``mm_token_type_ids`` ``(1, L)`` int64 (qwen: 0 text, 1 image) or
+        ``token_type_ids`` ``(1, L)`` int64 (gemma3: 1 image); and the image tensors: qwen ``pixel_values``
+        ``(sum t*h*w, 3 * 2 * 14 * 14)`` float32 and ``image_grid_thw`` ``(num_images, 3)`` int64; gemma3 / llava
+        ``pixel_values`` ``(num_images, 3, S, S)``; idefics3 / smolvlm ``(1, num_images, 3, S, S)`` with
+        ``pixel_attention_mask`` ``(1, num_images, S, S)`` bool; mistral3 ``(num_images, 3, H, W)`` with
+        ``image_sizes`` ``(num_images, 2)``. No image keys for a sample without images.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids: list[int] = []
+    types: list[int] = []
+    images: list[torch.Tensor] = []
+    grids: list[list[int]] = []
+    sizes: list[list[int]] = []
+
+    def add(tokens: list[int], kind: int = 0) -> None:
+        ids.extend(tokens)
+        types.extend([kind] * len(tokens))
+
+    for segment in segments:
+        if isinstance(segment, int):
+            add(_text(segment, generator))
+            continue
+        height, width = segment
+        if model_type.startswith("qwen"):
+            merge = config.vision_config.spatial_merge_size
+            grid = [1, height // PATCH, width // PATCH]
+            grids.append(grid)
+            channels = 3 * config.vision_config.temporal_patch_size * PATCH * PATCH
+            images.append(torch.randn(grid[0] * grid[1] * grid[2], channels, generator=generator))
+            add([config.vision_start_token_id])
+            add([config.image_token_id] * (grid[0] * grid[1] * grid[2] // merge**2), kind=1)
+            add([config.vision_end_token_id])
+        elif model_type == "gemma3":
+            images.append(torch.randn(3, GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_SIZE, generator=generator))
+            add([config.boi_token_id])
+            add([config.image_token_id] * config.mm_tokens_per_image, kind=1)
+            add([config.eoi_token_id])
+        elif model_type in ("idefics3", "smolvlm"):
+            images.append(torch.randn(3, IDEFICS3_IMAGE_SIZE, IDEFICS3_IMAGE_SIZE, generator=generator))
+            tokens = (IDEFICS3_IMAGE_SIZE // PATCH) ** 2 // config.scale_factor**2
+            add([_ID["<fake_token_around_image>"], _ID["<global-img>"]])
+            add([config.image_token_id] * tokens, kind=1)
+            add([_ID["<fake_token_around_image>"]])
+        elif model_type == "llava":
+            images.append(torch.randn(3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, generator=generator))
+            add([config.image_token_id] * config.image_seq_length, kind=1)
+        elif model_type == "mistral3":
+            merge = config.spatial_merge_size
+            rows, columns = height // (PATCH * merge), width // (PATCH * merge)
+            images.append(torch.randn(3, height, width, generator=generator))
+            sizes.append([height, width])
+            for row in range(rows):
+                add([config.image_token_id] * columns, kind=1)
+                add([_ID["[IMG_END]" if row == rows - 1 else "[IMG_BREAK]"]])
+        else:  # pragma: no cover
+            raise ValueError(family_unavailable_reason(model_type) or model_type)
+    sample: dict[str, Any] = {"input_ids": torch.tensor([ids], dtype=torch.int64)}
+    type_key = "mm_token_type_ids" if model_type.startswith("qwen") else "token_type_ids"
+    if model_type.startswith("qwen") or model_type == "gemma3":
+        sample[type_key] = torch.tensor([types], dtype=torch.int64)
+    if not images:
+        return sample
+    if model_type.startswith("qwen"):
+        sample["pixel_values"] = torch.cat(images)
+        sample["image_grid_thw"] = torch.tensor(grids, dtype=torch.int64)
+    elif model_type in ("idefics3", "smolvlm"):
+        sample["pixel_values"] = torch.stack(images).unsqueeze(0)
+        sample["pixel_attention_mask"] = torch.ones(1, len(images), *images[0].shape[1:], dtype=torch.bool)
+    elif model_type == "mistral3":
+        sample["pixel_values"] = _padded_stack(images)
+        sample["image_sizes"] = torch.tensor(sizes, dtype=torch.int64)
+    else:
+        sample["pixel_values"] = torch.stack(images)
+    return sample
+
+
+def _padded_stack(images: list[Any]) -> Any:
+    """``(n, C, H_max, W_max)``: the images zero-padded at the bottom and right to the largest (Pixtral's batch)."""
+    import torch
+
+    height = max(image.shape[-2] for image in images)
+    width = max(image.shape[-1] for image in images)
+    out = torch.zeros(len(images), images[0].shape[0], height, width, dtype=images[0].dtype)
+    for index, image in enumerate(images):
+        out[index, :, : image.shape[-2], : image.shape[-1]] = image
+    return out
+
+
+def processed_batch(samples: Sequence[dict[str, Any]], *, pad_token_id: int = 0) -> dict[str, Any]:
+    """Samples of :func:`vision_sample` as one right-padded batch, as the family's processor batches them: per-token
+    keys ``(n, L)`` padded with ``pad_token_id`` (types with 0) and an ``attention_mask``; ``labels`` the tokens with
+    ``-100`` on padding and on each sample's first token (as a packed row has them); ``pixel_values`` and the image
+    keys of all samples in order (a 5-D ``pixel_values``, idefics3's ``(n, images, 3, S, S)``, padded with all-zero
+    images, which the model drops; a 4-D one of images of different sizes zero-padded to the largest)."""
+    import torch
+
+    longest = max(sample["input_ids"].shape[1] for sample in samples)
+    out: dict[str, Any] = {}
+    token_keys = [key for key in samples[0] if key in ("input_ids", "mm_token_type_ids", "token_type_ids")]
+    for key in token_keys:
+        rows = torch.full((len(samples), longest), pad_token_id if key == "input_ids" else 0, dtype=torch.int64)
+        for row, sample in enumerate(samples):
+            rows[row, : sample[key].shape[1]] = sample[key][0]
+        out[key] = rows
+    mask = torch.zeros(len(samples), longest, dtype=torch.int64)
+    for row, sample in enumerate(samples):
+        mask[row, : sample["input_ids"].shape[1]] = 1
+    out["attention_mask"] = mask
+    labels = out["input_ids"].masked_fill(mask == 0, -100)
+    labels[:, 0] = -100
+    out["labels"] = labels
+    with_images = [sample for sample in samples if "pixel_values" in sample]
+    if not with_images:
+        return out
+    first = with_images[0]["pixel_values"]
+    if first.dim() == 5:
+        count = max(sample["pixel_values"].shape[1] if "pixel_values" in sample else 0 for sample in samples)
+        pixels = torch.zeros(len(samples), count, *first.shape[2:], dtype=first.dtype)
+        pixel_mask = torch.zeros(len(samples), count, *first.shape[3:], dtype=torch.bool)
+        for row, sample in enumerate(samples):
+            if "pixel_values" in sample:
+                pixels[row, : sample["pixel_values"].shape[1]] = sample["pixel_values"][0]
+                pixel_mask[row, : sample["pixel_values"].shape[1]] = sample["pixel_attention_mask"][0]
+        out["pixel_values"], out["pixel_attention_mask"] = pixels, pixel_mask
+        return out
+    if first.dim() == 4:
+        out["pixel_values"] = _padded_stack([image for sample in with_images for image in sample["pixel_values"]])
+    else:
+        out["pixel_values"] = torch.cat([sample["pixel_values"] for sample in with_images])
+    for key in ("image_grid_thw", "image_sizes"):
+        if key in with_images[0]:
+            out[key] = torch.cat([sample[key] for sample in with_images])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Processors
+# --------------------------------------------------------------------------------------------------------------------
+
+# Role-tagged turns; an image part of a message is the family's image markup placeholder.
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}IMAGE_MARKUP{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_IMAGE_MARKUP = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",
+    "idefics3": "<image>",
+    "smolvlm": "<image>",
+    "llava": "<image>",
+    "mistral3": "[IMG]",
+}
+
+
+def vision_tokenizer() -> Any:
+    """A character-level tokenizer over printable ASCII with ``<pad>`` / ``<s>`` / ``</s>`` and every token of
+    :data:`IMAGE_TOKENS` as special tokens (ids as in the module docstring), 100 characters after them."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    characters = [c for c in string.printable if c not in "\x0b\x0c"]
+    vocab = {token: index for index, token in enumerate(_SPECIALS)}
+    for character in characters[: VOCAB - len(vocab)]:
+        vocab.setdefault(character, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    with _quiet():
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            pad_token="<pad>",
+            bos_token="<s>",
+            eos_token="</s>",
+            additional_special_tokens=list(IMAGE_TOKENS),
+        )
+    return tokenizer

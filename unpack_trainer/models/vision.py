@@ -1,0 +1,513 @@
+"""Vision-language models on packed rows: the vision tower kept out of the packing, and each sample's own multi-axis
+positions and bidirectional image blocks, all from the model's own code.
+
+A vision-language model (its config has a ``vision_config``) runs its vision tower per image and writes the image
+features into the image tokens of its text model, the one decoder :func:`~unpack_trainer.models.patch_model` makes
+pack. Its *multimodal model* (the module that holds the text decoder and the vision tower: ``Qwen2_5_VLModel``,
+``Gemma3Model``, ``LlavaModel``, ``Idefics3Model``, ...) gets one forward pre-hook (:data:`VISION_LANGUAGE`, a model
+fix: ``applies`` / ``install`` / ``remove``) that, on a packed batch:
+
+1. takes the packing metadata (``packed_seq_lengths``, ``cu_seq_lens_*``, ``max_length_*``) off the call, because
+   transformers hands a multimodal model's keyword arguments on to its vision tower, whose attention runs per image
+   (its own ``cu_seqlens``) and must stay exactly as stock; the decision reaches the text decoder as the packed
+   forward this hook publishes (:func:`unpack_trainer.patches.masks.packed_forward_active`), which the decoder hook
+   adopts, and which answers the mask functions a multimodal model calls itself (Gemma 3 builds its text masks);
+2. multi-axis RoPE (the Qwen2-VL family): gives every sample the positions the model's own ``get_rope_index`` gives it
+   alone (:func:`multimodal_positions`), in the layout the text model takes: 4 rows ``[text; t; h; w]`` with a
+   per-sample text row where the text model reads one (``position_ids[0]``), else 3. Positions that already have that
+   layout are used as given; 3 rows where 4 are read, or 2-D positions other than the per-sample ``arange``, are
+   refused with a ``ValueError``: each runs without an error and contaminates (measured 0.29-0.43 logit error);
+3. image tokens that attend to each other both ways (Gemma 3: ``token_type_ids``): each sample's image spans from the
+   model's own ``get_block_sequence_ids_for_mask``, cut at sample boundaries, on the
+   :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA and eager apply
+   them; the varlen kernels cannot and refuse (:mod:`unpack_trainer.patches.attention`).
+
+Nothing else changes: an unpacked forward (a padded batch, generation) runs exactly as stock. What cannot be made
+exact is refused before any forward (:func:`vision_problem`, read by :mod:`unpack_trainer.models.refusals`): a
+multi-axis RoPE without a ``get_rope_index``, image tokens attending by a rule this module does not read, or a
+model with more than one text decoder.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from unpack_trainer._compat import cache_argument, cache_length, remove_hook
+from unpack_trainer.models.discovery import ModelStructure, class_references, mentions, pretrained_model, unwrapped
+from unpack_trainer.models.undo import add_undo
+from unpack_trainer.packed_seq_info import METADATA_KEYS, PackedSeqInfo
+
+__all__ = [
+    "VISION_LANGUAGE",
+    "ModelFix",
+    "RopeIndex",
+    "VisionLanguage",
+    "find_vision_language",
+    "image_block_spans",
+    "is_vision_language",
+    "multimodal_positions",
+    "vision_problem",
+]
+
+# The keys of a multimodal batch that carry each token's modality (Qwen2-VL's, Gemma 3's).
+MM_TOKEN_TYPES_KEY = "mm_token_type_ids"
+TOKEN_TYPES_KEY = "token_type_ids"
+# The arguments of ``get_rope_index`` besides the tokens, handed on from the batch where its signature has them.
+_ROPE_INDEX_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+@dataclass(frozen=True)
+class ModelFix:
+    """One model-family fix: what the generic patch does not reach, as one record.
+
+    Attributes:
+        name: what the fix is called in logs and errors.
+        applies: ``(model) -> str | None``: what the fix does on ``model`` (a ``PreTrainedModel``), ``None`` where it
+            does not apply.
+        install: ``(model, structure) -> None``: install it on a model whose decoders the patch has just patched.
+        remove: ``(model) -> None``: take it off again (also registered with :func:`~unpack_trainer.models.undo.add_undo`,
+            so ``unpatch_model`` removes it).
+    """
+
+    name: str
+    applies: Callable[[torch.nn.Module], str | None]
+    install: Callable[[torch.nn.Module, ModelStructure], None]
+    remove: Callable[[torch.nn.Module], None]
+
+
+@dataclass(frozen=True)
+class VisionLanguage:
+    """What the packing of a vision-language model needs from it (:func:`find_vision_language`).
+
+    Attributes:
+        module: the multimodal model (holds the text decoder and the vision tower).
+        decoder: the text decoder (the module the patch hooks).
+        position_rows: rows of the position ids the text model takes on a packed batch: 1 (plain positions), 4
+            (multi-axis RoPE with a text row, ``[text; t; h; w]``) or 3 (multi-axis without one).
+        image_blocks: the model's ``get_block_sequence_ids_for_mask`` (``token_type_ids (B, T) -> (B, T)`` int64,
+            ``-1`` for text, an image's tokens one id) when its image tokens attend both ways, else ``None``.
+    """
+
+    module: torch.nn.Module
+    decoder: torch.nn.Module
+    position_rows: int
+    image_blocks: Callable[..., torch.Tensor] | None
+
+
+def is_vision_language(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a ``PreTrainedModel`` or a ``PeftModel`` wrapping one) is a vision-language model: its
+    config has a ``vision_config``."""
+    return getattr(pretrained_model(model).config, "vision_config", None) is not None
+
+
+def _parent(root: torch.nn.Module, child: torch.nn.Module) -> torch.nn.Module | None:
+    for module in root.modules():
+        if any(c is child for c in module.children()):
+            return module
+    return None
+
+
+def _rope_index_owner(module: torch.nn.Module) -> type | None:
+    """The class whose ``get_rope_index`` the multimodal model ``module`` has (its own class), or ``None``."""
+    return type(module) if callable(getattr(type(module), "get_rope_index", None)) else None
+
+
+def _multi_axis(config: Any) -> bool:
+    """Whether the text model of ``config`` rotates by several position axes (``mrope_section`` in its RoPE
+    parameters)."""
+    text = config.get_text_config()
+    for name in ("rope_parameters", "rope_scaling"):
+        parameters = getattr(text, name, None)
+        if isinstance(parameters, dict) and parameters.get("mrope_section") is not None:
+            return True
+    return False
+
+
+def _reads_text_row(decoder: torch.nn.Module) -> bool:
+    """Whether the text decoder's ``forward`` takes a text row of positions (``text_position_ids``: the 4-row layout
+    ``[text; t; h; w]`` of Qwen2-VL's text models), read from its code."""
+    forward = unwrapped(type(decoder).forward, "forward")
+    return "text_position_ids" in getattr(getattr(forward, "__code__", None), "co_varnames", ())
+
+
+def _image_block_function(module: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The model's ``get_block_sequence_ids_for_mask`` (Gemma 3), found among the globals its methods use."""
+    function = class_references(type(module)).get("get_block_sequence_ids_for_mask")
+    return function if isinstance(function, types.FunctionType) else None
+
+
+def _bidirectional_rule(module: torch.nn.Module) -> str | None:
+    """How the multimodal model ``module`` makes some tokens attend both ways, when it does and not through
+    ``get_block_sequence_ids_for_mask``: the names it uses (``blockwise_overlay``, ``block_sequence_ids``,
+    ``token_type_ids_mask_function``, ``or_mask_function``), else ``None``."""
+    references = class_references(type(module))
+    names = [name for name in ("blockwise_overlay", "token_type_ids_mask_function") if name in references]
+    names += [name for name in ("block_sequence_ids", "or_mask_function") if mentions(type(module), name)]
+    return ", ".join(names) or None
+
+
+def _text_decoder(model: torch.nn.Module, structure: ModelStructure | None) -> tuple[Any, str | None]:
+    from unpack_trainer.models.discovery import discover
+
+    structure = structure if structure is not None else discover(model)
+    if len(structure.decoders) != 1:
+        return None, f"it has {len(structure.decoders)} text decoders where one is expected"
+    return structure.decoders[0].module, None
+
+
+def vision_problem(model: torch.nn.Module, structure: ModelStructure | None = None) -> str | None:
+    """Why the packed rows of the vision-language model ``model`` cannot be exact, or ``None`` (also for a model that
+    is no vision-language model). Read from the model's structure and code, before any forward; works on the
+    ``meta`` device."""
+    if not is_vision_language(model):
+        return None
+    decoder, problem = _text_decoder(model, structure)
+    if problem is not None:
+        return problem
+    pretrained = pretrained_model(model)
+    module = _parent(pretrained, decoder) or pretrained
+    if _multi_axis(pretrained.config) and _rope_index_owner(module) is None:
+        return (
+            f"its text model rotates by several position axes (multimodal RoPE) and {type(module).__name__} has no "
+            "get_rope_index to compute each sample's positions with"
+        )
+    if _image_block_function(module) is None:
+        rule = _bidirectional_rule(module)
+        if rule is not None:
+            return (
+                f"{type(module).__name__} lets some tokens attend both ways by a rule this package does not read "
+                f"({rule}); only Gemma 3's get_block_sequence_ids_for_mask is applied per sample"
+            )
+    return None
+
+
+def find_vision_language(model: torch.nn.Module, structure: ModelStructure | None = None) -> VisionLanguage | None:
+    """What the packing of the vision-language model ``model`` needs (see :class:`VisionLanguage`); ``None`` for a
+    model that is no vision-language model.
+
+    Raises:
+        ValueError: :func:`vision_problem` found a reason it cannot be packed exactly.
+    """
+    if not is_vision_language(model):
+        return None
+    problem = vision_problem(model, structure)
+    if problem is not None:
+        raise ValueError(f"{type(pretrained_model(model)).__name__} cannot be packed exactly: {problem}.")
+    pretrained = pretrained_model(model)
+    decoder, _ = _text_decoder(model, structure)
+    module = _parent(pretrained, decoder) or pretrained
+    rows = 1
+    if _multi_axis(pretrained.config):
+        rows = 4 if _reads_text_row(decoder) else 3
+    return VisionLanguage(module, decoder, rows, _image_block_function(module))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Positions and image blocks per sample, from the model's own code
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class RopeIndex:
+    """The model's own ``get_rope_index``, callable without the model: the method of the multimodal model's class,
+    bound to an object that holds only its config (so a data loader worker can take it; the method reads nothing
+    but the config and the class's other methods). Falls back to the live model's bound method where the class's
+    method needs more.
+
+    Args:
+        module: the multimodal model (``Qwen2_5_VLModel``, ...), whose class has ``get_rope_index``.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        owner = _rope_index_owner(module)
+        if owner is None:
+            raise ValueError(f"{type(module).__name__} has no get_rope_index.")
+        self._owner = owner
+        self.config = module.config
+        self._live: Callable[..., Any] | None = None
+        parameters = inspect.signature(owner.get_rope_index).parameters
+        self._accepts = {name for name in parameters if name != "self"}
+        try:
+            self._call(torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2, dtype=torch.int64), {})
+        except AttributeError:  # the method reads a module of the model, not only its config
+            self._live = module.get_rope_index
+
+    def __getattr__(self, name: str) -> Any:
+        # The class's other methods (``get_vision_position_ids``, ...), bound to this object.
+        value = getattr(object.__getattribute__(self, "_owner"), name)
+        return types.MethodType(value, self) if isinstance(value, types.FunctionType) else value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_live": None}
+
+    def _call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        kwargs = {name: value for name, value in inputs.items() if name in self._accepts and value is not None}
+        kwargs["attention_mask"] = attention_mask
+        if MM_TOKEN_TYPES_KEY in self._accepts:
+            kwargs.setdefault(MM_TOKEN_TYPES_KEY, torch.zeros_like(input_ids))
+        function = self._live or types.MethodType(self._owner.get_rope_index, self)
+        positions, _ = function(input_ids, **kwargs)
+        return positions
+
+    def __call__(self, input_ids: torch.Tensor, info: PackedSeqInfo, inputs: dict[str, Any]) -> torch.Tensor:
+        """``(3, B, T)`` int64: each sample's multi-axis positions, as ``get_rope_index`` gives it alone.
+
+        The samples (``info``, row-major over ``input_ids`` ``(B, T)``) become one padded batch with an attention
+        mask, which ``get_rope_index`` numbers sample by sample, its image and video grids taken in order as in any
+        batch; the positions are read back into the packed order.
+
+        Args:
+            input_ids: ``(B, T)`` int64 token ids of the packed batch.
+            info: its samples.
+            inputs: the batch's other inputs the method takes (``mm_token_type_ids`` ``(B, T)``, ``image_grid_thw``
+                ``(num_images, 3)``, ``video_grid_thw``, ``second_per_grid_ts``), on the device of ``input_ids``.
+        """
+        device = input_ids.device
+        lengths = info.seq_lengths.to(torch.int64)
+        longest = int(lengths.max())
+        slots, real = _sample_slots(info, longest)
+        slots, real = slots.to(device), real.to(device)
+        flat = input_ids.reshape(-1)
+        padded = {"input_ids": flat[slots].masked_fill(~real, 0)}
+        per_token = {}
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor) and value.shape == input_ids.shape:
+                per_token[name] = value.reshape(-1)[slots].masked_fill(~real, 0)
+        positions = self._call(padded["input_ids"], real.to(torch.int64), {**inputs, **per_token})
+        # the samples tile the row-major tokens in order: their real slots, in order, are the tokens
+        out = positions.reshape(3, -1)[:, real.reshape(-1)].to(torch.int64)
+        return out.reshape(3, info.batch_size, info.seq_len)
+
+
+def _sample_slots(info: PackedSeqInfo, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_seqs, longest)`` int64: the token (row-major over ``B * T``) of each slot of the samples padded to
+    ``longest`` (padding reads the sample's first token), and the ``(num_seqs, longest)`` bool mask of real slots."""
+    starts = info.cu_seqlens[:-1].to(torch.int64).unsqueeze(1)
+    steps = torch.arange(longest, dtype=torch.int64).unsqueeze(0)
+    real = steps < info.seq_lengths.to(torch.int64).unsqueeze(1)
+    return torch.where(real, starts + steps, starts), real
+
+
+def multimodal_positions(
+    rope_index: Callable[..., torch.Tensor], input_ids: torch.Tensor, info: PackedSeqInfo, inputs: dict[str, Any],
+    *, rows: int = 4,
+) -> torch.Tensor:  # fmt: skip
+    """Every sample's positions as the model gives them to the sample alone, in the layout its text model takes.
+
+    Args:
+        rope_index: a :class:`RopeIndex` of the model.
+        input_ids: ``(B, T)`` int64 token ids of the packed batch.
+        info: its samples.
+        inputs: what ``get_rope_index`` reads besides the tokens (``mm_token_type_ids``, the grids).
+        rows: 4 for ``[text; t; h; w]`` (the text row each sample's own ``arange``), 3 for ``[t; h; w]``.
+
+    Returns:
+        ``(rows, B, T)`` int64 on the device of ``input_ids``.
+
+    Example (two samples of 3 text tokens and of 2 text + a 2 x 2 image merged to 1 token + 1 text)::
+
+        text row  [0 1 2 | 0 1 2 3]
+        t / h / w [0 1 2 | 0 1 2 3] for text, the image token at its grid position
+    """
+    multi = rope_index(input_ids, info, inputs)
+    if rows == 3:
+        return multi
+    text = info.position_ids(input_ids.device).unsqueeze(0)
+    return torch.cat([text, multi], dim=0)
+
+
+def image_block_spans(
+    block_ids: Callable[..., torch.Tensor], token_type_ids: torch.Tensor, info: PackedSeqInfo
+) -> torch.Tensor | None:
+    """The token spans that attend both ways, per sample: the model's own block ids of ``token_type_ids`` ``(B, T)``
+    (``get_block_sequence_ids_for_mask``: ``-1`` for causal tokens, one id per image), as ``(num_spans, 2)`` int64
+    CPU ``[start, end)`` runs of one id, cut at every sample start; ``None`` when there is none."""
+    ids = block_ids(token_type_ids.detach().cpu()).reshape(-1).to(torch.int64)
+    if not bool((ids >= 0).any()):
+        return None
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    starts[info.cu_seqlens[:-1].to(torch.int64)] = True
+    begin = torch.nonzero(starts).reshape(-1)
+    end = torch.cat([begin[1:], torch.tensor([ids.numel()])])
+    keep = ids[begin] >= 0
+    return torch.stack([begin[keep], end[keep]], dim=1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The hook on the multimodal model
+# --------------------------------------------------------------------------------------------------------------------
+
+_STATE_ATTRIBUTE = "_unpack_vision_language"  # on the multimodal model: {"decoder": name, "hooks": [ids]}
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> tuple[str, ...]:
+    return tuple(
+        p.name
+        for p in inspect.signature(cls.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
+
+
+def _vision_language_of(module: torch.nn.Module) -> VisionLanguage:
+    state = module.__dict__[_STATE_ATTRIBUTE]
+    decoder = module.get_submodule(state["decoder"])
+    rows = state["rows"]
+    return VisionLanguage(module, decoder, rows, _image_block_function(module))
+
+
+def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    from unpack_trainer.patches.masks import detect_packed, hides_nothing, packed_forward_active
+
+    if args:
+        kwargs = {**dict(zip(_forward_parameters(type(module)), args)), **kwargs}
+        args = ()
+    metadata = {key: kwargs.pop(key) for key in METADATA_KEYS if key in kwargs}
+    input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    reference = input_ids if input_ids is not None else embeds
+    if reference is None:
+        return args, kwargs
+    position_ids = kwargs.get("position_ids")
+    info = detect_packed(
+        reference.shape[0],
+        reference.shape[1],
+        packed_seq_lengths=metadata.get("packed_seq_lengths"),
+        packed_seq_parents=metadata.get("packed_seq_parents"),
+        cu_seq_lens_q=metadata.get("cu_seq_lens_q"),
+        max_length_q=metadata.get("max_length_q"),
+        position_ids=position_ids,
+        attention_mask=kwargs.get("attention_mask"),
+        cached=cache_length(cache_argument(kwargs)),
+    )
+    if info is None:
+        return args, kwargs
+    if info.is_branched:
+        raise ValueError("Branched packed samples (shared prompts) are not supported on vision-language models.")
+    vision = _vision_language_of(module)
+    if vision.position_rows > 1:
+        kwargs["position_ids"] = _multi_axis_positions(module, vision, kwargs, info, position_ids, input_ids)
+    elif position_ids is None:
+        kwargs["position_ids"] = info.position_ids(reference.device)
+    token_types = kwargs.get(TOKEN_TYPES_KEY)
+    if vision.image_blocks is not None and token_types is not None:
+        info = info.with_bidirectional_spans(image_block_spans(vision.image_blocks, token_types, info))
+    if not hides_nothing(kwargs.get("attention_mask")):
+        raise ValueError(
+            "A packed batch cannot also hide tokens with an `attention_mask`; make trailing padding a sample of its "
+            "own and drop the mask."
+        )
+    kwargs["attention_mask"] = None
+    if kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    packed_forward_active(vision.decoder, info)
+    return args, kwargs
+
+
+def _multi_axis_positions(
+    module: torch.nn.Module,
+    vision: VisionLanguage,
+    kwargs: dict[str, Any],
+    info: PackedSeqInfo,
+    position_ids: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """The multi-axis positions of a packed batch (see the module docstring, step 2)."""
+    rows = vision.position_rows
+    if position_ids is not None and position_ids.dim() == 3:
+        if position_ids.shape[0] == rows:
+            return position_ids
+        raise ValueError(
+            f"A packed batch of {type(module).__name__} has position_ids of {position_ids.shape[0]} rows; its text "
+            f"model takes {rows} ({'[text; t; h; w]' if rows == 4 else '[t; h; w]'}) and would attend across "
+            "samples with any other layout. Pass no position_ids (each sample's are computed from the model's own "
+            "get_rope_index) or the full layout."
+        )
+    if position_ids is not None and not torch.equal(
+        position_ids.detach().cpu().expand(info.batch_size, -1), info.position_ids()
+    ):
+        raise ValueError(
+            f"A packed batch of {type(module).__name__} has 2-D position_ids other than each sample's own 0, 1, 2, "
+            "...; its multimodal RoPE cannot be derived from them. Pass no position_ids (each sample's are computed "
+            "from the model's own get_rope_index)."
+        )
+    if input_ids is None:
+        raise ValueError(
+            f"A packed batch of {type(module).__name__} given as inputs_embeds needs its position_ids: the multimodal "
+            "positions are computed from input_ids. Pass input_ids, or the 4-row position_ids."
+        )
+    rope_index = module.__dict__[_STATE_ATTRIBUTE]["rope_index"]
+    inputs = {name: kwargs.get(name) for name in (MM_TOKEN_TYPES_KEY, *_ROPE_INDEX_INPUTS)}
+    has_images = any(kwargs.get(name) is not None for name in ("image_grid_thw", "video_grid_thw"))
+    if has_images and MM_TOKEN_TYPES_KEY in rope_index._accepts and inputs[MM_TOKEN_TYPES_KEY] is None:
+        raise ValueError(
+            f"A packed batch of {type(module).__name__} with images needs `{MM_TOKEN_TYPES_KEY}` (the processor "
+            "returns them) to compute each sample's multimodal positions; without them the model itself falls back "
+            "to text positions for the image tokens."
+        )
+    return multimodal_positions(rope_index, input_ids, info, inputs, rows=rows)
+
+
+def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    from unpack_trainer.patches.masks import reset_packed_forward
+
+    state = module.__dict__.get(_STATE_ATTRIBUTE)
+    if state is not None:
+        reset_packed_forward(module.get_submodule(state["decoder"]))
+
+
+def _applies(model: torch.nn.Module) -> str | None:
+    if not is_vision_language(model):
+        return None
+    return (
+        "a vision-language model: the packing metadata is kept from its vision tower, each sample gets its own "
+        "positions (and image blocks) from the model's own code"
+    )
+
+
+def _install(model: torch.nn.Module, structure: ModelStructure) -> None:
+    vision = find_vision_language(model, structure)
+    if vision is None or _STATE_ATTRIBUTE in vision.module.__dict__:
+        return
+    module = vision.module
+    names = {m: name for name, m in module.named_modules()}
+    pre = module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    post = module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+    module.__dict__[_STATE_ATTRIBUTE] = {
+        "decoder": names[vision.decoder],
+        "rows": vision.position_rows,
+        "rope_index": RopeIndex(module) if vision.position_rows > 1 else None,
+        "hooks": [pre.id, post.id],
+    }
+    add_undo(module, _remove_hooks)
+
+
+def _remove_hooks(module: torch.nn.Module) -> None:
+    state = module.__dict__.pop(_STATE_ATTRIBUTE, None)
+    if state is not None:
+        for hook_id in state["hooks"]:
+            remove_hook(module, hook_id)
+
+
+def _remove(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        _remove_hooks(module)
+
+
+VISION_LANGUAGE = ModelFix("vision_language", _applies, _install, _remove)
+"""The fix of every vision-language model (see the module docstring)."""
+
+
+def rope_index_of(model: torch.nn.Module) -> RopeIndex | None:
+    """A :class:`RopeIndex` of ``model`` when its text model takes multi-axis positions, else ``None``: what a data
+    collator computes each sample's positions with on the CPU (so the forward hook does not have to)."""
+    vision = find_vision_language(model)
+    if vision is None or vision.position_rows == 1:
+        return None
+    return RopeIndex(vision.module)
