@@ -70,7 +70,7 @@ from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.positions import POSITIONS_ATTRIBUTE, own_position_embeddings, sample_positions
 from unpack_trainer.models.refusals import check_model
 from unpack_trainer.models.undo import run_undos
-from unpack_trainer.models.vision import VISION_LANGUAGE
+from unpack_trainer.models.vision import VISION_LANGUAGE, has_image_blocks
 from unpack_trainer.packed_seq_info import INFO_KEY, METADATA_KEYS
 from unpack_trainer.patches.masks import MASK_PLACEHOLDER_ATTRIBUTE
 
@@ -612,8 +612,9 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 def attention_features(model: torch.nn.Module) -> dict[str, Any]:
     """What the attention of ``model`` applies that a packed backend must be able to: ``softcap`` (logit softcapping,
-    ``config.attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter of an attention module) and ``head_dim``
-    (the largest query / value head dim, ``None`` when unknown): the keyword arguments of
+    ``config.attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter of an attention module), ``head_dim``
+    (the largest query / value head dim, ``None`` when unknown) and ``bidirectional`` (image tokens that attend both
+    ways, :func:`unpack_trainer.models.vision.has_image_blocks`): the keyword arguments of
     :func:`unpack_trainer.patches.attention.choose_backend` besides the device, dtype and implementation. Works on a
     model built on the ``meta`` device."""
     config = pretrained_model(model).config.get_text_config()
@@ -629,6 +630,7 @@ def attention_features(model: torch.nn.Module) -> dict[str, Any]:
         "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
         "sinks": any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()),
         "head_dim": max(head_dims) if head_dims else None,
+        "bidirectional": has_image_blocks(model),
     }
 
 

@@ -10,20 +10,24 @@ kind               found when                                                   
 ``BLOCKLIST``      ``config.model_type`` is in :data:`BLOCKLIST`                       trains padded
 ``BIDIRECTIONAL``  self-attention of the decoder that is not causal                    trains padded
                    (``is_causal=False``: an encoder such as BERT or RoBERTa loaded as
-                   a causal LM without ``config.is_decoder=True``)
+                   a causal LM without ``config.is_decoder=True``); a vision-language
+                   model whose tokens attend both ways by a rule other than Gemma 3's
+                   image blocks (:mod:`.vision`)
 ``ALIBI``          ALiBi position biases (``config.alibi``, ``attn_config.alibi``,     trains padded
                    or the modeling code uses an ``*alibi*`` helper) in attention
                    without a packed forward (:mod:`.alibi` has bloom's and mpt's)
 ``POSITIONS``      an attention term computed from positions the attention counts     trains padded
                    itself along the row (an ``arange``: Inkling's relative position
                    bias), or a ``position_bias`` of its own, read from the source of
-                   its ``forward`` through its decorators
+                   its ``forward`` through its decorators; a vision-language model
+                   with multimodal RoPE and no ``get_rope_index``
 ``STATE``          a token mixer no mixer handler owns (:mod:`.mixers`), or a decoder  trains padded
                    layer with neither attention nor an owned mixer (nor declared an
                    MLP / MoE layer in ``config.layer_types``)
 ``UNSUPPORTED``    a feature the packed helper does not implement (a sparse-attention  self-check decides
                    indexer; chunked attention whose layers do not show; a keyword
-                   term of the attention call outside :data:`APPLIED_TERMS`)
+                   term of the attention call outside :data:`APPLIED_TERMS`; a
+                   vision-language model with several text decoders)
 ``UNREACHABLE``    no decoder builds its mask through transformers' mask functions,    self-check decides
                    or its attention does not go through ``ALL_ATTENTION_FUNCTIONS``
 =================  ==================================================================  ===================
@@ -57,6 +61,7 @@ from unpack_trainer.models.discovery import (
     mentions_alibi,
 )
 from unpack_trainer.models.mixers import handler_for
+from unpack_trainer.models.vision import decoders_problem, image_block_problem, multi_axis_problem
 from unpack_trainer.packed_seq_info import METADATA_KEYS
 
 __all__ = [
@@ -333,6 +338,9 @@ def _attention_unreachable(structure: ModelStructure) -> str | None:
 REFUSAL_CHECKS: tuple[tuple[RefusalKind, Callable[[ModelStructure], str | None]], ...] = (
     (RefusalKind.BLOCKLIST, _blocklisted),
     (RefusalKind.BIDIRECTIONAL, _bidirectional),
+    (RefusalKind.BIDIRECTIONAL, image_block_problem),
+    (RefusalKind.POSITIONS, multi_axis_problem),
+    (RefusalKind.UNSUPPORTED, decoders_problem),
     (RefusalKind.ALIBI, _alibi),
     (RefusalKind.POSITIONS, _row_positions),
     (RefusalKind.STATE, _unowned_mixer),

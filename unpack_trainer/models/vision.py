@@ -49,9 +49,13 @@ __all__ = [
     "ModelFix",
     "RopeIndex",
     "VisionLanguage",
+    "decoders_problem",
     "find_vision_language",
+    "has_image_blocks",
+    "image_block_problem",
     "image_block_spans",
     "is_vision_language",
+    "multi_axis_problem",
     "multimodal_positions",
     "vision_problem",
 ]
@@ -162,30 +166,73 @@ def _text_decoder(model: torch.nn.Module, structure: ModelStructure | None) -> t
     return structure.decoders[0].module, None
 
 
+def _multimodal_module(structure: ModelStructure) -> torch.nn.Module | None:
+    """The multimodal model of a vision-language model with one text decoder (the decoder's parent), else ``None``."""
+    if getattr(structure.config, "vision_config", None) is None or len(structure.decoders) != 1:
+        return None
+    return _parent(structure.pretrained, structure.decoders[0].module) or structure.pretrained
+
+
+def decoders_problem(structure: ModelStructure) -> str | None:
+    """A vision-language model with other than one text decoder: this module knows which to pack for one only."""
+    if getattr(structure.config, "vision_config", None) is None or len(structure.decoders) == 1:
+        return None
+    return f"it is a vision-language model with {len(structure.decoders)} text decoders where one is expected"
+
+
+def multi_axis_problem(structure: ModelStructure) -> str | None:
+    """A vision-language model whose text model rotates by several position axes without a ``get_rope_index`` to
+    compute each sample's positions with (its packed rows would run on positions counted along the row)."""
+    module = _multimodal_module(structure)
+    if module is None or not _multi_axis(structure.config) or _rope_index_owner(module) is not None:
+        return None
+    return (
+        f"its text model rotates by several position axes (multimodal RoPE) and {type(module).__name__} has no "
+        "get_rope_index to compute each sample's positions with"
+    )
+
+
+def image_block_problem(structure: ModelStructure) -> str | None:
+    """A vision-language model some of whose tokens attend both ways by a rule this module does not read (anything
+    but Gemma 3's ``get_block_sequence_ids_for_mask``)."""
+    module = _multimodal_module(structure)
+    if module is None or _image_block_function(module) is not None:
+        return None
+    rule = _bidirectional_rule(module)
+    if rule is None:
+        return None
+    return (
+        f"{type(module).__name__} lets some tokens attend both ways by a rule this package does not read ({rule}); "
+        "only Gemma 3's get_block_sequence_ids_for_mask is applied per sample"
+    )
+
+
 def vision_problem(model: torch.nn.Module, structure: ModelStructure | None = None) -> str | None:
-    """Why the packed rows of the vision-language model ``model`` cannot be exact, or ``None`` (also for a model that
-    is no vision-language model). Read from the model's structure and code, before any forward; works on the
-    ``meta`` device."""
+    """Why the packed rows of the vision-language model ``model`` cannot be exact (:func:`decoders_problem`,
+    :func:`multi_axis_problem`, :func:`image_block_problem`), or ``None`` (also for a model that is no vision-language
+    model). Read from the model's structure and code, before any forward; works on the ``meta`` device."""
+    from unpack_trainer.models.discovery import discover
+
     if not is_vision_language(model):
         return None
-    decoder, problem = _text_decoder(model, structure)
-    if problem is not None:
-        return problem
-    pretrained = pretrained_model(model)
-    module = _parent(pretrained, decoder) or pretrained
-    if _multi_axis(pretrained.config) and _rope_index_owner(module) is None:
-        return (
-            f"its text model rotates by several position axes (multimodal RoPE) and {type(module).__name__} has no "
-            "get_rope_index to compute each sample's positions with"
-        )
-    if _image_block_function(module) is None:
-        rule = _bidirectional_rule(module)
-        if rule is not None:
-            return (
-                f"{type(module).__name__} lets some tokens attend both ways by a rule this package does not read "
-                f"({rule}); only Gemma 3's get_block_sequence_ids_for_mask is applied per sample"
-            )
+    structure = structure if structure is not None else discover(model)
+    for check in (decoders_problem, multi_axis_problem, image_block_problem):
+        problem = check(structure)
+        if problem is not None:
+            return problem
     return None
+
+
+def has_image_blocks(model: torch.nn.Module) -> bool:
+    """Whether some tokens of ``model`` (a vision-language model's image tokens, Gemma 3) attend to each other both
+    ways on packed rows (an attention feature the varlen kernels cannot apply). Works on the ``meta`` device."""
+    if not is_vision_language(model):
+        return False
+    pretrained = pretrained_model(model)
+    decoder, problem = _text_decoder(model, None)
+    if problem is not None:
+        return False
+    return _image_block_function(_parent(pretrained, decoder) or pretrained) is not None
 
 
 def find_vision_language(model: torch.nn.Module, structure: ModelStructure | None = None) -> VisionLanguage | None:

@@ -96,6 +96,7 @@ class Bucket(NamedTuple):
     key_length: int = 0
     query_lengths: Tensor | None = None  # (n,) int64 CPU q_u, branch buckets only
     key_lengths: Tensor | None = None  # (n,) int64 CPU k_u >= q_u, branch buckets only
+    samples: Tensor | None = None  # (n,) int64 CPU: the sample in each of the bucket's rows (attention plans only)
 
 
 class BucketPlan(NamedTuple):
@@ -178,7 +179,7 @@ def build_plan(
     offset = 0
     for begin, end in groups:
         members = order[begin:end]
-        bucket = Bucket(pad_to(int(lengths[members].max())), end - begin)
+        bucket = Bucket(pad_to(int(lengths[members].max())), end - begin, samples=members)
         gather, pad = fill_slots(starts[members], lengths[members], bucket.length, offset, scatter)
         gathers.append(gather)
         pads.append(pad)

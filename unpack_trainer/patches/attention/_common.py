@@ -36,6 +36,8 @@ FEATURE_NAMES = {
     "sinks": "attention sinks (s_aux)",
     "dropout": "attention dropout",
     "alibi": "ALiBi position biases",
+    # PackedSeqInfo.bidirectional_spans: the tokens of a span (an image's, Gemma 3) attend to each other both ways
+    "bidirectional": "bidirectional image blocks",
 }
 
 # Availability seam. Tests extend it to run the CUDA kernels' dispatch on CPU with stand-in kernels.

@@ -13,7 +13,16 @@ from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention._common import BranchedFunction, CallOptions
 from unpack_trainer.patches.buckets import Bucket, BucketPlan, branch_plan
 
-__all__ = ["additive_mask", "alibi_bias", "band_mask", "branch_additive_mask", "branch_mask", "branched_buckets"]
+__all__ = [
+    "additive_mask",
+    "alibi_bias",
+    "band_mask",
+    "bidirectional_additive_mask",
+    "bidirectional_mask",
+    "branch_additive_mask",
+    "branch_mask",
+    "branched_buckets",
+]
 
 
 def branched_buckets(buckets_forward: Callable[..., Tensor]) -> BranchedFunction:
@@ -119,3 +128,62 @@ def alibi_bias(
         return bias
     window = sliding_window if sliding_window is not None else length + 1
     return bias.masked_fill(~band_mask(info, length, window, device), torch.finfo(dtype).min)
+
+
+def bidirectional_mask(
+    info: PackedSeqInfo, bucket_index: int, bucket: Bucket, sliding_window: int | None, device: torch.device
+) -> Tensor | None:
+    """``(n, 1, L, L)`` bool on ``device`` of a bucket of samples with bidirectional spans
+    (``info.bidirectional_spans``), True where query ``i`` may see key ``j`` of its sample: ``j <= i``, or both in the
+    same span; and with a window ``w``, ``j > i - w``. ``None`` when no sample of the bucket has a span (the bucket
+    stays causal). Built on the CPU from the bucket's samples, once per batch, bucket, window and device.
+
+    Example (one sample of 4 tokens whose tokens 1 and 2 are a span; rows are queries)::
+
+        1 0 0 0
+        1 1 1 0
+        1 1 1 0
+        1 1 1 1
+    """
+    spans = info.bidirectional_spans
+    if spans is None or bucket.samples is None:
+        return None
+
+    def build() -> Tensor | None:
+        ids = info.bidirectional_ids()
+        starts = info.cu_seqlens[:-1].to(torch.int64)[bucket.samples].unsqueeze(1)  # (n, 1)
+        lengths = info.seq_lengths.to(torch.int64)[bucket.samples].unsqueeze(1)
+        steps = torch.arange(bucket.length, dtype=torch.int64).unsqueeze(0)
+        real = steps < lengths
+        block = torch.where(real, ids[torch.where(real, starts + steps, starts)], -1)  # (n, L), -1: causal
+        if not bool((block >= 0).any()):
+            return None
+        i = steps.view(1, -1, 1)
+        j = steps.view(1, 1, -1)
+        same = (block.unsqueeze(2) == block.unsqueeze(1)) & (block.unsqueeze(2) >= 0)
+        allowed = (j <= i) | same
+        if sliding_window is not None:
+            allowed &= j > i - sliding_window
+        return allowed.unsqueeze(1).to(device, non_blocking=True)
+
+    return info.plan("bidirectional_masks", (bucket_index, sliding_window, str(device)), build)
+
+
+def bidirectional_additive_mask(
+    info: PackedSeqInfo,
+    bucket_index: int,
+    bucket: Bucket,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor | None:
+    """:func:`bidirectional_mask` as an ``(n, 1, L, L)`` ``dtype`` additive mask (0 where allowed,
+    ``finfo(dtype).min`` elsewhere), or ``None``."""
+
+    def build() -> Tensor | None:
+        allowed = bidirectional_mask(info, bucket_index, bucket, sliding_window, device)
+        if allowed is None:
+            return None
+        return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+
+    return info.plan("bidirectional_additive_masks", (bucket_index, sliding_window, dtype, str(device)), build)

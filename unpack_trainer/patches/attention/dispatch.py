@@ -43,7 +43,8 @@ def _choice_for(
     """The automatic (or forced) backend of one call, decided once per batch and set of features; a hand-over from
     the backend chosen for plain attention to one that can apply the call's features is logged once."""
     head_dim = max(query.shape[-1], value.shape[-1])
-    flags = (softcap, sinks, dropout, head_dim, alibi)
+    bidirectional = info.bidirectional_spans is not None
+    flags = (softcap, sinks, dropout, head_dim, alibi, bidirectional)
     key = (str(query.device), query.dtype, original, flags, os.environ.get(ENV_BACKEND))
 
     def build() -> BackendChoice:
@@ -56,10 +57,13 @@ def _choice_for(
             dropout=dropout,
             head_dim=head_dim,
             alibi=alibi,
+            bidirectional=bidirectional,
         )
         plain = choose_backend(query.device, query.dtype, original)
         if plain.name != choice.name:
-            wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
+            wanted = features(
+                softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi, bidirectional=bidirectional
+            )
             missing = missing_features(plain.name, wanted, head_dim)
             log_once(
                 logger,
@@ -116,6 +120,8 @@ def packed_attention_forward(
             its score of key ``j``, both counted within the sample (flash's ``alibi_slopes``, SDPA and eager).
             ``attention_chunk_size``: chunked attention (llama4), each query sees the keys of its own chunk of that
             many tokens, chunks counted from its sample's start (:func:`chunked_info`; every backend).
+            Bidirectional spans on the metadata (``PackedSeqInfo.bidirectional_spans``, Gemma 3's image tokens): the
+            tokens of a span also see each other's later tokens (flex, SDPA and eager; a varlen kernel hands over).
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` ``(B, T, num_heads, head_dim_v)`` in the dtype attention
@@ -155,7 +161,11 @@ def packed_attention_forward(
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}.")
     if kwargs.get("attention_chunk_size") is not None:
+        if info.bidirectional_spans is not None:
+            raise ValueError("Bidirectional image blocks are not supported together with chunked attention.")
         info = chunked_info(info, kwargs["attention_chunk_size"])
+    if info.bidirectional_spans is not None and kwargs.get("alibi_slopes") is not None:
+        raise ValueError("Bidirectional image blocks are not supported together with ALiBi.")
     alibi_slopes = kwargs.get("alibi_slopes")
     if alibi_slopes is not None and alibi_slopes.numel() != num_heads:
         raise ValueError(
@@ -180,7 +190,11 @@ def packed_attention_forward(
         ).name
     else:
         wanted = features(
-            softcap=softcap is not None, sinks=sinks is not None, dropout=dropout > 0, alibi=alibi_slopes is not None
+            softcap=softcap is not None,
+            sinks=sinks is not None,
+            dropout=dropout > 0,
+            alibi=alibi_slopes is not None,
+            bidirectional=info.bidirectional_spans is not None,
         )
         largest_head_dim = max(head_dim, value.shape[-1])
         check_explicit_backend(backend, query.device, query.dtype, wanted, largest_head_dim, from_env=False)

@@ -14,6 +14,7 @@ from unpack_trainer.patches.attention._common import AttentionBackend, CallOptio
 from unpack_trainer.patches.attention.bucket_masks import (
     additive_mask,
     alibi_bias,
+    bidirectional_additive_mask,
     branch_additive_mask,
     branched_buckets,
 )
@@ -39,6 +40,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     also holds ``exp(sinks[h])``: ``weights = exp(scores - logaddexp(logsumexp(scores), sinks[h]))``, the sink's own
     weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column. Dropout: on the
     weights, only while ``options.module.training``. ALiBi: ``-slopes[h] * (i - j)`` added to the scores.
+    Bidirectional spans (``info.bidirectional_spans``): an ``(n, 1, L, L)`` additive mask on each bucket holding one.
+    Bidirectional spans: an ``(n, 1, L, L)`` additive mask on each bucket holding one.
     """
     return buckets_forward(query, key, value, info, options, attention_plan(info, query.device))
 
@@ -61,9 +64,14 @@ def buckets_forward(
     outputs = []
     for index, (bucket, q_bucket, k_bucket, v_bucket) in enumerate(zip(plan.buckets, qs, ks, vs)):
         length, key_length = bucket.length, bucket.key_length or bucket.length
+        mask = None
         if bucket.key_length:
             mask = branch_additive_mask(info, index, bucket, options.sliding_window, query.dtype, query.device)
-        else:
+        elif info.bidirectional_spans is not None:
+            mask = bidirectional_additive_mask(
+                info, index, bucket, options.sliding_window, query.dtype, query.device
+            )
+        if mask is None:
             mask = additive_mask(info, length, options.sliding_window, query.dtype, query.device)
         per_chunk = max(1, MAX_SCORE_ELEMENTS // (num_heads * length * key_length))
         masks = mask.split(per_chunk) if mask.dim() == 4 else [mask] * (-(-bucket.count // per_chunk))
@@ -98,7 +106,7 @@ def buckets_forward(
 
 BACKEND = AttentionBackend(
     name="eager",
-    capabilities=frozenset({"softcap", "sinks", "dropout", "alibi"}),
+    capabilities=frozenset({"softcap", "sinks", "dropout", "alibi", "bidirectional"}),
     unavailable_reason=lambda device, dtype: None,
     forward=forward,
     branched_forward=branched_buckets(buckets_forward),

@@ -100,7 +100,9 @@ class _Layout(NamedTuple):
 def _token_layout(info: PackedSeqInfo, padded: int) -> dict[str, Tensor]:
     """CPU int64 ``(padded,)`` tensors per token of the padded row: ``doc`` (its sample; the padding is one more),
     ``parent`` (the sample it continues, -1), ``pos`` (its position; a branch's continue its prefix's), ``start``
-    (its sample's first token), ``parent_start`` / ``parent_end`` (its prefix's token range, -1 without one)."""
+    (its sample's first token), ``parent_start`` / ``parent_end`` (its prefix's token range, -1 without one),
+    ``block`` (its bidirectional span, -1 without one) and ``last_key`` (the last key it sees: its span's last token,
+    else itself)."""
     lengths = torch.cat([info.seq_lengths.to(torch.int64), torch.tensor([padded - info.total_tokens])])
     lengths = lengths[lengths > 0]
     doc = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int64), lengths)
@@ -115,6 +117,14 @@ def _token_layout(info: PackedSeqInfo, padded: int) -> dict[str, Tensor]:
     pos = pos + torch.where(has_parent, lengths[parent_index], 0)
     parent_start = torch.where(has_parent, starts[parent_index], -1)
     parent_end = torch.where(has_parent, starts[parent_index] + lengths[parent_index], -1)
+    # Bidirectional spans: each token's span (-1: none) and the last key it sees (the end of its span, else itself).
+    block = torch.full((padded,), -1, dtype=torch.int64)
+    last_key = torch.arange(padded, dtype=torch.int64)
+    if info.bidirectional_spans is not None:
+        block[: info.total_tokens] = info.bidirectional_ids()
+        spans = info.bidirectional_spans
+        inside = block >= 0
+        last_key[inside] = spans[block[inside], 1] - 1
     return {
         "doc": doc,
         "parent": parent,
@@ -122,6 +132,8 @@ def _token_layout(info: PackedSeqInfo, padded: int) -> dict[str, Tensor]:
         "start": starts[doc],
         "parent_start": parent_start,
         "parent_end": parent_end,
+        "block": block,
+        "last_key": last_key,
     }
 
 
@@ -179,9 +191,10 @@ def block_tables(info: PackedSeqInfo, padded: int, window: int | None) -> tuple[
     def per_block(x: Tensor) -> Tensor:
         return x.view(blocks, BLOCK_SIZE)
 
-    # Partial: the union of the queries' ranges, as one range of key blocks per kind.
+    # Partial: the union of the queries' ranges, as one range of key blocks per kind (a query in a bidirectional
+    # span reaches to the span's end).
     partial = _ranges_to_blocks(
-        per_block(own_lo).amin(1) // BLOCK_SIZE, per_block(token).amax(1) // BLOCK_SIZE, blocks
+        per_block(own_lo).amin(1) // BLOCK_SIZE, per_block(layout["last_key"]).amax(1) // BLOCK_SIZE, blocks
     ) | _ranges_to_blocks(
         per_block(parent_lo).amin(1) // BLOCK_SIZE, per_block(parent_hi).amax(1) // BLOCK_SIZE, blocks
     )
@@ -195,16 +208,24 @@ def block_tables(info: PackedSeqInfo, padded: int, window: int | None) -> tuple[
     return (*_ordered(partial & ~full), *_ordered(full))
 
 
-def _mask_mod(layout: _Layout, window: int | None) -> Callable[..., Tensor]:
+def _mask_mod(layout: _Layout, window: int | None, block: Tensor | None = None) -> Callable[..., Tensor]:
+    """The mask function: a query sees the keys of its sample up to itself (and its prefix's, in a branch), and with
+    ``block`` (int32 per token, -1 outside a bidirectional span) the keys of its own span both ways; with a window,
+    only keys ``pos[q] - pos[k] < window``."""
     doc, parent, pos = layout
 
     def causal_documents(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return ((doc[q] == doc[k]) & (k <= q)) | (parent[q] == doc[k])
 
-    def windowed_documents(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        return causal_documents(b, h, q, k) & (pos[q] - pos[k] < window)
+    def spans_documents(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return causal_documents(b, h, q, k) | ((block[q] == block[k]) & (block[q] >= 0))
 
-    return causal_documents if window is None else windowed_documents
+    attends = causal_documents if block is None else spans_documents
+
+    def windowed_documents(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return attends(b, h, q, k) & (pos[q] - pos[k] < window)
+
+    return attends if window is None else windowed_documents
 
 
 def block_mask(info: PackedSeqInfo, padded: int, window: int | None, device: torch.device) -> Any:
@@ -216,7 +237,10 @@ def block_mask(info: PackedSeqInfo, padded: int, window: int | None, device: tor
         from torch.nn.attention.flex_attention import BlockMask
 
         tables = (x.to(device, non_blocking=True) for x in block_tables(info, padded, window))
-        mask_mod = _mask_mod(_device_layout(info, padded, device), window)
+        block = None
+        if info.bidirectional_spans is not None:
+            block = _token_layout(info, padded)["block"].to(device=device, dtype=torch.int32, non_blocking=True)
+        mask_mod = _mask_mod(_device_layout(info, padded, device), window, block)
         return BlockMask.from_kv_blocks(
             *tables, BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(padded, padded)
         )
@@ -270,8 +294,9 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
     GQA: flex's ``enable_gqa``. Window ``w`` (keys ``i - w < j <= i``, by position): in the mask. Softcap, ALiBi
     (float32 ``(num_heads,)`` slopes): ``score_mod``. Sinks ``(num_heads,)``: the output renormalised by flex's
-    log-sum-exp. Dropout: refused. Branched batches (``info.seq_parents``): a branch sees its prefix and itself,
-    never a sibling, every query computed once. No query row is fully masked.
+    log-sum-exp. Bidirectional spans (``info.bidirectional_spans``): in the mask. Dropout: refused. Branched batches
+    (``info.seq_parents``): a branch sees its prefix and itself, never a sibling, every query computed once. No query
+    row is fully masked.
 
     Raises:
         NotImplementedError: on the CPU with inputs that need gradients (torch has no flex backward there).
@@ -320,7 +345,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
 BACKEND = AttentionBackend(
     name="flex",
-    capabilities=frozenset({"softcap", "sinks", "alibi"}),
+    capabilities=frozenset({"softcap", "sinks", "alibi", "bidirectional"}),
     unavailable_reason=unavailable_reason,
     forward=forward,
     branched_forward=forward,  # the layout's parents: a branch sees its prefix and itself, every query once

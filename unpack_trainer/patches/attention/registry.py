@@ -123,9 +123,11 @@ def missing_features(backend: str, wanted: frozenset[str], head_dim: int | None)
     return missing
 
 
-def features(*, softcap: bool, sinks: bool, dropout: bool, alibi: bool = False) -> frozenset[str]:
+def features(
+    *, softcap: bool, sinks: bool, dropout: bool, alibi: bool = False, bidirectional: bool = False
+) -> frozenset[str]:
     """The keys of :data:`FEATURE_NAMES` a call asks for."""
-    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout, "alibi": alibi}
+    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout, "alibi": alibi, "bidirectional": bidirectional}
     return frozenset(name for name, wanted in flags.items() if wanted)
 
 
@@ -166,6 +168,7 @@ def choose_backend(
     dropout: bool = False,
     head_dim: int | None = None,
     alibi: bool = False,
+    bidirectional: bool = False,
 ) -> BackendChoice:
     """Which backend packed attention uses for inputs on ``device`` computing in ``dtype``.
 
@@ -181,8 +184,10 @@ def choose_backend(
         softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
         head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
         alibi: whether the call adds ALiBi position biases (bloom, mpt).
+        bidirectional: whether some tokens attend to each other both ways (``PackedSeqInfo.bidirectional_spans``:
+            Gemma 3's image tokens); the varlen kernels cannot apply it.
     """
-    wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
+    wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi, bidirectional=bidirectional)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced:
         check_explicit_backend(forced, device, dtype, wanted, head_dim, from_env=True)

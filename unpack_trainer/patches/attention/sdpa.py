@@ -21,7 +21,13 @@ from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
-from unpack_trainer.patches.attention.bucket_masks import alibi_bias, band_mask, branch_mask, branched_buckets
+from unpack_trainer.patches.attention.bucket_masks import (
+    alibi_bias,
+    band_mask,
+    bidirectional_mask,
+    branch_mask,
+    branched_buckets,
+)
 from unpack_trainer.patches.buckets import (
     Bucket,
     BucketPlan,
@@ -86,7 +92,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     ``num_heads // num_kv_heads`` times. Window ``w``: a ``(L, L)`` band mask ``i - w < j <= i`` on each bucket longer
     than ``w`` (a shorter one stays ``is_causal``). Dropout: SDPA's ``dropout_p``. Softcap, sinks: refused. No query
     row is fully masked (each sees itself, padded ones included). ALiBi: a float ``(num_heads, L, L)`` mask of the
-    per-sample biases (:func:`alibi_bias`) on every bucket.
+    per-sample biases (:func:`alibi_bias`) on every bucket. Bidirectional spans (``info.bidirectional_spans``): an
+    ``(n, 1, L, L)`` mask (:func:`bidirectional_mask`) on each bucket that holds one.
     """
     return buckets_forward(query, key, value, info, options, attention_plan(info, query.device))
 
@@ -125,7 +132,9 @@ def _bucket_attention(
         mask = branch_mask(info, index, bucket, window, q.device)
     elif options.alibi_slopes is not None:
         mask = alibi_bias(info, bucket.length, window, options.alibi_slopes, q.dtype, q.device)
-    elif window is not None and bucket.length > window:
+    elif info.bidirectional_spans is not None:
+        mask = bidirectional_mask(info, index, bucket, window, q.device)  # None: no span in this bucket
+    if mask is None and window is not None and bucket.length > window:
         mask = band_mask(info, bucket.length, window, q.device)
     extra = {}
     if heads_per_kv > 1:
@@ -140,7 +149,7 @@ def _bucket_attention(
 
 BACKEND = AttentionBackend(
     name="sdpa",
-    capabilities=frozenset({"dropout", "alibi"}),
+    capabilities=frozenset({"dropout", "alibi", "bidirectional"}),
     unavailable_reason=lambda device, dtype: None,
     forward=forward,
     branched_forward=branched_buckets(buckets_forward),

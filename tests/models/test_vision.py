@@ -1,0 +1,398 @@
+"""Vision-language models packed: the patch leaves every unpacked forward stock and the vision tower untouched, and
+packed image+text samples give what each gives alone, family x backend, fp32 on the CPU.
+
+- packed logits == every sample run alone (relative 1e-5): SDPA, eager, flex (forward only on the CPU), and the
+  flash-attn / torch varlen kernels as CPU stand-ins installed the way the real kernels are resolved;
+- packed loss and every parameter gradient (vision tower included) == a padded batch of the same samples;
+- multi-axis positions (the Qwen2-VL family) from the model's own ``get_rope_index`` per sample, in the forward hook
+  or ahead in the collator (:class:`unpack_trainer.models.vision.RopeIndex`); every layout that would contaminate is
+  refused with a reason;
+- Gemma 3's bidirectional image blocks on flex / SDPA / eager; a varlen kernel hands them over (logged), or refuses
+  when forced.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+
+from unpack_trainer.data.vision import pack_processed
+from unpack_trainer.models import PatchRefused, patch_model, unpatch_model
+from unpack_trainer.models.tiny import loss_and_grads
+from unpack_trainer.models.tiny_vision import (
+    VISION_FAMILIES,
+    family_unavailable_reason,
+    processed_batch,
+    tiny_vision_model,
+    vision_sample,
+)
+from unpack_trainer.models.vision import RopeIndex, find_vision_language, multimodal_positions, rope_index_of
+from unpack_trainer.packed_seq_info import METADATA_KEYS
+from unpack_trainer.patches import attention
+from unpack_trainer.patches.attention import _common as attention_common
+from unpack_trainer.patches.attention import flash as flash_backend
+from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
+
+REL = 1e-5
+ZERO = 1e-8  # gradients that are zero in exact arithmetic come out as rounding noise
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+FAMILIES = list(VISION_FAMILIES)
+BACKENDS = ["sdpa", "eager", "flex", "flash", "torch_varlen"]
+
+
+def _segments(model_type: str) -> list[list]:
+    """Three samples: text around an image, text only, two images of other sizes (where the family's are free)."""
+    wide = (56, 84) if model_type in QWEN else (56, 112) if model_type == "mistral3" else (56, 56)
+    return [[3, (56, 56), 4], [5], [2, wide, 6, (56, 56), 2]]
+
+
+def _model(model_type: str, implementation: str = "sdpa", **overrides):
+    reason = family_unavailable_reason(model_type)
+    if reason is not None:
+        pytest.skip(reason)
+    return tiny_vision_model(model_type, attn_implementation=implementation, **overrides).eval()
+
+
+def _samples(model, model_type: str) -> list[dict]:
+    return [
+        vision_sample(model_type, model.config, segments, seed=i) for i, segments in enumerate(_segments(model_type))
+    ]
+
+
+def _packed(samples, positions=None) -> dict:
+    processed = processed_batch(samples)
+    return pack_processed(processed, [s["input_ids"].shape[1] for s in samples], positions=positions)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = REL) -> None:
+    scale = expected.abs().max().clamp_min(1e-12)
+    error = (actual - expected).abs().max()
+    assert error <= rel * scale + ZERO, f"{what}: max abs error {error:.3e} > {rel} x {scale:.3e}"
+
+
+def _assert_matches_alone(model, samples, batch) -> None:
+    with torch.no_grad():
+        alone = [model(**sample).logits[0] for sample in samples]
+        packed = model(**batch).logits[0]
+    start = 0
+    for index, expected in enumerate(alone):
+        _close(packed[start : start + len(expected)], expected, f"sample {index}")
+        start += len(expected)
+    assert start == packed.shape[0]
+
+
+def _assert_grads_match_padded(model, samples, batch) -> None:
+    model.train()
+    padded_loss, padded_grads = loss_and_grads(model, processed_batch(samples), skip_unused=True)
+    packed_loss, packed_grads = loss_and_grads(model, batch, skip_unused=True)
+    model.eval()
+    _close(packed_loss, padded_loss, "loss")
+    assert packed_grads.keys() == padded_grads.keys()
+    assert any(name.startswith(("model.visual", "model.vision")) for name in packed_grads)
+    for name, grad in padded_grads.items():
+        _close(packed_grads[name], grad, f"grad of {name}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CPU stand-ins of the varlen kernels (fp32, per-sample SDPA), installed the way the real kernels are resolved
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _per_sample(q, k, v, cu_seqlens, scale, window):
+    """(total, H, D) per-sample causal attention, the kv heads repeated for GQA; ``window`` flash's left size."""
+    groups = q.shape[1] // k.shape[1]
+    outputs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        i = torch.arange(end - start).unsqueeze(1)
+        j = torch.arange(end - start).unsqueeze(0)
+        allowed = (j <= i) & ((j >= i - window) if window >= 0 else True)
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def _stand_in_flash(calls):
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+        assert torch.equal(cu_q, cu_k) and options["causal"] is True
+        calls.append("flash")
+        window = options.get("window_size", (-1, -1))[0]
+        return _per_sample(q, k, v, cu_q, options["softmax_scale"], window)
+
+    return flash_attn_varlen_func
+
+
+def _stand_in_varlen(calls):
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False, **_):
+        assert torch.equal(cu_q, cu_k) and window_size[1] == 0
+        calls.append("torch_varlen")
+        return _per_sample(q, k, v, cu_q, scale, window_size[0])
+
+    return varlen_attn
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    """The packed backend under test: eager / flex forced, SDPA the automatic CPU choice, or a varlen kernel as the
+    automatic choice with its stand-in; yields ``(name, calls)`` with the stand-in kernel's calls."""
+    name = request.param
+    calls: list[str] = []
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    if name in ("eager", "flex"):
+        monkeypatch.setenv(attention.ENV_BACKEND, name)
+    if name in ("flash", "torch_varlen"):
+        monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(flash_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+        monkeypatch.setattr(torch_varlen_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+        flash = _stand_in_flash(calls) if name == "flash" else None
+        varlen = _stand_in_varlen(calls) if name == "torch_varlen" else None
+        monkeypatch.setattr(flash_backend, "kernel", lambda: flash)
+        monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: varlen)
+    return name, calls
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The two defects: unpacked forwards stock, the vision tower untouched
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_patch_leaves_unpacked_forwards_stock(model_type):
+    """A sample alone (the model computes its own 3-row positions), a padded batch with its attention mask and a
+    generation step give bit-identical outputs patched and unpatched."""
+    model = _model(model_type)
+    samples = _samples(model, model_type)
+    padded = processed_batch(samples)
+    with torch.no_grad():
+        stock = [model(**samples[0]).logits, model(**padded).logits]
+        stock_generated = model.generate(**samples[0], max_new_tokens=3, do_sample=False)
+        patch_model(model)
+        patched = [model(**samples[0]).logits, model(**padded).logits]
+        generated = model.generate(**samples[0], max_new_tokens=3, do_sample=False)
+    for expected, actual in zip(stock, patched):
+        assert torch.equal(actual, expected)
+    assert torch.equal(generated, stock_generated)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_vision_tower_never_sees_the_packing(model_type, monkeypatch):
+    """On a packed batch the vision tower's attention gets none of the packing keys and runs stock: the image
+    features equal the unpatched model's."""
+    model = _model(model_type)
+    samples = _samples(model, model_type)
+    batch = _packed(samples)
+    vision = find_vision_language(model)
+    tower = [m for m in vision.module.children() if m is not vision.decoder and any(True for _ in m.parameters())]
+    seen: list[set] = []
+
+    def record(module, args, kwargs):
+        seen.append(set(kwargs))
+
+    hooks = [
+        m.register_forward_pre_hook(record, with_kwargs=True)
+        for child in tower
+        for m in child.modules()
+        if "Attention" in type(m).__name__
+    ]
+    features: list[torch.Tensor] = []
+    capture = [child.register_forward_hook(lambda m, a, out: features.append(_first_tensor(out))) for child in tower]
+    with torch.no_grad():
+        model(**batch)
+        stock_calls = len(seen)
+        patch_model(model)
+        model(**batch)
+    for hook in hooks + capture:
+        hook.remove()
+    patched = seen[stock_calls:]
+    assert patched and all(not (keys & {*METADATA_KEYS, "packed_seq_info"}) for keys in patched)
+    half = len(features) // 2
+    for before, after in zip(features[:half], features[half:]):
+        assert torch.equal(before, after)
+
+
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return _first_tensor(output[0])
+    return output[0] if not hasattr(output, "last_hidden_state") else output.last_hidden_state
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Exact, family x backend
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packed_logits_and_gradients_match(model_type, backend):
+    name, calls = backend
+    model = patch_model(_model(model_type))
+    samples = _samples(model, model_type)
+    batch = _packed(samples)
+    _assert_matches_alone(model, samples, batch)
+    if name != "flex":  # torch has no flex backward on the CPU
+        _assert_grads_match_padded(model, samples, batch)
+    handed_over = model_type == "gemma3" and name in ("flash", "torch_varlen")
+    assert bool(calls) == (name in ("flash", "torch_varlen") and not handed_over)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex"], indirect=True)
+def test_gemma3_image_blocks_with_a_sliding_window(backend):
+    """A sliding window shorter than the samples and the images: an image's tokens still see each other both ways
+    within the window, as Gemma 3 alone does."""
+    model = patch_model(_model("gemma3", sliding_window=4))
+    samples = _samples(model, "gemma3")
+    batch = _packed(samples)
+    _assert_matches_alone(model, samples, batch)
+    if backend[0] != "flex":
+        _assert_grads_match_padded(model, samples, batch)
+
+
+def test_image_blocks_hand_over_from_a_varlen_kernel_or_refuse_it(monkeypatch, caplog):
+    """Gemma 3's image blocks: the automatic choice hands them from flash-attn to SDPA (logged once, with the
+    reason); flash-attn forced refuses them with the reason."""
+    calls: list[str] = []
+    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(flash_backend, "DTYPES", (torch.float32,))
+    monkeypatch.setattr(flash_backend, "kernel", lambda: _stand_in_flash(calls))
+    monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
+    model = patch_model(_model("gemma3"))
+    samples = _samples(model, "gemma3")
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        _assert_matches_alone(model, samples, _packed(samples))
+    assert "flash cannot apply bidirectional image blocks; using sdpa" in caplog.text
+    text_only = [vision_sample("gemma3", model.config, [6], seed=3), vision_sample("gemma3", model.config, [4])]
+    _assert_matches_alone(model, text_only, _packed(text_only))  # no image: flash-attn runs it
+    assert calls
+    monkeypatch.setenv(attention.ENV_BACKEND, "flash")
+    with pytest.raises(ValueError, match="flash cannot apply bidirectional image blocks"):
+        with torch.no_grad():
+            model(**_packed(samples))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3", "idefics3"])
+def test_several_rows_and_trailing_padding(model_type):
+    """Two rows, each ending with a padding pseudo-sample: every sample still equals itself alone."""
+    model = patch_model(_model(model_type))
+    samples = _samples(model, model_type)
+    batch = _packed(samples)
+    lengths = [s["input_ids"].shape[1] for s in samples]
+    # rows [s0, s1, pad] and [s2, pad], as a collator with pad_to_multiple_of would lay them out
+    row = max(lengths[0] + lengths[1], lengths[2]) + 2
+    pad = [row - lengths[0] - lengths[1], row - lengths[2]]
+    ids = batch["input_ids"][0]
+    split = [ids[: lengths[0] + lengths[1]], ids[lengths[0] + lengths[1] :]]
+    batch = dict(batch)
+    batch["input_ids"] = torch.stack(
+        [torch.cat([part, torch.zeros(p, dtype=torch.int64)]) for part, p in zip(split, pad)]
+    )
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in batch:
+            types = batch[key][0]
+            parts = [types[: lengths[0] + lengths[1]], types[lengths[0] + lengths[1] :]]
+            batch[key] = torch.stack(
+                [torch.cat([part, torch.zeros(p, dtype=torch.int64)]) for part, p in zip(parts, pad)]
+            )
+    seq_lengths = torch.tensor([lengths[0], lengths[1], pad[0], lengths[2], pad[1]], dtype=torch.int32)
+    for key in ("position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        batch.pop(key)
+    batch["packed_seq_lengths"] = seq_lengths
+    with torch.no_grad():
+        packed = model(**batch).logits
+        alone = [model(**sample).logits[0] for sample in samples]
+    _close(packed[0, : lengths[0]], alone[0], "sample 0")
+    _close(packed[0, lengths[0] : lengths[0] + lengths[1]], alone[1], "sample 1")
+    _close(packed[1, : lengths[2]], alone[2], "sample 2")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Positions: from the model's own get_rope_index, or refused
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", QWEN)
+def test_positions_computed_ahead_equal_the_hooks(model_type):
+    """The collator's positions (the model's get_rope_index through a picklable RopeIndex, 4 rows) give the same
+    logits as the forward hook's, and as each sample alone."""
+    model = patch_model(_model(model_type))
+    samples = _samples(model, model_type)
+    rope_index = rope_index_of(model)
+    assert isinstance(rope_index, RopeIndex)
+    rope_index = pickle.loads(pickle.dumps(rope_index))
+
+    def positions(ids, info, inputs):
+        return multimodal_positions(rope_index, ids, info, inputs)
+
+    ahead = _packed(samples, positions=positions)
+    assert ahead["position_ids"].shape == (4, 1, ahead["input_ids"].shape[1])
+    text_row = ahead["position_ids"][0, 0].tolist()
+    lengths = [s["input_ids"].shape[1] for s in samples]
+    assert text_row == [p for length in lengths for p in range(length)]
+    _assert_matches_alone(model, samples, ahead)
+    with torch.no_grad():
+        assert torch.equal(model(**ahead).logits, model(**_packed(samples)).logits)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_positions_that_would_contaminate_are_refused(model_type):
+    model = patch_model(_model(model_type))
+    samples = _samples(model, model_type)
+    batch = _packed(samples)
+    whole_row, _ = model.model.get_rope_index(
+        batch["input_ids"], batch["mm_token_type_ids"], image_grid_thw=batch["image_grid_thw"]
+    )
+    with pytest.raises(ValueError, match="position_ids of 3 rows; its text model takes 4"):
+        model(**{**batch, "position_ids": whole_row})
+    arange = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0)
+    with pytest.raises(ValueError, match="2-D position_ids other than each sample's own"):
+        model(**{**batch, "position_ids": arange})
+    with pytest.raises(ValueError, match="needs `mm_token_type_ids`"):
+        model(**{key: value for key, value in batch.items() if key != "mm_token_type_ids"})
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
+def test_use_cache_and_positions_only(model_type):
+    """``use_cache=True`` on a packed batch stays exact (the cache is written, attention stays per sample); a packed
+    batch given by restarting positions alone (no metadata) is found and run per sample."""
+    model = patch_model(_model(model_type))
+    samples = _samples(model, model_type)
+    batch = _packed(samples)
+    _assert_matches_alone(model, samples, {**batch, "use_cache": True})
+    only_positions = {k: v for k, v in batch.items() if k not in (*METADATA_KEYS, "labels")}
+    _assert_matches_alone(model, samples, only_positions)
+
+
+def test_unpatch_removes_the_vision_hook():
+    model = _model("qwen2_5_vl")
+    samples = _samples(model, "qwen2_5_vl")
+    stock_hooks = dict(model.model._forward_pre_hooks)
+    patch_model(model)
+    assert len(model.model._forward_pre_hooks) == len(stock_hooks) + 1
+    unpatch_model(model)
+    assert dict(model.model._forward_pre_hooks) == stock_hooks
+    with torch.no_grad():
+        model(**samples[0])
+
+
+def test_multi_axis_rope_without_get_rope_index_is_refused(monkeypatch):
+    model = _model("qwen2_5_vl")
+    monkeypatch.delattr(type(model.model), "get_rope_index")
+    with pytest.raises(PatchRefused, match="has no get_rope_index"):
+        patch_model(model)
+
+
+def test_an_unknown_bidirectional_rule_is_refused(monkeypatch):
+    """Image tokens attending both ways by a rule the package does not read (here: Gemma 3 with its block function
+    hidden) are refused before any forward."""
+    from unpack_trainer.models import vision
+
+    model = _model("gemma3")
+    monkeypatch.setattr(vision, "_image_block_function", lambda module: None)
+    with pytest.raises(PatchRefused, match="attend both ways by a rule this package does not read"):
+        patch_model(model)
