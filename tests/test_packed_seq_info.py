@@ -138,3 +138,19 @@ def test_plan_is_per_batch():
     second = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2]), batch_size=1, seq_len=5)
     assert first.plan("owner", "key", lambda: 1) == 1
     assert second.plan("owner", "key", lambda: 2) == 2
+
+
+def test_bidirectional_spans_lie_inside_samples():
+    """Spans (tokens attending both ways) are kept on a new object with their per-token ids; a span that is empty,
+    overlaps another or crosses a sample boundary is an error naming it; branched samples take none."""
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor([5, 4]), batch_size=1, seq_len=9)
+    assert info.with_bidirectional_spans(None) is info and info.bidirectional_spans is None
+    spans = info.with_bidirectional_spans(torch.tensor([[1, 3], [5, 9]]))
+    assert spans is not info and spans.cu_seqlens.tolist() == [0, 5, 9]
+    assert spans.bidirectional_ids().tolist() == [-1, 0, 0, -1, -1, 1, 1, 1, 1]
+    for bad, index in (([[3, 6]], 0), ([[1, 3], [2, 4]], 1), ([[2, 2]], 0)):
+        with pytest.raises(ValueError, match=f"Bidirectional span {index} "):
+            info.with_bidirectional_spans(torch.tensor(bad))
+    branched = PackedSeqInfo(torch.tensor([2, 1]), batch_size=1, seq_len=3, seq_parents=torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="branched"):
+        branched.with_bidirectional_spans(torch.tensor([[0, 2]]))
