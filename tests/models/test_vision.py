@@ -396,3 +396,29 @@ def test_an_unknown_bidirectional_rule_is_refused(monkeypatch):
     monkeypatch.setattr(vision, "_image_block_function", lambda module: None)
     with pytest.raises(PatchRefused, match="attend both ways by a rule this package does not read"):
         patch_model(model)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The self-check covers image rows
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
+def test_selfcheck_probes_image_rows(model_type, monkeypatch):
+    """Unpatched, packed image rows are contaminated (multimodal RoPE over the row, image blocks over the row) and
+    the self-check says so; patched it passes; with the image blocks dropped it fails again. Read-only throughout."""
+    from unpack_trainer.models import vision
+    from unpack_trainer.models.selfcheck import check_uncontaminated
+
+    model = _model(model_type)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    deltas = model.model.rope_deltas if hasattr(model.model, "rope_deltas") else None
+    assert not check_uncontaminated(model).ok
+    patch_model(model)
+    report = check_uncontaminated(model)
+    assert report.ok, report.summary()
+    if model_type == "gemma3":
+        monkeypatch.setattr(vision, "image_block_spans", lambda *args: None)
+        assert not check_uncontaminated(model).ok
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert getattr(model.model, "rope_deltas", None) is deltas

@@ -105,6 +105,10 @@ def check_uncontaminated(
     [`_branched_probe_batch`]): every token of the prompt and of each completion must give what
     ``[prompt; completion]`` gives alone, so a branch that sees a sibling, or misses its prompt, fails it.
 
+    A vision-language model of a known family (:mod:`unpack_trainer.models.tiny_vision`) is also probed with two
+    image+text samples packed in one row against each alone (see [`_vision_probe`]): its images, positions and image
+    blocks per sample.
+
     One forward of one packed batch of two rows does it (see [`_probe_batch`]): the samples in one order and in the
     reverse order, so each end sample is alone in one row and after all the others in the other; and one forward of
     the first sample alone, unpacked (no packing metadata), so that positions a model numbers itself (RoBERTa's
@@ -164,10 +168,26 @@ def check_uncontaminated(
         states = _last_states(outputs).float()
         states = states.reshape(-1, states.shape[-1])
         packed, alone = states[packed_index.to(states.device)], states[alone_index.to(states.device)]
+        images = None
+        if not branched:
+            try:
+                images = _vision_probe(model, options, device, seed)
+            except Exception as error:  # noqa: BLE001 - any failure of the packed path means "not safe"
+                return ContaminationReport(
+                    False,
+                    float("inf"),
+                    0.0,
+                    0.0,
+                    None,
+                    time.perf_counter() - start,
+                    f"{type(error).__name__}: {error}",
+                )
         contaminated_diff = float("nan")
         if measure_contamination:  # the first row (every compared packed token) as one plain causal sequence
             contaminated = _last_states(model(input_ids=input_ids[:1], **options))[0].float()
             contaminated_diff = float((contaminated[packed_index.to(states.device)] - alone).abs().max())
+        if not branched and images is not None:
+            packed, alone = torch.cat([packed, images[0]]), torch.cat([alone, images[1]])
         dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model)
         tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * float(alone.abs().max()) + 1e-5
         max_diff = float((packed - alone).abs().max())
@@ -178,6 +198,46 @@ def check_uncontaminated(
     finally:
         torch.set_num_threads(threads)
         snapshot.restore()
+
+
+def _vision_probe(
+    model: torch.nn.Module, options: dict[str, object], device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a vision-language model of a family :mod:`unpack_trainer.models.tiny_vision` knows: two samples of text
+    around one image each (the smallest image the model takes, random pixels, sizes read from its config) packed in
+    one row as the vision collator packs them ([`unpack_trainer.data.vision.pack_processed`]), and each run alone.
+    Returns ``(packed, alone)``: every token's final hidden state, float32 ``(tokens, hidden)`` each; ``None`` for
+    any other model (the text probe covers it)."""
+    from unpack_trainer.data.vision import pack_processed
+    from unpack_trainer.models.discovery import pretrained_model
+    from unpack_trainer.models.tiny_vision import image_size, processed_batch, vision_sample
+    from unpack_trainer.models.vision import is_vision_language
+
+    if not is_vision_language(model):
+        return None
+    config = pretrained_model(model).config
+    size = image_size(config.model_type, config)
+    if size is None:
+        return None
+    samples = [
+        vision_sample(config.model_type, config, segments, seed=seed + index)
+        for index, segments in enumerate([[2, size, 3], [1, size, 2]])
+    ]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    def on_device(batch: dict[str, Any]) -> dict[str, Any]:
+        return {
+            key: (value.to(device, dtype) if value.is_floating_point() else value.to(device))
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in batch.items()
+            if key != "labels"
+        }
+
+    batch = pack_processed(processed_batch(samples), [s["input_ids"].shape[1] for s in samples], use_cache=None)
+    packed = _last_states(model(**on_device(batch), **options))[0].float()
+    alone = torch.cat([_last_states(model(**on_device(sample), **options))[0].float() for sample in samples])
+    return packed, alone
 
 
 def _quant_states(owner: Any) -> list[Any]:
@@ -199,7 +259,8 @@ class _Snapshot:
     (a forward that reassigns ``weight.data``, as bitsandbytes' CPU weight conversion does, is undone); the attribute
     dictionaries of every quantization state (bitsandbytes reassigns ``absmax``, ``dtype``, ``nested``, ``state2``),
     references only, so nothing is copied; every module's hook dictionaries (``_forward_hooks``,
-    ``_forward_pre_hooks``, ...) and transformers' ``_output_capturing_hooks_installed`` flag (the probe's
+    ``_forward_pre_hooks``, ...), a multimodal model's ``rope_deltas`` (what its last forward leaves for generation)
+    and transformers' ``_output_capturing_hooks_installed`` flag (the probe's
     ``output_hidden_states=True`` forward makes transformers install forward hooks for good, local functions that
     ``torch.save(model)`` cannot pickle).
     """
@@ -225,6 +286,10 @@ class _Snapshot:
             if _quant_states(getattr(module, "weight", None)) or _quant_states(module)
         ]
         self.hooks = [(hooks, dict(hooks)) for module, _ in self.modes for hooks in hook_dicts(module)]
+        # multimodal models keep the RoPE offsets of their last forward for generation (``rope_deltas``)
+        self.caches = [
+            (module, vars(module)["rope_deltas"]) for module, _ in self.modes if "rope_deltas" in vars(module)
+        ]
         self.flag = output_capturing_flag()
         self.flags = (
             [] if self.flag is None else [(module, vars(module).get(self.flag, _ABSENT)) for module, _ in self.modes]
@@ -243,6 +308,8 @@ class _Snapshot:
             setattr(module, name, buffer)
         for module, training in self.modes:
             module.training = training
+        for module, cache in self.caches:
+            vars(module)["rope_deltas"] = cache
         for hooks, found in self.hooks:
             if hooks != found:
                 hooks.clear()

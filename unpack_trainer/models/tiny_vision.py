@@ -31,6 +31,7 @@ __all__ = [
     "IMAGE_TOKENS",
     "VISION_FAMILIES",
     "family_unavailable_reason",
+    "image_size",
     "processed_batch",
     "tiny_vision_config",
     "tiny_vision_model",
@@ -187,10 +188,20 @@ def tiny_vision_model(
         return AutoModelForImageTextToText.from_config(config, **kwargs)
 
 
-def _text(length: int, generator: Any) -> list[int]:
-    import torch
-
-    return torch.randint(FIRST_TEXT_ID, VOCAB, (length,), generator=generator).tolist()
+def image_size(model_type: str, config: Any) -> tuple[int, int] | None:
+    """The size in pixels of the smallest image the family's model takes, ``(height, width)``: one merged token of
+    a Qwen2-VL-family model, 2 x 2 of a Mistral 3 model; the fixed size of the others (``vision_config.image_size``). ``None`` for a
+    model type that is not one of :data:`VISION_FAMILIES`."""
+    vision = config.vision_config
+    if model_type.startswith("qwen"):
+        side = vision.patch_size * vision.spatial_merge_size
+        return side, side
+    if model_type == "mistral3":  # one merged token fails in the model (Pixtral's patch merger): 2 x 2 of them
+        side = 2 * vision.patch_size * config.spatial_merge_size
+        return side, side
+    if model_type in VISION_FAMILIES:
+        return vision.image_size, vision.image_size
+    return None
 
 
 def vision_sample(
@@ -199,27 +210,42 @@ def vision_sample(
     segments: Sequence[int | tuple[int, int]],
     *,
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """One sample's model inputs, as the family's processor would give them for a batch of one, random pixels.
 
+    Every size is read from ``config``, so the samples fit the tiny models and real ones alike (the self-check
+    probes a user's model with them).
+
     Args:
         model_type: the family (a key of :data:`VISION_FAMILIES`).
-        config: the model's config (its image token ids, merge and pooling sizes).
+        config: the model's config (its image token ids, patch, merge and pooling sizes).
         segments: in order, an ``int`` for that many random text tokens, a ``(height, width)`` in pixels for an image
-            (qwen families: any multiple of 28; the others have fixed-size images, so the size is ignored).
+            (Qwen2-VL family and Mistral 3: multiples of :func:`image_size`; the other families take images of one
+            size, so theirs is ignored).
         seed: the seed of the text tokens and the pixels.
+        vocab_size: the text tokens are drawn from ``[FIRST_TEXT_ID, vocab_size)`` (default: the text config's
+            vocabulary), never an image token of the config.
 
     Returns:
         ``input_ids`` ``(1, L)`` int64; ``mm_token_type_ids`` ``(1, L)`` int64 (qwen: 0 text, 1 image) or
         ``token_type_ids`` ``(1, L)`` int64 (gemma3: 1 image); and the image tensors: qwen ``pixel_values``
-        ``(sum t*h*w, 3 * 2 * 14 * 14)`` float32 and ``image_grid_thw`` ``(num_images, 3)`` int64; gemma3 / llava
-        ``pixel_values`` ``(num_images, 3, S, S)``; idefics3 / smolvlm ``(1, num_images, 3, S, S)`` with
-        ``pixel_attention_mask`` ``(1, num_images, S, S)`` bool; mistral3 ``(num_images, 3, H, W)`` with
+        ``(sum t*h*w, 3 * temporal_patch * patch**2)`` float32 and ``image_grid_thw`` ``(num_images, 3)`` int64;
+        gemma3 / llava ``pixel_values`` ``(num_images, 3, S, S)``; idefics3 / smolvlm ``(1, num_images, 3, S, S)``
+        with ``pixel_attention_mask`` ``(1, num_images, S, S)`` bool; mistral3 ``(num_images, 3, H, W)`` with
         ``image_sizes`` ``(num_images, 2)``. No image keys for a sample without images.
     """
     import torch
 
     generator = torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    patch = vision.patch_size
+    vocab = vocab_size or config.get_text_config().vocab_size
+    reserved = {
+        getattr(config, name, None)
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                     "boi_token_id", "eoi_token_id")
+    }  # fmt: skip
     ids: list[int] = []
     types: list[int] = []
     images: list[torch.Tensor] = []
@@ -230,48 +256,53 @@ def vision_sample(
         ids.extend(tokens)
         types.extend([kind] * len(tokens))
 
+    def text(length: int) -> list[int]:
+        drawn = torch.randint(FIRST_TEXT_ID, vocab, (length,), generator=generator).tolist()
+        return [FIRST_TEXT_ID if token in reserved else token for token in drawn]
+
     for segment in segments:
         if isinstance(segment, int):
-            add(_text(segment, generator))
+            add(text(segment))
             continue
         height, width = segment
         if model_type.startswith("qwen"):
-            merge = config.vision_config.spatial_merge_size
-            grid = [1, height // PATCH, width // PATCH]
+            merge = vision.spatial_merge_size
+            grid = [1, height // patch, width // patch]
             grids.append(grid)
-            channels = 3 * config.vision_config.temporal_patch_size * PATCH * PATCH
+            channels = vision.in_channels * vision.temporal_patch_size * patch * patch
             images.append(torch.randn(grid[0] * grid[1] * grid[2], channels, generator=generator))
             add([config.vision_start_token_id])
             add([config.image_token_id] * (grid[0] * grid[1] * grid[2] // merge**2), kind=1)
             add([config.vision_end_token_id])
         elif model_type == "gemma3":
-            images.append(torch.randn(3, GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_SIZE, generator=generator))
+            images.append(torch.randn(3, vision.image_size, vision.image_size, generator=generator))
             add([config.boi_token_id])
             add([config.image_token_id] * config.mm_tokens_per_image, kind=1)
             add([config.eoi_token_id])
         elif model_type in ("idefics3", "smolvlm"):
-            images.append(torch.randn(3, IDEFICS3_IMAGE_SIZE, IDEFICS3_IMAGE_SIZE, generator=generator))
-            tokens = (IDEFICS3_IMAGE_SIZE // PATCH) ** 2 // config.scale_factor**2
-            add([_ID["<fake_token_around_image>"], _ID["<global-img>"]])
+            images.append(torch.randn(3, vision.image_size, vision.image_size, generator=generator))
+            tokens = (vision.image_size // patch) ** 2 // config.scale_factor**2
+            add(text(2))
             add([config.image_token_id] * tokens, kind=1)
-            add([_ID["<fake_token_around_image>"]])
+            add(text(1))
         elif model_type == "llava":
-            images.append(torch.randn(3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, generator=generator))
+            images.append(torch.randn(3, vision.image_size, vision.image_size, generator=generator))
             add([config.image_token_id] * config.image_seq_length, kind=1)
         elif model_type == "mistral3":
             merge = config.spatial_merge_size
-            rows, columns = height // (PATCH * merge), width // (PATCH * merge)
+            rows, columns = height // (patch * merge), width // (patch * merge)
             images.append(torch.randn(3, height, width, generator=generator))
             sizes.append([height, width])
-            for row in range(rows):
+            for _ in range(rows):
                 add([config.image_token_id] * columns, kind=1)
-                add([_ID["[IMG_END]" if row == rows - 1 else "[IMG_BREAK]"]])
-        else:  # pragma: no cover
+                add(text(1))  # [IMG_BREAK] / [IMG_END] in a processor's output: text tokens to the model
+        else:
             raise ValueError(family_unavailable_reason(model_type) or model_type)
     sample: dict[str, Any] = {"input_ids": torch.tensor([ids], dtype=torch.int64)}
-    type_key = "mm_token_type_ids" if model_type.startswith("qwen") else "token_type_ids"
-    if model_type.startswith("qwen") or model_type == "gemma3":
-        sample[type_key] = torch.tensor([types], dtype=torch.int64)
+    if model_type.startswith("qwen"):
+        sample["mm_token_type_ids"] = torch.tensor([types], dtype=torch.int64)
+    elif model_type == "gemma3":
+        sample["token_type_ids"] = torch.tensor([types], dtype=torch.int64)
     if not images:
         return sample
     if model_type.startswith("qwen"):
