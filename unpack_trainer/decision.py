@@ -13,8 +13,9 @@
 (*) The packer is ``packing_order``'s ([`PACKERS`]): windowed best fit by default, global best fit with
 ``"shuffled"`` or ``"decreasing"``.
 
-Blocked means: a custom ``data_collator``; a ``ProcessorMixin`` processing class; a vision-language model or a vision
-dataset; an encoder-decoder model; a model whose structure cannot be packed exactly
+Blocked means: a custom ``data_collator``; a ``ProcessorMixin`` processing class or a vision dataset with a text-only
+model; a vision-language model whose type is not verified for packed image rows (verified ones pack: their images,
+positions and image blocks per sample, :mod:`unpack_trainer.models.vision`); an encoder-decoder model; a model whose structure cannot be packed exactly
 (:func:`unpack_trainer.models.refusal_reason`: token mixers the per-sample path cannot take, an encoder's
 bidirectional self-attention, row-wide position biases); PEFT prompt learning (prompt tuning, p-tuning, prefix
 tuning: virtual tokens or prefix keys are prepended to every row). A model type that is not verified is not blocked
@@ -120,8 +121,15 @@ def blocked_reason(
     dataset_sample: Mapping[str, Any] | None,
     blocklist: Mapping[str, str],
     peft_config: Any = None,
+    supported_model_types: frozenset[str] | set[str] = frozenset(),
 ) -> str | None:
-    """Why packed rows cannot be used with this set-up, or ``None``."""
+    """Why packed rows cannot be used with this set-up, or ``None``.
+
+    A vision-language model (a ``vision_config``) with its processor and an image dataset packs when its model type
+    is verified (``supported_model_types``: its packed image rows equal each sample alone, see
+    :mod:`unpack_trainer.models.vision`); a processor or images with a text-only model, and an unverified
+    vision-language model, are blocked with the reason.
+    """
     from transformers import ProcessorMixin
 
     prompt_learning = _prompt_learning(peft_config)
@@ -132,18 +140,29 @@ def blocked_reason(
         )
     if data_collator is not None:
         return f"a custom data_collator ({type(data_collator).__name__}) was passed; remove it to pack"
-    if isinstance(processing_class, ProcessorMixin):
+    vision = _is_vision_model(model_config)
+    model_type = getattr(model_config, "model_type", None)
+    if isinstance(processing_class, ProcessorMixin) and not vision:
         return (
-            f"processing_class is a processor ({type(processing_class).__name__}); only text tokenizers are supported"
+            f"processing_class is a processor ({type(processing_class).__name__}) but model type {model_type!r} is "
+            "not a vision-language model; only text tokenizers are supported for it"
         )
     image_columns = [name for name in IMAGE_COLUMNS if dataset_sample is not None and name in dataset_sample]
-    if image_columns:
-        return f"the dataset has images ({', '.join(image_columns)}); vision datasets are not supported"
-    if _is_vision_model(model_config):
-        return f"model type {getattr(model_config, 'model_type', '?')!r} is a vision-language model"
+    if image_columns and not vision:
+        return (
+            f"the dataset has images ({', '.join(image_columns)}) but model type {model_type!r} is not a "
+            "vision-language model"
+        )
+    if vision and model_type not in supported_model_types:
+        from unpack_trainer.models.verified import VERIFIED_VISION_MODEL_TYPES
+
+        verified = sorted(VERIFIED_VISION_MODEL_TYPES)
+        return (
+            f"vision-language model type {model_type!r} is not verified for packed image rows (verified: "
+            f"{', '.join(verified) or 'none'})"
+        )
     if getattr(model_config, "is_encoder_decoder", False):
         return f"model type {getattr(model_config, 'model_type', '?')!r} is an encoder-decoder model"
-    model_type = getattr(model_config, "model_type", None)
     if model_type in blocklist:
         return f"model type {model_type!r} is not supported: {blocklist[model_type]}"
     from unpack_trainer.models import refusal_reason  # found from the model's structure (meta device), no forward
@@ -206,6 +225,7 @@ def decide(
         dataset_sample=dataset_sample,
         blocklist=blocklist,
         peft_config=peft_config,
+        supported_model_types=supported_model_types,
     )
     model_type = getattr(model_config, "model_type", None)
     verified = model_type in supported_model_types

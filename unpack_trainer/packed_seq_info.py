@@ -76,6 +76,7 @@ __all__ = [
     "MAX_LENGTH_K_KEY",
     "MAX_LENGTH_Q_KEY",
     "METADATA_KEYS",
+    "MULTIMODAL_POSITIONS_KEY",
     "OWN_KEYS",
     "PACKED_BATCH_KEYS",
     "PACKED_INPUT_IDS_KEY",
@@ -122,6 +123,10 @@ PACKED_POSITION_IDS_KEY = "packed_position_ids"
 TOKEN_INDEX_KEY = "packed_token_index"
 VIEW_INDEX_KEY = "packed_view_index"
 SCORE_ORDER_KEY = "packed_score_order"
+
+# A vision-language batch's multi-axis positions computed ahead by the collator, each sample's own (Qwen2-VL family:
+# (4, B, T) int64 [text; t; h; w]); ``position_ids`` stays (B, T), restarting per sample, as in every packed batch.
+MULTIMODAL_POSITIONS_KEY = "packed_multimodal_position_ids"
 
 FLASH_ATTENTION_KEYS: tuple[str, ...] = (CU_SEQ_LENS_Q_KEY, CU_SEQ_LENS_K_KEY, MAX_LENGTH_Q_KEY, MAX_LENGTH_K_KEY)
 # The keys a batch's samples are read from, the first one present winning.

@@ -30,7 +30,7 @@ from unpack_trainer.models.tiny_vision import (
     vision_sample,
 )
 from unpack_trainer.models.vision import RopeIndex, find_vision_language, multimodal_positions, rope_index_of
-from unpack_trainer.packed_seq_info import METADATA_KEYS
+from unpack_trainer.packed_seq_info import METADATA_KEYS, MULTIMODAL_POSITIONS_KEY
 from unpack_trainer.patches import attention
 from unpack_trainer.patches.attention import _common as attention_common
 from unpack_trainer.patches.attention import flash as flash_backend
@@ -318,8 +318,9 @@ def test_several_rows_and_trailing_padding(model_type):
 
 @pytest.mark.parametrize("model_type", QWEN)
 def test_positions_computed_ahead_equal_the_hooks(model_type):
-    """The collator's positions (the model's get_rope_index through a picklable RopeIndex, 4 rows) give the same
-    logits as the forward hook's, and as each sample alone."""
+    """The collator's positions (the model's get_rope_index through a picklable RopeIndex, 4 rows, under their own
+    key beside the restarting ``position_ids``) give the same logits as the forward hook's, and as each sample
+    alone."""
     model = patch_model(_model(model_type))
     samples = _samples(model, model_type)
     rope_index = rope_index_of(model)
@@ -330,10 +331,11 @@ def test_positions_computed_ahead_equal_the_hooks(model_type):
         return multimodal_positions(rope_index, ids, info, inputs)
 
     ahead = _packed(samples, positions=positions)
-    assert ahead["position_ids"].shape == (4, 1, ahead["input_ids"].shape[1])
-    text_row = ahead["position_ids"][0, 0].tolist()
+    multimodal = ahead[MULTIMODAL_POSITIONS_KEY]
+    assert multimodal.shape == (4, 1, ahead["input_ids"].shape[1])
     lengths = [s["input_ids"].shape[1] for s in samples]
-    assert text_row == [p for length in lengths for p in range(length)]
+    restarting = [p for length in lengths for p in range(length)]
+    assert multimodal[0, 0].tolist() == ahead["position_ids"][0].tolist() == restarting
     _assert_matches_alone(model, samples, ahead)
     with torch.no_grad():
         assert torch.equal(model(**ahead).logits, model(**_packed(samples)).logits)

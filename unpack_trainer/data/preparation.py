@@ -46,6 +46,7 @@ __all__ = [
     "column_names",
     "pack_dataset",
     "pack_iterable_dataset",
+    "packed_rows",
     "sample_lengths",
     "samples_per_row",
     "split_packed_rows",
@@ -612,6 +613,46 @@ def _pack_table(
     table = table.select(names)
     if strategy is not None:
         table, lengths = _fit_samples(table, lengths, seq_length, split=strategy == "bfd_split")
+    rows = packed_rows(
+        lengths,
+        seq_length,
+        seed=seed,
+        order=order,
+        max_samples_per_row=max_samples_per_row,
+        window=window,
+        rows_multiple_of=rows_multiple_of,
+    )
+    sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
+    row_sizes = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    sample_offsets = np.concatenate(([0], np.cumsum(row_sizes)))
+    token_ends = np.concatenate(([0], np.cumsum(lengths[sample_order])))
+    row_offsets = pa.array(token_ends[sample_offsets], pa.int64())
+
+    def regroup(column: pa.ChunkedArray) -> pa.Array:
+        values = pc.list_flatten(column.take(pa.array(sample_order)))
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        return pa.LargeListArray.from_arrays(row_offsets, values)
+
+    columns = {name: regroup(table[name]) for name in names}
+    columns[SEQ_LENGTHS_COLUMN] = pa.LargeListArray.from_arrays(
+        pa.array(sample_offsets, pa.int64()), pa.array(lengths[sample_order], pa.int64())
+    )
+    return pa.table(columns)
+
+
+def packed_rows(
+    lengths: np.ndarray,
+    seq_length: int,
+    *,
+    seed: int | None,
+    order: str,
+    max_samples_per_row: int | None = None,
+    window: int | None = None,
+    rows_multiple_of: int = 1,
+) -> list[list[int]]:
+    """Which samples share a row, as [`pack_dataset`] decides it (its arguments of the same names): the sample indices
+    of each row. ``lengths``: ``(num_samples,)`` int64, each 1 to ``seq_length``."""
     if order == "windowed" and max_samples_per_row is None:
         packing = windowed_packing(lengths, seq_length, seed=seed, window=window)
         log_once(
@@ -631,23 +672,7 @@ def _pack_table(
                 f"{len(rows)} packed rows cannot be split into a multiple of {rows_multiple_of} rows (too few "
                 "samples): the data loader repeats rows to even out the last batches across processes.",
             )
-    sample_order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=lengths.size)
-    row_sizes = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-    sample_offsets = np.concatenate(([0], np.cumsum(row_sizes)))
-    token_ends = np.concatenate(([0], np.cumsum(lengths[sample_order])))
-    row_offsets = pa.array(token_ends[sample_offsets], pa.int64())
-
-    def regroup(column: pa.ChunkedArray) -> pa.Array:
-        values = pc.list_flatten(column.take(pa.array(sample_order)))
-        if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks()
-        return pa.LargeListArray.from_arrays(row_offsets, values)
-
-    columns = {name: regroup(table[name]) for name in names}
-    columns[SEQ_LENGTHS_COLUMN] = pa.LargeListArray.from_arrays(
-        pa.array(sample_offsets, pa.int64()), pa.array(lengths[sample_order], pa.int64())
-    )
-    return pa.table(columns)
+    return rows
 
 
 def _fit_samples(table: pa.Table, lengths: np.ndarray, seq_length: int, *, split: bool) -> tuple[pa.Table, np.ndarray]:

@@ -17,7 +17,8 @@ Worked example (two samples, Qwen2-VL markup, merge 2: a 56 x 56 image is a 4 x 
     sample 1   [t t t]                     3 tokens
     packed     input_ids (1, 12), mm_token_type_ids (1, 12), packed_seq_lengths [9, 3],
                pixel_values (16, 1176), image_grid_thw [[1, 4, 4]],
-               position_ids (1, 12) [0..8, 0..2], or (4, 1, 12) from the model's get_rope_index per sample
+               position_ids (1, 12) [0..8, 0..2]; with the model's positions, packed_multimodal_position_ids
+               (4, 1, 12) from its get_rope_index per sample
                labels -100 at 0 and 9, and wherever the processor's labels are -100
 """
 
@@ -33,7 +34,12 @@ import torch
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX, packed_metadata
 from unpack_trainer.data.validation import check_positive_int
-from unpack_trainer.packed_seq_info import CU_SEQ_LENS_Q_KEY, PACKED_BATCH_KEYS, PackedSeqInfo
+from unpack_trainer.packed_seq_info import (
+    CU_SEQ_LENS_Q_KEY,
+    MULTIMODAL_POSITIONS_KEY,
+    PACKED_BATCH_KEYS,
+    PackedSeqInfo,
+)
 
 __all__ = [
     "PER_TOKEN_KEYS",
@@ -42,6 +48,7 @@ __all__ = [
     "VisionRows",
     "image_token_ids",
     "pack_processed",
+    "pack_vision_dataset",
     "truncate_processed",
 ]
 
@@ -194,6 +201,8 @@ def pack_processed(
     positions: PositionFunction | None = None,
     processor: Any = None,
     use_cache: bool | None = False,
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
 ) -> dict[str, Any]:
     """A processed, right-padded batch of samples as one packed row.
 
@@ -201,15 +210,19 @@ def pack_processed(
         processed: ``input_ids`` ``(n, L)`` and the other per-token keys of :data:`PER_TOKEN_KEYS` (``labels``
             optional: ``input_ids`` with ``-100`` on padding when absent), and the vision tensors, in sample order.
         lengths: each sample's length (at most its real tokens: a truncated sample is shorter).
-        positions: the model's positions per sample (``models.vision.RopeIndex`` through ``multimodal_positions``:
-            ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``); ``None``: ``position_ids`` ``(1, T)`` restarting at
-            0 per sample.
+        positions: the model's multi-axis positions per sample (``models.vision.SamplePositions``:
+            ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``), put under ``packed_multimodal_position_ids``;
+            ``None``: none (a model with multi-axis RoPE then computes them in its forward hook).
         processor: the processor, for the per-row check of image tokens against its grids; ``None`` skips it.
         use_cache: the ``use_cache`` value of the batch (``None`` leaves it out), as the text collator.
+        pad_to_multiple_of: pad the row to a multiple of this many tokens with one more pseudo-sample
+            (``pad_token_id``, token types 0, labels ``-100``), as the text collator pads.
+        pad_token_id: the padding pseudo-sample's token id.
 
     Returns:
         ``input_ids`` / ``labels`` ``(1, T)`` int64 (labels ``-100`` at every sample's first token), every other
-        per-token key ``(1, T)``, ``position_ids`` ``(1, T)`` or ``(rows, 1, T)`` int64, ``packed_seq_lengths``,
+        per-token key ``(1, T)``, ``position_ids`` ``(1, T)`` int64 restarting per sample (and, with ``positions``,
+        ``packed_multimodal_position_ids`` ``(rows, 1, T)`` int64), ``packed_seq_lengths``,
         ``cu_seq_lens_q/k``, ``max_length_q/k``, the vision tensors as the processor returned them, ``use_cache``. No
         ``attention_mask``.
     """
@@ -222,13 +235,18 @@ def pack_processed(
     shape = processed["input_ids"].shape
     if "labels" not in processed:
         processed = {**processed, "labels": processed["input_ids"].masked_fill(processed["attention_mask"] == 0, -100)}
-    batch = packed_metadata(lengths)
+    padding = 0 if pad_to_multiple_of is None else (-sum(lengths)) % pad_to_multiple_of
+    batch = packed_metadata(lengths + ([padding] if padding else []))
     out: dict[str, Any] = {}
     for key, value in processed.items():
         if key == "attention_mask":
             continue
         if key in PER_TOKEN_KEYS and isinstance(value, torch.Tensor) and value.shape == shape:
-            out[key] = torch.cat([value[row, :length] for row, length in enumerate(lengths)]).unsqueeze(0)
+            parts = [value[row, :length] for row, length in enumerate(lengths)]
+            if padding:
+                fill = pad_token_id if key == "input_ids" else IGNORE_INDEX if key == "labels" else 0
+                parts.append(torch.full((padding,), fill, dtype=value.dtype))
+            out[key] = torch.cat(parts).unsqueeze(0)
         else:
             out[key] = value  # a vision tensor: already in sample order
     labels = out["labels"].to(torch.int64).clone()
@@ -247,10 +265,13 @@ def pack_processed(
         )
     if positions is not None:
         info = PackedSeqInfo.from_seq_lengths(
-            batch["packed_seq_lengths"], batch_size=1, seq_len=sum(lengths), cu_seqlens=batch[CU_SEQ_LENS_Q_KEY]
+            batch["packed_seq_lengths"],
+            batch_size=1,
+            seq_len=sum(lengths) + padding,
+            cu_seqlens=batch[CU_SEQ_LENS_Q_KEY],
         )
         inputs = {key: value for key, value in out.items() if key not in ("input_ids", "labels")}
-        batch["position_ids"] = positions(out["input_ids"], info, inputs)
+        out[MULTIMODAL_POSITIONS_KEY] = positions(out["input_ids"], info, inputs)
     result = {key: (out[key] if key in out else batch[key]) for key in PACKED_BATCH_KEYS}
     result.update({key: value for key, value in out.items() if key not in result})
     if use_cache is not None:
@@ -300,6 +321,8 @@ class DataCollatorForVisionPacking:
         positions: the model's positions per sample (see :func:`pack_processed`); ``None``: restarting 1-D
             positions (a model with multi-axis RoPE then computes them in its forward hook).
         use_cache: the batch's ``use_cache`` value (``None`` leaves it out).
+        pad_to_multiple_of: pad the row to a multiple of this with a padding pseudo-sample (the processor's pad
+            token).
     """
 
     process: Callable[[list[dict[str, Any]]], dict[str, Any]]
@@ -307,6 +330,7 @@ class DataCollatorForVisionPacking:
     max_length: int | None = None
     positions: PositionFunction | None = None
     use_cache: bool | None = False
+    pad_to_multiple_of: int | None = None
     image_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -334,8 +358,15 @@ class DataCollatorForVisionPacking:
                 f"Vision samples longer than max_length={self.max_length} are truncated after their last image token "
                 "(text only; an image is never cut). Raise max_length to keep their whole text.",
             )
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
         return pack_processed(
-            processed, lengths, positions=self.positions, processor=self.processor, use_cache=self.use_cache
+            processed,
+            lengths,
+            positions=self.positions,
+            processor=self.processor,
+            use_cache=self.use_cache,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
         )
 
     def sample_lengths(self, dataset: Any, *, name: str = "train") -> list[int]:
@@ -350,3 +381,42 @@ class DataCollatorForVisionPacking:
             )
             lengths.append(length)
         return lengths
+
+
+def pack_vision_dataset(
+    dataset: Any,
+    collator: DataCollatorForVisionPacking,
+    max_length: int,
+    *,
+    seed: int | None,
+    order: str = "windowed",
+    max_samples_per_row: int | None = None,
+    window: int | None = None,
+    rows_multiple_of: int = 1,
+    name: str = "train",
+) -> VisionRows:
+    """Vision-language examples packed ahead into rows of at most ``max_length`` tokens (:class:`VisionRows`).
+
+    Every example is processed once to know its length (:meth:`DataCollatorForVisionPacking.sample_lengths`: an
+    example whose images do not fit is an error naming it); the rows are chosen as the text path chooses them
+    ([`unpack_trainer.data.preparation.packed_rows`]: ``order``, ``seed``, ``max_samples_per_row``, ``window``,
+    ``rows_multiple_of``); the images stay in the dataset until the collator reads a row.
+    """
+    import numpy as np
+
+    from unpack_trainer.data.preparation import packed_rows
+
+    max_length = check_positive_int(max_length, "max_length")
+    if len(dataset) == 0:
+        raise ValueError(f"The {name} dataset is empty; there is nothing to pack.")
+    lengths = collator.sample_lengths(dataset, name=name)
+    rows = packed_rows(
+        np.asarray(lengths, dtype=np.int64),
+        max_length,
+        seed=seed,
+        order=order,
+        max_samples_per_row=max_samples_per_row,
+        window=window,
+        rows_multiple_of=rows_multiple_of,
+    )
+    return VisionRows(dataset, rows, lengths)

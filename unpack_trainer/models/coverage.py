@@ -42,7 +42,15 @@ from unpack_trainer.models.tiny import (
 )
 from unpack_trainer.models.verified import NOT_VERIFIED_ON, VERIFIED_MODEL_TYPES, VERIFIED_WITH
 
-__all__ = ["Outcome", "check_model_type", "coverage_table", "not_fast_here", "run_coverage"]
+__all__ = [
+    "Outcome",
+    "check_model_type",
+    "check_vision_type",
+    "coverage_table",
+    "not_fast_here",
+    "run_coverage",
+    "vision_coverage_table",
+]
 
 REL = 1e-5
 VOCAB = TINY_SIZES["vocab_size"]
@@ -128,11 +136,13 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> str | Non
 
 
 class _Spies:
-    """Counts packed-helper backend calls and calls of transformers' own mask functions while active."""
+    """Counts packed-helper backend calls and calls of transformers' own mask functions while active (with
+    ``config``: only the mask calls for that config, a vision-language model's text model)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: Any = None) -> None:
         self.backend_calls = 0
         self.mask_calls: list[str] = []
+        self.config = config
 
     @contextlib.contextmanager
     def active(self):
@@ -154,7 +164,8 @@ class _Spies:
 
         def mask_spy(name, function):
             def spy(*args, **kwargs):
-                self.mask_calls.append(name)
+                if self.config is None or kwargs.get("config") is self.config:
+                    self.mask_calls.append(name)
                 return function(*args, **kwargs)
 
             return spy
@@ -376,4 +387,115 @@ def coverage_table(outcomes: list[Outcome]) -> str:
         lines.append(
             f"| `{o.model_type}` | {o.status} | {', '.join(o.implementations)} | {_trainer_action(o)} | {reason} |"
         )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Vision-language models
+# --------------------------------------------------------------------------------------------------------------------
+
+VISION_SEGMENTS = ([3, "image", 4], [5], [2, "image", 6, "image", 2])  # text around images, text only, two images
+
+
+def _verify_vision(model_type: str, implementation: str) -> str | None:
+    """The fast-path checks of a tiny vision-language model on one implementation (image+text samples, see
+    :func:`check_vision_type`); the first failure, or ``None``."""
+    from unpack_trainer.data.vision import pack_processed
+    from unpack_trainer.models import patch_model, unpatch_model
+    from unpack_trainer.models.tiny_vision import image_size, processed_batch, tiny_vision_model, vision_sample
+    from unpack_trainer.models.vision import find_vision_language
+
+    model = tiny_vision_model(model_type, attn_implementation=implementation).eval()
+    height, width = image_size(model_type, model.config)
+    sizes = iter([(height, width), (height, 2 * width), (2 * height, width)])  # sizes a family with fixed ones ignores
+    samples = [
+        vision_sample(model_type, model.config, [next(sizes) if s == "image" else s for s in segments], seed=index)
+        for index, segments in enumerate(VISION_SEGMENTS)
+    ]
+    with torch.no_grad():
+        alone = [model(**sample).logits[0] for sample in samples]
+    padded = processed_batch(samples)
+    padded_loss, padded_grads = loss_and_grads(model, padded, skip_unused=True)
+    patch_model(model)
+    text_config = find_vision_language(model).decoder.config
+    try:
+        packed = pack_processed(padded, [s["input_ids"].shape[1] for s in samples])
+        spies = _Spies(config=text_config)
+        with spies.active(), torch.no_grad():
+            logits = model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
+        if spies.mask_calls:
+            return f"{implementation}: transformers' mask function {spies.mask_calls[0]!r} ran for a packed batch"
+        start = 0
+        for index, expected in enumerate(alone):
+            problem = _close(logits[start : start + len(expected)], expected, f"{implementation}: sample {index} logits")
+            if problem:
+                return problem
+            start += len(expected)
+        packed_loss, packed_grads = loss_and_grads(model, packed, skip_unused=True)
+        problem = _close(packed_loss, padded_loss, f"{implementation}: loss")
+        if problem:
+            return problem
+        if packed_grads.keys() != padded_grads.keys():
+            return f"{implementation}: packed and padded batches give gradients to different parameters"
+        for name, grad in padded_grads.items():
+            problem = _close(packed_grads[name], grad, f"{implementation}: gradient of {name}")
+            if problem:
+                return problem
+    finally:
+        unpatch_model(model)
+    return None
+
+
+def check_vision_type(model_type: str) -> Outcome:
+    """The :class:`Outcome` of the vision-language family ``model_type`` (a key of
+    :data:`unpack_trainer.models.tiny_vision.VISION_FAMILIES`): its tiny model (:func:`tiny_vision_model`) patched,
+    on SDPA and eager, three samples (text around an image, text only, two images of different sizes where the
+    family takes them) packed in one row: logits == each sample alone, loss and every gradient (the vision tower's
+    included) == the padded batch of the same samples, and no mask function of the text model called for the packed
+    batch. ``"skipped"`` where this transformers lacks the family."""
+    from unpack_trainer.models.tiny_vision import family_unavailable_reason
+
+    started = time.perf_counter()
+    reason = family_unavailable_reason(model_type)
+    if reason is not None:
+        return Outcome(model_type, "skipped", reason, seconds=time.perf_counter() - started)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _quiet():
+            for implementation in IMPLEMENTATIONS:
+                problem = _verify_vision(model_type, implementation)
+                if problem is not None:
+                    return Outcome(model_type, "failed", problem, seconds=time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return Outcome(
+        model_type,
+        "fast",
+        "packed image rows == each sample alone; loss and gradients == padded",
+        implementations=IMPLEMENTATIONS,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def vision_coverage_table(outcomes: list[Outcome]) -> str:
+    """A markdown table of the vision-language families' ``outcomes`` (:func:`check_vision_type`)."""
+    import transformers
+
+    from unpack_trainer.models.tiny_vision import VISION_FAMILIES
+
+    fast = sum(o.status == "fast" for o in outcomes)
+    lines = [
+        f"transformers {transformers.__version__}: {fast} of {len(outcomes)} vision-language families verified on "
+        "packed image rows (tiny models, fp32, SDPA and eager).",
+        "",
+        "| `model_type` | text model | outcome | implementations | positions | image tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        positions = "multimodal RoPE per sample (get_rope_index)" if o.model_type.startswith("qwen") else "1-D"
+        blocks = "bidirectional per image" if o.model_type == "gemma3" else "causal"
+        text = VISION_FAMILIES.get(o.model_type, "")
+        detail = o.reason if o.status != "fast" else ", ".join(o.implementations)
+        lines.append(f"| `{o.model_type}` | `{text}` | {o.status} | {detail} | {positions} | {blocks} |")
     return "\n".join(lines)

@@ -127,12 +127,13 @@ def supported_model_types() -> list[str]:
 
     Each one passed the generated coverage check (``tests/models/test_coverage.py``): a tiny model of that type is
     patched, its packed logits equal each sample run alone and its loss and every gradient equal a padded batch, on
-    SDPA and eager, with no ``(T, T)`` mask built. Other types may still patch (the patch is generic); the trainer's
-    self-check guards them.
+    SDPA and eager, with no ``(T, T)`` mask built; for a vision-language family, with images in its samples
+    (:func:`unpack_trainer.models.coverage.check_vision_type`). Other types may still patch (the patch is generic);
+    the trainer's self-check guards them.
     """
-    from unpack_trainer.models.verified import verified_model_types
+    from unpack_trainer.models.verified import verified_model_types, verified_vision_model_types
 
-    return sorted(verified_model_types())
+    return sorted(verified_model_types() | verified_vision_model_types())
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -398,11 +398,11 @@ _refusals: dict[tuple[type, str], PatchRefused | None] = {}
 
 
 def _structural_refusal(model_config: Any) -> PatchRefused | None:
-    from transformers import AutoModelForCausalLM
+    from unpack_trainer.models.vision import auto_model_class
 
     try:
         with torch.device("meta"), quiet_transformers():
-            model = AutoModelForCausalLM.from_config(model_config)
+            model = auto_model_class(model_config).from_config(model_config)
         check_model(model)
     except PatchRefused as refused:
         return refused

@@ -33,6 +33,7 @@ __all__ = [
     "family_unavailable_reason",
     "image_size",
     "processed_batch",
+    "tiny_processor",
     "tiny_vision_config",
     "tiny_vision_model",
     "vision_sample",
@@ -90,7 +91,9 @@ _TEXT = dict(
     eos_token_id=2,
 )
 _VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, patch_size=PATCH)
-_QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH, temporal_patch_size=2)
+_QWEN_VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH, temporal_patch_size=2
+)
 _QWEN_IDS = dict(
     image_token_id=_ID["<|image_pad|>"],
     video_token_id=_ID["<|video_pad|>"],
@@ -426,3 +429,97 @@ def vision_tokenizer() -> Any:
             additional_special_tokens=list(IMAGE_TOKENS),
         )
     return tokenizer
+
+
+def tiny_processor(model_type: str) -> Any:
+    """The processor of the family ``model_type`` for its tiny model (:func:`tiny_vision_model`), built locally.
+
+    A character tokenizer with the image tokens (:func:`vision_tokenizer`), a chat template that marks each image
+    with the family's markup, and the family's PIL image processor sized for the tiny vision tower: Qwen2-VL family
+    images resized to 56-112 pixels a side (4 to 16 tokens, merge 2); Gemma 3, Idefics3 / SmolVLM and LLaVA images
+    resized to their tower's fixed size (4 tokens each). The Qwen2-VL-family processors are subclasses without a
+    video processor (it needs torchvision); SmolVLM uses the Idefics3 processor (its own needs torchvision too).
+
+    Raises:
+        ValueError: a family without a processor here (mistral3: Pixtral's processor needs a Mistral tokenizer).
+    """
+    reason = family_unavailable_reason(model_type)
+    if reason is not None:
+        raise ValueError(reason)
+    tokenizer = vision_tokenizer()
+    template = _CHAT_TEMPLATE.replace("IMAGE_MARKUP", _IMAGE_MARKUP[model_type])
+    tokenizer.chat_template = template
+    with _quiet():
+        if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+            return _qwen_processor(model_type, tokenizer, template)
+        if model_type == "gemma3":
+            from transformers import Gemma3Processor
+            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+            for name, token in (("boi_token", "<start_of_image>"), ("eoi_token", "<end_of_image>"),
+                                ("image_token", "<image_soft_token>")):  # fmt: skip
+                setattr(tokenizer, name, token)
+                setattr(tokenizer, name + "_id", _ID[token])
+            size = {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE}
+            return Gemma3Processor(
+                Gemma3ImageProcessorPil(size=size), tokenizer, chat_template=template, image_seq_length=4
+            )
+        if model_type in ("idefics3", "smolvlm"):
+            from transformers import Idefics3Processor
+            from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+            edge = {"longest_edge": IDEFICS3_IMAGE_SIZE}
+            images = Idefics3ImageProcessorPil(size=edge, max_image_size=edge, do_image_splitting=False)
+            return Idefics3Processor(images, tokenizer, image_seq_len=4, chat_template=template)
+        if model_type == "llava":
+            from transformers import LlavaProcessor
+            from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+            side = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+            images = LlavaImageProcessorPil(size=side, crop_size=side)
+            return LlavaProcessor(
+                images, tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+                num_additional_image_tokens=1, chat_template=template,
+            )  # fmt: skip
+    raise ValueError(f"no tiny processor for {model_type!r} here (Pixtral's processor needs a Mistral tokenizer)")
+
+
+def _qwen_processor(model_type: str, tokenizer: Any, template: str) -> Any:
+    """A Qwen2-VL-family processor without the video processor (which needs torchvision)."""
+    import importlib
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    names = {
+        "qwen2_vl": ("qwen2_vl", "Qwen2VLProcessor"),
+        "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLProcessor"),
+        "qwen3_vl": ("qwen3_vl", "Qwen3VLProcessor"),
+        "qwen3_vl_moe": ("qwen3_vl", "Qwen3VLProcessor"),
+    }
+    package, name = names[model_type]
+    base = getattr(importlib.import_module(f"transformers.models.{package}.processing_{package}"), name)
+    processor_class = _image_only_processor_class(base)
+    images = Qwen2VLImageProcessorPil(
+        patch_size=PATCH, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56, max_pixels=112 * 112
+    )
+    return processor_class(images, tokenizer, chat_template=template)
+
+
+def _image_only_processor_class(base: type) -> type:
+    """``base`` (a Qwen2-VL-family processor class) without its video processor: it tokenizes images and text."""
+    from transformers import ProcessorMixin
+
+    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **_: Any):
+        self.image_token = "<|image_pad|>"
+        self.video_token = "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        for name in ("vision_start_token", "vision_end_token"):
+            setattr(self, name, f"<|{name.removesuffix('_token')}|>")
+            setattr(self, name + "_id", tokenizer.convert_tokens_to_ids(f"<|{name.removesuffix('_token')}|>"))
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return _PROCESSOR_CLASSES.setdefault(base, type(base.__name__, (base,), {"__init__": __init__}))
+
+
+_PROCESSOR_CLASSES: dict[type, type] = {}
