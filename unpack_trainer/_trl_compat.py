@@ -33,9 +33,14 @@ TRAINER_METHODS: tuple[str, ...] = (
 TRAINER_ATTRIBUTES: tuple[str, ...] = ("loss_is_scaled_for_ga", "label_smoother", "compute_loss_func", "accelerator")
 
 # ``trl.SFTTrainer``: methods overridden or called with their TRL 1.16 signature, attributes read after ``__init__``.
-SFT_TRAINER_METHODS: tuple[str, ...] = ("_prepare_dataset", "compute_loss")
+SFT_TRAINER_METHODS: tuple[str, ...] = (
+    "_prepare_dataset",
+    "compute_loss",
+    "_set_signature_columns_if_needed",  # rows of image examples packed ahead keep their keys
+)
 SFT_TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "_tokenizer",  # the tokenizer inside the processing class: pad_token_id of the collators
+    "_is_vision_dataset",  # an image dataset: TRL's vision collator processes its batches
     "completion_only_loss",  # the packed collator masks prompts as TRL's does
     "_skip_prepare_dataset",  # the padded fallback prepares the raw datasets again unless TRL skipped preparation
     "_formatting_func",
@@ -131,6 +136,22 @@ def sft_padded_collator_class() -> type:
     if collator is None:
         raise _missing("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling", "class")
     return collator
+
+
+def vision_collator_without_truncation(collator: Any) -> Any:
+    """A copy of TRL's ``DataCollatorForVisionLanguageModeling`` ``collator`` that neither truncates nor pads to a
+    multiple (``max_length=None``, ``pad_to_multiple_of=None``): the vision packing collator truncates each sample
+    itself, text only, and pads the packed row."""
+    import dataclasses
+
+    from trl.trainer import sft_trainer
+
+    vision = getattr(sft_trainer, "DataCollatorForVisionLanguageModeling", None)
+    if vision is None:
+        raise _missing("trl.trainer.sft_trainer", "DataCollatorForVisionLanguageModeling", "class")
+    if not isinstance(collator, vision) or not dataclasses.is_dataclass(collator):
+        raise TypeError(f"expected TRL's DataCollatorForVisionLanguageModeling, got {type(collator).__name__}")
+    return dataclasses.replace(collator, max_length=None, pad_to_multiple_of=None)
 
 
 def dpo_padded_collator_class() -> type:

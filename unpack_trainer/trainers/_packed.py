@@ -219,6 +219,11 @@ class PackedTrainerMixin:
         (``unpack-trainer <command>`` checks a data file's rows against them before training); empty: not checked."""
         return ()
 
+    def _unpack_trl_packs(self, args: Any, decision: PackingDecision, first_example: dict[str, Any] | None) -> bool:
+        """The ``packing`` TRL's ``__init__`` sees (its data path packs when it is ``True``): the user's, where TRL's
+        own path runs (``"stock"``) or the trainer packs through it (``"pack"``); ``False`` otherwise."""
+        return bool(args.packing) and decision.mode in ("pack", "stock")
+
     def _unpack_models(self) -> list[Any]:
         """The models the packed path patches (the policy; trainers with a reference model add it), unwrapped."""
         return [self.accelerator.unwrap_model(self.model)]
@@ -296,12 +301,13 @@ class PackedTrainerMixin:
         if peft_config is None and not isinstance(model, str):
             peft_config = getattr(model, "peft_config", None)
         supported, blocklist = _registry()
+        first_example = _first_example(train_dataset)
         decision = decide(
             args,
             model_config=_model_config(model, args),
             data_collator=data_collator,
             processing_class=processing_class,
-            dataset_sample=_first_example(train_dataset),
+            dataset_sample=first_example,
             supported_model_types=supported,
             blocklist=blocklist,
             env=env,
@@ -314,7 +320,7 @@ class PackedTrainerMixin:
         if hasattr(trl_args, "padding_free"):
             trl_args.padding_free = False
         if hasattr(trl_args, "packing"):
-            trl_args.packing = bool(args.packing) and decision.mode in ("pack", "stock")
+            trl_args.packing = self._unpack_trl_packs(args, decision, first_example)
         if decision.packed and self.unpack_packs_in == "collator":
             _keep_batches_whole(trl_args, args)
             self._unpack_batches_whole = True

@@ -7,13 +7,16 @@ class truncates it with counts and packs it with the global packer, and its coll
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import numpy as np
 import torch
 import trl
 from datasets import Dataset, IterableDataset
 
 from unpack_trainer import _trl_compat
+from unpack_trainer._logging import log_once
 from unpack_trainer.configs import SFTConfig
 from unpack_trainer.data.collator import DataCollatorForPacking
 from unpack_trainer.data.estimate import estimated_speedup
@@ -27,9 +30,12 @@ from unpack_trainer.data.preparation import (
     truncate_dataset,
 )
 from unpack_trainer.data.validation import check_dataset_token_ids
+from unpack_trainer.data.vision import VISION_ROWS_KEY, DataCollatorForVisionPacking, pack_vision_dataset
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
 from unpack_trainer.trainers.loss import sample_weights
+
+logger = logging.getLogger("unpack_trainer")
 
 
 class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
@@ -66,7 +72,14 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         text_field = getattr(args, "dataset_text_field", None) or "text"
         return (("input_ids",), ("prompt", "completion"), ("messages",), ("conversations",), (text_field,))
 
-    def _packed_collator(self) -> DataCollatorForPacking:
+    def _unpack_trl_packs(self, args: Any, decision: Any, first_example: dict[str, Any] | None) -> bool:
+        # TRL refuses packing for image data; the vision collator packs it here
+        vision = first_example is not None and any(key in first_example for key in ("image", "images"))
+        return super()._unpack_trl_packs(args, decision, first_example) and not (vision and decision.mode == "pack")
+
+    def _packed_collator(self) -> Any:
+        if self._unpack_vision_collator is not None:
+            return self._vision_packing_collator()
         return DataCollatorForPacking(
             pad_token_id=self._tokenizer.pad_token_id,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
@@ -74,11 +87,16 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         )
 
     def _padded_collator(self) -> Any:
+        if self._unpack_vision_collator is not None:
+            return self._unpack_vision_collator
         return _trl_compat.sft_padded_collator_class()(
             pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.args.pad_to_multiple_of
         )
 
     def _prepare_padded_datasets(self, raw_train: Any, raw_eval: Any) -> None:
+        if self._unpack_vision_train is not None:  # rows packed ahead: the examples again, one per row
+            self.train_dataset = self._unpack_vision_train
+            self._unpack_vision_train = None
         if self._skip_prepare_dataset:
             return
         args = self.args
@@ -99,6 +117,87 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
 
     def _count_samples(self, batch: dict[str, Any]) -> int:
         return sample_weights(batch)[1]
+
+    # ------------------------------------------------------------------------------------------------ vision
+
+    # TRL's vision collator, when TRL prepared an image dataset (it processes images per batch); the raw training
+    # examples, while the training set is rows of them packed ahead.
+    _unpack_vision_collator: Any = None
+    _unpack_vision_train: Any = None
+
+    def _enable_packed_path(self) -> None:
+        """The core's, and for an image dataset (TRL's vision collator): the vision packing collator, and with
+        ``packing=True`` the training examples packed ahead into rows ([`unpack_trainer.data.vision`])."""
+        if self._is_vision_dataset and not self._unpack_user_collator:
+            self._unpack_vision_collator = self.data_collator
+        super()._enable_packed_path()
+        if self._unpack_vision_collator is not None and self._unpack_mode == "pack":
+            self._pack_vision_training_set()
+
+    def _vision_packing_collator(self) -> DataCollatorForVisionPacking:
+        """TRL's vision collator, run without truncation (the packing collator truncates text only, never an
+        image), each batch one packed row; the model's multi-axis positions computed with it where its text model
+        takes them."""
+        from unpack_trainer.models.vision import sample_positions_of
+
+        process = _trl_compat.vision_collator_without_truncation(self._unpack_vision_collator)
+        positions = sample_positions_of(self.model) if self.unpack_decision.patch else None
+        return DataCollatorForVisionPacking(
+            process=process,
+            processor=self.processing_class,
+            max_length=self.args.max_length,
+            positions=positions,
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
+        )
+
+    def _pack_vision_training_set(self) -> None:
+        """``packing=True`` on an image dataset: every example processed once for its length, then rows chosen as
+        for text (``packing_order``, ``max_samples_per_row``, ``packing_window``) and read by the collator row by
+        row. A stream has no lengths ahead: each batch is flattened into one row instead (logged once)."""
+        args = self.args
+        dataset = self.train_dataset
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            log_once(
+                logger,
+                logging.WARNING,
+                "packing=True with a streamed image dataset: rows cannot be packed ahead (every example's length is "
+                "needed first), so each batch is flattened into one packed row instead (padding-free).",
+            )
+            return
+        if args.max_length is None:
+            raise ValueError("When packing is enabled, `max_length` can't be `None`.")
+        rows = pack_vision_dataset(
+            dataset,
+            self.data_collator,
+            args.max_length,
+            seed=args.seed,
+            order=args.packing_order,
+            max_samples_per_row=args.max_samples_per_row,
+            window=args.packing_window if args.packing_order == "windowed" else None,
+            rows_multiple_of=args.per_device_train_batch_size * args.world_size if args.world_size > 1 else 1,
+        )
+        self._unpack_vision_train = dataset
+        self.train_dataset = rows
+        lengths = np.asarray(rows.lengths, dtype=np.int64)
+        batch = args.per_device_train_batch_size * lengths.size / max(len(rows), 1)
+        self.unpack_stats.update(
+            samples=int(lengths.size),
+            tokens=int(lengths.sum()),
+            rows=len(rows),
+            efficiency=int(lengths.sum()) / max(len(rows) * args.max_length, 1),
+            padded_batch_size=batch,
+            estimated_speedup=estimated_speedup(lengths, batch, seed=args.seed),
+        )
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """TRL's, and the keys of a row packed ahead from an image dataset (its examples and their lengths), which
+        the Trainer would otherwise take off each item before the collator sees it."""
+        super()._set_signature_columns_if_needed()
+        if self._unpack_vision_train is not None:
+            self._signature_columns = [
+                *self._signature_columns,
+                *(key for key in (VISION_ROWS_KEY, SEQ_LENGTHS_COLUMN) if key not in self._signature_columns),
+            ]
 
     def _check_sample_loss(self) -> None:
         if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
