@@ -1,0 +1,184 @@
+"""The vision stage of the data path: processed image+text samples -> one packed row, every vision tensor in pack order,
+labels -100 at each sample start, images never cut (text after the last image truncated and counted, anything else an
+error naming the sample and the limit), image tokens == image features per row, rows of examples packed ahead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+
+from unpack_trainer.data.vision import (
+    VISION_ROWS_KEY,
+    DataCollatorForVisionPacking,
+    VisionRows,
+    image_token_ids,
+    pack_processed,
+    pack_vision_dataset,
+    truncate_processed,
+)
+from unpack_trainer.models.tiny_vision import tiny_processor
+from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY
+
+trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
+
+
+def _image(height: int, width: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _examples(n: int = 4, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for index in range(n):
+        size = (int(rng.integers(56, 112)), int(rng.integers(56, 112)))
+        out.append(
+            {
+                "images": [_image(*size, seed + index)],
+                "messages": [
+                    {"role": "user", "content": "what is this" + "?" * int(rng.integers(0, 6))},
+                    {"role": "assistant", "content": "a shape " * int(rng.integers(1, 4))},
+                ],
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    processor = tiny_processor("qwen2_5_vl")
+    process = trl_sft.DataCollatorForVisionLanguageModeling(processor, max_length=None)
+    return processor, process
+
+
+def test_packed_row_keeps_every_tensor_in_pack_order(qwen):
+    """One row: the tokens of each sample in turn (padding dropped), per-token keys the same way, the processor's
+    vision tensors unchanged (already in sample order), labels -100 at each sample's start and where TRL's are."""
+    processor, process = qwen
+    examples = _examples()
+    padded = process([dict(e) for e in examples])
+    lengths = padded["attention_mask"].sum(1).tolist()
+    batch = pack_processed(padded, lengths, processor=processor)
+    assert "attention_mask" not in batch and batch["use_cache"] is False
+    assert batch["packed_seq_lengths"].tolist() == lengths
+    row = batch["input_ids"][0].tolist()
+    expected = [token for r, n in enumerate(lengths) for token in padded["input_ids"][r, :n].tolist()]
+    assert row == expected
+    types = [t for r, n in enumerate(lengths) for t in padded["mm_token_type_ids"][r, :n].tolist()]
+    assert batch["mm_token_type_ids"][0].tolist() == types
+    assert torch.equal(batch["pixel_values"], padded["pixel_values"])
+    assert torch.equal(batch["image_grid_thw"], padded["image_grid_thw"])
+    starts = np.cumsum([0, *lengths[:-1]])
+    labels = batch["labels"][0]
+    assert all(labels[s] == -100 for s in starts)
+    expected_labels = torch.cat([padded["labels"][r, :n] for r, n in enumerate(lengths)])
+    keep = torch.ones_like(labels, dtype=torch.bool)
+    keep[torch.as_tensor(starts)] = False
+    assert torch.equal(labels[keep], expected_labels[keep])
+    assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
+
+
+def test_padding_and_positions_ahead(qwen):
+    """``pad_to_multiple_of``: one more pseudo-sample of pad tokens, type 0, labels -100; the model's positions
+    function gets the packed row and its samples, and its result travels under its own key."""
+    processor, process = qwen
+    padded = process([dict(e) for e in _examples(2)])
+    lengths = padded["attention_mask"].sum(1).tolist()
+    seen = {}
+
+    def positions(ids, info, inputs):
+        seen.update(info=info, inputs=inputs)
+        return torch.zeros(4, *ids.shape, dtype=torch.int64)
+
+    batch = pack_processed(padded, lengths, positions=positions, pad_to_multiple_of=64, pad_token_id=0)
+    total = batch["input_ids"].shape[1]
+    assert total % 64 == 0 and batch["packed_seq_lengths"].tolist() == [*lengths, total - sum(lengths)]
+    assert (
+        batch["labels"][0, sum(lengths) :].eq(-100).all() and batch["mm_token_type_ids"][0, sum(lengths) :].eq(0).all()
+    )
+    assert seen["info"].seq_lengths.tolist() == batch["packed_seq_lengths"].tolist()
+    assert "image_grid_thw" in seen["inputs"] and batch[MULTIMODAL_POSITIONS_KEY].shape == (4, 1, total)
+
+
+def test_truncation_cuts_text_only(qwen):
+    """A sample longer than max_length loses text after its last image token (counted); one whose cut would remove
+    an image token is an error naming the sample, its length, the limit and its last image token."""
+    processor, process = qwen
+    padded = process([dict(e) for e in _examples(3)])
+    ids = image_token_ids(processor)
+    lengths = padded["attention_mask"].sum(1).tolist()
+    marked = torch.isin(padded["input_ids"], torch.tensor(sorted(ids))) | (padded["mm_token_type_ids"] != 0)
+    last_image = [int(torch.nonzero(marked[r, :n])[-1, 0]) for r, n in enumerate(lengths)]
+    limit = max(last_image) + 1
+    cut, counts = truncate_processed(padded, limit, ids)
+    assert cut == [min(n, limit) for n in lengths]
+    assert counts.samples == sum(n > limit for n in lengths) and counts.tokens == sum(
+        max(n - limit, 0) for n in lengths
+    )
+    worst = int(np.argmax(last_image))
+    with pytest.raises(
+        ValueError, match=rf"Sample {worst} of the batch has {lengths[worst]} tokens, more than max_length={limit - 1}"
+    ):
+        truncate_processed(padded, limit - 1, ids)
+    with pytest.raises(ValueError, match="Example 7 of the train dataset has"):
+        truncate_processed(padded, limit - 1, ids, names=[f"example {7 + r} of the train dataset" for r in range(3)])
+
+
+def test_image_tokens_must_match_the_grids(qwen):
+    processor, process = qwen
+    padded = process([dict(e) for e in _examples(2)])
+    lengths = padded["attention_mask"].sum(1).tolist()
+    broken = dict(padded)
+    broken["image_grid_thw"] = padded["image_grid_thw"].clone()
+    broken["image_grid_thw"][0, 1] += 2
+    with pytest.raises(ValueError, match="image tokens but its images give"):
+        pack_processed(broken, lengths, processor=processor)
+
+
+def test_a_sample_that_is_not_right_padded_is_refused(qwen):
+    processor, process = qwen
+    padded = dict(process([dict(e) for e in _examples(2)]))
+    padded["attention_mask"] = padded["attention_mask"].flip(1)
+    with pytest.raises(ValueError, match="not right-padded"):
+        truncate_processed(padded, None, image_token_ids(processor))
+
+
+def test_collator_packs_rows_ahead_and_flat_batches_alike(qwen):
+    """Rows packed ahead (VisionRows) and the same examples as a plain batch give the same packed row; every
+    example's length is what the collator makes of it alone; a too long example is named by its index."""
+    processor, process = qwen
+    examples = _examples(5)
+    dataset = Dataset.from_list(examples)
+    collator = DataCollatorForVisionPacking(process=process, processor=processor, max_length=200)
+    rows = pack_vision_dataset(dataset, collator, 200, seed=0, order="shuffled")
+    assert isinstance(rows, VisionRows) and sum(len(r) for r in rows.rows) == 5
+    assert sorted(i for r in rows.rows for i in r) == list(range(5))
+    item = rows[0]
+    assert set(item) == {VISION_ROWS_KEY, "seq_lengths"}
+    batch = collator([item])
+    flat = collator([dataset[i] for i in rows.rows[0]])
+    for key in ("input_ids", "labels", "mm_token_type_ids", "pixel_values", "image_grid_thw", "packed_seq_lengths"):
+        assert torch.equal(batch[key], flat[key]), key
+    assert batch["packed_seq_lengths"].tolist() == item["seq_lengths"]
+    with pytest.raises(ValueError, match=r"Example \d of the train dataset has \d+ tokens, more than max_length=10"):
+        pack_vision_dataset(dataset, DataCollatorForVisionPacking(process, processor, max_length=10), 10, seed=0)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "idefics3", "llava"])
+def test_other_families_pack_their_processor_outputs(model_type):
+    """The processor's own batch of the family, packed: per-token keys flattened, vision tensors as the processor
+    batched them (Idefics3's (samples, images, ...) included)."""
+    processor = tiny_processor(model_type)
+    process = trl_sft.DataCollatorForVisionLanguageModeling(processor, max_length=None)
+    collator = DataCollatorForVisionPacking(process=process, processor=processor)
+    examples = _examples(3)
+    padded = process([dict(e) for e in examples])
+    batch = collator([dict(e) for e in examples])
+    lengths = padded["attention_mask"].sum(1).tolist()
+    assert batch["input_ids"].shape == (1, sum(lengths)) and batch["packed_seq_lengths"].tolist() == lengths
+    assert torch.equal(batch["pixel_values"], padded["pixel_values"])
+    if "token_type_ids" in padded:
+        assert batch["token_type_ids"].shape == batch["input_ids"].shape
