@@ -17,10 +17,18 @@ TRL's ``tests/test_dpo_trainer.py`` and ``tests/test_sft_trainer.py`` load tiny 
   preference set (:func:`unpack_trainer.data.default_preference_data.load_default_preference_dataset`); ``streaming=True``
   gives the iterable version.
 
+- **vision-language models** (:data:`VISION_STANDINS`: Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Idefics3,
+  SmolVLM): the family's tiny model of :mod:`unpack_trainer.models.tiny_vision` (its own character tokenizer with the
+  family's image tokens), and for the processor or tokenizer of that id (or of its folder) the family's tiny
+  processor, built locally (the Qwen ones without the video processor, which needs torchvision);
+- **image data**: the ``zen-image`` language-modeling and prompt-completion configs and ``zen-multi-image``'s
+  prompt-completion config, drawn shapes with captions (:mod:`unpack_trainer.data.default_vision_data`; one image
+  per example, or none to two), 17 / 3 rows.
+
 The redirection patches ``from_pretrained`` of transformers' model, config, tokenizer and processor classes (and
 ``datasets.load_dataset``) for those ids only; every other id goes to the original function, with
-``HF_HUB_OFFLINE=1`` so it fails at once instead of waiting on the network. Ids with no stand-in (vision-language
-models and their image data sets, ``tiny-RemoteForCausalLM`` (remote code), the ``harmony`` and ``toolcall`` data
+``HF_HUB_OFFLINE=1`` so it fails at once instead of waiting on the network. Ids with no stand-in (Gemma 4, LLaVA-NeXT
+and Qwen3.5 vision-language models, ``tiny-RemoteForCausalLM`` (remote code), the ``harmony`` and ``toolcall`` data
 sets, whose chat templates SmolLM2's cannot render) therefore fail the same way for stock TRL and for ours.
 
 ``--unpack-swap`` replaces TRL's trainer and config of every trainer we have (``trl.DPOTrainer`` / ``trl.DPOConfig``,
@@ -87,16 +95,43 @@ MODEL_STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
     "trl-internal-testing/tiny-Qwen3ForSequenceClassification": ("qwen3", {}),
     "trl-internal-testing/tiny-LlamaForSequenceClassification-3.2": ("llama", {}),
 }
+# Hub vision-language model id -> the family of its stand-in (unpack_trainer.models.tiny_vision: the tiny model and
+# its processor, a character tokenizer with the family's image tokens).
+VISION_STANDINS: dict[str, str] = {
+    "trl-internal-testing/tiny-Gemma3ForConditionalGeneration": "gemma3",
+    "trl-internal-testing/tiny-LlavaForConditionalGeneration": "llava",
+    "trl-internal-testing/tiny-Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "trl-internal-testing/tiny-Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "trl-internal-testing/tiny-Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "trl-internal-testing/tiny-Idefics3ForConditionalGeneration": "idefics3",
+    "trl-internal-testing/tiny-SmolVLMForConditionalGeneration": "smolvlm",
+}
 ZEN = "trl-internal-testing/zen"
+# The image data sets of TRL's vision tests: drawn shapes with captions (unpack_trainer.data.default_vision_data).
+ZEN_IMAGE = "trl-internal-testing/zen-image"
+ZEN_MULTI_IMAGE = "trl-internal-testing/zen-multi-image"
 ZEN_SPLITS = {"train": ("train", 17), "test": ("eval", 3)}  # hub split -> (embedded split, rows)
 
 _folder: Path | None = None
 
 
+_vision_folders: dict[str, str] = {}  # stand-in folder -> its vision family
+
+
 def _standin_path(model_id: str) -> str:
-    """The local folder of ``model_id``'s stand-in (model + SmolLM2's tokenizer), built on first use."""
+    """The local folder of ``model_id``'s stand-in (model + SmolLM2's tokenizer; a vision-language model without its
+    processor, which :func:`_redirect` builds), built on first use."""
     target = _folder / model_id.replace("/", "--")
+    if model_id in VISION_STANDINS:
+        _vision_folders[str(target)] = VISION_STANDINS[model_id]
     if target.exists():
+        return str(target)
+    if model_id in VISION_STANDINS:
+        from unpack_trainer.models.tiny_vision import tiny_vision_model
+
+        staging = Path(tempfile.mkdtemp(dir=_folder))
+        tiny_vision_model(VISION_STANDINS[model_id]).save_pretrained(staging)
+        staging.rename(target)
         return str(target)
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -136,12 +171,59 @@ def _redirect(original):
     def from_pretrained(cls, pretrained_model_name_or_path=None, *args, **kwargs):
         if pretrained_model_name_or_path is None:
             pretrained_model_name_or_path = kwargs.pop("pretrained_model_name_or_path")
+        name = pretrained_model_name_or_path
+        family = VISION_STANDINS.get(name) or _vision_folders.get(str(name))
+        if family is not None and _is_processing(cls):
+            from unpack_trainer.models.tiny_vision import tiny_processor
+
+            processor = tiny_processor(family)
+            return processor.tokenizer if _is_tokenizer(cls) else processor
+        if isinstance(name, str) and name in VISION_STANDINS:
+            pretrained_model_name_or_path = _standin_path(name)
+            kwargs.pop("revision", None)
         if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path in MODEL_STANDINS:
             pretrained_model_name_or_path = _standin_path(pretrained_model_name_or_path)
             kwargs.pop("revision", None)
         return func(cls, pretrained_model_name_or_path, *args, **kwargs)
 
     return classmethod(from_pretrained)
+
+
+def _is_processing(cls: type) -> bool:
+    """Whether ``cls`` loads a processor or a tokenizer (what a vision stand-in builds instead of loading)."""
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    return cls is transformers.AutoProcessor or issubclass(cls, ProcessorMixin) or _is_tokenizer(cls)
+
+
+def _is_tokenizer(cls: type) -> bool:
+    import transformers
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    return cls is transformers.AutoTokenizer or issubclass(cls, PreTrainedTokenizerBase)
+
+
+def _image_split(path: str, config_name: str, split: str):
+    """One split of the ``zen-image`` / ``zen-multi-image`` configs: drawn shapes with captions, one image per example
+    (``zen-multi-image``: none to two), as conversational language modeling or prompt-completion."""
+    from unpack_trainer.data.default_vision_data import load_shapes_dataset
+
+    split, _, part = split.partition("[")
+    if config_name not in ("conversational_language_modeling", "conversational_prompt_completion"):
+        raise ValueError(f"no stand-in for the {path} config {config_name!r}")
+    _, rows = ZEN_SPLITS[split]
+    dataset = load_shapes_dataset(
+        rows,
+        seed=0 if split == "train" else 1,
+        sizes=(56, 112),
+        images_per_example=(0, 2) if path == ZEN_MULTI_IMAGE else (1, 1),
+        prompt_completion=config_name.endswith("prompt_completion"),
+    )
+    if part:
+        start, _, stop = part.rstrip("]").partition(":")
+        dataset = dataset.select(range(len(dataset))[slice(int(start or 0), int(stop) if stop else None)])
+    return dataset
 
 
 def _zen_split(config_name: str, split: str):
@@ -198,14 +280,17 @@ def _zen_rows(config_name: str, split: str):
 def _load_dataset(original):
     @functools.wraps(original)
     def load_dataset(path, name=None, *args, split=None, streaming=False, **kwargs):
-        if path != ZEN:
+        if path not in (ZEN, ZEN_IMAGE, ZEN_MULTI_IMAGE):
             return original(path, name, *args, split=split, streaming=streaming, **kwargs)
         from datasets import DatasetDict, IterableDatasetDict
 
+        def load_split(hub_split: str):
+            return _zen_split(name, hub_split) if path == ZEN else _image_split(path, name, hub_split)
+
         if split is not None:
-            dataset = _zen_split(name, split)
+            dataset = load_split(split)
             return dataset.to_iterable_dataset() if streaming else dataset
-        splits = {hub: _zen_split(name, hub) for hub in ZEN_SPLITS}
+        splits = {hub: load_split(hub) for hub in ZEN_SPLITS}
         if streaming:
             return IterableDatasetDict({key: value.to_iterable_dataset() for key, value in splits.items()})
         return DatasetDict(splits)

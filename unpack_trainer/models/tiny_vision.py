@@ -167,8 +167,7 @@ def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
             vision_config=vision,
             image_token_index=_ID["<image>"],
             image_seq_length=(LLAVA_IMAGE_SIZE // PATCH) ** 2,
-            vision_feature_layer=-1,
-        )
+        )  # vision_feature_layer -2 (the default, as the hub's tiny LLaVA): the tower's last layer gets no gradient
     if model_type == "mistral3":
         text.update(sliding_window=None)
         vision = dict(_VISION, model_type="pixtral", image_size=112, head_dim=8)
