@@ -205,3 +205,22 @@ def test_evaluation_on_images_matches_stock(tmp_path):
     )  # fmt: skip
     assert ours.unpack_decision.mode == "padding_free"
     assert ours.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_trainers_that_do_not_pack_images_keep_them_padded(tmp_path):
+    """DPO (and GRPO, RLOO, reward) do not pack vision-language data: the decision keeps it padded, naming the
+    trainer; the same set-up packs under SFT."""
+    from unpack_trainer import DPOConfig, DPOTrainer
+
+    dataset = Dataset.from_list(
+        [{"images": [_image(56, 56, i)], "prompt": "what?", "chosen": "a box", "rejected": "a ball"} for i in range(4)]
+    )
+    trainer = DPOTrainer(
+        model=tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa"),
+        ref_model=tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa"),
+        args=_args(tmp_path, DPOConfig, max_length=None),
+        train_dataset=dataset,
+        processing_class=tiny_processor("qwen2_5_vl"),
+    )
+    assert trainer.unpack_decision.mode == "padded"
+    assert "DPOTrainer does not pack vision-language data" in trainer.unpack_decision.reason

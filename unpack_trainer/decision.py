@@ -122,11 +122,13 @@ def blocked_reason(
     blocklist: Mapping[str, str],
     peft_config: Any = None,
     supported_model_types: frozenset[str] | set[str] = frozenset(),
+    vision: str | None = None,
 ) -> str | None:
     """Why packed rows cannot be used with this set-up, or ``None``.
 
-    A vision-language model (a ``vision_config``) with its processor and an image dataset packs when its model type
-    is verified (``supported_model_types``: its packed image rows equal each sample alone, see
+    A vision-language model (a ``vision_config``) with its processor and an image dataset packs when the trainer packs
+    vision-language data (``vision``: ``None``, or why it does not) and its model type is verified
+    (``supported_model_types``: its packed image rows equal each sample alone, see
     :mod:`unpack_trainer.models.vision`); a processor or images with a text-only model, and an unverified
     vision-language model, are blocked with the reason.
     """
@@ -140,20 +142,22 @@ def blocked_reason(
         )
     if data_collator is not None:
         return f"a custom data_collator ({type(data_collator).__name__}) was passed; remove it to pack"
-    vision = _is_vision_model(model_config)
+    vision_model = _is_vision_model(model_config)
     model_type = getattr(model_config, "model_type", None)
-    if isinstance(processing_class, ProcessorMixin) and not vision:
+    if isinstance(processing_class, ProcessorMixin) and not vision_model:
         return (
             f"processing_class is a processor ({type(processing_class).__name__}) but model type {model_type!r} is "
             "not a vision-language model; only text tokenizers are supported for it"
         )
     image_columns = [name for name in IMAGE_COLUMNS if dataset_sample is not None and name in dataset_sample]
-    if image_columns and not vision:
+    if image_columns and not vision_model:
         return (
             f"the dataset has images ({', '.join(image_columns)}) but model type {model_type!r} is not a "
             "vision-language model"
         )
-    if vision and model_type not in supported_model_types:
+    if (vision_model or image_columns or isinstance(processing_class, ProcessorMixin)) and vision is not None:
+        return vision
+    if vision_model and model_type not in supported_model_types:
         from unpack_trainer.models.verified import VERIFIED_VISION_MODEL_TYPES
 
         verified = sorted(VERIFIED_VISION_MODEL_TYPES)
@@ -184,6 +188,7 @@ def decide(
     blocklist: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
     peft_config: Any = None,
+    vision: str | None = None,
 ) -> PackingDecision:
     """Decide how to batch, from the config, the model's config, the collator, the tokenizer, one dataset example and
     the environment. Pure: no logging, no model calls.
@@ -201,6 +206,8 @@ def decide(
         env: environment variables (defaults to ``os.environ``).
         peft_config: the ``peft_config`` passed to the trainer, or the model's (``PeftModel.peft_config``), or
             ``None``; prompt learning blocks packing.
+        vision: ``None`` when the trainer packs vision-language data (SFT), else why it does not: a vision-language
+            model, a processor or image data then block packing with it.
     """
     env = os.environ if env is None else env
     blocklist = {} if blocklist is None else blocklist
@@ -226,6 +233,7 @@ def decide(
         blocklist=blocklist,
         peft_config=peft_config,
         supported_model_types=supported_model_types,
+        vision=vision,
     )
     model_type = getattr(model_config, "model_type", None)
     verified = model_type in supported_model_types

@@ -100,8 +100,19 @@ _QWEN_IDS = dict(
     vision_start_token_id=_ID["<|vision_start|>"],
     vision_end_token_id=_ID["<|vision_end|>"],
 )
-# The rope sections of the tiny head dim (8: 4 frequencies) over t, h, w.
-_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+
+
+def _mrope(head_dim: int) -> dict[str, Any]:
+    """Multimodal RoPE parameters for ``head_dim``: its ``head_dim / 2`` frequencies over t, h, w as 1/2, 1/4, 1/4
+    (the tiny head dim of 8: ``[2, 1, 1]``)."""
+    half = head_dim // 2
+    return {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [half // 2, half // 4, half - half // 2 - half // 4],
+    }
+
+
 GEMMA3_IMAGE_SIZE = 56  # 4 x 4 patches, pooled to 4 tokens per image
 IDEFICS3_IMAGE_SIZE = 56  # 4 x 4 patches, pixel shuffle by 2: 4 tokens per image
 LLAVA_IMAGE_SIZE = 28  # 2 x 2 patches + CLS: 4 tokens per image
@@ -133,15 +144,16 @@ def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
     text = {**_TEXT, **text_overrides}
     cls = CONFIG_MAPPING[model_type]
     if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
-        text["rope_parameters"] = dict(_MROPE)
+        text["rope_parameters"] = _mrope(text["head_dim"])
         vision = dict(_QWEN_VISION, spatial_merge_size=2)
+        width = text["hidden_size"]  # the merger's output: the text model's hidden size
         if model_type == "qwen2_vl":
-            vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH,
+            vision = dict(depth=2, embed_dim=32, hidden_size=width, num_heads=4, mlp_ratio=2, patch_size=PATCH,
                           temporal_patch_size=2, spatial_merge_size=2)  # fmt: skip
         elif model_type == "qwen2_5_vl":
-            vision.update(out_hidden_size=32, window_size=56, fullatt_block_indexes=[1])
+            vision.update(out_hidden_size=width, window_size=56, fullatt_block_indexes=[1])
         else:
-            vision.update(out_hidden_size=32, num_position_embeddings=64, deepstack_visual_indexes=[1])
+            vision.update(out_hidden_size=width, num_position_embeddings=64, deepstack_visual_indexes=[1])
         if model_type == "qwen3_vl_moe":
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
         return cls(text_config=text, vision_config=vision, **_QWEN_IDS)

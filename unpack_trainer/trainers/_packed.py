@@ -189,6 +189,9 @@ class PackedTrainerMixin:
     # "collator": the collator packs each batch (the core swaps collators, keeps batches whole); "step": the trainer
     # packs inside its training step from TRL's own batches (GRPO's generated groups), its collator untouched.
     unpack_packs_in: str = "collator"
+    # Whether the trainer packs vision-language data (a vision-language model, a processor, images); the decision
+    # keeps such a set-up padded, with that reason, where it does not.
+    unpack_packs_vision: bool = False
     _unpack_trl_methods: tuple[str, ...] = ()  # private methods of the TRL class the subclass relies on
     _unpack_trl_attributes: tuple[str, ...] = ()  # attributes TRL's __init__ sets that the subclass reads
 
@@ -312,6 +315,10 @@ class PackedTrainerMixin:
             blocklist=blocklist,
             env=env,
             peft_config=peft_config,
+            vision=None
+            if self.unpack_packs_vision
+            else f"{self.unpack_name} does not pack vision-language data (a vision-language model, a processor or "
+            "images) yet",
         )
         self.unpack_decision = decision
         self._unpack_args = args

@@ -53,6 +53,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     unpack_config_class = SFTConfig
     unpack_trl_class = trl.SFTTrainer
     unpack_name = "SFTTrainer"
+    unpack_packs_vision = True  # image data and vision-language models pack (unpack_trainer.data.vision)
     _unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
 

@@ -189,6 +189,12 @@ def _config(model: str) -> tuple[Any, str]:
         raise CLIError(
             f"--model {model}: neither a folder nor a transformers model_type (e.g. llama, qwen3, gemma2)"
         ) from None
+    from unpack_trainer.models.tiny_vision import VISION_FAMILIES, tiny_vision_config
+
+    if model in VISION_FAMILIES:
+        return tiny_vision_config(model), (
+            f"model_type {model!r}, built tiny from its config (unpack_trainer.models.tiny_vision)"
+        )
     return tiny_config(model), f"model_type {model!r}, built tiny from its config (unpack_trainer.models.tiny)"
 
 
@@ -255,19 +261,19 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         CLIError: ``model`` is neither a folder with a ``config.json`` nor a model type, or cannot be built.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from unpack_trainer._compat import attention_implementation
     from unpack_trainer.models import PatchRefused, supported_model_types
     from unpack_trainer.models.patch import attention_features
     from unpack_trainer.models.refusals import check_model, quiet_transformers
     from unpack_trainer.models.verified import VERIFIED_WITH
+    from unpack_trainer.models.vision import auto_model_class
 
     config, source = _config(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         with torch.device("meta"), quiet_transformers():
-            built = AutoModelForCausalLM.from_config(config)
+            built = auto_model_class(config).from_config(config)
     except Exception as error:  # noqa: BLE001 - one line for the user
         raise CLIError(f"--model {model}: no causal LM can be built from its config: {one_line(error)}") from None
     report: dict[str, Any] = {
@@ -295,7 +301,37 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     report.update(patched=True, trainer="packs through the patch (after its self-check on the first batch)")
     report["attention"] = _precisions(device, attention_implementation(built.config), attention_features(built))
     report["mixers"] = _mixer_paths(structure, device)
+    report["vision"] = _vision_path(built, structure)
     return report
+
+
+def _vision_path(built: Any, structure: Any) -> dict[str, str] | None:
+    """How the packed rows of a vision-language model are made exact (``None`` for a text model): which module runs
+    the vision tower apart from the packing, its positions per sample and its image tokens' attention."""
+    from unpack_trainer.models.verified import verified_vision_model_types
+    from unpack_trainer.models.vision import find_vision_language
+
+    vision = find_vision_language(built, structure)
+    if vision is None:
+        return None
+    positions = {
+        1: "restarting 1-D positions per sample",
+        3: "multimodal RoPE [t; h; w] per sample, from the model's own get_rope_index",
+        4: "multimodal RoPE [text; t; h; w] per sample, from the model's own get_rope_index (computed in the "
+        "collator)",
+    }[vision.position_rows]
+    model_type = built.config.model_type
+    return {
+        "module": type(vision.module).__name__,
+        "text model": type(vision.decoder).__name__,
+        "positions": positions,
+        "image tokens": "bidirectional within each image (flex, SDPA and eager; the varlen kernels hand over)"
+        if vision.image_blocks is not None
+        else "causal",
+        "data": "images processed per batch by the processor (TRL's vision collator), every image whole in its row "
+        "(packing=True: examples packed ahead into rows; otherwise each batch flattened into one row)",
+        "verified": "yes" if model_type in verified_vision_model_types() else "no: the trainer trains it padded",
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -341,4 +377,7 @@ def format_environment(report: dict[str, Any]) -> str:
         if model.get("mixers") is not None:
             lines += ["", "Token mixers:", ""]
             lines += [f"- {m['mixer']}: {m['path']} ({m['why']})" for m in model["mixers"]] or ["- none"]
+        if model.get("vision"):
+            lines += ["", "Vision-language path:", ""]
+            lines += [f"- {key}: {value}" for key, value in model["vision"].items()]
     return "\n".join(lines)
