@@ -5,7 +5,7 @@
 With no arguments it builds a small Qwen2.5-VL from its config (no download: text model hidden 256, 4 layers; a
 2-layer vision tower; a character tokenizer with Qwen's image tokens, unpack_trainer.models.tiny_vision) and fine-tunes
 it on images drawn locally: shapes of colours with captions (unpack_trainer.data.default_vision_data: 512 examples,
-images 56 to 224 pixels a side, 30% long answers). It trains twice, from the same initial weights, for the same
+images 56 to 224 pixels a side, answers of a caption plus a lognormal number of sentences). It trains twice, from the same initial weights, for the same
 number of epochs, on the CPU, in a few minutes:
 
 1. **packed**: ``unpack_trainer.SFTTrainer`` with ``packing=True``: examples share rows of ``--max-length`` tokens,
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     count = 32 if options.quick else options.train
-    train_set = load_shapes_dataset(count, seed=options.seed, sizes=(56, 224), long_text_share=0.3)
+    train_set = load_shapes_dataset(count, seed=options.seed, sizes=(56, 224))
     held_out = load_shapes_dataset(16 if options.quick else options.held_out, seed=10_000 + options.seed)
     packed = train("packed", options, train_set, held_out, options.rows_per_step)
     results = [packed]

@@ -75,3 +75,14 @@ def test_a_forced_backend_that_cannot_run_is_reported(capsys, monkeypatch):
 def test_bad_models_are_one_line_errors(capsys, model, message):
     code, out, err = run(capsys, "--model", model)
     assert code == 2 and out == "" and err.startswith("unpack-trainer env: error: --model") and message in err
+
+
+def test_a_vision_language_model_shows_its_path(capsys):
+    """A vision-language model type is built tiny (unpack_trainer.models.tiny_vision) and its packed path shown:
+    which module keeps the packing from the vision tower, its positions per sample, its image tokens' attention."""
+    assert main(["env", "--model", "qwen2_5_vl"]) == 0
+    out = capsys.readouterr().out
+    assert "Vision-language path:" in out and "- module: Qwen2_5_VLModel" in out
+    assert "get_rope_index" in out and "- image tokens: causal" in out
+    assert main(["env", "--model", "gemma3"]) == 0
+    assert "- image tokens: bidirectional within each image" in capsys.readouterr().out

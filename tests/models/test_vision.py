@@ -424,3 +424,32 @@ def test_selfcheck_probes_image_rows(model_type, monkeypatch):
         assert not check_uncontaminated(model).ok
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert getattr(model.model, "rope_deltas", None) is deltas
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The coverage table of the families
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_vision_coverage_is_verified_and_documented():
+    """Every family is fast on the installed transformers (and verified where measured); docs/vlm.md's table is the
+    generated one on the release it was generated with."""
+    from pathlib import Path
+
+    import transformers
+
+    from unpack_trainer.models.__main__ import VISION_END, VISION_START
+    from unpack_trainer.models.coverage import check_vision_type, vision_coverage_table
+    from unpack_trainer.models.verified import VERIFIED_VISION_MODEL_TYPES, VERIFIED_VISION_WITH
+
+    outcomes = [check_vision_type(model_type) for model_type in VISION_FAMILIES]
+    for outcome in outcomes:
+        assert outcome.status in ("fast", "skipped"), f"{outcome.model_type}: {outcome.reason}"
+    if transformers.__version__ in VERIFIED_VISION_WITH:
+        assert {o.model_type for o in outcomes if o.status == "fast"} == set(VERIFIED_VISION_MODEL_TYPES)
+    if transformers.__version__ == VERIFIED_VISION_WITH[-1]:
+        docs = (Path(__file__).parents[2] / "docs" / "vlm.md").read_text()
+        table = docs.split(VISION_START, 1)[1].split(VISION_END, 1)[0].strip()
+        assert table == vision_coverage_table(outcomes), (
+            "docs/vlm.md's table is stale: run python -m unpack_trainer.models --coverage --vision --write-docs"
+        )

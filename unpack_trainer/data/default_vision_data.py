@@ -16,6 +16,7 @@ user turn asking, an assistant turn answering), or ``prompt`` / ``completion`` w
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -69,8 +70,15 @@ def draw_shape(shape: str, colour: str, *, height: int, width: int, seed: int, b
     return image
 
 
-def _where(seed: int) -> str:
-    return random.Random(seed).choice(["near the top", "near the bottom", "on the left", "on the right", "in the middle"])
+_PLACES = ("near the top", "near the bottom", "on the left", "on the right", "in the middle")
+_SENTENCES = (
+    "The {shape} sits {place} of a picture {width} pixels wide and {height} pixels high.",
+    "Its colour is {colour}, a plain fill with no outline.",
+    "Nothing else is drawn: the rest of the picture is {background}.",
+    "A {shape} like this one is a simple figure, easy to tell from the other shapes of the set.",
+    "Seen from afar, the {colour} of the {shape} stands out against the {background} around it.",
+    "There is no text, no shadow and no texture in the picture, only the {shape} and its background.",
+)
 
 
 def load_shapes_dataset(
@@ -78,7 +86,7 @@ def load_shapes_dataset(
     *,
     seed: int = 0,
     sizes: tuple[int, int] = (56, 224),
-    long_text_share: float = 0.25,
+    sentences: tuple[float, float] = (1.0, 1.0),
     images_per_example: tuple[int, int] = (1, 1),
     prompt_completion: bool = False,
 ) -> Any:
@@ -88,8 +96,9 @@ def load_shapes_dataset(
         n: examples.
         seed: everything (shapes, colours, sizes, texts) is drawn from it.
         sizes: each image's height and width are drawn from ``[sizes[0], sizes[1]]`` pixels (varied image sizes).
-        long_text_share: the share of examples whose answer is long (a caption and a few sentences on the shape);
-            the others answer in one short sentence.
+        sentences: ``(median, sigma)`` of the lognormal number of sentences each answer adds to its one-line caption
+            (rounded down, at most 24): a chat mix of mostly short answers and a long tail (``(1.0, 1.0)``: half the
+            answers are the caption alone, one in ten adds three sentences or more); ``(0, 0)``: the caption alone.
         images_per_example: the least and most images an example has (``(0, 2)``: some examples are text only,
             some have two images, each answered in turn).
         prompt_completion: ``prompt`` / ``completion`` columns (a user turn, an assistant turn) instead of
@@ -115,12 +124,11 @@ def load_shapes_dataset(
                 draw_shape(shape, colour, height=height, width=width, seed=image_seed, background=background)
             )
             answer = f"A {colour} {shape} on a {background} background."
-            if rng.random() < long_text_share:
-                answer += (
-                    f" The {shape} sits {_where(image_seed)} of a picture {width} pixels wide and "
-                    f"{height} pixels high. Its colour is {colour}, a plain fill with no outline, and nothing else is "
-                    f"drawn: the rest of the picture is {background}."
-                )
+            median, sigma = sentences
+            extra = min(int(rng.lognormvariate(math.log(median), sigma)), 24) if median > 0 else 0
+            fields = dict(shape=shape, colour=colour, background=background, width=width, height=height,
+                          place=rng.choice(_PLACES))  # fmt: skip
+            answer += "".join(" " + _SENTENCES[k % len(_SENTENCES)].format(**fields) for k in range(extra))
             answers.append(answer)
         question = QUESTIONS[index % len(QUESTIONS)] if count else "Say something about shapes."
         answer = " ".join(answers) if answers else "Circles, squares, triangles and crosses are shapes."

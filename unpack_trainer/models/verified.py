@@ -13,6 +13,7 @@ __all__ = [
     "NOT_VERIFIED_ON",
     "VERIFIED_MODEL_TYPES",
     "VERIFIED_VISION_MODEL_TYPES",
+    "VERIFIED_VISION_WITH",
     "VERIFIED_WITH",
     "verified_model_types",
     "verified_vision_model_types",
@@ -194,6 +195,8 @@ def verified_model_types(version: str | None = None) -> frozenset[str]:
 # Vision-language families whose packed image rows are exact: the VLM section of the coverage check
 # (`python -m unpack_trainer.models --coverage --vision`, unpack_trainer.models.coverage.check_vision_type) with the
 # releases of VERIFIED_WITH; tests/models/test_coverage.py keeps it exact on the release installed.
+# The transformers releases the vision section was generated with (oldest first).
+VERIFIED_VISION_WITH: tuple[str, ...] = ("5.22.0", "5.24.0")
 VERIFIED_VISION_MODEL_TYPES: frozenset[str] = frozenset(
     {"gemma3", "idefics3", "llava", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm"}
 )

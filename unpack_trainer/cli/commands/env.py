@@ -266,7 +266,7 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     from unpack_trainer.models import PatchRefused, supported_model_types
     from unpack_trainer.models.patch import attention_features
     from unpack_trainer.models.refusals import check_model, quiet_transformers
-    from unpack_trainer.models.verified import VERIFIED_WITH
+    from unpack_trainer.models.verified import VERIFIED_VISION_WITH, VERIFIED_WITH
     from unpack_trainer.models.vision import auto_model_class
 
     config, source = _config(model)
@@ -282,7 +282,8 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         "model_type": getattr(config, "model_type", None),
         "class": type(built).__name__,
         "verified": getattr(config, "model_type", None) in supported_model_types(),
-        "verified_with": "transformers " + " and ".join(VERIFIED_WITH),
+        "verified_with": "transformers "
+        + " and ".join(VERIFIED_VISION_WITH if getattr(config, "vision_config", None) is not None else VERIFIED_WITH),
         "attn_implementation": attention_implementation(built.config),
         "device": str(device),
     }
