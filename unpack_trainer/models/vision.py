@@ -172,15 +172,6 @@ def _bidirectional_rule(module: torch.nn.Module) -> str | None:
     return ", ".join(names) or None
 
 
-def _text_decoder(model: torch.nn.Module, structure: ModelStructure | None) -> tuple[Any, str | None]:
-    from unpack_trainer.models.discovery import discover
-
-    structure = structure if structure is not None else discover(model)
-    if len(structure.decoders) != 1:
-        return None, f"it has {len(structure.decoders)} text decoders where one is expected"
-    return structure.decoders[0].module, None
-
-
 def _multimodal_module(structure: ModelStructure) -> torch.nn.Module | None:
     """The multimodal model of a vision-language model with one text decoder (the decoder's parent), else ``None``."""
     if getattr(structure.config, "vision_config", None) is None or len(structure.decoders) != 1:
@@ -241,13 +232,12 @@ def vision_problem(model: torch.nn.Module, structure: ModelStructure | None = No
 def has_image_blocks(model: torch.nn.Module) -> bool:
     """Whether some tokens of ``model`` (a vision-language model's image tokens, Gemma 3) attend to each other both
     ways on packed rows (an attention feature the varlen kernels cannot apply). Works on the ``meta`` device."""
+    from unpack_trainer.models.discovery import discover
+
     if not is_vision_language(model):
         return False
-    pretrained = pretrained_model(model)
-    decoder, problem = _text_decoder(model, None)
-    if problem is not None:
-        return False
-    return _image_block_function(_parent(pretrained, decoder) or pretrained) is not None
+    module = _multimodal_module(discover(model))
+    return module is not None and _image_block_function(module) is not None
 
 
 def find_vision_language(model: torch.nn.Module, structure: ModelStructure | None = None) -> VisionLanguage | None:
@@ -257,16 +247,18 @@ def find_vision_language(model: torch.nn.Module, structure: ModelStructure | Non
     Raises:
         ValueError: :func:`vision_problem` found a reason it cannot be packed exactly.
     """
+    from unpack_trainer.models.discovery import discover
+
     if not is_vision_language(model):
         return None
+    structure = structure if structure is not None else discover(model)
     problem = vision_problem(model, structure)
     if problem is not None:
-        raise ValueError(f"{type(pretrained_model(model)).__name__} cannot be packed exactly: {problem}.")
-    pretrained = pretrained_model(model)
-    decoder, _ = _text_decoder(model, structure)
-    module = _parent(pretrained, decoder) or pretrained
+        raise ValueError(f"{type(structure.pretrained).__name__} cannot be packed exactly: {problem}.")
+    module = _multimodal_module(structure)
+    decoder = structure.decoders[0].module
     rows = 1
-    if _multi_axis(pretrained.config):
+    if _multi_axis(structure.config):
         rows = 4 if _reads_text_row(decoder) else 3
     return VisionLanguage(module, decoder, rows, _image_block_function(module))
 
