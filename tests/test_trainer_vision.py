@@ -66,14 +66,16 @@ def _args(tmp_path, cls=SFTConfig, **overrides):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _decide(model_config, processor, sample, **config):
+def _decide(model_config, processor, sample, env=None, blocklist=None, **config):
     return decide(
         SFTConfig(output_dir="unused", use_cpu=True, bf16=False, **config),
         model_config=model_config,
         processing_class=processor,
         dataset_sample=sample,
         supported_model_types=frozenset(supported_model_types()),
-        env={},
+        blocklist=blocklist,
+        env=env or {},
+        vision=None,
     )
 
 
@@ -85,6 +87,10 @@ def test_verified_families_pack_with_their_processor_and_images():
     automatic = _decide(tiny_vision_config("gemma3"), tiny_processor("gemma3"), sample)
     assert (automatic.mode, automatic.patch, automatic.automatic) == ("padding_free", True, True)
     assert _decide(tiny_vision_config("qwen2_5_vl"), processor, sample, padding_free=False).mode == "padded"
+    disabled = _decide(tiny_vision_config("qwen2_5_vl"), processor, sample, env={"UNPACK_DISABLE": "1"}, packing=True)
+    assert disabled.mode == "stock"
+    blocked = _decide(tiny_vision_config("llava"), tiny_processor("llava"), sample, blocklist={"llava": "a reason"})
+    assert blocked.mode == "padded" and "'llava' is not supported: a reason" in blocked.reason
 
 
 def test_the_reason_where_images_cannot_pack():
