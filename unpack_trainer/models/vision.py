@@ -272,7 +272,7 @@ class RopeIndex:
     """The model's own ``get_rope_index``, callable without the model: the method of the multimodal model's class,
     bound to an object that holds only its config (so a data loader worker can take it; the method reads nothing
     but the config and the class's other methods). Falls back to the live model's bound method where the class's
-    method needs more.
+    method needs more (``_live``; then only the forward hook uses it, never a collator).
 
     Args:
         module: the multimodal model (``Qwen2_5_VLModel``, ...), whose class has ``get_rope_index``.
@@ -297,8 +297,6 @@ class RopeIndex:
         value = getattr(object.__getattribute__(self, "_owner"), name)
         return types.MethodType(value, self) if isinstance(value, types.FunctionType) else value
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_live": None}
 
     def _call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         kwargs = {name: value for name, value in inputs.items() if name in self._accepts and value is not None}
@@ -588,4 +586,7 @@ def sample_positions_of(model: torch.nn.Module) -> SamplePositions | None:
     vision = find_vision_language(model)
     if vision is None or vision.position_rows == 1:
         return None
-    return SamplePositions(RopeIndex(vision.module), vision.position_rows)
+    rope_index = RopeIndex(vision.module)
+    if rope_index._live is not None:  # it needs the model itself: the forward hook computes the positions
+        return None
+    return SamplePositions(rope_index, vision.position_rows)
