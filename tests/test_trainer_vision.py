@@ -230,3 +230,20 @@ def test_trainers_that_do_not_pack_images_keep_them_padded(tmp_path):
     )
     assert trainer.unpack_decision.mode == "padded"
     assert "DPOTrainer does not pack vision-language data" in trainer.unpack_decision.reason
+
+
+def test_a_streamed_image_dataset_is_flattened_per_batch(tmp_path, caplog):
+    """``packing=True`` on an ``IterableDataset`` of images: no lengths ahead, so each batch becomes one packed row
+    (logged once with the reason); training runs."""
+    stream = _dataset(8).to_iterable_dataset()
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_vision_model("llava", attn_implementation="sdpa"),
+            args=_args(tmp_path, packing=True, max_steps=2),
+            train_dataset=stream,
+            processing_class=tiny_processor("llava"),
+        )
+    assert trainer.unpack_decision.mode == "pack" and "streamed image dataset" in caplog.text
+    assert isinstance(trainer.data_collator, DataCollatorForVisionPacking)
+    trainer.train()
+    assert trainer.unpack_selfcheck.ok
