@@ -178,7 +178,7 @@ def test_flex_forward_equals_eager_on_cpu(layout, feature):
     reference backend, itself checked against per-sample float64 attention in test_attention.py)."""
     lengths, parents = LAYOUTS[layout]
     info = make_info(lengths, parents)
-    q, k, v = random_qkv(info.total_tokens, v_dim=8 if feature == "causal" else None)
+    q, k, v = random_qkv(info.total_tokens, v_dim=32 if feature == "causal" else None)
     options = dict(scaling=0.3, packed_seq_info=info, **FEATURES[feature])
     with torch.no_grad():
         out, _ = packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **options)

@@ -101,6 +101,7 @@ class AttentionBackend(NamedTuple):
         branched_forward: its own path for branched batches (:class:`BranchedFunction`), or ``None``: always the
             ``[prefix; branch]`` units.
         max_head_dim: the largest query / value head dim its kernel takes; ``None``: any.
+        min_head_dim: the smallest query / value head dim its kernel takes; ``None``: any.
         automatic: whether the automatic choice considers it (in the registry's order).
     """
 
@@ -111,6 +112,7 @@ class AttentionBackend(NamedTuple):
     branched_forward: BranchedFunction | None = None
     max_head_dim: int | None = None
     automatic: bool = True
+    min_head_dim: int | None = None
 
 
 def tokens_major(x: Tensor) -> Tensor:
