@@ -391,11 +391,12 @@ def train_case(
     return result
 
 
-# Kernel names by class, matched in this order (a cuBLAS / CUTLASS / inductor GEMM, attention kernels of every
-# backend, the loss, the optimizer); the rest is elementwise work, copies and reductions.
+# Kernel names by class, matched in this order (attention kernels of every backend first: flash-attention's and
+# SDPA's memory-efficient kernels carry CUTLASS in their names; then a cuBLAS / CUTLASS / inductor GEMM, the loss, the
+# optimizer); the rest is elementwise work, copies and reductions.
 KERNEL_CLASSES = (
+    ("attention", re.compile(r"flash|fmha|attn|attention|flex|varlen|triton_tem_fused_(?!(addmm|mm|bmm)_)", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|cublas|xmma|nvjet|wgmma|splitk|triton_tem_fused_(addmm|mm|bmm)", re.I)),
-    ("attention", re.compile(r"flash|fmha|attn|attention|flex|varlen|triton_tem_fused", re.I)),
     ("loss", re.compile(r"cross_entropy|nll_loss|log_softmax|logsumexp|liger.*(ce|cross)", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach|fused_sgd|_amp_", re.I)),
 )
@@ -423,13 +424,16 @@ def _profile_one_step(trainer: Any) -> dict[str, Any]:
         torch.cuda.synchronize()
     trainer.optimizer.zero_grad(set_to_none=True)
     split: dict[str, float] = {}
+    kernels: list[tuple[float, str]] = []
     for event in prof.key_averages():
         if "cuda" not in str(getattr(event, "device_type", "")).lower():
             continue  # a CPU-side op: its kernels are events of their own
         seconds = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)) / 1e6
         label = kernel_class(event.key)
         split[label] = split.get(label, 0.0) + seconds
-    return {"gpu_s_per_step": sum(split.values()), "gpu_split_s": split}
+        kernels.append((seconds, f"{label}: {event.key[:120]}"))
+    top = [{"s": seconds, "kernel": name} for seconds, name in sorted(kernels, reverse=True)[:25]]
+    return {"gpu_s_per_step": sum(split.values()), "gpu_split_s": split, "gpu_top_kernels": top}
 
 
 def _ratio(result: dict[str, Any], other: dict[str, Any] | None) -> str:

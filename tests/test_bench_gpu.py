@@ -105,7 +105,8 @@ def test_cases_run_in_priority_order_and_patterns_select(bench, capsys):
     [
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
         ("nvjet_tst_192x192_64x3_1x2_h_bz_coopB_TNT", "gemm"),
-        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::bfloat16_t>>", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
         ("triton_tem_fused_flex_attention_0", "attention"),
         ("triton_tem_fused_mm_3", "gemm"),
         ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "other"),
