@@ -328,8 +328,9 @@ BACKEND = AttentionBackend(
     forward=forward,
     branched_forward=forward,  # the layout's parents: a branch sees its prefix and itself, every query once
     min_head_dim=MIN_HEAD_DIM,
-    # Not in the automatic order until benchmarks/bench_gpu.py measures it against torch_varlen on a GPU (issue 26:
-    # 1.3x faster at 8k-64k tokens on an H200 with a mask from create_block_mask; this block mask is unmeasured).
-    # Set to True, with its line placed before the backend it beats in REGISTRY, to let the automatic choice take it.
-    automatic=False,
+    # Automatic on CUDA, after the varlen kernels and before SDPA's buckets (benchmarks/RESULTS_gpu.md, H200): in a
+    # training step on rows of 4,096 it ran 0.90x torch's varlen_attn, so it takes the calls varlen kernels cannot
+    # (softcap, sinks, ALiBi, float32 compute), where the alternative is SDPA's or eager's buckets. Not on the CPU:
+    # torch has no flex backward there.
+    automatic_device_types=COMPILE_DEVICE_TYPES,
 )

@@ -193,6 +193,7 @@ def choose_backend(
             same as ``head_dim``.
     """
     wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
+    device = torch.device(device)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced:
         check_explicit_backend(forced, device, dtype, wanted, head_dim, from_env=True, min_head_dim=min_head_dim)
@@ -202,6 +203,8 @@ def choose_backend(
     skipped = []
     for record in REGISTRY.values():
         if not record.automatic:
+            continue
+        if record.automatic_device_types is not None and device.type not in record.automatic_device_types:
             continue
         reason = record.unavailable_reason(torch.device(device), dtype)
         if reason is not None:
