@@ -60,7 +60,7 @@ python -c "import transformers, trl, datasets, peft, fla, liger_kernel; print('i
 if [[ "$TESTS_S" != "0" ]]; then
   parallel=()
   if python -c "import xdist" 2>/dev/null; then parallel=(-n "$WORKERS"); fi
-  timeout "$TESTS_S" python -m pytest -p no:cacheprovider -m gpu -rs -q --timeout "$TESTS_S" "${parallel[@]}" \
+  timeout "$TESTS_S" python -m pytest -p no:cacheprovider -p no:benchmark -m gpu -rs -q --durations=15 --timeout "$TESTS_S" "${parallel[@]}" \
     --junitxml="$OUT/junit_gpu.xml" tests > "$OUT/pytest_gpu.txt" 2>&1
   echo "pytest exit $?" >> "$OUT/pytest_gpu.txt"
   tail -n 40 "$OUT/pytest_gpu.txt"
