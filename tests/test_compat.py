@@ -157,13 +157,6 @@ def test_in_backward_is_true_only_inside_a_backward():
     assert seen == [True]
 
 
-def test_tensor_version_counts_in_place_changes():
-    x = torch.zeros(3)
-    before = _compat.tensor_version(x)
-    x.add_(1)
-    assert _compat.tensor_version(x) == before + 1
-
-
 def test_ddp_ignores_the_named_buffers():
     module = torch.nn.BatchNorm1d(2)
     _compat.ignore_in_ddp(module, ["running_mean"])

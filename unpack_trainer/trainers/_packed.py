@@ -373,7 +373,8 @@ class PackedTrainerMixin:
             # An impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable.
             resolve_backend(self.model, compute_dtype=_autocast_dtype(self.args))
             for model in self._unpack_models():
-                patch_model(model)
+                # torch_compile=True: the packed metadata is planned on the host before the compiled layers.
+                patch_model(model, compiled=bool(getattr(self.args, "torch_compile", False)))
         self._unpack_checked = False  # the self-check runs right before the first data loader is built
 
     def get_train_dataloader(self) -> Any:

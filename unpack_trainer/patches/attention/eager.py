@@ -10,13 +10,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
-from unpack_trainer.patches.attention.bucket_masks import (
-    additive_mask,
-    alibi_bias,
-    branch_additive_mask,
+from unpack_trainer.patches.attention._common import (
+    AttentionBackend,
+    CallOptions,
     branched_buckets,
+    prepare_buckets,
+    repeat_heads,
+    tokens_major,
 )
+from unpack_trainer.patches.attention.bucket_masks import additive_mask, alibi_bias, branch_additive_mask
 from unpack_trainer.patches.buckets import BucketPlan, attention_plan, bucketed, key_bucketed, unbucketed
 
 __all__ = ["BACKEND"]
@@ -99,8 +101,8 @@ def buckets_forward(
 BACKEND = AttentionBackend(
     name="eager",
     capabilities=frozenset({"softcap", "sinks", "dropout", "alibi"}),
-    unavailable_reason=lambda device, dtype: None,
     forward=forward,
     branched_forward=branched_buckets(buckets_forward),
+    prepare=prepare_buckets,
     automatic=False,  # not a choice among the others: what remains when none of them can run or apply the call
 )

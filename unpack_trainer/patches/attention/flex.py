@@ -37,7 +37,7 @@ from torch import Tensor
 
 from unpack_trainer._compat import recompile_limit_at_least
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, optional_kernel, tokens_major
+from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
 from unpack_trainer.patches.buckets import grid_length
 
 __all__ = ["BACKEND", "block_mask", "padded_length"]
@@ -51,12 +51,6 @@ COMPILE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 RECOMPILE_LIMIT = 64
 
 
-@functools.cache
-def kernel() -> Callable[..., Any] | None:
-    """``torch.nn.attention.flex_attention.flex_attention`` when this torch has it (2.5 and later), else ``None``."""
-    return optional_kernel("torch.nn.attention.flex_attention", _load_flex)
-
-
 def _load_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
@@ -64,20 +58,21 @@ def _load_flex() -> Callable[..., Any]:
     return flex_attention
 
 
+# ``torch.nn.attention.flex_attention.flex_attention`` (torch 2.9 and later, with the log-sum-exp output).
+KERNEL = OptionalKernel(
+    name="flex_attention",
+    load=_load_flex,
+    not_installed="this torch has no torch.nn.attention.flex_attention with AuxRequest (torch 2.9 or later)",
+    dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    dtype_problem="{name} does not support {dtype}",
+    device_types=("cuda", "cpu"),
+)
+
+
 @functools.cache
 def _compiled() -> Callable[..., Any]:
     """The compiled kernel, built once per process on first use (nothing compiles at import)."""
-    return torch.compile(kernel(), dynamic=False)
-
-
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why flex_attention cannot run on ``device`` / ``dtype``: this torch lacks it (or its log-sum-exp output), or
-    the device is neither CUDA nor the CPU."""
-    if kernel() is None:
-        return "this torch has no torch.nn.attention.flex_attention with AuxRequest (torch 2.9 or later)"
-    if device.type not in ("cuda", "cpu"):
-        return f"flex_attention runs on CUDA and the CPU here, the model is on {device.type}"
-    return None
+    return torch.compile(KERNEL.get(), dynamic=False)
 
 
 def padded_length(total_tokens: int) -> int:
@@ -247,12 +242,12 @@ def _score_mod(options: CallOptions, pos: Tensor, device: torch.device) -> Calla
     return alibi if softcap is None else capped_alibi
 
 
-def _call(device: torch.device) -> Callable[..., Any]:
+def _call(device: torch.device, kernel: Callable[..., Any]) -> Callable[..., Any]:
     """The kernel to call on ``device``: compiled on :data:`COMPILE_DEVICE_TYPES` (unless already inside a compiled
     region, which compiles it with the rest), else flex's unfused forward."""
     if device.type in COMPILE_DEVICE_TYPES and not torch.compiler.is_compiling():
         return _compiled()
-    return kernel()
+    return kernel
 
 
 def _recompile_limit(device: torch.device) -> contextlib.AbstractContextManager:
@@ -297,7 +292,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
         extra["return_aux"] = AuxRequest(lse=True)
     with _recompile_limit(device):
-        result = _call(device)(
+        result = _call(device, options.kernel)(
             q,
             k,
             v,
@@ -318,14 +313,21 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     return out.transpose(0, 1).reshape(batch_size, seq_len, num_heads, head_dim_v)
 
 
+def prepare(info: PackedSeqInfo, device: torch.device) -> None:
+    """The batch's block mask (without a window) and token layout on ``device``, built on the host for compiled
+    layers."""
+    block_mask(info, padded_length(info.total_tokens), None, device)
+
+
 BACKEND = AttentionBackend(
     name="flex",
     capabilities=frozenset({"softcap", "sinks", "alibi"}),
-    unavailable_reason=unavailable_reason,
     forward=forward,
     branched_forward=forward,  # the layout's parents: a branch sees its prefix and itself, every query once
-    # Not in the automatic order until benchmarks/bench_gpu.py measures it against torch_varlen on a GPU (issue 26:
-    # 1.3x faster at 8k-64k tokens on an H200 with a mask from create_block_mask; this block mask is unmeasured).
-    # Set to True, with its line placed before the backend it beats in REGISTRY, to let the automatic choice take it.
+    kernel=KERNEL,
+    prepare=prepare,
+    # Chosen only when forced (UNPACK_ATTENTION_BACKEND=flex, backend="flex"): the automatic order holds the backends
+    # measured fastest first on a GPU (benchmarks/bench_gpu.py); flex joins it, placed before the backend it beats,
+    # once that measurement shows it faster in a training step.
     automatic=False,
 )
