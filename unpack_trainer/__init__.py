@@ -12,9 +12,9 @@ are resolved lazily, so ``import unpack_trainer`` imports neither torch nor tran
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from unpack_trainer._lazy import lazy_exports
 from unpack_trainer.trainers import CONFIG_MODULE, TRAINERS
 
 __version__ = "0.1.0"
@@ -99,13 +99,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unpack_trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
