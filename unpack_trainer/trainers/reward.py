@@ -23,7 +23,6 @@ import trl
 from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.configs import RewardConfig
 from unpack_trainer.data.preference import pack_preference_pairs
 from unpack_trainer.decision import PackingDecision, explicit_padding_free
 from unpack_trainer.models.fixes.classification_head import score_head_refusal
@@ -108,9 +107,6 @@ class RewardTrainer(PackedPairsMixin, trl.RewardTrainer):
     per sequence in TRL's order, as stock.
     """
 
-    unpack_config_class = RewardConfig
-    unpack_trl_class = trl.RewardTrainer
-    unpack_name = "RewardTrainer"
     unpack_unshared = "each pair is packed as two samples, [prompt, chosen] and [prompt, rejected]"
     unpack_trl_collator = staticmethod(_trl_compat.reward_padded_collator_class)
     _unpack_trl_methods = _trl_compat.REWARD_TRAINER_METHODS
