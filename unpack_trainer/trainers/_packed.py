@@ -55,9 +55,8 @@ from unpack_trainer import _trl_compat
 from unpack_trainer._compat import attention_implementation
 from unpack_trainer._logging import log_once
 from unpack_trainer.configs import convert_config
-from unpack_trainer.data.packing import attention_cost_ratio, row_costs
 from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
-from unpack_trainer.data.sampler import BalancedStepSampler
+from unpack_trainer.data.sampler import BalancedStepSampler, attention_cost_ratio, row_costs
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
@@ -539,7 +538,7 @@ class PackedTrainerMixin:
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         """With ``balance_samples_per_step`` and packed rows: a sampler whose optimizer steps hold balanced numbers of
-        samples ([`unpack_trainer.data.packing.balanced_step_order`]); otherwise the Trainer's own sampler."""
+        samples ([`unpack_trainer.data.sampler.balanced_step_order`]); otherwise the Trainer's own sampler."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
         args = self.args
         if (
