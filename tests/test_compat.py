@@ -66,11 +66,10 @@ def test_checkpointing_under_whichever_name_the_model_has():
 
 
 @pytest.fixture
-def fresh_checks():
-    """Every private name looked up again in the test, and again after it (so a name taken away is not remembered)."""
-    _compat.reset_checks()
-    yield
-    _compat.reset_checks()
+def fresh_checks(monkeypatch):
+    """Every private name looked up again in the test, and again after it (so a name taken away is not remembered):
+    the module's memory of what each name resolved to, emptied for the test."""
+    monkeypatch.setattr(_compat, "_resolved", {})
 
 
 def _take_away(monkeypatch, where: str, name: str) -> None:
@@ -119,7 +118,7 @@ def test_a_private_name_is_checked_once(fresh_checks, monkeypatch):
     assert _compat.in_backward() is False
     monkeypatch.delattr(torch._C, "_current_graph_task_id")
     assert _compat.in_backward() is False  # found before: not looked up again
-    _compat.reset_checks()
+    _compat._resolved.clear()
     with pytest.raises(RuntimeError, match="torch._C._current_graph_task_id"):
         _compat.in_backward()
 

@@ -78,7 +78,6 @@ __all__ = [
     "output_capturing_flag",
     "recompile_limit_at_least",
     "remove_hook",
-    "reset_checks",
     "set_attention_implementation",
     "stream_format_type",
     "supports_sdpa",
@@ -115,11 +114,6 @@ def _private(name: str, find: Callable[[], Any]) -> Any:
             raise missing_name_error(name)
         _resolved[name] = value
     return value
-
-
-def reset_checks() -> None:
-    """Forget every private name looked up so far (for tests that take one away)."""
-    _resolved.clear()
 
 
 # --------------------------------------------------------------------------------------------------------------------

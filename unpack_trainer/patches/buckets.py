@@ -52,10 +52,10 @@ MAX_DISTINCT_LENGTHS = 256
 
 # On a GPU one more SDPA call (forward + backward: our Python, torch's dispatch and the launches, ~100 us of host
 # time) costs as much as about a million (query, key) pairs of a 1B-parameter model's 32 heads of GPU work (~0.1 ns a
-# pair at ~400 TFLOP/s), so buckets there are few and large. An estimate from the H200 numbers;
-# benchmarks/bench_gpu.py measures the step it gives.
+# pair at ~400 TFLOP/s), so buckets there are few and large: an estimate from a profiled H200 step, which
+# benchmarks/bench_gpu.py measures.
 GPU_CALL_COST_PAIRS = 1 << 20
-# Device types planned with the GPU cost and the shape grid (tests add "cpu").
+# Device types planned with the GPU cost and the shape grid.
 GPU_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # The shape grid: bucket lengths are multiples of 16 up to 128, then 4 values per octave (160, 192, 224, 256, 320,
 # ...), so the (n, L) shapes of every step come from a small fixed set of L.

@@ -16,7 +16,7 @@ with a single rounding, so fp16/bf16 results are at least as close to the exact 
 after each of its three operations).
 
 Taken from Liger-Kernel's ``liger_rotary_pos_emb`` (one program per token row, all heads of the token in one tile,
-cos/sin loaded once per token), which measured faster at 2k-8k tokens on an H200 (issue 26): the head counts and
+cos/sin loaded once per token), which measured faster at 2k-8k tokens on an H200 (benchmarks/bench_rope.py): the head counts and
 the half head dim are compile-time constants (head loops unrolled, a third fewer launch arguments, less host time
 per launch), and the outputs are written ``(B, T, H, D)``-dense without output strides. Unlike Liger's, the kernel
 writes new tensors (the inputs are left alone), reads both halves of cos/sin (any cos/sin, not only

@@ -166,7 +166,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
                     order=args.packing_order,
                     max_samples_per_row=args.max_samples_per_row,
                     window=args.packing_window if args.packing_order == "windowed" else None,
-                    # every process gets as many full batches: no row repeated to even them out (issue 20 item 4)
+                    # every process gets as many full batches: no row repeated to even them out
                     rows_multiple_of=args.per_device_train_batch_size * args.world_size if args.world_size > 1 else 1,
                 )
             stats = {"samples": int(lengths.size), "tokens": int(lengths.sum()), "lengths": lengths}

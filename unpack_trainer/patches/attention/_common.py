@@ -186,6 +186,8 @@ class OptionalKernel(NamedTuple):
         dtypes: the compute dtypes it takes.
         dtype_problem: the reason for another dtype, formatted with ``name`` and ``dtype``.
         device_types: the device types it runs on.
+        distributions: the names its package is installed under (``pip``'s), tried in order for its version
+            (``unpack-trainer env``); empty for a kernel that comes with torch.
     """
 
     name: str
@@ -194,6 +196,7 @@ class OptionalKernel(NamedTuple):
     dtypes: tuple[torch.dtype, ...]
     dtype_problem: str = "{name} needs float16 or bfloat16, the model computes in {dtype}"
     device_types: tuple[str, ...] = ("cuda",)
+    distributions: tuple[str, ...] = ()
 
     def get(self) -> Any:
         """The loaded kernel, or ``None`` when it cannot be loaded here."""

@@ -28,6 +28,7 @@ KERNEL = OptionalKernel(
     load=lambda: importlib.import_module("flash_attn").flash_attn_varlen_func,
     not_installed="flash-attn is not installed (pip install flash-attn)",
     dtypes=(torch.float16, torch.bfloat16),
+    distributions=("flash-attn", "flash_attn"),
 )
 
 

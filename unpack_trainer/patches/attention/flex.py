@@ -44,7 +44,7 @@ __all__ = ["BACKEND", "block_mask", "padded_length"]
 
 # Queries and keys per block of the block mask (flex's default sparse block size).
 BLOCK_SIZE = 128
-# Device types where flex runs compiled (tests may add "cpu").
+# Device types where flex runs compiled (elsewhere: its unfused forward).
 COMPILE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # Recompilations allowed for the compiled kernel while a packed call runs (torch's default is 8): one per shape class
 # and variant of the mask / score functions (window or not, softcap, ALiBi), over a whole run.

@@ -39,7 +39,7 @@ from unpack_trainer.patches.buckets import (
 
 __all__ = ["BACKEND"]
 
-# Device types whose bucket calls run without cuDNN attention (tests add "cpu").
+# Device types whose bucket calls run without cuDNN attention.
 NO_CUDNN_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 

@@ -22,6 +22,7 @@ KERNEL = OptionalKernel(
     not_installed="xformers is not installed (pip install xformers)",
     dtypes=(torch.float16, torch.bfloat16, torch.float32),
     dtype_problem="{name} does not support {dtype}",
+    distributions=("xformers",),
 )
 
 
