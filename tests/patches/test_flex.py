@@ -11,7 +11,7 @@ from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention import ENV_BACKEND, choose_backend, packed_attention_forward
 from unpack_trainer.patches.attention import flex as flex_backend
 
-pytestmark = pytest.mark.skipif(flex_backend.KERNEL.get() is None, reason="this torch has no flex_attention")
+pytestmark = pytest.mark.skipif(flex_backend.BACKEND.kernel.get() is None, reason="this torch has no flex_attention")
 
 
 class FakeModule(torch.nn.Module):
@@ -224,7 +224,7 @@ def test_one_compiled_kernel_per_shape_class(monkeypatch):
     real_compile = torch.compile
 
     def stand_in_compile(function, **options):
-        if function is not flex_backend.KERNEL.get():
+        if function is not flex_backend.BACKEND.kernel.get():
             return real_compile(function, **options)  # flex's unfused path compiles its own pieces
         compiled.append(options)
         return function

@@ -224,6 +224,20 @@ def _positional_names(module: torch.nn.Module) -> list[str]:
     return names[1:]  # self
 
 
+def _mixer_call(
+    owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any], purpose: str
+) -> tuple[dict[str, Any], torch.device]:
+    """A mixer call's keyword arguments without the packing keywords (``FORWARD_KEYS``), and the device of its
+    sequence tensors; ``TypeError`` when it has none (``purpose`` says what it was wanted for)."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
+    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
+    if reference is None:
+        raise TypeError(
+            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor {purpose}."
+        )
+    return kwargs, reference.device
+
+
 def run_padded(
     forward: Callable[..., Any], owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any]
 ) -> Any:
@@ -235,13 +249,8 @@ def run_padded(
     bucket, and every per-token output is scattered back to ``(B, T, *rest)`` (padding slots get a zero gradient).
     Exact for a causal ``forward``: a real token's output reads only its own sample's earlier tokens.
     """
-    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
-    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
-    if reference is None:
-        raise TypeError(
-            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor to split per sample."
-        )
-    plan = _bucket_plan(info, reference.device)
+    kwargs, device = _mixer_call(owner, info, args, kwargs, "to split per sample")
+    plan = _bucket_plan(info, device)
     count = len(plan.buckets)
     split_args = [_split(arg, plan, info) for arg in args]
     split_kwargs = {key: _split(value, plan, info) for key, value in kwargs.items()}
@@ -317,13 +326,8 @@ def run_varlen(
     argument (what :func:`~unpack_trainer.patches.mixer_kernels.varlen_plan` checks from the code; the self-check
     verifies it on the model).
     """
-    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
-    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
-    if reference is None:
-        raise TypeError(
-            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor to run packed."
-        )
-    metadata = _varlen_metadata(info, reference.device)
+    kwargs, device = _mixer_call(owner, info, args, kwargs, "to run packed")
+    metadata = _varlen_metadata(info, device)
     args = tuple(_flatten_rows(arg, info) for arg in args)
     kwargs = {key: _flatten_rows(value, info) for key, value in kwargs.items()}
     kwargs.update({key: metadata[argument] for key, argument in plan.keywords})

@@ -47,6 +47,7 @@ OPTIONAL_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 NOT_INSTALLED = "not installed"
 
+_HELP = "print versions, devices, kernels and what the patch does with a model (for bug reports)"
 _DESCRIPTION = """\
 Print the versions, devices and kernels that decide how unpack_trainer packs, to paste into a bug report. With
 --model, also what the patch does with that model: patched or refused (and why), the packed attention backend it
@@ -65,13 +66,7 @@ examples:
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Add ``env`` to the ``unpack-trainer`` subcommands."""
-    parser = add_command_parser(
-        subparsers,
-        "env",
-        help="print versions, devices, kernels and what the patch does with a model (for bug reports)",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-    )
+    parser = add_command_parser(subparsers, "env", _HELP, _DESCRIPTION, _EPILOG)
     parser.add_argument(
         "--model",
         metavar="PATH_OR_TYPE",

@@ -49,25 +49,34 @@ from unpack_trainer.models.fixes import (
 )
 from unpack_trainer.models.fixes.record import Fix, FixSite
 
-__all__ = ["FIXES", "Fix", "FixSite", "install_fix", "install_fixes", "remove_fixes"]
+__all__ = ["FIXES", "Fix", "FixSite", "fix_named", "install_fix", "install_fixes", "remove_fixes"]
 
 logger = logging.getLogger("unpack_trainer.models")
 
-# Name -> record, in the order they are installed.
-FIXES: dict[str, Fix] = {
-    fix.name: fix
-    for fix in (
-        sliding_window.FIX,
-        llama4.FIX,
-        alibi.FIX,
-        outer_carry.FIX,
-        positions.FIX,
-        rope.FIX,
-        classification_head.FIX,
-        packed_view.FIX,
-        compact_lm_head.FIX,
-    )
-}
+# Every fix, in the order they are installed (and removed in reverse): one line each.
+FIXES: tuple[Fix, ...] = (
+    sliding_window.FIX,
+    llama4.FIX,
+    alibi.FIX,
+    outer_carry.FIX,
+    positions.FIX,
+    rope.FIX,
+    classification_head.FIX,
+    packed_view.FIX,
+    compact_lm_head.FIX,
+)
+
+
+def fix_named(name: str) -> Fix:
+    """The fix of :data:`FIXES` called ``name`` (how a decoder's state records it).
+
+    Raises:
+        KeyError: no fix of that name.
+    """
+    for fix in FIXES:
+        if fix.name == name:
+            return fix
+    raise KeyError(f"no model-family fix {name!r}; known: {', '.join(fix.name for fix in FIXES)}")
 
 
 def _install(fix: Fix, site: FixSite) -> None:
@@ -84,7 +93,7 @@ def _install(fix: Fix, site: FixSite) -> None:
 def install_fixes(sites: list[FixSite]) -> None:
     """Install every automatic fix of :data:`FIXES` that applies, on each of ``sites`` (the decoders of one model, just
     patched; a ``per_model`` fix on the first only)."""
-    for fix in FIXES.values():
+    for fix in FIXES:
         if fix.automatic:
             for site in sites[:1] if fix.per_model else sites:
                 _install(fix, site)
@@ -97,7 +106,7 @@ def install_fix(name: str, sites: list[FixSite]) -> None:
     Raises:
         KeyError: no fix of that name.
     """
-    fix = FIXES[name]
+    fix = fix_named(name)
     for site in sites[:1] if fix.per_model else sites:
         _install(fix, site)
 
@@ -105,6 +114,6 @@ def install_fix(name: str, sites: list[FixSite]) -> None:
 def remove_fixes(site: FixSite) -> None:
     """Remove every fix installed on ``site``, in the reverse order of their installation."""
     for name in reversed(site.state.fixes):
-        FIXES[name].remove(site)
+        fix_named(name).remove(site)
     site.state.fixes.clear()
 

@@ -1,5 +1,5 @@
 """What every packed attention backend shares: the backend record (with the optional kernel it may declare), the
-options of a call, the token layout helpers and the branched forward of the bucket backends. Below every backend:
+options of a call, the token layout helpers and the record of a bucket backend. Below every backend:
 it imports no backend, and no backend imports another."""
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ __all__ = [
     "BranchedFunction",
     "CallOptions",
     "OptionalKernel",
-    "branched_buckets",
-    "prepare_buckets",
+    "bucket_backend",
     "logger",
     "repeat_heads",
     "tokens_major",
@@ -133,18 +132,19 @@ class AttentionBackend(NamedTuple):
         return reason
 
 
-def prepare_buckets(info: PackedSeqInfo, device: torch.device) -> None:
-    """The ``prepare`` of a bucket backend (SDPA, eager): the batch's bucket plan (its branch plan when branched),
-    planned for compiled layers (:func:`~unpack_trainer.patches.buckets.planning_for`)."""
-    if info.is_branched:
-        branch_plan(info, device, compiled=True)
-    attention_plan(info, device, compiled=True)
-
-
-def branched_buckets(buckets_forward: Callable[..., Tensor]) -> BranchedFunction:
-    """The branched forward of a bucket backend (SDPA, eager) whose ``buckets_forward(q, k, v, info, options, plan)``
-    runs a plan: a branched batch with every query computed once (:func:`branch_plan`), or ``None`` (ALiBi, or spans
-    that are not contiguous: the caller runs the ``[prefix; branch]`` units)."""
+def bucket_backend(
+    name: str,
+    capabilities: frozenset[str],
+    forward: BackendFunction,
+    buckets_forward: Callable[..., Tensor],
+    *,
+    automatic: bool = True,
+) -> AttentionBackend:
+    """The record of a backend that runs the samples in buckets of similar lengths (SDPA, eager), whose
+    ``buckets_forward(q, k, v, info, options, plan)`` runs a bucket plan (:mod:`unpack_trainer.patches.buckets`):
+    ``forward`` on the batch's plan; a branched batch with every query computed once on its branch plan
+    (``None`` for ALiBi or spans that are not contiguous: the caller runs the ``[prefix; branch]`` units); both plans
+    made before compiled layers run (``prepare``)."""
 
     def branched_forward(
         query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
@@ -154,7 +154,14 @@ def branched_buckets(buckets_forward: Callable[..., Tensor]) -> BranchedFunction
         plan: BucketPlan | None = branch_plan(info, query.device)
         return None if plan is None else buckets_forward(query, key, value, info, options, plan)
 
-    return branched_forward
+    def prepare(info: PackedSeqInfo, device: torch.device) -> None:
+        if info.is_branched:
+            branch_plan(info, device, compiled=True)
+        attention_plan(info, device, compiled=True)
+
+    return AttentionBackend(
+        name, capabilities, forward, branched_forward=branched_forward, automatic=automatic, prepare=prepare
+    )
 
 
 def tokens_major(x: Tensor) -> Tensor:

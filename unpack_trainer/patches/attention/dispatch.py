@@ -28,7 +28,6 @@ from unpack_trainer.patches.attention._common import AttentionBackend, CallOptio
 from unpack_trainer.patches.attention.registry import (
     ENV_BACKEND,
     REGISTRY,
-    BackendChoice,
     check_explicit_backend,
     choose_backend,
     compute_dtype,
@@ -87,24 +86,14 @@ def prepare_packed_attention(
 
 
 def _decide(
-    device: torch.device,
-    dtype: torch.dtype,
-    original: str | None,
-    *,
-    softcap: bool,
-    sinks: bool,
-    dropout: bool,
-    head_dim: int,
-    alibi: bool,
-) -> BackendChoice:
-    """The automatic (or forced) backend of a call; a hand-over from the backend chosen for plain attention to one that
-    can apply the call's features is logged once."""
-    choice = choose_backend(
-        device, dtype, original, softcap=softcap, sinks=sinks, dropout=dropout, head_dim=head_dim, alibi=alibi
-    )
+    device: torch.device, dtype: torch.dtype, original: str | None, wanted: frozenset[str], head_dim: int
+) -> str:
+    """The automatic (or forced) backend of a call asking for ``wanted`` (keys of ``FEATURE_NAMES``) with heads of
+    ``head_dim``; a hand-over from the backend chosen for plain attention to one that can apply them is logged once."""
+    flags = {name: name in wanted for name in ("softcap", "sinks", "dropout", "alibi")}
+    choice = choose_backend(device, dtype, original, head_dim=head_dim, **flags)
     plain = choose_backend(device, dtype, original)
     if plain.name != choice.name:
-        wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
         missing = missing_features(plain.name, wanted, head_dim)
         log_once(
             logger,
@@ -113,27 +102,17 @@ def _decide(
             "layers.",
         )
     log_once(logger, logging.INFO, f"Packed attention backend: {choice}.")
-    return choice
+    return choice.name
 
 
 @torch.compiler.assume_constant_result
 def _traced_choice(
-    device: str, dtype: torch.dtype, original: str | None, flags: tuple[bool, bool, bool, int, bool], forced: str
+    device: str, dtype: torch.dtype, original: str | None, wanted: frozenset[str], head_dim: int, forced: str
 ) -> str:
     """:func:`_decide` inside a ``torch.compile`` trace: run once while tracing, its result a constant of the graph
     (the inputs' device and dtype are guarded by the graph already; ``forced`` is ``UNPACK_ATTENTION_BACKEND``)."""
     del forced  # part of the call so that a trace reads it: choose_backend reads it from the environment
-    softcap, sinks, dropout, head_dim, alibi = flags
-    return _decide(
-        torch.device(device),
-        dtype,
-        original,
-        softcap=softcap,
-        sinks=sinks,
-        dropout=dropout,
-        head_dim=head_dim,
-        alibi=alibi,
-    ).name
+    return _decide(torch.device(device), dtype, original, wanted, head_dim)
 
 
 def _backend_for(
@@ -142,27 +121,11 @@ def _backend_for(
     """The backend of one call, decided once per batch and set of features (in a ``torch.compile`` trace: once per
     graph, as a constant of it)."""
     head_dim = max(query.shape[-1], value.shape[-1])
-    flags = tuple(name in wanted for name in ("softcap", "sinks", "dropout")) + (head_dim, "alibi" in wanted)
+    forced = os.environ.get(ENV_BACKEND, "")
     if torch.compiler.is_compiling():
-        return _traced_choice(str(query.device), query.dtype, original, flags, os.environ.get(ENV_BACKEND, ""))
-    key = (str(query.device), query.dtype, original, flags, os.environ.get(ENV_BACKEND))
-    softcap, sinks, dropout, _, alibi = flags
-    return info.plan(
-        "backend_choice",
-        key,
-        lambda: (
-            _decide(
-                query.device,
-                query.dtype,
-                original,
-                softcap=softcap,
-                sinks=sinks,
-                dropout=dropout,
-                head_dim=head_dim,
-                alibi=alibi,
-            ).name
-        ),
-    )
+        return _traced_choice(str(query.device), query.dtype, original, wanted, head_dim, forced)
+    key = (str(query.device), query.dtype, original, wanted, head_dim, forced)
+    return info.plan("backend_choice", key, lambda: _decide(query.device, query.dtype, original, wanted, head_dim))
 
 
 def packed_attention_forward(

@@ -20,16 +20,7 @@ from unpack_trainer.patches.attention._varlen import (
     varlen_window,
 )
 
-__all__ = ["BACKEND", "KERNEL"]
-
-# flash-attn's ``flash_attn_varlen_func``, imported on first use.
-KERNEL = OptionalKernel(
-    name="flash-attn",
-    load=lambda: importlib.import_module("flash_attn").flash_attn_varlen_func,
-    not_installed="flash-attn is not installed (pip install flash-attn)",
-    dtypes=(torch.float16, torch.bfloat16),
-    distributions=("flash-attn", "flash_attn"),
-)
+__all__ = ["BACKEND"]
 
 
 def _kernel_options(options: CallOptions, longest: int, device: torch.device) -> dict[str, Any]:
@@ -116,6 +107,12 @@ BACKEND = AttentionBackend(
     capabilities=frozenset({"softcap", "dropout", "alibi"}),
     forward=forward,
     branched_forward=branched_forward,
-    kernel=KERNEL,
+    kernel=OptionalKernel(
+        name="flash-attn",
+        load=lambda: importlib.import_module("flash_attn").flash_attn_varlen_func,
+        not_installed="flash-attn is not installed (pip install flash-attn)",
+        dtypes=(torch.float16, torch.bfloat16),
+        distributions=("flash-attn", "flash_attn"),
+    ),
     max_head_dim=MAX_HEAD_DIM,
 )

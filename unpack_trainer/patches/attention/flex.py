@@ -58,21 +58,10 @@ def _load_flex() -> Callable[..., Any]:
     return flex_attention
 
 
-# ``torch.nn.attention.flex_attention.flex_attention`` (torch 2.9 and later, with the log-sum-exp output).
-KERNEL = OptionalKernel(
-    name="flex_attention",
-    load=_load_flex,
-    not_installed="this torch has no torch.nn.attention.flex_attention with AuxRequest (torch 2.9 or later)",
-    dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-    dtype_problem="{name} does not support {dtype}",
-    device_types=("cuda", "cpu"),
-)
-
-
 @functools.cache
 def _compiled() -> Callable[..., Any]:
     """The compiled kernel, built once per process on first use (nothing compiles at import)."""
-    return torch.compile(KERNEL.get(), dynamic=False)
+    return torch.compile(BACKEND.kernel.get(), dynamic=False)
 
 
 def padded_length(total_tokens: int) -> int:
@@ -324,7 +313,14 @@ BACKEND = AttentionBackend(
     capabilities=frozenset({"softcap", "sinks", "alibi"}),
     forward=forward,
     branched_forward=forward,  # the layout's parents: a branch sees its prefix and itself, every query once
-    kernel=KERNEL,
+    kernel=OptionalKernel(
+        name="flex_attention",
+        load=_load_flex,
+        not_installed="this torch has no torch.nn.attention.flex_attention with AuxRequest (torch 2.9 or later)",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        dtype_problem="{name} does not support {dtype}",
+        device_types=("cuda", "cpu"),
+    ),
     prepare=prepare,
     # Chosen only when forced (UNPACK_ATTENTION_BACKEND=flex, backend="flex"): the automatic order holds the backends
     # measured fastest first on a GPU (benchmarks/bench_gpu.py); flex joins it, placed before the backend it beats,

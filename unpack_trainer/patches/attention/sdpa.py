@@ -19,14 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import (
-    AttentionBackend,
-    CallOptions,
-    branched_buckets,
-    prepare_buckets,
-    repeat_heads,
-    tokens_major,
-)
+from unpack_trainer.patches.attention._common import CallOptions, bucket_backend, repeat_heads, tokens_major
 from unpack_trainer.patches.attention.bucket_masks import alibi_bias, band_mask, branch_mask
 from unpack_trainer.patches.buckets import (
     Bucket,
@@ -133,10 +126,4 @@ def _bucket_attention(
     )
 
 
-BACKEND = AttentionBackend(
-    name="sdpa",
-    capabilities=frozenset({"dropout", "alibi"}),
-    forward=forward,
-    branched_forward=branched_buckets(buckets_forward),
-    prepare=prepare_buckets,
-)
+BACKEND = bucket_backend("sdpa", frozenset({"dropout", "alibi"}), forward, buckets_forward)

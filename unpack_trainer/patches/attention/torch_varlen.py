@@ -15,15 +15,7 @@ from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel
 from unpack_trainer.patches.attention._varlen import MAX_HEAD_DIM, fallback_of, varlen_forward, varlen_window
 
-__all__ = ["BACKEND", "KERNEL"]
-
-# torch's own ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10 and later).
-KERNEL = OptionalKernel(
-    name="torch's varlen_attn",
-    load=lambda: importlib.import_module("torch.nn.attention.varlen").varlen_attn,
-    not_installed="this torch has no torch.nn.attention.varlen.varlen_attn (torch 2.10 or later)",
-    dtypes=(torch.float16, torch.bfloat16),
-)
+__all__ = ["BACKEND"]
 
 
 def _takes_enable_gqa(kernel: Callable[..., Any]) -> bool:
@@ -87,7 +79,12 @@ BACKEND = AttentionBackend(
     name="torch_varlen",
     capabilities=frozenset(),
     forward=forward,
-    kernel=KERNEL,
+    kernel=OptionalKernel(
+        name="torch's varlen_attn",
+        load=lambda: importlib.import_module("torch.nn.attention.varlen").varlen_attn,
+        not_installed="this torch has no torch.nn.attention.varlen.varlen_attn (torch 2.10 or later)",
+        dtypes=(torch.float16, torch.bfloat16),
+    ),
     requires=_cuda_flash_unsupported_reason,
     max_head_dim=MAX_HEAD_DIM,
 )

@@ -13,17 +13,7 @@ from torch import Tensor
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
 
-__all__ = ["BACKEND", "KERNEL"]
-
-# xformers' ``xformers.ops.fmha`` module, imported on first use.
-KERNEL = OptionalKernel(
-    name="xformers",
-    load=lambda: importlib.import_module("xformers.ops.fmha"),
-    not_installed="xformers is not installed (pip install xformers)",
-    dtypes=(torch.float16, torch.bfloat16, torch.float32),
-    dtype_problem="{name} does not support {dtype}",
-    distributions=("xformers",),
-)
+__all__ = ["BACKEND"]
 
 
 def attn_bias(fmha: Any, info: PackedSeqInfo, sliding_window: int | None, device: torch.device) -> Any:
@@ -74,5 +64,12 @@ BACKEND = AttentionBackend(
     name="xformers",
     capabilities=frozenset({"dropout"}),
     forward=forward,
-    kernel=KERNEL,
+    kernel=OptionalKernel(
+        name="xformers",
+        load=lambda: importlib.import_module("xformers.ops.fmha"),
+        not_installed="xformers is not installed (pip install xformers)",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        dtype_problem="{name} does not support {dtype}",
+        distributions=("xformers",),
+    ),
 )
