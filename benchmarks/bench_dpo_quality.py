@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import paired_table, run_arms_and_record  # noqa: E402
+from common import paired_table, quiet_case, run_arms_and_record  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
@@ -116,16 +116,9 @@ def setup(options: argparse.Namespace, **config) -> tuple:
     """``(tokenizer, train pairs, held-out pairs, model config)`` of a run, in a process set up for it (torch on one
     thread, transformers' and datasets' logs quiet): the embedded tokenizer, the pairs of [`pair_subset`], the tiny
     model config (``config`` added)."""
-    import torch
-
-    torch.set_num_threads(1)
-    from datasets.utils.logging import disable_progress_bar
-    from transformers.utils import logging as hf_logging
-
+    quiet_case(1)
     from unpack_trainer import load_default_tokenizer, tiny_model_config
 
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
     tokenizer = load_default_tokenizer()
     train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
     eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)

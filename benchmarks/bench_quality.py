@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table  # noqa: E402
+from common import environment, format_table, quiet_case  # noqa: E402
 
 from unpack_trainer.cli.sft_comparison import checkpointing_off, held_out_loss  # noqa: E402
 
@@ -540,17 +540,11 @@ def main(argv: list[str] | None = None) -> None:
         print(summarize_files(args.summarize, args.arms, args.seeds))
         return
 
-    import datasets
-    import torch
-    from transformers.utils import logging as hf_logging
+    quiet_case(args.threads)
+    import logging
 
     from unpack_trainer import load_default_dataset, load_default_tokenizer
     from unpack_trainer.data.packing import best_fit_decreasing
-
-    torch.set_num_threads(args.threads)
-    hf_logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    import logging
 
     logging.getLogger("unpack_trainer").setLevel(logging.ERROR)
     tokenizer = load_default_tokenizer()

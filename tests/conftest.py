@@ -56,6 +56,53 @@ def _release_patched_models():
     gc.collect()
 
 
+# --------------------------------------------------------------------------------------- stand-in attention kernels
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """``stand_in_kernel(backend, kernel, *, cpu=False, dtypes=None)``: for this test, the optional kernel the attention
+    backend ``backend`` declares (its record's ``kernel``) loads as ``kernel`` (``None``: not installed); with ``cpu``
+    it runs on the CPU as on CUDA, in ``dtypes`` (the kernel's own when ``None``). The record in ``REGISTRY`` is
+    replaced for the test, as a new backend's would be listed."""
+    from unpack_trainer.patches.attention import REGISTRY
+
+    def install(backend, kernel, *, cpu=False, dtypes=None):
+        record = REGISTRY[backend]
+        declared = record.kernel._replace(
+            load=lambda: kernel,
+            device_types=("cuda", "cpu") if cpu else record.kernel.device_types,
+            dtypes=dtypes or record.kernel.dtypes,
+        )
+        monkeypatch.setitem(REGISTRY, backend, record._replace(kernel=declared))
+
+    return install
+
+
+@pytest.fixture
+def wrap_backends(monkeypatch):
+    """``wrap_backends(wrap)``: for this test, every attention backend's forward is ``wrap(name, forward)`` (its
+    record replaced in ``REGISTRY``); ``wrap_backends()`` records the name of every backend that runs and returns
+    the list."""
+    from unpack_trainer.patches.attention import REGISTRY
+
+    def install(wrap=None):
+        ran = []
+
+        def record_run(name, forward):
+            def spy(*args, **kwargs):
+                ran.append(name)
+                return forward(*args, **kwargs)
+
+            return spy
+
+        for name, record in list(REGISTRY.items()):
+            monkeypatch.setitem(REGISTRY, name, record._replace(forward=(wrap or record_run)(name, record.forward)))
+        return ran
+
+    return install
+
+
 # ------------------------------------------------------------------------------------------ tiny models, a tokenizer
 
 
@@ -189,11 +236,9 @@ def _sibling_leak(self):
     return PackedSeqInfo(torch.tensor(units), batch_size=1, seq_len=self.total_tokens), gather, gather
 
 
-def _parents_ignored(backend, query, key, value, info, options):
+def _parents_ignored(record, query, key, value, info, options):
     """A broken branched attention: every sample attends only to itself, so a branch never sees its prompt."""
-    from unpack_trainer.patches.attention.registry import REGISTRY
-
-    return REGISTRY[backend].forward(query, key, value, info, options)
+    return record.forward(query, key, value, info, options)
 
 
 @pytest.fixture

@@ -15,17 +15,19 @@ from hypothesis import strategies as st
 
 from unpack_trainer import SFTConfig, SFTTrainer
 from unpack_trainer.data.packing import (
-    attention_cost_ratio,
-    balanced_rank_order,
-    balanced_step_order,
     best_fit_decreasing,
-    row_costs,
     shuffled_best_fit,
     split_rows,
     windowed_best_fit,
     windowed_packing,
 )
-from unpack_trainer.data.sampler import BalancedStepSampler
+from unpack_trainer.data.sampler import (
+    BalancedStepSampler,
+    attention_cost_ratio,
+    balanced_rank_order,
+    balanced_step_order,
+    row_costs,
+)
 from unpack_trainer.trainers.loss import sample_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -17,7 +17,9 @@ Names that moved between releases, both spellings handled:
   ``FutureWarning`` per call): :func:`checkpointing_enabled`, :func:`enable_checkpointing`,
   :func:`disable_checkpointing`;
 - dynamo's recompile limit: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before torch 2.7):
-  :func:`recompile_limit_at_least` (without either, logged once and nothing changes).
+  :func:`recompile_limit_at_least` (without either, logged once and nothing changes);
+- whether ``torch.compile`` or ``torch.export`` is tracing now: ``torch.compiler.is_compiling`` /
+  ``is_exporting``, each where this torch has it (:func:`is_tracing`).
 
 Private names, with what each is for and what would replace it:
 
@@ -35,8 +37,6 @@ Private names, with what each is for and what would replace it:
   self-check (:func:`hook_dicts`);
 - ``torch._C._current_graph_task_id``, whether autograd is running a backward now (a mixer recomputed by gradient
   checkpointing uses what its forward used): :func:`in_backward`;
-- ``Tensor._version``, the in-place version counter (the packing metadata derived from a tensor is cached per
-  version): :func:`tensor_version`;
 - ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, the parameters and buffers DDP does not
   synchronise (``--ignore_bias_buffers``, as TRL's DPO script sets them): :func:`ignore_in_ddp`;
 - datasets' ``IterableDataset._formatting``, a stream's format (TRL's ``_get_dataset_format`` reads it too):
@@ -70,6 +70,7 @@ __all__ = [
     "hook_dicts",
     "ignore_in_ddp",
     "in_backward",
+    "is_tracing",
     "locally_registered",
     "mask_functions",
     "missing_name_error",
@@ -77,11 +78,9 @@ __all__ = [
     "output_capturing_flag",
     "recompile_limit_at_least",
     "remove_hook",
-    "reset_checks",
     "set_attention_implementation",
     "stream_format_type",
     "supports_sdpa",
-    "tensor_version",
 ]
 
 logger = logging.getLogger("unpack_trainer")
@@ -115,11 +114,6 @@ def _private(name: str, find: Callable[[], Any]) -> Any:
             raise missing_name_error(name)
         _resolved[name] = value
     return value
-
-
-def reset_checks() -> None:
-    """Forget every private name looked up so far (for tests that take one away)."""
-    _resolved.clear()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -328,6 +322,19 @@ def hook_dicts(module: Any) -> list[dict]:
     return [hooks for name, hooks in vars(module).items() if name.endswith("hooks") and isinstance(hooks, dict)]
 
 
+def is_tracing() -> bool:
+    """Whether ``torch.compile`` (dynamo) or ``torch.export`` is tracing the code now running
+    (``torch.compiler.is_compiling`` / ``is_exporting``, each where this torch has it)."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    for name in ("is_compiling", "is_exporting"):
+        check = getattr(compiler, name, None)
+        if check is not None and check():
+            return True
+    return False
+
+
 def in_backward() -> bool:
     """Whether the code now running is part of a backward pass (where gradient checkpointing recomputes a layer's
     forward): ``torch._C._current_graph_task_id() != -1``. Not for a traced region (dynamo does not trace it)."""
@@ -338,19 +345,6 @@ def in_backward() -> bool:
         return getattr(torch._C, "_current_graph_task_id", _MISSING)
 
     return _private("torch._C._current_graph_task_id", find)() != -1
-
-
-def tensor_version(tensor: Any) -> int:
-    """``tensor._version``: autograd's counter of in-place changes, so what was derived from a tensor can be cached
-    per version."""
-
-    def find() -> Any:
-        import torch
-
-        return True if isinstance(getattr(torch.zeros(0), "_version", None), int) else _MISSING
-
-    _private("torch.Tensor._version", find)
-    return tensor._version
 
 
 def ignore_in_ddp(module: Any, names: Iterable[str]) -> None:

@@ -183,7 +183,7 @@ class SFTConfig(trl.SFTConfig):
         metadata={
             "help": "With packing=True, balanced steps and several processes: b/a in the cost a * tokens + b * sum of "
             "squared sample lengths that every process of a step gets equal. None: from the model config's shapes "
-            "(matrix-multiply FLOPs, unpack_trainer.data.packing.attention_cost_ratio)."
+            "(matrix-multiply FLOPs, unpack_trainer.data.sampler.attention_cost_ratio)."
         },
     )
 

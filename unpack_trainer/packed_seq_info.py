@@ -28,9 +28,10 @@ One set of per-sample lengths, named for the place it is in (a column, a batch k
                                                                                argument names
 
 The metadata reaches a layer by one keyword, ``packed_seq_info`` (it survives gradient checkpointing: a recomputed
-layer gets the keywords of its forward). Where a keyword cannot reach, the hook also publishes the running packed
-forward (:mod:`unpack_trainer.patches.masks`): transformers calls mask functions with fixed arguments, a few decoders
-do not hand their keyword arguments down to attention (bloom, mpt), and token mixers' forwards take none.
+layer gets the keywords of its forward). Where a keyword cannot reach (transformers calls mask functions with fixed
+arguments, a few decoders do not hand their keyword arguments down to attention (bloom, mpt), and token mixers'
+forwards take none), the same object is read from the patched decoder's state while its forward runs
+(:mod:`unpack_trainer.models.state`).
 
 Worked example, one row of two samples of lengths 3 and 2::
 
@@ -89,6 +90,8 @@ __all__ = [
     "BranchSpans",
     "PackedSeqInfo",
     "branched_row",
+    "detect_packed",
+    "hides_nothing",
     "restart_positions",
     "zero_prefixed_cumsum",
 ]
@@ -268,6 +271,7 @@ class PackedSeqInfo:
         seq_parents: ``None`` (no sample continues another), or ``(num_seqs,)`` int64 CPU: ``-1`` for a sample that
             starts at position 0, else the index of the earlier sample of the same row it continues (a shared
             prefix, see the module docstring). Positions, attention and the first prediction of a branch follow it.
+        is_branched: whether some sample continues another.
 
     What a consumer derives from the metadata (device copies, the SDPA buckets, masks, flash-attn chunks, xformers
     biases, the backend choice) is built on first use and cached on the object through :meth:`plan`, one namespace
@@ -322,6 +326,8 @@ class PackedSeqInfo:
                 f"`{MAX_LENGTH_Q_KEY}`={int(max_seqlen)} but the longest packed sample has {longest} tokens."
             )
         self.seq_parents = None if seq_parents is None else _checked_parents(seq_parents, cu, seq_len)
+        # Whether some sample continues another (a shared prefix; see branch_units): a plain bool, read per layer.
+        self.is_branched = self.seq_parents is not None and bool((self.seq_parents >= 0).any())
         self.seq_lengths = lengths.to(torch.int32)
         self.cu_seqlens = cu.to(torch.int32)
         self.max_seqlen = longest
@@ -334,11 +340,6 @@ class PackedSeqInfo:
             f"PackedSeqInfo(num_seqs={self.num_seqs}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
             f"max_seqlen={self.max_seqlen})"
         )
-
-    @property
-    def is_branched(self) -> bool:
-        """Whether some sample continues another (a shared prefix); see :meth:`branch_units`."""
-        return self.seq_parents is not None and bool((self.seq_parents >= 0).any())
 
     @property
     def num_seqs(self) -> int:
@@ -390,6 +391,20 @@ class PackedSeqInfo:
         start_index = torch.nonzero(starts.reshape(-1)).reshape(-1)
         ends = torch.cat([start_index[1:], torch.tensor([batch_size * seq_len])])
         return cls(ends - start_index, batch_size=batch_size, seq_len=seq_len)
+
+    def check_key_side(self, cu_seqlens_k: torch.Tensor | None, max_seqlen_k: Any = None) -> None:
+        """``cu_seq_lens_k`` ``(num_seqs + 1,)`` int and ``max_length_k`` (the keys of packed self-attention: the
+        queries' own samples), when a batch carries them apart from the query side, checked against these samples;
+        ``ValueError`` naming the key otherwise."""
+        if cu_seqlens_k is not None and not torch.equal(cu_seqlens_k.detach().cpu().to(torch.int32), self.cu_seqlens):
+            raise ValueError(
+                f"`{CU_SEQ_LENS_K_KEY}` does not match the packed sample lengths: expected the zero-prefixed cumsum "
+                f"{self.cu_seqlens.tolist()[:8]}..., got {cu_seqlens_k.tolist()[:8]}..."
+            )
+        if max_seqlen_k is not None and int(max_seqlen_k) != self.max_seqlen:
+            raise ValueError(
+                f"`{MAX_LENGTH_K_KEY}`={int(max_seqlen_k)} but the longest packed sample has {self.max_seqlen} tokens."
+            )
 
     # -- derived values ----------------------------------------------------------------------------------------------
 
@@ -504,6 +519,62 @@ class PackedSeqInfo:
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
         return BranchSpans(as_tensor(query_lengths), as_tensor(query_starts), as_tensor(key_lengths), torch.cat(keys))
 
+    def chunked(self, chunk_size: int) -> PackedSeqInfo:
+        """These samples cut into chunks of ``chunk_size`` tokens counted from each sample's start (the last chunk of
+        a sample may be shorter), cached on this object.
+
+        Chunked attention (llama4: a query sees the keys of its own chunk only, causally) over packed samples is
+        packed attention over their chunks, so every backend runs it unchanged. Lengths ``[5, 2]``, ``chunk_size`` 2
+        -> ``[2, 2, 1, 2]``. In a branched batch chunks are counted by position, and a branch continues its prefix's
+        positions: a prefix is cut from its start; a branch's first piece, up to the next multiple of ``chunk_size``
+        of its positions, is a branch of the prefix's last chunk when that chunk is not full (so it sees the prefix
+        tokens of its own chunk); the rest of the branch is cut into whole chunks that start fresh. Example,
+        ``chunk_size`` 3, p, c, r of lengths 4, 3, 2 (positions 0-3, 4-6, 4-5): p -> ``[3, 1]``, c -> ``[2, 1]``, r ->
+        ``[2]``; parents ``[-1, -1, 1, -1, 1]``.
+
+        Raises:
+            ValueError: ``chunk_size`` is not a positive number of tokens.
+        """
+        chunk_size = int(chunk_size)
+        if chunk_size <= 0:
+            raise ValueError(f"attention_chunk_size must be a positive number of tokens, got {chunk_size}.")
+        if self.max_seqlen <= chunk_size and not self.is_branched:  # a branch's positions continue its prefix's
+            return self
+        build = self._chunked_branches if self.is_branched else self._chunked_samples
+        return self.plan("chunked", chunk_size, lambda: build(chunk_size))
+
+    def _chunked_samples(self, chunk_size: int) -> PackedSeqInfo:
+        lengths = self.seq_lengths.to(torch.int64)
+        chunks = (lengths + chunk_size - 1) // chunk_size  # (num_seqs,) chunks per sample
+        sizes = torch.full((int(chunks.sum()),), chunk_size, dtype=torch.int64)
+        sizes[torch.cumsum(chunks, 0) - 1] = lengths - (chunks - 1) * chunk_size  # each sample's last chunk
+        return PackedSeqInfo(sizes.to(torch.int32), batch_size=self.batch_size, seq_len=self.seq_len)
+
+    def _chunked_branches(self, chunk_size: int) -> PackedSeqInfo:
+        sizes: list[int] = []
+        parents: list[int] = []
+        last_chunk: dict[int, tuple[int, int]] = {}  # prefix sample -> (index of its last chunk, tokens in it)
+        for index, (length, parent) in enumerate(zip(self.seq_lengths.tolist(), self.seq_parents.tolist())):
+            if parent >= 0:
+                chunk, filled = last_chunk[parent]
+                if filled < chunk_size:
+                    first = min(length, chunk_size - filled)
+                    sizes.append(first)
+                    parents.append(chunk)
+                    length -= first
+            whole, rest = divmod(length, chunk_size)
+            pieces = [chunk_size] * whole + ([rest] if rest else [])
+            sizes += pieces
+            parents += [-1] * len(pieces)
+            if parent < 0:
+                last_chunk[index] = (len(sizes) - 1, pieces[-1])
+        return PackedSeqInfo(
+            torch.tensor(sizes, dtype=torch.int32),
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            seq_parents=torch.tensor(parents, dtype=torch.int64),
+        )
+
     def plan(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
         """The value ``owner`` cached under ``key`` for these samples, made by ``build()`` on first use.
 
@@ -515,3 +586,64 @@ class PackedSeqInfo:
         if key not in plans:
             plans[key] = build()
         return plans[key]
+
+
+def _is_2d_mask(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is a ``(B, T)`` padding mask (not a prepared 4D mask, nor a dict of masks by layer
+    type as ``generate`` passes with a static cache)."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+
+
+def hides_nothing(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is absent or a 2D mask of ones (a padding-free batch that carries one anyway)."""
+    if attention_mask is None:
+        return True
+    return _is_2d_mask(attention_mask) and bool(attention_mask.bool().all())
+
+
+def detect_packed(
+    batch_size: int,
+    seq_len: int,
+    *,
+    packed_seq_lengths: torch.Tensor | None = None,
+    packed_seq_parents: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: Any = None,
+    cached: int = 0,
+) -> PackedSeqInfo | None:
+    """The one detector of a packed batch: its metadata, or ``None`` when the batch is not packed.
+
+    The keyword arguments are the batch's keys of the same names. A batch of ``batch_size`` rows of ``seq_len`` tokens
+    is packed when it carries packing metadata (``packed_seq_lengths`` ``(num_seqs,)`` int, else ``cu_seq_lens_q``
+    ``(num_seqs + 1,)`` int32, zero-prefixed), or when ``position_ids`` ``(B, T)`` or ``(1, T)`` int restart inside a
+    row and the batch has more than one token, no ``cached`` tokens before it and no ``attention_mask`` (or a
+    ``(B, T)`` one of all ones; a 4D mask counts as one that hides tokens). With metadata the mask is not looked at
+    (the caller checks it); the collator's ``cu_seq_lens_q`` and ``max_length_q`` are adopted, not derived again
+    (:meth:`PackedSeqInfo.from_seq_lengths`). ``packed_seq_parents`` ``(num_seqs,)`` int (with ``packed_seq_lengths``
+    only): for each sample, -1 or the index of the earlier sample whose prefix it continues (branched segments, e.g.
+    a DPO prompt with its chosen and rejected completions).
+
+    The decoder hook (:mod:`unpack_trainer.models.packed_forward`, once per forward) and a direct call of the packed
+    attention helper (:func:`unpack_trainer.patches.attention.packed_attention_forward` without the hook) both decide
+    with it.
+    """
+    if packed_seq_lengths is not None:
+        return PackedSeqInfo.from_seq_lengths(
+            packed_seq_lengths,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seq_parents=packed_seq_parents,
+            cu_seqlens=cu_seq_lens_q,
+            max_seqlen=max_length_q,
+        )
+    if cu_seq_lens_q is not None:
+        return PackedSeqInfo.from_cu_seqlens(
+            cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, max_seqlen=max_length_q
+        )
+    if position_ids is None or seq_len <= 1 or cached or not hides_nothing(attention_mask):
+        return None
+    if position_ids.shape[0] != batch_size:
+        position_ids = position_ids.expand(batch_size, -1)
+    return PackedSeqInfo.from_position_ids(position_ids)

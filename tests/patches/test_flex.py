@@ -11,7 +11,7 @@ from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention import ENV_BACKEND, REGISTRY, choose_backend, packed_attention_forward
 from unpack_trainer.patches.attention import flex as flex_backend
 
-pytestmark = pytest.mark.skipif(flex_backend.kernel() is None, reason="this torch has no flex_attention")
+pytestmark = pytest.mark.skipif(flex_backend.BACKEND.kernel.get() is None, reason="this torch has no flex_attention")
 
 
 class FakeModule(torch.nn.Module):
@@ -213,7 +213,7 @@ def test_flex_is_chosen_on_cuda_for_what_varlen_kernels_cannot_apply(monkeypatch
     UNPACK_ATTENTION_BACKEND=flex runs it anywhere."""
     monkeypatch.delenv(ENV_BACKEND, raising=False)
     varlen = REGISTRY["torch_varlen"]
-    monkeypatch.setitem(REGISTRY, "torch_varlen", varlen._replace(unavailable_reason=lambda device, dtype: None))
+    monkeypatch.setitem(REGISTRY, "torch_varlen", varlen._replace(kernel=None, requires=None))
     cuda = torch.device("cuda")
     for quirks in ({}, {"softcap": True}, {"sinks": True}, {"alibi": True}):
         assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa", **quirks).name != "flex"
@@ -234,7 +234,7 @@ def test_one_compiled_kernel_per_shape_class(monkeypatch):
     real_compile = torch.compile
 
     def stand_in_compile(function, **options):
-        if function is not flex_backend.kernel():
+        if function is not flex_backend.BACKEND.kernel.get():
             return real_compile(function, **options)  # flex's unfused path compiles its own pieces
         compiled.append(options)
         return function

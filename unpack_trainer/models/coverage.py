@@ -138,9 +138,9 @@ class _Spies:
     def active(self):
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-        from unpack_trainer.patches import attention
+        from unpack_trainer.patches.attention import REGISTRY
 
-        backends = dict(attention._BACKEND_FUNCTIONS)
+        backends = dict(REGISTRY)
         # transformers' own mask functions: the class-wide registry (a patched model's routing, in the per-instance
         # mapping, calls them when it does not skip the mask); the originals are registered back afterwards.
         masks = dict(mask_functions())
@@ -160,13 +160,13 @@ class _Spies:
             return spy
 
         try:
-            for name, function in backends.items():
-                attention._BACKEND_FUNCTIONS[name] = backend_spy(function)
+            for name, record in backends.items():
+                REGISTRY[name] = record._replace(forward=backend_spy(record.forward))
             for name, function in masks.items():
                 ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_spy(name, function))
             yield self
         finally:
-            attention._BACKEND_FUNCTIONS.update(backends)
+            REGISTRY.update(backends)
             for name, function in masks.items():
                 ALL_MASK_ATTENTION_FUNCTIONS.register(name, function)
 

@@ -26,7 +26,8 @@ whatever it is), decides ([`_unpack_before_init`]), runs TRL's ``__init__`` with
 
 Class attributes: ``unpack_config_class`` (our config class, e.g. [`unpack_trainer.SFTConfig`]; any other
 ``TrainingArguments`` is converted to it), ``unpack_trl_class`` (the TRL trainer class behind the mixin, whose private
-names [`unpack_trainer._trl_compat`] checks), ``unpack_name`` (the start line's prefix) and ``unpack_packs_in``. The
+names [`unpack_trainer._trl_compat`] checks), ``unpack_name`` (the start line's prefix) and ``unpack_packs_in``; the
+first three are read from the trainer's entry in [`unpack_trainer.trainers.TRAINERS`] and its TRL base class. The
 core reads from the config only what it has: TRL's fields the decision reads (``packing``, ``padding_free``,
 ``max_length``, ...) and ours (``loss_normalization``, ``balance_samples_per_step``; see [`unpack_trainer.SFTConfig`]
 for their meaning; a config without them trains with TRL's token loss and TRL's sampler).
@@ -54,9 +55,8 @@ from unpack_trainer import _trl_compat
 from unpack_trainer._compat import attention_implementation
 from unpack_trainer._logging import log_once
 from unpack_trainer.configs import convert_config
-from unpack_trainer.data.packing import attention_cost_ratio, row_costs
 from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
-from unpack_trainer.data.sampler import BalancedStepSampler
+from unpack_trainer.data.sampler import BalancedStepSampler, attention_cost_ratio, row_costs
 from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
@@ -191,6 +191,20 @@ class PackedTrainerMixin:
     unpack_packs_in: str = "collator"
     _unpack_trl_methods: tuple[str, ...] = ()  # private methods of the TRL class the subclass relies on
     _unpack_trl_attributes: tuple[str, ...] = ()  # attributes TRL's __init__ sets that the subclass reads
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A trainer declared in [`unpack_trainer.trainers.TRAINERS`] takes what its entry says: ``unpack_name`` (its
+        class name), ``unpack_config_class`` (the entry's config class); and ``unpack_trl_class``, the TRL trainer
+        class it derives from. A user's subclass inherits them."""
+        super().__init_subclass__(**kwargs)
+        from unpack_trainer.trainers import TRAINERS
+
+        spec = next((spec for spec in TRAINERS if spec.trainer_module == cls.__module__), None)
+        if spec is None or spec.trainer != cls.__name__:
+            return
+        cls.unpack_name = spec.trainer
+        cls.unpack_config_class = spec.config_class()
+        cls.unpack_trl_class = next(base for base in cls.__mro__ if base.__module__.split(".")[0] == "trl")
 
     # ------------------------------------------------------------------------------------------------ hooks
 
@@ -373,7 +387,8 @@ class PackedTrainerMixin:
             # An impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable.
             resolve_backend(self.model, compute_dtype=_autocast_dtype(self.args))
             for model in self._unpack_models():
-                patch_model(model)
+                # torch_compile=True: the packed metadata is planned on the host before the compiled layers.
+                patch_model(model, compiled=bool(getattr(self.args, "torch_compile", False)))
         self._unpack_checked = False  # the self-check runs right before the first data loader is built
 
     def get_train_dataloader(self) -> Any:
@@ -523,7 +538,7 @@ class PackedTrainerMixin:
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         """With ``balance_samples_per_step`` and packed rows: a sampler whose optimizer steps hold balanced numbers of
-        samples ([`unpack_trainer.data.packing.balanced_step_order`]); otherwise the Trainer's own sampler."""
+        samples ([`unpack_trainer.data.sampler.balanced_step_order`]); otherwise the Trainer's own sampler."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
         args = self.args
         if (

@@ -14,7 +14,6 @@ import trl
 from datasets import Dataset, IterableDataset
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.configs import SFTConfig
 from unpack_trainer.data.collator import DataCollatorForPacking
 from unpack_trainer.data.estimate import estimated_speedup
 from unpack_trainer.data.preparation import (
@@ -44,9 +43,6 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     field copied and ours at their documented defaults).
     """
 
-    unpack_config_class = SFTConfig
-    unpack_trl_class = trl.SFTTrainer
-    unpack_name = "SFTTrainer"
     _unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
 
@@ -170,7 +166,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
                     order=args.packing_order,
                     max_samples_per_row=args.max_samples_per_row,
                     window=args.packing_window if args.packing_order == "windowed" else None,
-                    # every process gets as many full batches: no row repeated to even them out (issue 20 item 4)
+                    # every process gets as many full batches: no row repeated to even them out
                     rows_multiple_of=args.per_device_train_batch_size * args.world_size if args.world_size > 1 else 1,
                 )
             stats = {"samples": int(lengths.size), "tokens": int(lengths.sum()), "lengths": lengths}

@@ -33,13 +33,13 @@ PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenizers", ("tokenizers",)),
     ("numpy", ("numpy",)),
 )
+# Besides the optional kernels of the attention backends, each declared by its backend's record
+# (unpack_trainer.patches.attention.REGISTRY: its kernel's ``distributions``).
 OPTIONAL_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("flash-attn", ("flash-attn", "flash_attn")),
     ("flash-linear-attention", ("flash-linear-attention",)),
     ("fla-core", ("fla-core",)),
     ("causal-conv1d", ("causal-conv1d", "causal_conv1d")),
     ("mamba-ssm", ("mamba-ssm", "mamba_ssm")),
-    ("xformers", ("xformers",)),
     ("triton", ("triton", "pytorch-triton")),
     ("bitsandbytes", ("bitsandbytes",)),
     ("liger-kernel", ("liger-kernel", "liger_kernel")),
@@ -47,6 +47,7 @@ OPTIONAL_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 NOT_INSTALLED = "not installed"
 
+_HELP = "print versions, devices, kernels and what the patch does with a model (for bug reports)"
 _DESCRIPTION = """\
 Print the versions, devices and kernels that decide how unpack_trainer packs, to paste into a bug report. With
 --model, also what the patch does with that model: patched or refused (and why), the packed attention backend it
@@ -65,13 +66,7 @@ examples:
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Add ``env`` to the ``unpack-trainer`` subcommands."""
-    parser = add_command_parser(
-        subparsers,
-        "env",
-        help="print versions, devices, kernels and what the patch does with a model (for bug reports)",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-    )
+    parser = add_command_parser(subparsers, "env", _HELP, _DESCRIPTION, _EPILOG)
     parser.add_argument(
         "--model",
         metavar="PATH_OR_TYPE",
@@ -130,7 +125,8 @@ def _devices() -> list[dict[str, Any]]:
 
 def environment() -> dict[str, Any]:
     """Versions of unpack_trainer, python, the libraries it runs on (:data:`PACKAGES`) and the optional kernel
-    packages (:data:`OPTIONAL_PACKAGES`, ``"not installed"`` where absent), and the devices torch sees."""
+    packages (the attention backends' kernels, then :data:`OPTIONAL_PACKAGES`; ``"not installed"`` where absent), and
+    the devices torch sees."""
     import torch
 
     from unpack_trainer import __version__
@@ -141,10 +137,18 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "packages": {name: _version(dists) for name, dists in PACKAGES},
         "torch_cuda": torch.version.cuda or "none (CPU build)",
-        "optional_packages": {name: _version(dists) for name, dists in OPTIONAL_PACKAGES},
+        "optional_packages": {name: _version(dists) for name, dists in (*_attention_kernels(), *OPTIONAL_PACKAGES)},
         "devices": _devices(),
         "attention_backends": _backends(),
     }
+
+
+def _attention_kernels() -> list[tuple[str, tuple[str, ...]]]:
+    """``(name, distributions)`` of every optional kernel an attention backend declares."""
+    from unpack_trainer.patches.attention import REGISTRY
+
+    kernels = [record.kernel for record in REGISTRY.values() if record.kernel is not None]
+    return [(kernel.name, kernel.distributions) for kernel in kernels if kernel.distributions]
 
 
 def _backends() -> dict[str, dict[str, str]]:

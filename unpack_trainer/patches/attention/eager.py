@@ -10,13 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
-from unpack_trainer.patches.attention.bucket_masks import (
-    additive_mask,
-    alibi_bias,
-    branch_additive_mask,
-    branched_buckets,
-)
+from unpack_trainer.patches.attention._common import CallOptions, bucket_backend, repeat_heads, tokens_major
+from unpack_trainer.patches.attention.bucket_masks import additive_mask, alibi_bias, branch_additive_mask
 from unpack_trainer.patches.buckets import BucketPlan, attention_plan, bucketed, key_bucketed, unbucketed
 
 __all__ = ["BACKEND"]
@@ -96,11 +91,7 @@ def buckets_forward(
     return unbucketed(outputs, plan, batch_size, seq_len)
 
 
-BACKEND = AttentionBackend(
-    name="eager",
-    capabilities=frozenset({"softcap", "sinks", "dropout", "alibi"}),
-    unavailable_reason=lambda device, dtype: None,
-    forward=forward,
-    branched_forward=branched_buckets(buckets_forward),
-    automatic=False,  # not a choice among the others: what remains when none of them can run or apply the call
+# Not a choice among the others: what remains when none of them can run or apply the call.
+BACKEND = bucket_backend(
+    "eager", frozenset({"softcap", "sinks", "dropout", "alibi"}), forward, buckets_forward, automatic=False
 )

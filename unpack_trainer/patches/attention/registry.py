@@ -1,21 +1,47 @@
 """The one table of packed attention backends, and the choice among them.
 
-Each backend module declares one :class:`~unpack_trainer.patches.attention._common.AttentionBackend` record (its name,
-what it can apply, why it cannot run for a device and compute dtype, its forward and branched forward); this module
-lists them once, in the order the automatic choice prefers them. Adding a backend is one new module and one entry in
-:data:`REGISTRY`.
+A packed batch holds several samples per row. Stock transformers (5.x) turns packed ``position_ids`` into a dense
+``(T, T)`` block-causal mask for SDPA and eager, so attention costs ``O(T**2)`` time and memory whatever the samples.
+This package computes the same result from the per-sample lengths, one module per backend (its docstring says what it
+runs and how it applies each feature). Each declares one :class:`~unpack_trainer.patches.attention._common.AttentionBackend`
+record: its name, what it can apply beyond causal attention (``capabilities``), the optional kernel it runs and what
+else it requires of a device, its forward and branched forward. :data:`REGISTRY` lists them once, in the order the
+automatic choice prefers them. Adding a backend is one new module and one entry in :data:`REGISTRY`; ``unpack-trainer
+env`` and the choice read everything else from the record.
+
+Worked example, one row of two samples of lengths 3 and 2::
+
+    position_ids        [[0, 1, 2, 0, 1]]
+    packed_seq_lengths  [3, 2]          int32
+    cu_seqlens          [0, 3, 5]       int32
+    max_seqlen          3
+
+Sliding-window attention (a query at position ``i`` sees keys ``j`` with ``i - sliding_window < j <= i``, as in
+transformers' masks), grouped-query attention (``num_kv_heads`` dividing ``num_heads``), any ``scaling`` and a value
+head dim different from the query head dim (MLA) work on every backend. What a backend cannot apply (a feature outside
+its ``capabilities``, a head dim outside its ``min_head_dim`` .. ``max_head_dim``; flex only on the devices of its ``automatic_device_types``) the automatic choice hands to one that can (logged once).
+
+Under ``torch.autocast`` attention computes in the autocast dtype: float32 q / k / v are cast to it and the backend
+is chosen for it (:func:`compute_dtype`).
+
+``UNPACK_ATTENTION_BACKEND=<name>`` forces a backend; asking for one that cannot run, or that cannot apply what the
+model asks for, is an error naming the variable. So is a ``backend=`` argument that cannot apply it (as transformers'
+own ``sdpa_attention_forward`` refuses ``softcap``).
+
+The packing metadata is computed once per forward on the CPU (:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`);
+each backend caches the index tensors it derives from it on that object (``PackedSeqInfo.plan``, one namespace per
+backend), so no layer synchronises with the device.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, MutableMapping
 from typing import NamedTuple
 
 import torch
 
 from unpack_trainer.patches.attention import eager, flash, flex, sdpa, torch_varlen, xformers
-from unpack_trainer.patches.attention._common import FEATURE_NAMES, AttentionBackend, BackendFunction
+from unpack_trainer.patches.attention._common import FEATURE_NAMES, AttentionBackend
 
 __all__ = [
     "BACKENDS",
@@ -27,6 +53,7 @@ __all__ = [
     "choose_backend",
     "compute_dtype",
     "features",
+    "fallback_for",
     "missing_features",
 ]
 
@@ -44,29 +71,6 @@ REGISTRY: dict[str, AttentionBackend] = {
 }
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 ENV_BACKEND = "UNPACK_ATTENTION_BACKEND"
-
-
-class _ForwardTable(MutableMapping):
-    """The registry's forwards by name, for spies (tests, :mod:`unpack_trainer.models.coverage`): setting an entry
-    replaces that record's ``forward``; the dispatch always calls ``REGISTRY[name].forward``."""
-
-    def __getitem__(self, name: str) -> BackendFunction:
-        return REGISTRY[name].forward
-
-    def __setitem__(self, name: str, function: BackendFunction) -> None:
-        REGISTRY[name] = REGISTRY[name]._replace(forward=function)
-
-    def __delitem__(self, name: str) -> None:
-        raise TypeError("backends are removed from REGISTRY, not from their forwards")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(REGISTRY)
-
-    def __len__(self) -> int:
-        return len(REGISTRY)
-
-
-_BACKEND_FUNCTIONS = _ForwardTable()
 
 
 def compute_dtype(
@@ -127,6 +131,16 @@ def missing_features(
     if record.min_head_dim is not None and smallest is not None and smallest < record.min_head_dim:
         missing.append(f"head_dim {smallest} (its kernel takes at least {record.min_head_dim})")
     return missing
+
+
+def fallback_for(wanted: frozenset[str]) -> AttentionBackend:
+    """The first backend of :data:`REGISTRY` that runs wherever torch does (no optional kernel, no requirement) and
+    applies ``wanted``: where a kernel hands over what it cannot take (a sample past its 32-bit offsets)."""
+    return next(
+        record
+        for record in REGISTRY.values()
+        if record.kernel is None and record.requires is None and not missing_features(record.name, wanted, None)
+    )
 
 
 def features(*, softcap: bool, sinks: bool, dropout: bool, alibi: bool = False) -> frozenset[str]:
