@@ -742,3 +742,52 @@ def test_start_line_is_info_once_with_the_shared_speedup_estimate(
         )
     overridden = [r for r in caplog.records if "mode=padded" in r.getMessage()]
     assert len(overridden) == 1 and overridden[0].levelno == logging.WARNING
+
+
+# ------------------------------------------------------------------------------------------------ parallelism
+
+
+@pytest.mark.parametrize("request_kwargs", [{"packing": True}, {"padding_free": True}])
+def test_context_parallelism_refuses_packed_rows_at_start(
+    tokenizer, tmp_path, request_kwargs, prompt_completion, sft_args, tiny_llama
+):
+    """accelerate's context parallelism runs SDPA with ``is_causal=True`` and no mask on a split row: packed rows
+    are refused before TRL's ``__init__`` (which would build the device mesh), with the reason and the fix."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    args = sft_args(tmp_path, parallelism_config=ParallelismConfig(cp_size=2), **request_kwargs)
+    with pytest.raises(ValueError, match=r"not supported with context parallelism \(cp_size=2\): .*is_causal=True"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=args,
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_parallelism_of_the_accelerator_is_checked_again_after_trl_init(
+    tokenizer, tmp_path, explicit, monkeypatch, caplog, prompt_completion, sft_args, tiny_llama
+):
+    """A parallelism config that reaches only the accelerator (an accelerate config file): automatic padding-free
+    falls back to padded batches with the reason, an explicit request is refused."""
+    reason = "sequence parallelism (sp_size=2, DeepSpeed Ulysses): it splits every row"
+    answers = iter([None, reason])  # the config's (before TRL's __init__), then the accelerator's
+    monkeypatch.setattr(trainer_module, "parallelism_reason", lambda *args: next(answers))
+    args = sft_args(tmp_path, **({"padding_free": True} if explicit else {}))
+    build = dict(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=args,
+        train_dataset=prompt_completion(),
+        processing_class=tokenizer,
+    )
+    if explicit:
+        with pytest.raises(ValueError, match=r"`padding_free=True` is not supported with sequence parallelism"):
+            SFTTrainer(**build)
+        return
+    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
+        trainer = SFTTrainer(**build)
+    assert trainer.unpack_decision.mode == "padded" and reason in trainer.unpack_decision.reason
+    assert not isinstance(trainer.data_collator, DataCollatorForPacking)
+    assert "seq_lengths" not in trainer.train_dataset.column_names
+    assert any(reason in record.getMessage() for record in caplog.records)

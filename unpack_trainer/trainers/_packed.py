@@ -57,7 +57,16 @@ from unpack_trainer.configs import convert_config
 from unpack_trainer.data.packing import attention_cost_ratio, row_costs
 from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
 from unpack_trainer.data.sampler import BalancedStepSampler
-from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
+from unpack_trainer.decision import (
+    PackingDecision,
+    decide,
+    env_flag,
+    eval_batches,
+    explicit_padding_free,
+    neftune_note,
+    parallelism_reason,
+    parallelism_refusal,
+)
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 
@@ -306,6 +315,7 @@ class PackedTrainerMixin:
             blocklist=blocklist,
             env=env,
             peft_config=peft_config,
+            parallelism=parallelism_reason(getattr(args, "parallelism_config", None), env),
         )
         self.unpack_decision = decision
         self._unpack_args = args
@@ -359,10 +369,26 @@ class PackedTrainerMixin:
             log_once(logger, level, self._unpack_eval_note)
         self._enable_sample_loss()
         if decision.packed:
+            self._refuse_sequence_splitting()
+        if self.unpack_decision.packed:
             self._enable_packed_path()
         self._log_start_line()
 
     # ------------------------------------------------------------------------------------------------ packed path
+
+    def _refuse_sequence_splitting(self) -> None:
+        """The parallelism the accelerator was built with, checked again (an accelerate config file reaches it
+        without ``args.parallelism_config``): packed rows it would split are refused (``ValueError``) when asked for,
+        and the automatic choice falls back to padded batches, logged with the reason."""
+        reason = parallelism_reason(getattr(self.accelerator, "parallelism_config", None), {})
+        if reason is None:
+            return
+        if getattr(self._unpack_args, "packing", False):
+            raise parallelism_refusal("packing=True", reason)
+        if explicit_padding_free(self._unpack_args):
+            raise parallelism_refusal("padding_free=True", reason)
+        log_once(logger, logging.INFO, f"{self.unpack_name}: automatic padding-free off ({reason})")
+        self._fall_back_to_padded(f"automatic padding-free off ({reason})")
 
     def _enable_packed_path(self) -> None:
         if self.unpack_packs_in == "collator":
