@@ -791,3 +791,29 @@ def test_parallelism_of_the_accelerator_is_checked_again_after_trl_init(
     assert not isinstance(trainer.data_collator, DataCollatorForPacking)
     assert "seq_lengths" not in trainer.train_dataset.column_names
     assert any(reason in record.getMessage() for record in caplog.records)
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+
+
+@pytest.mark.parametrize("mode", ["pack", "padding_free"])
+def test_a_training_step_reads_no_packing_metadata_back_from_the_device(
+    tokenizer, tmp_path, mode, monkeypatch, sft_args, sft_train
+):
+    """The collator hands the patched model its ``packed_seq_info`` (built on the host): with every metadata tensor
+    of the batch made unreadable from the host (on the meta device, as a GPU copy is to the host), a training step
+    runs and trains exactly as with readable ones."""
+    metadata = ("packed_seq_lengths", "cu_seq_lens_q", "cu_seq_lens_k")
+    args = dict(packing=mode == "pack", max_steps=2, per_device_train_batch_size=8)
+    reference, reference_result = sft_train(tokenizer, sft_args(tmp_path, **args))
+    original = SFTTrainer._prepare_inputs
+
+    def unreadable(self, inputs):
+        inputs = original(self, inputs)
+        assert "packed_seq_info" in inputs
+        return {key: value.to("meta") if key in metadata else value for key, value in inputs.items()}
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_inputs", unreadable)
+    trainer, result = sft_train(tokenizer, sft_args(tmp_path, **args))
+    assert trainer.unpack_decision.mode == mode and trainer.unpack_decision.patch
+    assert result.training_loss == reference_result.training_loss

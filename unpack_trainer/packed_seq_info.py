@@ -187,7 +187,7 @@ def restart_positions(seq_lengths: torch.Tensor, cu_seqlens: torch.Tensor | None
     return torch.arange(starts.numel(), dtype=torch.int64) - starts
 
 
-def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[int]) -> dict[str, torch.Tensor]:
+def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[int]) -> dict[str, Any]:
     """One packed row of samples that may continue an earlier one (shared prompts), under its batch keys.
 
     Args:
@@ -198,7 +198,8 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
     Returns:
         ``packed_input_ids`` ``(1, T)`` int64, ``packed_position_ids`` ``(1, T)`` int64 (restarting at 0 per sample,
         continuing the parent's positions in a branch), ``packed_seq_lengths`` ``(num_seqs,)`` int32 and
-        ``packed_seq_parents`` ``(num_seqs,)`` int64, on the CPU.
+        ``packed_seq_parents`` ``(num_seqs,)`` int64, on the CPU; and ``packed_seq_info``, the row's
+        :class:`PackedSeqInfo`, which the patched model's hook adopts (no metadata read back from the device).
 
     Example::
 
@@ -214,6 +215,7 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
         PACKED_POSITION_IDS_KEY: info.position_ids(),
         SEQ_LENGTHS_KEY: lengths,
         SEQ_PARENTS_KEY: parents,
+        INFO_KEY: info,
     }
 
 
@@ -401,7 +403,7 @@ class PackedSeqInfo:
             offsets = torch.where(parents >= 0, self.seq_lengths.to(torch.int64)[parents.clamp(min=0)], 0)
             positions = positions + torch.repeat_interleave(offsets, self.seq_lengths.to(torch.int64))
         positions = positions.view(self.batch_size, self.seq_len)
-        return positions if device is None else positions.to(device)
+        return positions if device is None else positions.to(device, non_blocking=True)
 
     def branch_units(self) -> tuple[PackedSeqInfo, torch.Tensor, torch.Tensor]:
         """The attention units of a branched batch: every branch with its prefix gathered in front, as plain samples.

@@ -298,7 +298,7 @@ def _decoder_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tup
 
 # Keys of the packed batch an outer model may not hand down to its decoder (bloom's and mpt's CausalLM forwards pass
 # only their named arguments): the outer hook carries them to the decoder hook.
-_CARRIED_KEYS = (*METADATA_KEYS, "position_ids")
+_CARRIED_KEYS = (INFO_KEY, *METADATA_KEYS, "position_ids")
 _CARRIED_ATTRIBUTE = "_unpack_carried_kwargs"
 _OUTER_ATTRIBUTE = "_unpack_trainer_outer"  # on the outer model: {"decoders": [qualified names], "hook_ids": [...]}
 

@@ -45,6 +45,7 @@ from unpack_trainer.packed_seq_info import (
 __all__ = [
     "RUNNING_FORWARDS",
     "PackedForwards",
+    "carried_info",
     "current_packed_info",
     "detect_packed",
     "make_mask_function",
@@ -181,6 +182,7 @@ def detect_packed(
     position_ids: torch.Tensor | None = None,
     attention_mask: Any = None,
     cached: int = 0,
+    packed_seq_info: PackedSeqInfo | None = None,
 ) -> PackedSeqInfo | None:
     """The one detector of a packed batch: its metadata, or ``None`` when the batch is not packed.
 
@@ -194,10 +196,17 @@ def detect_packed(
     only): for each sample, -1 or the index of the earlier sample whose prefix it continues (branched segments, e.g.
     a DPO prompt with its chosen and rejected completions).
 
+    ``packed_seq_info``: the batch's :class:`PackedSeqInfo`, built with the batch on the host (the collator's
+    ``packed_seq_info`` key, see :func:`carried_info`): adopted as it is after checking its shape against the batch,
+    and the other metadata keys are not read (on a GPU they are device copies: reading them would wait for the
+    device).
+
     :func:`packed_info_for_forward` (the model hook, once per forward) and
     :func:`unpack_trainer.patches.attention.packed_info_from_kwargs` (a direct call of the packed attention helper)
     both decide with it.
     """
+    if packed_seq_info is not None:
+        return carried_info(packed_seq_info, batch_size, seq_len)
     if packed_seq_lengths is not None:
         return PackedSeqInfo.from_seq_lengths(
             packed_seq_lengths,
@@ -223,7 +232,13 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
 
     ``kwargs`` are the keyword arguments of the decoder model's ``forward`` (``input_ids`` or ``inputs_embeds``,
     ``attention_mask``, ``position_ids``, ``past_key_values``, and the packing metadata ``packed_seq_lengths`` /
-    ``packed_seq_parents`` / ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
+    ``packed_seq_parents`` / ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``, or the
+    batch's own ``packed_seq_info``).
+
+    Device reads: a batch that carries its ``packed_seq_info`` (built by the collator on the host; the trainers' do)
+    is adopted and no metadata tensor is read, so a forward never waits for the device here. Metadata given only as
+    tensors on a device is read back once per forward (and ``cu_seq_lens_k``, when it is another tensor than
+    ``cu_seq_lens_q``, checked against it).
 
     The batch is packed when it carries packing metadata, or when it has no cached tokens, no ``attention_mask`` (or
     one of all ones) and ``position_ids`` that restart inside a row. On return ``kwargs["packed_seq_info"]`` holds the
@@ -250,9 +265,10 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     cached = cache_length(cache_argument(kwargs))  # `cache` since transformers 5.24, `past_key_values` before
 
     lengths, cu_q, max_q = kwargs.get(SEQ_LENGTHS_KEY), kwargs.get(CU_SEQ_LENS_Q_KEY), kwargs.get(MAX_LENGTH_Q_KEY)
-    explicit = lengths is not None or cu_q is not None
+    carried = kwargs.get(INFO_KEY)
+    explicit = carried is not None or lengths is not None or cu_q is not None
     parents = kwargs.pop(SEQ_PARENTS_KEY, None)
-    if parents is not None and lengths is None:
+    if parents is not None and lengths is None and carried is None:
         raise ValueError(f"`{SEQ_PARENTS_KEY}` needs `{SEQ_LENGTHS_KEY}` (the samples the parents refer to).")
     info = detect_packed(
         batch_size,
@@ -264,9 +280,11 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
         position_ids=position_ids,
         attention_mask=attention_mask,
         cached=cached,
+        packed_seq_info=carried,
     )
     if explicit:
-        _check_key_side(kwargs, info)
+        if carried is None:  # the batch's own metadata was built with it on the host: nothing to compare
+            _check_key_side(kwargs, info)
         if attention_mask is not None:
             if not _hides_nothing(attention_mask):
                 raise ValueError(
@@ -276,8 +294,10 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             kwargs["attention_mask"] = None
         if position_ids is None:
             kwargs["position_ids"] = info.position_ids(reference.device)
-        elif info.is_branched and not torch.equal(
-            position_ids.detach().cpu().expand(batch_size, -1), info.position_ids()
+        elif (
+            carried is None
+            and info.is_branched
+            and not torch.equal(position_ids.detach().cpu().expand(batch_size, -1), info.position_ids())
         ):
             raise ValueError(
                 f"`position_ids` do not match the branched samples (`{SEQ_PARENTS_KEY}`): every branch continues its "
@@ -295,6 +315,20 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
         # A cache of a packed row is of no use for generation (its keys span several samples): do not build one.
         kwargs["use_cache"] = False
     kwargs[INFO_KEY] = info
+    return info
+
+
+def carried_info(info: Any, batch_size: int, seq_len: int) -> PackedSeqInfo:
+    """``info``, a batch's own :class:`PackedSeqInfo` (its ``packed_seq_info`` key: built with the batch on the host
+    by the collator, so that no forward reads the metadata back from the device), checked against the batch's shape
+    ``(batch_size, seq_len)``; ``ValueError`` naming the key otherwise."""
+    if not isinstance(info, PackedSeqInfo):
+        raise ValueError(f"`{INFO_KEY}` must be a PackedSeqInfo or None, got {type(info).__name__}.")
+    if (info.batch_size, info.seq_len) != (batch_size, seq_len):
+        raise ValueError(
+            f"`{INFO_KEY}` describes {info.batch_size} row(s) of {info.seq_len} tokens but the batch has {batch_size} "
+            f"row(s) of {seq_len}."
+        )
     return info
 
 

@@ -71,6 +71,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
             pad_token_id=self._tokenizer.pad_token_id,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             completion_only_loss=self.completion_only_loss,
+            seq_info=self.unpack_decision.patch,  # the patched hook adopts it: no metadata read back from the GPU
         )
 
     def _padded_collator(self) -> Any:
