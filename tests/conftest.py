@@ -275,3 +275,22 @@ def liger_interpreted(monkeypatch):
         if _compat.liger_linear_cross_entropy() is None:
             pytest.skip("the installed Liger-Kernel has no per-token losses with forward gradients")
         _LIGER_INTERPRETED.append(True)
+    _interpret_floats_as_fp32(monkeypatch)
+
+
+def _interpret_floats_as_fp32(monkeypatch) -> None:
+    """Have Triton's interpreter pass a kernel's Python ``float`` arguments as fp32 scalars, as compiled Triton does
+    (the interpreter leaves them Python floats, a known gap of its: "TODO: wrap everything in triton tensors"), so
+    kernels that call ``.to`` on one (Liger-Kernel's RMSNorm, SwiGLU, softcapped cross-entropy) run interpreted."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._implicit_cvt
+
+    def implicit_cvt(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return convert(arg)
+
+    monkeypatch.setattr(interpreter, "_implicit_cvt", implicit_cvt)

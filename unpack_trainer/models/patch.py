@@ -26,7 +26,8 @@ be packed exactly). Then, on each decoder:
   the whole row, a decoder that builds its mask without ``position_ids`` such as BERT's): a ``ValueError``;
 - with ``rope=True``, where the modeling module's ``apply_rotary_pos_emb`` is Llama's, replaces it with
   :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result; restored when the last patched
-  model of that module is unpatched or collected);
+  model of that module is unpatched or collected, unless another library replaced it since: Liger-Kernel's RoPE,
+  applied by ``use_liger_kernel=True`` when training starts, stays);
 - on a sequence-classification model (``*ForSequenceClassification``), hooks that score each packed sequence at its
   own last non-pad token instead of one token per row, or refuse a packed forward with the reason
   (:mod:`unpack_trainer.models.classification_head`);
@@ -373,12 +374,17 @@ def _same_code(a: Any, b: Any) -> bool:
 
 
 def _llama_rope_module(modeling: types.ModuleType) -> bool:
-    """Whether ``modeling`` applies RoPE exactly as Llama does (``apply_rotary_pos_emb`` and ``rotate_half``)."""
+    """Whether ``modeling`` applies RoPE exactly as Llama does (``apply_rotary_pos_emb`` and ``rotate_half``), with
+    transformers' own function: one another library put there (Liger-Kernel's) is left to run."""
     from transformers.models.llama import modeling_llama as llama
 
     function = _rope_originals.get(modeling.__name__, getattr(modeling, "apply_rotary_pos_emb", None))
     reference = _rope_originals.get(llama.__name__, llama.apply_rotary_pos_emb)  # Llama's own may be replaced now
-    return _same_code(function, reference) and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
+    return (
+        getattr(function, "__module__", "").startswith("transformers.")
+        and _same_code(function, reference)
+        and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
+    )
 
 
 def _patch_rope(decoder: Decoder) -> tuple[str, ...]:
@@ -405,7 +411,12 @@ def _release_rope(modeling_module: str) -> None:
     if users is not None and next(iter(users), None) is not None:  # iterating skips decoders being collected
         return
     if modeling_module in _rope_originals:
-        importlib.import_module(modeling_module).apply_rotary_pos_emb = _rope_originals.pop(modeling_module)
+        from unpack_trainer.patches.rope import apply_rotary_pos_emb
+
+        original = _rope_originals.pop(modeling_module)
+        modeling = importlib.import_module(modeling_module)
+        if modeling.apply_rotary_pos_emb is apply_rotary_pos_emb:  # another library's since (Liger-Kernel's) stays
+            modeling.apply_rotary_pos_emb = original
 
 
 def _unpatch_rope(modules: tuple[str, ...], decoder: torch.nn.Module) -> None:

@@ -497,10 +497,25 @@ class PackedTrainerMixin:
             if not report.conclusive:
                 log_once(logger, logging.WARNING, f"Self-check inconclusive on this model: {report.summary()}")
             log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
+            if getattr(self.args, "use_liger_kernel", False):
+                self._log_liger_note()
             return
         what = report.failure()
         self._unpack_self_check_failed(f"Contamination self-check failed ({what}); training padded instead")
         self._fall_back_to_padded(f"contamination self-check failed: {what}")
+
+    def _log_liger_note(self) -> None:
+        """With ``use_liger_kernel=True`` (Liger's kernels applied by now): one line on whose RoPE, per-token kernels,
+        attention and loss run ([`unpack_trainer.trainers.liger.liger_note`])."""
+        from accelerate.utils import is_peft_model
+
+        from unpack_trainer.trainers.liger import liger_note
+
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if is_peft_model(model) else model
+        attention = _attention_backend(model, self.unpack_decision.patch, self.args)
+        note = liger_note(model, attention=attention, loss_kernel=getattr(self, "unpack_loss_kernel", None))
+        log_once(logger, logging.INFO, f"{self.unpack_name}: {note}")
 
     @staticmethod
     def _unpack_self_check_failed(message: str) -> None:
