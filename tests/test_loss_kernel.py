@@ -93,14 +93,12 @@ def _metrics(trainer, name):
     return [entry[name] for entry in trainer.state.log_history if name in entry]
 
 
-@pytest.mark.parametrize("mode", ["pack", "padding_free"])
-def test_liger_loss_trains_as_trl(liger_interpreted, tokenizer, tmp_path, mode, param_snapshot, sft_args, sft_train):
-    """fp32: two optimizer steps of two accumulated micro-batches (``num_items_in_batch`` across them, labels -100
-    at every sample start) with Liger's kernel == with TRL's: loss, every parameter, token accuracy; the entropy
-    metric, which Liger's kernel does not compute, is not logged."""
-    common = dict(
-        packing=mode == "pack", max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2
-    )
+def test_liger_loss_trains_as_trl(liger_interpreted, tokenizer, tmp_path, param_snapshot, sft_args, sft_train):
+    """fp32: two optimizer steps of two accumulated micro-batches of packed rows (``num_items_in_batch`` across them,
+    labels -100 at every sample start) with Liger's kernel == with TRL's: loss, every parameter, token accuracy; the
+    entropy metric, which Liger's kernel does not compute, is not logged. (Padding-free rows take the same path.)"""
+    mode = "pack"
+    common = dict(packing=True, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)
     stock, stock_result = sft_train(tokenizer, sft_args(tmp_path, loss_kernel="trl", **common))
     ours, ours_result = sft_train(tokenizer, sft_args(tmp_path, loss_kernel="liger", **common))
     assert ours.unpack_decision.mode == mode and (ours.unpack_loss_kernel, stock.unpack_loss_kernel) == ("liger", "trl")
@@ -113,7 +111,7 @@ def test_liger_loss_trains_as_trl(liger_interpreted, tokenizer, tmp_path, mode, 
 
 
 def test_liger_loss_runs_in_the_autocast_dtype_and_is_undone_by_the_fallback(
-    liger_interpreted, tokenizer, tmp_path, monkeypatch, sft_args, sft_train
+    liger_interpreted, tokenizer, tmp_path, monkeypatch, prompt_completion, sft_args, sft_train
 ):
     """``bf16=True`` with fp32 weights: Liger's kernel gets bf16 hidden states and head weight (no fp32 upcast); the
     environment switch chooses it; unpatching the model restores TRL's fused head."""
@@ -129,7 +127,8 @@ def test_liger_loss_runs_in_the_autocast_dtype_and_is_undone_by_the_fallback(
 
     monkeypatch.setattr(_compat, "liger_linear_cross_entropy", lambda: spy)
     monkeypatch.setenv("UNPACK_LOSS_KERNEL", "liger")
-    trainer, result = sft_train(tokenizer, sft_args(tmp_path, packing=True, bf16=True, per_device_train_batch_size=8))
+    args = sft_args(tmp_path, packing=True, bf16=True, per_device_train_batch_size=8)
+    trainer, result = sft_train(tokenizer, args, prompt_completion(n=8))
     assert trainer.unpack_loss_kernel == "liger" and torch.isfinite(torch.tensor(result.training_loss))
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
     liger_forward = trainer.model.forward
