@@ -1,7 +1,7 @@
 """Quality of packed DPO: held-out DPO loss and reward accuracy of stock ``trl.DPOTrainer`` (padded) vs
 ``unpack_trainer.DPOTrainer`` (packed rows, prefix sharing), paired per seed.
 
-    python benchmarks/bench_dpo_quality.py                 # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_dpo_quality.py                 # the table of docs/quality.md: 8 seeds x 3 arms, 2 processes
     python benchmarks/bench_dpo_quality.py --seeds 0 --train-pairs 64 --eval-pairs 32   # smoke test
 
 For each seed all arms start from the same initial weights (the policy is ``torch.manual_seed(seed)``'s tiny Llama,
@@ -32,7 +32,7 @@ Model: the default data's tiny Llama ([`unpack_trainer.data.default_data.tiny_mo
 MLP 128, 2 layers, 4 heads, 2 key/value heads) with the embedded tokenizer. Each (seed, arm) run is its own process
 with torch on one thread, ``--jobs`` at a time.
 
-Recorded run (README): python 3.11.7, torch 2.13.0+cpu, transformers 5.23.0, trl 1.16.0, 2 shared CPUs.
+Recorded run (docs/quality.md): python 3.11.7, torch 2.13.0+cpu, transformers 5.23.0, trl 1.16.0, 2 shared CPUs.
 """
 
 from __future__ import annotations

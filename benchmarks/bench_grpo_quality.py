@@ -1,7 +1,7 @@
 """Quality of packed GRPO: the reward curve of stock ``trl.GRPOTrainer`` (padded) vs ``unpack_trainer.GRPOTrainer``
 (packed forwards, each group's prompt shared), paired per seed, on a verifiable toy task.
 
-    python benchmarks/bench_grpo_quality.py                  # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_grpo_quality.py                  # the table of docs/quality.md: 8 seeds x 3 arms, 2 processes
     python benchmarks/bench_grpo_quality.py --seeds 0 --steps 20   # smoke test
 
 The task: a prompt is a few letters of ``abcd``; the reward of a completion is the share of its first

@@ -5,7 +5,7 @@ entropy, every gradient), the decision and its fallbacks, and the packed layout 
 A step generates with a tiny random model whose end-of-sequence logit is raised so that completions end at different
 lengths (right padding), from prompts of different lengths (left padding); 6 completions per step, 3 per prompt (two
 groups per batch, interleaved by TRL's shuffle before the loss). Bounds: fp32, relative to the largest entry of what is
-compared (``RTOL``); the measured floor is in the README's GRPO section.
+compared (``RTOL``); the measured floor is in docs/grpo.md, "Tests".
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ def test_default_windowed_rows_within_one_percent_of_best_fit_decreasing_on_long
 
 def test_windowed_packing_keeps_four_open_rows_when_they_fill_enough():
     """On short samples a window of 4 is within 1% already: the default is then exactly the fixed-4 packer (the one
-    the README's 15-seed quality table measured), and the choice is described."""
+    the 15-seed table of docs/quality.md measured), and the choice is described."""
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(180), 0.8, 20_000).round(), 8, 2048).astype(np.int64)
     packing = windowed_packing(lengths, 2048, seed=5)

@@ -73,8 +73,8 @@ class SFTConfig(trl.SFTConfig):
             Which samples share a row, with `packing=True`. `"windowed"`: samples are taken in a random order (seeded
             with `seed`), each into the best-fitting of the last few open rows (see `packing_window`), so a row
             holds samples that follow each other in that order, whatever their lengths, as a random padded batch
-            does; at most 1% more rows than best-fit decreasing (README, "Packing efficiency"). On the quality
-            benchmark (README, "Quality") this is the
+            does; at most 1% more rows than best-fit decreasing (docs/quality.md, "Packing efficiency"). On the quality
+            benchmark (docs/quality.md) this is the
             order whose held-out loss matches padded training. `"shuffled"`: samples placed in a random order with
             best fit over every open row, the shortest ones kept back to fill the gaps; rows at least 99.5% full,
             but a long sample's row is topped up with the shortest samples. `"decreasing"`: best-fit decreasing,
@@ -100,7 +100,7 @@ class SFTConfig(trl.SFTConfig):
             samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss
             (`eval_loss`: the mean over the evaluation set's samples, each evaluation batch weighed by its samples).
             Not supported with `loss_type="dft"`, label smoothing or a custom `compute_loss_func`. On the quality
-            benchmark's first, 2,000-sample run (README), `"sample"` raised the packed held-out loss per token by 0.12
+            benchmark's first, 2,000-sample run (docs/quality.md), `"sample"` raised the packed held-out loss per token by 0.12
             against padded training.
         loss_kernel (`str` or `None`, *optional*, defaults to `None`):
             The kernel that computes the loss of packed and padding-free rows (with the attention patch). `"trl"`:
@@ -124,7 +124,7 @@ class SFTConfig(trl.SFTConfig):
             instead (logged once).
             With one row per step it has nothing to balance (the rows are then drawn at random as usual). With
             best-fit rows (`packing_order="shuffled"`) it brought the packed held-out loss from +0.035 to +0.004 of
-            the padded run's on 2,000 samples, but not at full data (+0.040, README). The default (windowed rows,
+            the padded run's on 2,000 samples, but not at full data (+0.040, docs/quality.md). The default (windowed rows,
             balanced) is what the benchmark measured at parity; windowed rows without it were not measured.
         attention_cost_ratio (`float` or `None`, *optional*, defaults to `None`):
             With `balance_samples_per_step` and several data-parallel processes: `b / a` in the cost model `a *

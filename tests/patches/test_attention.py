@@ -935,7 +935,7 @@ def test_choose_torch_varlen(monkeypatch):
     assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # varlen_attn needs half precision
     assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
     # Quirks the kernel cannot apply go to the next backend that can.
-    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True).name == "eager"
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True).name == "flex"  # eager on the CPU
     assert choose_backend(cuda, torch.bfloat16, "sdpa", dropout=True).name == "xformers"
     assert choose_backend(cuda, torch.bfloat16, "sdpa", head_dim=320).name == "xformers"
     monkeypatch.setattr(
@@ -1210,8 +1210,12 @@ def test_real_kernels(backend, device, window, monkeypatch):
 @pytest.mark.parametrize(("dim", "v_dim"), [(192, 128), (20, 12)])
 def test_real_kernels_value_head_dim(backend, device, dim, v_dim, monkeypatch):
     """MLA shapes (deepseek_v3: 192 / 128) and head dims that are not a multiple of 8, on the real kernels."""
-    if backend == "flex" and dim < 16:
-        pytest.skip("flex_attention's kernel takes head dims of 16 or more")
+    if backend == "flex" and min(dim, v_dim) < 16:
+        # A reason, not inductor's crash: the forced choice is refused and the automatic one skips flex.
+        q, k, v = random_qkv(REAL_LENGTHS, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, device=device)
+        with pytest.raises(ValueError, match=f"cannot apply head_dim {min(dim, v_dim)} \\(its kernel takes at least 16\\)"):
+            packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **info_kwargs(REAL_LENGTHS))
+        return
     _check_fwd_bwd_against_reference(
         backend,
         device,
@@ -1223,6 +1227,20 @@ def test_real_kernels_value_head_dim(backend, device, dim, v_dim, monkeypatch):
         dim=dim,
         v_dim=v_dim,
     )
+
+
+@pytest.mark.parametrize(("dim", "v_dim"), [(12, 12), (32, 12), (12, 32)])
+def test_flex_refuses_head_dims_below_its_kernels_limit(dim, v_dim, monkeypatch):
+    """Compiled flex takes query, key and value head dims of 16 or more: a smaller one is a reason (a forced choice
+    is refused, naming the dim and the limit), never inductor's NYI crash inside a training step."""
+    q, k, v = random_qkv(REAL_LENGTHS, heads=4, kv_heads=2, dim=dim, v_dim=v_dim)
+    message = "cannot apply head_dim 12 \\(its kernel takes at least 16\\)"
+    with pytest.raises(ValueError, match=message):
+        packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **info_kwargs(REAL_LENGTHS))
+    monkeypatch.setenv(attention.ENV_BACKEND, "flex")
+    with pytest.raises(ValueError, match=message):
+        attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa", head_dim=max(dim, v_dim), min_head_dim=12)
+    assert not attention.missing_features("flex", frozenset(), 32, 16)
 
 
 @pytest.mark.parametrize(("backend", "device"), _cases(["flash", "flex", "sdpa", "eager"]))
@@ -1345,7 +1363,7 @@ def test_alibi_hands_over_from_a_kernel_that_cannot(cpu_kernels, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flash", "sdpa", "eager"])
 def test_real_kernels_alibi_on_cuda(backend, monkeypatch):
-    _force_available_backend(backend, monkeypatch)
+    _force_available_backend(backend, "cuda", monkeypatch)
     lengths = [40, 1, 97, 3, 64, 11]
     q, k, v = random_qkv(lengths, heads=8, kv_heads=8, dim=64, dtype=torch.bfloat16, device="cuda")
     slopes = torch.tensor([2.0 ** -(i + 1) for i in range(8)], device="cuda")

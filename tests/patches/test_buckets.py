@@ -74,7 +74,7 @@ def output_and_grads(backend: str, info: PackedSeqInfo, inputs, **options) -> li
     for x in inputs:
         x.grad = None
     out, _ = packed_attention_forward(FakeModule(), *inputs, None, backend=backend, packed_seq_info=info, **options)
-    weight = torch.linspace(-1, 1, out.numel()).view_as(out)
+    weight = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     (out * weight).sum().backward()
     return [out.detach()] + [x.grad.clone() for x in inputs]
 

@@ -432,11 +432,11 @@ def windowed_packing(
     open row closes if ``window`` rows are open, and a new row opens; a row that is exactly full closes at once. So a
     row holds samples that are close in the random order, whatever their lengths, and the window fills the gaps. No
     sample is chosen for its length (a long sample is not systematically paired with the shortest ones): on the
-    quality benchmark this is what brings the packed held-out loss to the padded one (README, "Quality").
+    quality benchmark this is what brings the packed held-out loss to the padded one (docs/quality.md).
 
     How full the rows get with a small window depends on the lengths: with ``window=4`` and rows of 2,048 tokens,
     lognormal lengths of median 180 take 0.8% more rows than best-fit decreasing, median 600 4.4%, uniform 700-1,400
-    14.8% (README, "Packing efficiency"). With ``window=None`` (the default) the window starts at 4 and doubles until
+    14.8% (docs/quality.md, "Packing efficiency"). With ``window=None`` (the default) the window starts at 4 and doubles until
     the rows are at most ``1 + max_extra_rows`` times best-fit decreasing's (or no row closes with room left, so a
     wider window changes nothing; once a doubling gains no row, the next try is the unbounded window); if even that is not enough, the shortest samples are kept back as fillers (a share
     of the tokens starting at 5% and doubling; all samples at worst, which is best-fit decreasing with shuffled

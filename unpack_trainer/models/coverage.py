@@ -15,7 +15,7 @@ attention chunk smaller than the samples where the config has one) and returns o
 - ``"skipped"``: not a decoder-only text model, or it cannot be built here; the reason says which;
 - ``"failed"``: a check did not hold (never expected: ``tests/models/test_coverage.py`` fails on it).
 
-``python -m unpack_trainer.models --coverage`` prints the table (``--write-readme`` puts it into README.md). What the
+``python -m unpack_trainer.models --coverage`` prints the table (``--write-docs`` puts it into docs/models.md). What the
 runs verified is kept in :mod:`unpack_trainer.models.verified` (the patch reads it without running a check); the
 coverage test keeps it exact on the release installed.
 """

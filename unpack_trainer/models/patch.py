@@ -619,8 +619,8 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 def attention_features(model: torch.nn.Module) -> dict[str, Any]:
     """What the attention of ``model`` applies that a packed backend must be able to: ``softcap`` (logit softcapping,
-    ``config.attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter of an attention module) and ``head_dim``
-    (the largest query / value head dim, ``None`` when unknown): the keyword arguments of
+    ``config.attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter of an attention module), ``head_dim`` and
+    ``min_head_dim`` (the largest and smallest query / value head dims, ``None`` when unknown): the keyword arguments of
     :func:`unpack_trainer.patches.attention.choose_backend` besides the device, dtype and implementation. Works on a
     model built on the ``meta`` device."""
     config = pretrained_model(model).config.get_text_config()
@@ -636,6 +636,7 @@ def attention_features(model: torch.nn.Module) -> dict[str, Any]:
         "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
         "sinks": any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()),
         "head_dim": max(head_dims) if head_dims else None,
+        "min_head_dim": min(head_dims) if head_dims else None,
     }
 
 

@@ -16,7 +16,8 @@ for a device and compute dtype, forward, branched forward) listed once in
   sample, where causal attention of real tokens never sees it; :mod:`unpack_trainer.patches.buckets`) and run in one
   causal call, so memory is linear in ``T`` and thousands of tiny samples cost a handful of calls;
 - ``flex``: ``torch.nn.attention.flex_attention`` with one block mask per batch built from the samples' bounds
-  (compiled on CUDA, forward only on the CPU); not chosen automatically until measured on a GPU;
+  (compiled on CUDA, forward only on the CPU); chosen automatically on CUDA for what the varlen kernels cannot
+  apply (softcap, sinks, ALiBi, float32 compute), before SDPA;
 - ``eager``: the same buckets with an explicit ``softmax(QK^T * scaling + mask) V``, the readable reference.
 
 Worked example, one row of two samples of lengths 3 and 2::

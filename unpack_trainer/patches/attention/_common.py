@@ -101,7 +101,9 @@ class AttentionBackend(NamedTuple):
         branched_forward: its own path for branched batches (:class:`BranchedFunction`), or ``None``: always the
             ``[prefix; branch]`` units.
         max_head_dim: the largest query / value head dim its kernel takes; ``None``: any.
+        min_head_dim: the smallest query / value head dim its kernel takes; ``None``: any.
         automatic: whether the automatic choice considers it (in the registry's order).
+        automatic_device_types: the device types where it does (``None``: every device it runs on).
     """
 
     name: str
@@ -111,6 +113,8 @@ class AttentionBackend(NamedTuple):
     branched_forward: BranchedFunction | None = None
     max_head_dim: int | None = None
     automatic: bool = True
+    min_head_dim: int | None = None
+    automatic_device_types: tuple[str, ...] | None = None
 
 
 def tokens_major(x: Tensor) -> Tensor:

@@ -43,7 +43,8 @@ def _choice_for(
     """The automatic (or forced) backend of one call, decided once per batch and set of features; a hand-over from
     the backend chosen for plain attention to one that can apply the call's features is logged once."""
     head_dim = max(query.shape[-1], value.shape[-1])
-    flags = (softcap, sinks, dropout, head_dim, alibi)
+    min_head_dim = min(query.shape[-1], value.shape[-1])
+    flags = (softcap, sinks, dropout, head_dim, min_head_dim, alibi)
     key = (str(query.device), query.dtype, original, flags, os.environ.get(ENV_BACKEND))
 
     def build() -> BackendChoice:
@@ -56,11 +57,12 @@ def _choice_for(
             dropout=dropout,
             head_dim=head_dim,
             alibi=alibi,
+            min_head_dim=min_head_dim,
         )
         plain = choose_backend(query.device, query.dtype, original)
         if plain.name != choice.name:
             wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
-            missing = missing_features(plain.name, wanted, head_dim)
+            missing = missing_features(plain.name, wanted, head_dim, min_head_dim)
             log_once(
                 logger,
                 logging.WARNING,
@@ -182,8 +184,10 @@ def packed_attention_forward(
         wanted = features(
             softcap=softcap is not None, sinks=sinks is not None, dropout=dropout > 0, alibi=alibi_slopes is not None
         )
-        largest_head_dim = max(head_dim, value.shape[-1])
-        check_explicit_backend(backend, query.device, query.dtype, wanted, largest_head_dim, from_env=False)
+        dims = (head_dim, value.shape[-1])
+        check_explicit_backend(
+            backend, query.device, query.dtype, wanted, max(dims), from_env=False, min_head_dim=min(dims)
+        )
     options = CallOptions(scaling, dropout, sliding_window, softcap, sinks, module, alibi_slopes)
     if info.is_branched:
         return _branched(backend, query, key, value, info, options), None

@@ -46,6 +46,9 @@ __all__ = ["BACKEND", "block_mask", "padded_length"]
 BLOCK_SIZE = 128
 # Device types where flex runs compiled (tests may add "cpu").
 COMPILE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+# The smallest query / key / value head dim inductor's flex_attention kernel takes ("NYI: embedding dimension of the
+# query, key, and value must be at least 16").
+MIN_HEAD_DIM = 16
 # Recompilations allowed for the compiled kernel while a packed call runs (torch's default is 8): one per shape class
 # and variant of the mask / score functions (window or not, softcap, ALiBi), over a whole run.
 RECOMPILE_LIMIT = 64
@@ -324,8 +327,10 @@ BACKEND = AttentionBackend(
     unavailable_reason=unavailable_reason,
     forward=forward,
     branched_forward=forward,  # the layout's parents: a branch sees its prefix and itself, every query once
-    # Not in the automatic order until benchmarks/bench_gpu.py measures it against torch_varlen on a GPU (issue 26:
-    # 1.3x faster at 8k-64k tokens on an H200 with a mask from create_block_mask; this block mask is unmeasured).
-    # Set to True, with its line placed before the backend it beats in REGISTRY, to let the automatic choice take it.
-    automatic=False,
+    min_head_dim=MIN_HEAD_DIM,
+    # Automatic on CUDA, after the varlen kernels and before SDPA's buckets (benchmarks/RESULTS_gpu.md, H200): in a
+    # training step on rows of 4,096 it ran 0.90x torch's varlen_attn, so it takes the calls varlen kernels cannot
+    # (softcap, sinks, ALiBi, float32 compute), where the alternative is SDPA's or eager's buckets. Not on the CPU:
+    # torch has no flex backward there.
+    automatic_device_types=COMPILE_DEVICE_TYPES,
 )

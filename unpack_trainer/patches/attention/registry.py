@@ -114,12 +114,18 @@ class BackendChoice(NamedTuple):
         return f"{self.name} ({self.reason})"
 
 
-def missing_features(backend: str, wanted: frozenset[str], head_dim: int | None) -> list[str]:
-    """What ``backend`` cannot apply of ``wanted`` (keys of :data:`FEATURE_NAMES`) and ``head_dim``, described."""
+def missing_features(
+    backend: str, wanted: frozenset[str], head_dim: int | None, min_head_dim: int | None = None
+) -> list[str]:
+    """What ``backend`` cannot apply of ``wanted`` (keys of :data:`FEATURE_NAMES`), of ``head_dim`` (the largest
+    query / value head dim) and of ``min_head_dim`` (the smallest; ``None``: the same as ``head_dim``), described."""
     record = REGISTRY[backend]
     missing = [FEATURE_NAMES[name] for name in sorted(wanted - record.capabilities)]
     if record.max_head_dim is not None and head_dim is not None and head_dim > record.max_head_dim:
         missing.append(f"head_dim {head_dim} (its kernel takes at most {record.max_head_dim})")
+    smallest = head_dim if min_head_dim is None else min_head_dim
+    if record.min_head_dim is not None and smallest is not None and smallest < record.min_head_dim:
+        missing.append(f"head_dim {smallest} (its kernel takes at least {record.min_head_dim})")
     return missing
 
 
@@ -137,6 +143,7 @@ def check_explicit_backend(
     head_dim: int | None,
     *,
     from_env: bool,
+    min_head_dim: int | None = None,
 ) -> None:
     """Refuse a backend the user named (``UNPACK_ATTENTION_BACKEND`` when ``from_env``, else a ``backend=``
     argument) that does not exist, cannot apply what the call asks for, or cannot run on ``device`` computing in
@@ -147,9 +154,9 @@ def check_explicit_backend(
         named, fix = f"Packed attention backend={backend!r}", "backend=None to choose one that can"
     if backend not in REGISTRY:
         raise ValueError(f"{named} is not a packed attention backend; choose one of {', '.join(BACKENDS)}.")
-    missing = missing_features(backend, wanted, head_dim)
+    missing = missing_features(backend, wanted, head_dim, min_head_dim)
     if missing:
-        able = [repr(name) for name in BACKENDS if not missing_features(name, wanted, head_dim)]
+        able = [repr(name) for name in BACKENDS if not missing_features(name, wanted, head_dim, min_head_dim)]
         raise ValueError(f"{named} cannot apply {' and '.join(missing)}; use {' or '.join(able)}, or {fix}.")
     reason = backend_unavailable_reason(backend, device, dtype)
     if reason is not None:
@@ -166,6 +173,7 @@ def choose_backend(
     dropout: bool = False,
     head_dim: int | None = None,
     alibi: bool = False,
+    min_head_dim: int | None = None,
 ) -> BackendChoice:
     """Which backend packed attention uses for inputs on ``device`` computing in ``dtype``.
 
@@ -181,11 +189,14 @@ def choose_backend(
         softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
         head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
         alibi: whether the call adds ALiBi position biases (bloom, mpt).
+        min_head_dim: the smaller of the query and value head dims (compiled flex takes 16 or more); ``None``: the
+            same as ``head_dim``.
     """
     wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi)
+    device = torch.device(device)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced:
-        check_explicit_backend(forced, device, dtype, wanted, head_dim, from_env=True)
+        check_explicit_backend(forced, device, dtype, wanted, head_dim, from_env=True, min_head_dim=min_head_dim)
         return BackendChoice(forced, f"forced by {ENV_BACKEND}")
     if original_implementation == "eager":
         return BackendChoice("eager", "the model was loaded with attn_implementation='eager'")
@@ -193,11 +204,13 @@ def choose_backend(
     for record in REGISTRY.values():
         if not record.automatic:
             continue
+        if record.automatic_device_types is not None and device.type not in record.automatic_device_types:
+            continue
         reason = record.unavailable_reason(torch.device(device), dtype)
         if reason is not None:
             skipped.append(reason)
             continue
-        missing = missing_features(record.name, wanted, head_dim)
+        missing = missing_features(record.name, wanted, head_dim, min_head_dim)
         if missing:
             skipped.append(f"{record.name} cannot apply {' and '.join(missing)}")
             continue
