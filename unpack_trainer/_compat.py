@@ -40,7 +40,15 @@ Private names, with what each is for and what would replace it:
 - ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, the parameters and buffers DDP does not
   synchronise (``--ignore_bias_buffers``, as TRL's DPO script sets them): :func:`ignore_in_ddp`;
 - datasets' ``IterableDataset._formatting``, a stream's format (TRL's ``_get_dataset_format`` reads it too):
-  :func:`stream_format_type`.
+  :func:`stream_format_type`;
+- ``torch._assert_async``, a check on the device that never waits for it (the fused loss's precondition on the
+  gradient it receives): :func:`assert_on_device`.
+
+Optional libraries, found by feature (``None`` where missing, so the caller can give a reason):
+
+- Liger-Kernel's chunked fused linear cross-entropy that returns per-token losses with the gradients of their sum
+  computed in the forward (``liger_kernel.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_forward``, not
+  part of Liger's documented API): :func:`liger_linear_cross_entropy`.
 
 Nothing is imported at module import: torch, transformers and datasets are imported by the functions that need them.
 """
@@ -59,6 +67,7 @@ from unpack_trainer._logging import log_once
 __all__ = [
     "CACHE_KEYWORDS",
     "KNOWN_TO_WORK",
+    "assert_on_device",
     "attention_functions",
     "attention_implementation",
     "cache_argument",
@@ -71,6 +80,7 @@ __all__ = [
     "ignore_in_ddp",
     "in_backward",
     "is_tracing",
+    "liger_linear_cross_entropy",
     "locally_registered",
     "mask_functions",
     "missing_name_error",
@@ -359,6 +369,46 @@ def ignore_in_ddp(module: Any, names: Iterable[str]) -> None:
     _private("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", find)(
         module, list(names)
     )
+
+
+def assert_on_device(condition: Any, message: str) -> None:
+    """Raise ``RuntimeError(message)`` if the 0-d bool tensor ``condition`` is false, without waiting for its device:
+    ``torch._assert_async`` (on a GPU a failure is a device-side assertion, reported at the next synchronisation; on
+    the CPU it raises at once)."""
+
+    def find() -> Any:
+        import torch
+
+        return getattr(torch, "_assert_async", _MISSING)
+
+    _private("torch._assert_async", find)(condition, message)
+
+
+# The parameters of Liger's chunked fused linear cross-entropy the fused loss passes by name.
+_LIGER_PARAMETERS = (
+    "reduction",
+    "softcap",
+    "accum_dtype",
+    "return_token_accuracy",
+    "compute_gradients",
+    "weight_requires_grad",
+)
+
+
+def liger_linear_cross_entropy() -> Callable[..., Any] | None:
+    """Liger-Kernel's ``fused_linear_cross_entropy_forward`` (``liger_kernel.ops.fused_linear_cross_entropy``), or
+    ``None`` when Liger-Kernel is not installed or its function lacks one of the keywords the fused loss passes
+    (``reduction="none"`` with ``compute_gradients`` and ``weight_requires_grad``: per-token losses and the gradients
+    of their sum in one pass; liger-kernel 0.8.5 has them). Importing it compiles nothing."""
+    try:
+        module = importlib.import_module("liger_kernel.ops.fused_linear_cross_entropy")
+    except ImportError:
+        return None
+    function = getattr(module, "fused_linear_cross_entropy_forward", None)
+    if function is None:
+        return None
+    parameters = inspect.signature(function).parameters
+    return function if all(name in parameters for name in _LIGER_PARAMETERS) else None
 
 
 def recompile_limit_at_least(limit: int) -> contextlib.AbstractContextManager:

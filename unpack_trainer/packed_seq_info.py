@@ -90,6 +90,7 @@ __all__ = [
     "BranchSpans",
     "PackedSeqInfo",
     "branched_row",
+    "carried_info",
     "detect_packed",
     "hides_nothing",
     "restart_positions",
@@ -190,7 +191,7 @@ def restart_positions(seq_lengths: torch.Tensor, cu_seqlens: torch.Tensor | None
     return torch.arange(starts.numel(), dtype=torch.int64) - starts
 
 
-def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[int]) -> dict[str, torch.Tensor]:
+def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[int]) -> dict[str, Any]:
     """One packed row of samples that may continue an earlier one (shared prompts), under its batch keys.
 
     Args:
@@ -201,7 +202,8 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
     Returns:
         ``packed_input_ids`` ``(1, T)`` int64, ``packed_position_ids`` ``(1, T)`` int64 (restarting at 0 per sample,
         continuing the parent's positions in a branch), ``packed_seq_lengths`` ``(num_seqs,)`` int32 and
-        ``packed_seq_parents`` ``(num_seqs,)`` int64, on the CPU.
+        ``packed_seq_parents`` ``(num_seqs,)`` int64, on the CPU; and ``packed_seq_info``, the row's
+        :class:`PackedSeqInfo`, which the patched model's hook adopts (no metadata read back from the device).
 
     Example::
 
@@ -217,6 +219,7 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
         PACKED_POSITION_IDS_KEY: info.position_ids(),
         SEQ_LENGTHS_KEY: lengths,
         SEQ_PARENTS_KEY: parents,
+        INFO_KEY: info,
     }
 
 
@@ -416,7 +419,7 @@ class PackedSeqInfo:
             offsets = torch.where(parents >= 0, self.seq_lengths.to(torch.int64)[parents.clamp(min=0)], 0)
             positions = positions + torch.repeat_interleave(offsets, self.seq_lengths.to(torch.int64))
         positions = positions.view(self.batch_size, self.seq_len)
-        return positions if device is None else positions.to(device)
+        return positions if device is None else positions.to(device, non_blocking=True)
 
     def branch_units(self) -> tuple[PackedSeqInfo, torch.Tensor, torch.Tensor]:
         """The attention units of a branched batch: every branch with its prefix gathered in front, as plain samples.
@@ -612,6 +615,7 @@ def detect_packed(
     position_ids: torch.Tensor | None = None,
     attention_mask: Any = None,
     cached: int = 0,
+    packed_seq_info: PackedSeqInfo | None = None,
 ) -> PackedSeqInfo | None:
     """The one detector of a packed batch: its metadata, or ``None`` when the batch is not packed.
 
@@ -625,10 +629,17 @@ def detect_packed(
     only): for each sample, -1 or the index of the earlier sample whose prefix it continues (branched segments, e.g.
     a DPO prompt with its chosen and rejected completions).
 
+    ``packed_seq_info``: the batch's :class:`PackedSeqInfo`, built with the batch on the host (the collator's
+    ``packed_seq_info`` key, see :func:`carried_info`): adopted as it is after checking its shape against the batch,
+    and the other metadata keys are not read (on a GPU they are device copies: reading them would wait for the
+    device).
+
     The decoder hook (:mod:`unpack_trainer.models.packed_forward`, once per forward) and a direct call of the packed
     attention helper (:func:`unpack_trainer.patches.attention.packed_attention_forward` without the hook) both decide
     with it.
     """
+    if packed_seq_info is not None:
+        return carried_info(packed_seq_info, batch_size, seq_len)
     if packed_seq_lengths is not None:
         return PackedSeqInfo.from_seq_lengths(
             packed_seq_lengths,
@@ -647,3 +658,17 @@ def detect_packed(
     if position_ids.shape[0] != batch_size:
         position_ids = position_ids.expand(batch_size, -1)
     return PackedSeqInfo.from_position_ids(position_ids)
+
+
+def carried_info(info: Any, batch_size: int, seq_len: int) -> PackedSeqInfo:
+    """``info``, a batch's own :class:`PackedSeqInfo` (its ``packed_seq_info`` key: built with the batch on the host
+    by the collator, so that no forward reads the metadata back from the device), checked against the batch's shape
+    ``(batch_size, seq_len)``; ``ValueError`` naming the key otherwise."""
+    if not isinstance(info, PackedSeqInfo):
+        raise ValueError(f"`{INFO_KEY}` must be a PackedSeqInfo or None, got {type(info).__name__}.")
+    if (info.batch_size, info.seq_len) != (batch_size, seq_len):
+        raise ValueError(
+            f"`{INFO_KEY}` describes {info.batch_size} row(s) of {info.seq_len} tokens but the batch has {batch_size} "
+            f"row(s) of {seq_len}."
+        )
+    return info

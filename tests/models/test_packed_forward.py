@@ -8,6 +8,7 @@ import torch
 
 from unpack_trainer.models import packed_forward
 from unpack_trainer.models.packed_forward import packed_info_for_forward
+from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 
 def ids(total, rows=1):
@@ -262,3 +263,99 @@ def test_the_trainer_patches_for_compile(tmp_path, sft_args, tiny_llama, prompt_
         processing_class=tokenizer,
     )  # fmt: skip
     assert decoder_state(trainer.model.model).compiled
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Device reads: a forward never reads the packing metadata back from the device
+# ---------------------------------------------------------------------------------------------------------------------
+
+_DEVICE_METADATA = ("packed_seq_lengths", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _collated(seq_info, lengths=(5, 1, 9, 3, 6)):
+    from unpack_trainer import DataCollatorForPacking
+
+    generator = torch.Generator().manual_seed(7)
+    examples = [{"input_ids": torch.randint(3, 60, (n,), generator=generator).tolist()} for n in lengths]
+    return DataCollatorForPacking(pad_token_id=0, seq_info=seq_info)(examples)
+
+
+def _as_seen_from_the_host(batch):
+    """``batch`` with its metadata tensors on the meta device: what a GPU copy is to the host, unreadable (a read
+    raises instead of waiting for the device)."""
+    return {key: value.to("meta") if key in _DEVICE_METADATA else value for key, value in batch.items()}
+
+
+@pytest.fixture
+def patched_llama(tiny_model):
+    from unpack_trainer.models import patch_model
+
+    model = tiny_model("llama", attn_implementation="sdpa", vocab_size=64, max_position_embeddings=128)
+    patch_model(model)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_a_batch_carrying_its_info_is_never_read_back_from_the_device(backend, monkeypatch, patched_llama):
+    """The collator's ``packed_seq_info`` (built on the host) is adopted: the forward and backward read none of
+    ``packed_seq_lengths`` / ``cu_seq_lens_*`` (on a GPU each read waits for the device), and compute the same."""
+    monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", backend)
+    batch = _collated(seq_info=True)
+    assert isinstance(batch["packed_seq_info"], PackedSeqInfo)
+    results = []
+    for given in (batch, _as_seen_from_the_host(batch)):
+        patched_llama.zero_grad()
+        out = patched_llama(**given)
+        out.loss.backward()
+        results.append((out.logits.detach(), patched_llama.model.layers[0].self_attn.q_proj.weight.grad.clone()))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+def test_metadata_given_only_as_device_tensors_is_read_back(patched_llama):
+    """Without ``packed_seq_info`` the hook has to read the metadata tensors (once per forward): the read the
+    carried info avoids, and what the test above would catch."""
+    with pytest.raises((NotImplementedError, RuntimeError), match="meta"):
+        patched_llama(**_as_seen_from_the_host(_collated(seq_info=False)))
+
+
+def test_carried_info_of_another_shape_is_a_clear_error(patched_llama):
+    batch = _collated(seq_info=True)
+    batch["packed_seq_info"] = PackedSeqInfo.from_seq_lengths(torch.tensor([4, 4]), batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match=r"`packed_seq_info` describes 1 row\(s\) of 8 tokens but the batch has 1"):
+        patched_llama(**batch)
+    batch["packed_seq_info"] = [4, 4]
+    with pytest.raises(ValueError, match="`packed_seq_info` must be a PackedSeqInfo"):
+        patched_llama(**batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "torch_varlen", "flex"])
+def test_no_host_sync_in_a_packed_forward_and_backward(backend, monkeypatch, tiny_model):
+    """On the GPU, a whole patched forward and backward of a new batch (the collator's, moved to the device as
+    accelerate moves it) never waits for the device: torch's sync debug mode raises on any synchronising call."""
+    from unpack_trainer.models import patch_model
+    from unpack_trainer.patches.attention import backend_unavailable_reason
+
+    reason = backend_unavailable_reason(backend, torch.device("cuda"), torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", backend)
+    model = tiny_model("llama", vocab_size=64, max_position_embeddings=256, head_dim=16).cuda()
+    patch_model(model)
+
+    def step(lengths):
+        batch = {
+            key: value.to("cuda", non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in _collated(seq_info=True, lengths=lengths).items()
+        }
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**batch)
+        out.loss.backward()
+
+    step((37, 1, 150, 9, 40))  # compiles kernels, loads libraries
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step((12, 80, 3, 64, 29, 7))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

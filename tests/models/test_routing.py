@@ -3,6 +3,7 @@ of its decoders, the original implementation's mask otherwise) and the registrat
 
 import copy
 import types
+import weakref
 
 import pytest
 import torch
@@ -38,15 +39,17 @@ def original_mask(monkeypatch):
 def test_mask_function_calls_its_fallback():
     """Registered under transformers' own name in place of a per-instance function, it falls back to that one."""
     calls = []
+    state = state_of()
     function = make_mask_function(
-        "sdpa", [state_of()], fallback=lambda *args, **kwargs: calls.append(kwargs) or "fallback mask"
+        "sdpa", [weakref.ref(state)], fallback=lambda *args, **kwargs: calls.append(kwargs) or "fallback mask"
     )
     config = types.SimpleNamespace()
     assert function(config=config) == "fallback mask" and calls == [{"config": config}]
 
 
 def test_mask_function_calls_the_original_outside_a_packed_forward(original_mask):
-    function = make_mask_function("unpack_test_original", [state_of()])
+    state = state_of()
+    function = make_mask_function("unpack_test_original", [weakref.ref(state)])
     assert function.original_implementation == "unpack_test_original"
     config = types.SimpleNamespace()
     assert function(1, 2, config=config, flag=True) == "original mask"
@@ -55,7 +58,7 @@ def test_mask_function_calls_the_original_outside_a_packed_forward(original_mask
 
 def test_mask_function_builds_no_mask_inside_a_packed_forward(original_mask):
     state = state_of()
-    function = make_mask_function("unpack_test_original", [state])
+    function = make_mask_function("unpack_test_original", [weakref.ref(state)])
     state.running = info_of([3, 2])
     assert function(config=state.config) is None
     assert function() is None  # no config: any decoder's packed forward
@@ -76,7 +79,9 @@ def test_mask_function_gives_the_decoders_placeholder(original_mask):
     state = state_of()
     state.mask_placeholder = torch.zeros((1, 1, 1, 1), dtype=torch.bool)
     state.running = info_of([2, 2])
-    assert make_mask_function("unpack_test_original", [state])(config=state.config) is state.mask_placeholder
+    assert (
+        make_mask_function("unpack_test_original", [weakref.ref(state)])(config=state.config) is state.mask_placeholder
+    )
 
 
 def test_a_copy_of_a_state_is_not_inside_the_forward():
@@ -105,7 +110,6 @@ def test_mask_function_reaches_transformers_sdpa_mask():
         "allow_is_causal_skip": False,
     }
     expected = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**options)
-    got = make_mask_function("sdpa", [state_of(config)])(**options)
+    state = state_of(config)
+    got = make_mask_function("sdpa", [weakref.ref(state)])(**options)
     assert got is not None and torch.equal(got, expected)
-
-

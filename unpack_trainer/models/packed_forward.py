@@ -51,7 +51,13 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
 
     ``kwargs`` are the keyword arguments of the decoder model's ``forward`` (``input_ids`` or ``inputs_embeds``,
     ``attention_mask``, ``position_ids``, ``past_key_values``, and the packing metadata ``packed_seq_lengths`` /
-    ``packed_seq_parents`` / ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``).
+    ``packed_seq_parents`` / ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``, or the
+    batch's own ``packed_seq_info``).
+
+    Device reads: a batch that carries its ``packed_seq_info`` (built by the collator on the host; the trainers' do)
+    is adopted and no metadata tensor is read, so a forward never waits for the device here. Metadata given only as
+    tensors on a device is read back once per forward (and ``cu_seq_lens_k``, when it is another tensor than
+    ``cu_seq_lens_q``, checked against it).
 
     The batch is packed when it carries packing metadata, or when it has no cached tokens, no ``attention_mask`` (or
     one of all ones) and ``position_ids`` that restart inside a row. On return ``kwargs["packed_seq_info"]`` holds the
@@ -78,9 +84,10 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     cached = cache_length(cache_argument(kwargs))  # `cache` since transformers 5.24, `past_key_values` before
 
     lengths, cu_q, max_q = kwargs.get(SEQ_LENGTHS_KEY), kwargs.get(CU_SEQ_LENS_Q_KEY), kwargs.get(MAX_LENGTH_Q_KEY)
-    explicit = lengths is not None or cu_q is not None
+    carried = kwargs.get(INFO_KEY)
+    explicit = carried is not None or lengths is not None or cu_q is not None
     parents = kwargs.pop(SEQ_PARENTS_KEY, None)
-    if parents is not None and lengths is None:
+    if parents is not None and lengths is None and carried is None:
         raise ValueError(f"`{SEQ_PARENTS_KEY}` needs `{SEQ_LENGTHS_KEY}` (the samples the parents refer to).")
     info = detect_packed(
         batch_size,
@@ -92,10 +99,12 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
         position_ids=position_ids,
         attention_mask=attention_mask,
         cached=cached,
+        packed_seq_info=carried,
     )
     if explicit:
-        cu_k, max_k = kwargs.get(CU_SEQ_LENS_K_KEY), kwargs.get(MAX_LENGTH_K_KEY)
-        info.check_key_side(None if cu_k is cu_q else cu_k, max_k)
+        if carried is None:  # the batch's own metadata was built with it on the host: nothing to compare
+            cu_k, max_k = kwargs.get(CU_SEQ_LENS_K_KEY), kwargs.get(MAX_LENGTH_K_KEY)
+            info.check_key_side(None if cu_k is cu_q else cu_k, max_k)
         if attention_mask is not None:
             if not hides_nothing(attention_mask):
                 raise ValueError(
@@ -105,8 +114,10 @@ def packed_info_for_forward(kwargs: dict[str, Any]) -> PackedSeqInfo | None:
             kwargs["attention_mask"] = None
         if position_ids is None:
             kwargs["position_ids"] = info.position_ids(reference.device)
-        elif info.is_branched and not torch.equal(
-            position_ids.detach().cpu().expand(batch_size, -1), info.position_ids()
+        elif (
+            carried is None
+            and info.is_branched
+            and not torch.equal(position_ids.detach().cpu().expand(batch_size, -1), info.position_ids())
         ):
             raise ValueError(
                 f"`position_ids` do not match the branched samples (`{SEQ_PARENTS_KEY}`): every branch continues its "

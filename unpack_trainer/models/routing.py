@@ -31,8 +31,10 @@ from unpack_trainer.patches.attention.dispatch import packed_attention_forward, 
 
 __all__ = ["make_attention_function", "make_mask_function", "release_route", "route"]
 
-# implementation name -> the states of the live patched decoders routed under it, and what the routing replaced.
-_routed_states: dict[str, list[DecoderState]] = {}
+# implementation name -> the states of the live patched decoders routed under it (weakly: a state may reach its model,
+# through what a fix keeps for its undo, and a module-level table must not keep a dropped model alive), and what the
+# routing replaced.
+_routed_states: dict[str, list[weakref.ref[DecoderState]]] = {}
 _replaced: dict[str, tuple[Any, Any]] = {}
 
 
@@ -54,19 +56,21 @@ def route(implementation: str, decoder: torch.nn.Module, state: DecoderState) ->
                 implementation, states, fallback=previous_mask
             )
         _replaced[implementation] = (previous_attention, previous_mask)
-    if not any(known is state for known in states):
-        states.append(state)
+    if not any(known() is state for known in states):
+        known = weakref.ref(state)
+        states.append(known)
         # A patched model that is garbage collected without unpatch_model releases the routing too.
-        weakref.finalize(decoder, release_route, implementation, state)
+        weakref.finalize(decoder, release_route, implementation, known)
 
 
-def release_route(implementation: str, state: DecoderState) -> None:
-    """Drop ``state`` from the users of ``implementation``'s routing; restore the interfaces once none is left."""
+def release_route(implementation: str, state: DecoderState | weakref.ref[DecoderState]) -> None:
+    """Drop ``state`` (or a weak reference to it) from the users of ``implementation``'s routing, and any user
+    collected since; restore the interfaces once none is left."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     states = _routed_states.get(implementation, [])
-    states[:] = [known for known in states if known is not state]
+    states[:] = [known for known in states if known is not state and known() not in (None, state)]
     if states or implementation not in _replaced:
         return
     for interface, previous in zip(
@@ -79,9 +83,13 @@ def release_route(implementation: str, state: DecoderState) -> None:
 
 
 def make_mask_function(
-    original_implementation: str, states: list[DecoderState], *, fallback: Callable[..., Any] | None = None
+    original_implementation: str,
+    states: list[weakref.ref[DecoderState]],
+    *,
+    fallback: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """An ``AttentionMaskInterface`` function: inside a packed forward of one of the decoders of ``states`` (the one
+    """An ``AttentionMaskInterface`` function: inside a packed forward of one of the decoders of ``states`` (weak
+    references to their states; the one
     whose ``config`` it is called with; without a config, any), that decoder's mask placeholder (``None``: no mask);
     else the original implementation's mask (``sdpa_mask``, ``eager_mask``, ...) called with the same arguments:
     ``fallback`` when given, else transformers' own function of that name (the class-wide registry)."""
@@ -91,8 +99,9 @@ def make_mask_function(
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
         config = kwargs.get("config")
-        for state in reversed(states):
-            if (config is None or state.config is config) and state.attention_info() is not None:
+        for known in reversed(states):
+            state = known()
+            if state is not None and (config is None or state.config is config) and state.attention_info() is not None:
                 return state.mask_placeholder
         original = fallback or stock_functions.get(original_implementation)
         if original is None:

@@ -57,7 +57,16 @@ from unpack_trainer._logging import log_once
 from unpack_trainer.configs import convert_config
 from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
 from unpack_trainer.data.sampler import BalancedStepSampler, attention_cost_ratio, row_costs
-from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
+from unpack_trainer.decision import (
+    PackingDecision,
+    decide,
+    env_flag,
+    eval_batches,
+    explicit_padding_free,
+    neftune_note,
+    parallelism_reason,
+    parallelism_refusal,
+)
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 
@@ -320,6 +329,7 @@ class PackedTrainerMixin:
             blocklist=blocklist,
             env=env,
             peft_config=peft_config,
+            parallelism=parallelism_reason(getattr(args, "parallelism_config", None), env),
         )
         self.unpack_decision = decision
         self._unpack_args = args
@@ -373,10 +383,26 @@ class PackedTrainerMixin:
             log_once(logger, level, self._unpack_eval_note)
         self._enable_sample_loss()
         if decision.packed:
+            self._refuse_sequence_splitting()
+        if self.unpack_decision.packed:
             self._enable_packed_path()
         self._log_start_line()
 
     # ------------------------------------------------------------------------------------------------ packed path
+
+    def _refuse_sequence_splitting(self) -> None:
+        """The parallelism the accelerator was built with, checked again (an accelerate config file reaches it
+        without ``args.parallelism_config``): packed rows it would split are refused (``ValueError``) when asked for,
+        and the automatic choice falls back to padded batches, logged with the reason."""
+        reason = parallelism_reason(getattr(self.accelerator, "parallelism_config", None), {})
+        if reason is None:
+            return
+        if getattr(self._unpack_args, "packing", False):
+            raise parallelism_refusal("packing=True", reason)
+        if explicit_padding_free(self._unpack_args):
+            raise parallelism_refusal("padding_free=True", reason)
+        log_once(logger, logging.INFO, f"{self.unpack_name}: automatic padding-free off ({reason})")
+        self._fall_back_to_padded(f"automatic padding-free off ({reason})")
 
     def _enable_packed_path(self) -> None:
         if self.unpack_packs_in == "collator":
@@ -486,10 +512,25 @@ class PackedTrainerMixin:
             if not report.conclusive:
                 log_once(logger, logging.WARNING, f"Self-check inconclusive on this model: {report.summary()}")
             log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
+            if getattr(self.args, "use_liger_kernel", False):
+                self._log_liger_note()
             return
         what = report.failure()
         self._unpack_self_check_failed(f"Contamination self-check failed ({what}); training padded instead")
         self._fall_back_to_padded(f"contamination self-check failed: {what}")
+
+    def _log_liger_note(self) -> None:
+        """With ``use_liger_kernel=True`` (Liger's kernels applied by now): one line on whose RoPE, per-token kernels,
+        attention and loss run ([`unpack_trainer.trainers.liger.liger_note`])."""
+        from accelerate.utils import is_peft_model
+
+        from unpack_trainer.trainers.liger import liger_note
+
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if is_peft_model(model) else model
+        attention = _attention_backend(model, self.unpack_decision.patch, self.args)
+        note = liger_note(model, attention=attention, loss_kernel=getattr(self, "unpack_loss_kernel", None))
+        log_once(logger, logging.INFO, f"{self.unpack_name}: {note}")
 
     @staticmethod
     def _unpack_self_check_failed(message: str) -> None:

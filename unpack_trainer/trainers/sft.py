@@ -26,9 +26,11 @@ from unpack_trainer.data.preparation import (
     truncate_dataset,
 )
 from unpack_trainer.data.validation import check_dataset_token_ids
+from unpack_trainer.models import install_fix
+from unpack_trainer.models.fixes.liger_loss import LIGER_OUTPUT_MARK
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
-from unpack_trainer.trainers.loss import sample_weights
+from unpack_trainer.trainers.loss import choose_loss_kernel, head_unsupported_reason, sample_weights
 
 
 class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
@@ -67,6 +69,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
             pad_token_id=self._tokenizer.pad_token_id,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             completion_only_loss=self.completion_only_loss,
+            seq_info=self.unpack_decision.patch,  # the patched hook adopts it: no metadata read back from the GPU
         )
 
     def _padded_collator(self) -> Any:
@@ -95,6 +98,32 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
 
     def _count_samples(self, batch: dict[str, Any]) -> int:
         return sample_weights(batch)[1]
+
+    def _enable_packed_path(self) -> None:
+        super()._enable_packed_path()
+        self._enable_loss_kernel()
+
+    def _enable_loss_kernel(self) -> None:
+        """Choose the kernel of the packed rows' loss ([`choose_loss_kernel`]) and install Liger's where chosen
+        (the fix [`unpack_trainer.models.fixes.liger_loss`]); an explicit ``loss_kernel="liger"`` that cannot be honoured raises ``ValueError``."""
+        args = self.args
+        kernel, why = choose_loss_kernel(getattr(args, "loss_kernel", None), device=args.device)
+        self.unpack_loss_kernel = "trl"
+        if kernel != "liger":
+            return
+        reason = None
+        if not self.unpack_decision.patch:
+            reason = "the model runs without the attention patch, so its packed rows are not marked as such"
+        elif args.loss_type != "nll" or self._unpack_sample_loss:
+            reason = "it needs TRL's token loss (loss_type='nll', loss_normalization='token')"
+        elif self.label_smoother is not None or self.compute_loss_func is not None:
+            reason = "label smoothing and a custom compute_loss_func take the full logits"
+        else:
+            reason = head_unsupported_reason(self.model.config)
+        if reason is not None:
+            raise ValueError(f"Liger-Kernel's fused linear cross-entropy ({why}) cannot compute this loss: {reason}.")
+        install_fix(self.model, "liger_loss")
+        self.unpack_loss_kernel = "liger"
 
     def _check_sample_loss(self) -> None:
         if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
@@ -193,9 +222,23 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         divided by the number of samples in the step (``num_items_in_batch``, see [`get_batch_samples`]) or, outside
         a training step, in the batch."""
         if not self._unpack_sample_loss:
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            if getattr(self, "unpack_loss_kernel", "trl") != "liger":
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+            liger_calls = []
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                out = model(*args, **kwargs)
+                liger_calls.append(getattr(out, LIGER_OUTPUT_MARK, False))
+                return out
+
+            result = super().compute_loss(
+                counted, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+            if any(liger_calls):  # TRL logged the zeros Liger's kernel returns for the entropy it does not compute
+                _trl_compat.drop_last_metric(self, "entropy")
+            return result
         if "shift_labels" in inputs:
             raise ValueError(
                 "`loss_normalization='sample'` does not support pre-shifted `shift_labels` (context parallel)."

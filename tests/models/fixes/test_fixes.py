@@ -6,7 +6,10 @@ model's tests; this one is the one place that sees the whole table."""
 
 from __future__ import annotations
 
+import gc
 import pkgutil
+import types
+import weakref
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ MODELS: dict[str, tuple[str, dict, str]] = {
     "classification_head": ("llama", dict(num_labels=3), "classification"),
     "packed_view": ("llama", {}, "causal"),
     "compact_lm_head": ("llama", {}, "causal"),
+    "liger_loss": ("llama", {}, "causal"),
 }
 LENGTHS = [7, 2, 11, 5]
 
@@ -82,3 +86,20 @@ def test_each_fix_applies_installs_and_comes_off(name):
 def test_a_trainers_fix_needs_a_patched_model():
     with pytest.raises(ValueError, match="needs a patched model"):
         install_fix(build("packed_view"), "packed_view")
+
+
+@pytest.mark.parametrize("name", [fix.name for fix in FIXES])
+def test_a_patched_model_with_each_fix_is_collected(name):
+    """Nothing the patch or a fix keeps in module-level tables (the routing's users, the RoPE's users, a fix's undo)
+    holds a patched model alive: dropped without ``unpatch_model``, it is collected (and gives back what it used).
+    The model carries an instance ``forward`` bound to itself first, as TRL's fused LM head does."""
+    model = build(name)
+    model.forward = types.MethodType(type(model).forward, model)
+    patch_model(model)
+    if not fix_named(name).automatic:
+        install_fix(model, name)
+    assert name in installed(model)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

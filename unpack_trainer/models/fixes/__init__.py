@@ -40,6 +40,7 @@ from unpack_trainer.models.fixes import (
     alibi,
     classification_head,
     compact_lm_head,
+    liger_loss,
     llama4,
     outer_carry,
     packed_view,
@@ -64,6 +65,7 @@ FIXES: tuple[Fix, ...] = (
     classification_head.FIX,
     packed_view.FIX,
     compact_lm_head.FIX,
+    liger_loss.FIX,
 )
 
 

@@ -44,6 +44,7 @@ from unpack_trainer.models.discovery import _code_names, unwrapped
 from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.packed_seq_info import (
     CU_SEQ_LENS_Q_KEY,
+    INFO_KEY,
     MAX_LENGTH_Q_KEY,
     PACKED_INPUT_IDS_KEY,
     PACKED_POSITION_IDS_KEY,
@@ -267,6 +268,7 @@ class _ScoreHooks:
             max_length_q=kwargs.get(MAX_LENGTH_Q_KEY),
             position_ids=kwargs.get("position_ids"),
             attention_mask=kwargs.get("attention_mask"),
+            packed_seq_info=kwargs.get(INFO_KEY),
         )
         if info is None:
             if packed_ids is not None or order is not None:

@@ -18,12 +18,12 @@ import torch
 from unpack_trainer._compat import remove_hook
 from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.models.state import DecoderState
-from unpack_trainer.packed_seq_info import METADATA_KEYS
+from unpack_trainer.packed_seq_info import INFO_KEY, METADATA_KEYS
 
 __all__ = ["FIX"]
 
 # Keys of the packed batch the outer model may not hand down: carried to the decoder hook.
-CARRIED_KEYS = (*METADATA_KEYS, "position_ids")
+CARRIED_KEYS = (INFO_KEY, *METADATA_KEYS, "position_ids")
 
 
 def _carry(state: DecoderState, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -62,7 +62,7 @@ def _layout(units: PackedSeqInfo, device: torch.device) -> tuple[torch.Tensor, t
     lengths = units.seq_lengths.to(torch.int64)
     rows = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int64), lengths)
     cols = restart_positions(units.seq_lengths, units.cu_seqlens)
-    return rows.to(device), cols.to(device)
+    return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
 
 def sample_positions(
@@ -92,7 +92,7 @@ def sample_positions(
     device = reference.device
     if info.is_branched:
         units, gather, owner = info.branch_units()
-        gather, owner = gather.to(device), owner.to(device)
+        gather, owner = gather.to(device, non_blocking=True), owner.to(device, non_blocking=True)
     else:
         units, gather, owner = info, None, None
     rows, cols = info.plan("sample_positions", device, lambda: _layout(units, device))

@@ -4,7 +4,9 @@ Where the modeling module of an attention class defines ``apply_rotary_pos_emb``
 code (compared bytecode to bytecode, through any replacement already made), the module's ``apply_rotary_pos_emb`` is
 replaced by :func:`unpack_trainer.patches.rope.apply_rotary_pos_emb` (same signature and result, a fused kernel where
 Triton runs). The modeling module is shared by every model of its family, so the original is restored when the last
-patched decoder using the replacement is unpatched or collected. Installed with ``patch_model(rope=True)`` (the
+patched decoder using the replacement is unpatched or collected, unless another library replaced it since
+(Liger-Kernel's RoPE, applied by ``use_liger_kernel=True`` when training starts, stays; and a function another library
+put there is never replaced: only transformers' own). Installed with ``patch_model(rope=True)`` (the
 default).
 """
 
@@ -38,12 +40,17 @@ def _same_code(a: Any, b: Any) -> bool:
 
 
 def _llama_rope_module(modeling: types.ModuleType) -> bool:
-    """Whether ``modeling`` applies RoPE exactly as Llama does (``apply_rotary_pos_emb`` and ``rotate_half``)."""
+    """Whether ``modeling`` applies RoPE exactly as Llama does (``apply_rotary_pos_emb`` and ``rotate_half``), with
+    transformers' own function: one another library put there (Liger-Kernel's) is left to run."""
     from transformers.models.llama import modeling_llama as llama
 
     function = _originals.get(modeling.__name__, getattr(modeling, "apply_rotary_pos_emb", None))
     reference = _originals.get(llama.__name__, llama.apply_rotary_pos_emb)  # Llama's own may be replaced now
-    return _same_code(function, reference) and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
+    return (
+        getattr(function, "__module__", "").startswith("transformers.")
+        and _same_code(function, reference)
+        and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
+    )
 
 
 def _modeling_modules(site: FixSite) -> list[str]:
@@ -79,7 +86,12 @@ def _release(name: str) -> None:
     if users is not None and next(iter(users), None) is not None:  # iterating skips decoders being collected
         return
     if name in _originals:
-        importlib.import_module(name).apply_rotary_pos_emb = _originals.pop(name)
+        from unpack_trainer.patches.rope import apply_rotary_pos_emb
+
+        original = _originals.pop(name)
+        modeling = importlib.import_module(name)
+        if modeling.apply_rotary_pos_emb is apply_rotary_pos_emb:  # another library's since (Liger-Kernel's) stays
+            modeling.apply_rotary_pos_emb = original
 
 
 def _remove(site: FixSite) -> None:
