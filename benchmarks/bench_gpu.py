@@ -18,7 +18,9 @@ Cases (``--list`` prints them in the order they run):
    through flash-linear-attention). Providers: ``trl_padded`` (batch 16), ``trl_packing_sdpa`` /
    ``trl_packing_flex`` (``packing=True``, ``attn_implementation`` sdpa / flex_attention), ``ours_packing``
    (``packing=True``), ``ours_packing_flex`` (the same with ``UNPACK_ATTENTION_BACKEND=flex``),
-   ``ours_padding_free`` (automatic, batch 16). Precisions: ``fp32-bf16`` (fp32 weights, ``bf16=True``: autocast,
+   ``ours_packing_liger_loss`` (the same with ``loss_kernel="liger"``: Liger-Kernel's fused linear cross-entropy),
+   ``ours_packing_liger`` / ``trl_packing_liger`` (``use_liger_kernel=True``: Liger's RoPE, RMSNorm, SwiGLU, and in
+   TRL its loss), ``ours_padding_free`` (automatic, batch 16). Precisions: ``fp32-bf16`` (fp32 weights, ``bf16=True``: autocast,
    TRL's default on a GPU) and ``bf16`` (bf16 weights). ``:compile``: ``torch_compile=True``.
    Columns: real (non-pad) tokens/s, s/step, the first step's seconds (compilation included: flex, ``--compile``),
    host (process CPU) and GPU (kernels in a profiled step) seconds per step, the profiled step's GPU time by kernel
@@ -66,6 +68,9 @@ PROVIDERS = (
     "trl_packing_flex",
     "ours_packing",
     "ours_packing_flex",
+    "ours_packing_liger_loss",
+    "ours_packing_liger",
+    "trl_packing_liger",
     "ours_padding_free",
 )
 PRECISIONS = ("fp32-bf16", "bf16")
@@ -291,11 +296,14 @@ def train_case(
     flex = provider.endswith("_flex")
     if flex and not cuda:
         return {"skipped": "flex_attention has no backward on the CPU"}
+    if "liger" in provider and not cuda:
+        return {"skipped": "Liger-Kernel's Triton kernels run on CUDA (on the CPU only under Triton's interpreter)"}
     lora = model.endswith("_lora")
     if lora and precision != "bf16":
         return {"skipped": "the LoRA case runs bf16 weights only"}
     if provider == "ours_packing_flex":
         os.environ["UNPACK_ATTENTION_BACKEND"] = "flex"
+    liger = provider.endswith("_liger")  # use_liger_kernel=True: Liger's RoPE, RMSNorm, SwiGLU (and, in TRL, loss)
     implementation = MODELS[model].get("attn_implementation", "sdpa")
     if provider == "trl_packing_flex":
         implementation = "flex_attention"
@@ -323,7 +331,10 @@ def train_case(
         disable_tqdm=True,
         seed=0,
         torch_compile=compile,
+        use_liger_kernel=liger,
     )
+    if provider == "ours_packing_liger_loss":
+        arguments["loss_kernel"] = "liger"
     if provider.startswith("trl"):
         trainer_cls, config_cls = trl.SFTTrainer, trl.SFTConfig
     else:
@@ -690,6 +701,8 @@ def all_cases() -> list[Case]:
     for precision in PRECISIONS:
         trainer("llama1b", "ours_packing", precision)
         trainer("llama1b", "trl_packing_sdpa", precision)
+    for provider in ("ours_packing_liger_loss", "ours_packing_liger", "trl_packing_liger"):
+        trainer("llama1b", provider, "fp32-bf16", estimate=60)
     trainer("llama8b_lora", "ours_packing", "bf16", estimate=75)
     trainer("llama8b_lora", "trl_packing_sdpa", "bf16", estimate=75)
     for precision in PRECISIONS:

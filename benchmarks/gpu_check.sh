@@ -10,7 +10,8 @@
 #
 # Knobs (environment): TESTS_S (seconds for the gpu tests, 0 skips them; default 150), BENCH_S (the benchmark's
 # --budget; default 240, 0 skips it), CASES (bench_gpu.py --cases patterns; default all, in priority order),
-# STEPS (timed steps per trainer case; default 5), WORKERS (pytest-xdist processes for the tests; default 8).
+# STEPS (timed steps per trainer case; default 5), WORKERS (pytest-xdist processes for the tests; default 8), TESTS
+# (pytest's paths and options for the gpu tests, split on spaces; default "tests").
 # From a session with the device tool: run `bash benchmarks/gpu_check.sh` with carry [".whl"] and a timeout above
 # TESTS_S + BENCH_S + a minute. Files back from $OUT (plain names): environment.txt, install.log, pytest_gpu.txt
 # (-rs: every skip's reason), junit_gpu.xml, bench_gpu.md / bench_gpu.json (rewritten after each case),
@@ -40,6 +41,7 @@ BENCH_S="${BENCH_S:-240}"
 CASES="${CASES:-}"
 STEPS="${STEPS:-5}"
 WORKERS="${WORKERS:-8}"
+read -r -a TEST_ARGS <<< "${TESTS:-tests}"
 mkdir -p "$OUT"
 SITE=/tmp/unpack_site
 export PYTHONUNBUFFERED=1
@@ -61,7 +63,7 @@ if [[ "$TESTS_S" != "0" ]]; then
   parallel=()
   if python -c "import xdist" 2>/dev/null; then parallel=(-n "$WORKERS"); fi
   timeout "$TESTS_S" python -m pytest -p no:cacheprovider -p no:benchmark -m gpu -rs -q --durations=15 --timeout "$TESTS_S" "${parallel[@]}" \
-    --junitxml="$OUT/junit_gpu.xml" tests > "$OUT/pytest_gpu.txt" 2>&1
+    --junitxml="$OUT/junit_gpu.xml" "${TEST_ARGS[@]}" > "$OUT/pytest_gpu.txt" 2>&1
   echo "pytest exit $?" >> "$OUT/pytest_gpu.txt"
   tail -n 40 "$OUT/pytest_gpu.txt"
 fi
