@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment_line, format_table, run_in_subprocess, tiny_llama_config  # noqa: E402
+from common import environment_line, format_table, quiet_case, run_in_subprocess, tiny_llama_config  # noqa: E402
 
 PROVIDERS = ("stock", "plain", "shared")
 SHARES = (0.2, 0.5, 0.8)
@@ -82,19 +82,12 @@ def run_case(
     provider: str, share: float, steps: int, batch_size: int, threads: int | None, model_name: str, median: int
 ) -> dict:
     """Train ``steps`` + 1 steps of ``provider`` in this process; tokens/s and the growth of peak RSS (MiB)."""
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
+    quiet_case(threads)
     import trl
     from datasets import Dataset
-    from datasets.utils.logging import disable_progress_bar
-    from transformers.utils import logging as hf_logging
 
     from unpack_trainer import DPOConfig, DPOTrainer
 
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
     model, ref_model, extra = _models(model_name)
     tokenizer = word_tokenizer()
     texts = [

@@ -1,7 +1,7 @@
 """Quality of packed DPO: held-out DPO loss and reward accuracy of stock ``trl.DPOTrainer`` (padded) vs
 ``unpack_trainer.DPOTrainer`` (packed rows, prefix sharing), paired per seed.
 
-    python benchmarks/bench_dpo_quality.py                 # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_dpo_quality.py                 # the table of docs/quality.md: 8 seeds x 3 arms, 2 processes
     python benchmarks/bench_dpo_quality.py --seeds 0 --train-pairs 64 --eval-pairs 32   # smoke test
 
 For each seed all arms start from the same initial weights (the policy is ``torch.manual_seed(seed)``'s tiny Llama,
@@ -32,7 +32,7 @@ Model: the default data's tiny Llama ([`unpack_trainer.data.default_data.tiny_mo
 MLP 128, 2 layers, 4 heads, 2 key/value heads) with the embedded tokenizer. Each (seed, arm) run is its own process
 with torch on one thread, ``--jobs`` at a time.
 
-Recorded run (README): python 3.11.7, torch 2.13.0+cpu, transformers 5.23.0, trl 1.16.0, 2 shared CPUs.
+Recorded run (docs/quality.md): python 3.11.7, torch 2.13.0+cpu, transformers 5.23.0, trl 1.16.0, 2 shared CPUs.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import paired_table, run_arms_and_record  # noqa: E402
+from common import paired_table, quiet_case, run_arms_and_record  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_dpo_quality.json"
@@ -116,16 +116,9 @@ def setup(options: argparse.Namespace, **config) -> tuple:
     """``(tokenizer, train pairs, held-out pairs, model config)`` of a run, in a process set up for it (torch on one
     thread, transformers' and datasets' logs quiet): the embedded tokenizer, the pairs of [`pair_subset`], the tiny
     model config (``config`` added)."""
-    import torch
-
-    torch.set_num_threads(1)
-    from datasets.utils.logging import disable_progress_bar
-    from transformers.utils import logging as hf_logging
-
+    quiet_case(1)
     from unpack_trainer import load_default_tokenizer, tiny_model_config
 
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
     tokenizer = load_default_tokenizer()
     train_dataset = pair_subset("train", options.train_pairs, tokenizer, options.max_length)
     eval_dataset = pair_subset("eval", options.eval_pairs, tokenizer, options.max_length)

@@ -1,50 +1,86 @@
-"""On the GPU, where users train: our trainer against stock TRL in both precision set-ups, attention alone per
-backend, RoPE against Liger-Kernel. One command; every number of issue 26's table.
+"""On the GPU, where users train: our trainer against stock TRL in both precision set-ups and across model families,
+attention alone per backend, RoPE against Liger-Kernel. One command; each case's result is written the moment it
+exists, so a GPU loan that ends early keeps everything measured so far.
 
-    python benchmarks/bench_gpu.py --out results/            # on a CUDA GPU (minutes); JSON + markdown in --out
-    python benchmarks/bench_gpu.py --dry-run                 # everything tiny on the CPU: checks the code, no timings
+    python benchmarks/bench_gpu.py --out results/ --budget 300   # on a CUDA GPU: cases in priority order, 300 s
+    python benchmarks/bench_gpu.py --list                        # the cases, in priority order, with their estimate
+    python benchmarks/bench_gpu.py --cases 'trainer:llama1b:*'   # only the cases matching these patterns
+    python benchmarks/bench_gpu.py --dry-run                     # everything tiny on the CPU: checks the code only
 
-1. Trainer (Llama-3.2-1B shapes: hidden 2048, 16 layers, 32 / 8 heads of 64, intermediate 8192, vocab 128,256;
-   random init), pre-tokenized samples with lognormal lengths (median 400, at most 4,096), rows of 4,096, one
-   warm-up step then ``--steps`` timed steps, each case in its own process. Providers: ``trl_padded`` (batch 16),
-   ``trl_packing_sdpa`` and ``trl_packing_flex`` (``packing=True``, ``attn_implementation`` sdpa / flex_attention),
-   ``ours_packing`` (``packing=True``), ``ours_padding_free`` (automatic, batch 16); precision set-ups ``fp32+bf16``
-   (fp32 weights, ``bf16=True``: autocast, TRL's default on a GPU) and ``bf16`` (bf16 weights). Columns: real
-   (non-pad) tokens/s, s/step, host time per step (process CPU time) and GPU time per step (the kernels' time in a
-   profiled step), peak GPU memory, and the ratios against TRL in the same set-up.
-2. Attention alone (fwd + bwd, 32 / 8 heads of 128, bf16, one packed row of lognormal samples, median 400): every
-   packed backend that runs here, torch's flex_attention with ``create_block_mask`` (what a user of flex writes), and
-   SDPA with the dense ``(T, T)`` mask (8k only), at 8,192 and 65,536 tokens: median ms and peak memory.
-3. RoPE (``benchmarks/bench_rope.py``'s cases at 2k / 8k / 32k tokens, bf16 and autocast): ours, transformers' torch
-   path, Liger-Kernel's ``liger_rotary_pos_emb`` when installed.
+Cases (``--list`` prints them in the order they run):
 
-Ratios within one run on one device; the device and versions are printed with the tables.
+1. ``trainer:<model>:<provider>:<precision>[:compile]`` -- pre-tokenized samples with lognormal lengths (median 400,
+   at most 4,096), rows of 4,096, one warm-up step then ``--steps`` timed steps, each case in its own process.
+   Models: ``llama1b`` (Llama-3.2-1B shapes: hidden 2048, 16 layers, 32 / 8 heads of 64, vocab 128,256),
+   ``llama8b_lora`` (Llama-3.1-8B shapes, LoRA r 16 on every linear layer, bf16 weights, one row per step), and one
+   model per family at about 1B parameters: ``qwen3``, ``mistral`` (sliding window 1,024), ``gemma3`` (logit softcap,
+   local / global layers), ``gpt_oss`` (attention sinks, MoE), ``qwen3_moe``, ``qwen3_5`` (hybrid: gated delta net
+   through flash-linear-attention). Providers: ``trl_padded`` (batch 16), ``trl_packing_sdpa`` /
+   ``trl_packing_flex`` (``packing=True``, ``attn_implementation`` sdpa / flex_attention), ``ours_packing``
+   (``packing=True``), ``ours_packing_flex`` (the same with ``UNPACK_ATTENTION_BACKEND=flex``),
+   ``ours_packing_liger_loss`` (the same with ``loss_kernel="liger"``: Liger-Kernel's fused linear cross-entropy),
+   ``ours_packing_liger`` / ``trl_packing_liger`` (``use_liger_kernel=True``: Liger's RoPE, RMSNorm, SwiGLU, and in
+   TRL its loss), ``ours_padding_free`` (automatic, batch 16). Precisions: ``fp32-bf16`` (fp32 weights, ``bf16=True``: autocast,
+   TRL's default on a GPU) and ``bf16`` (bf16 weights). ``:compile``: ``torch_compile=True``.
+   Columns: real (non-pad) tokens/s, s/step, the first step's seconds (compilation included: flex, ``--compile``),
+   host (process CPU) and GPU (kernels in a profiled step) seconds per step, the profiled step's GPU time by kernel
+   class (GEMM, attention, loss, optimizer, elementwise and the rest), model FLOP utilisation (6 x parameters per
+   token, 4 x with LoRA's frozen base; MoE: the active parameters), peak GPU memory, ratios against TRL in the same
+   model and precision.
+2. ``attention:<provider>:<tokens>`` -- attention alone (fwd + bwd, 32 / 8 heads of 128, bf16, one packed row of
+   lognormal samples, median 400) on every packed backend that runs here, torch's flex_attention with
+   ``create_block_mask`` per call (what a user of flex writes), SDPA with the dense ``(T, T)`` mask (8k only).
+3. ``rope:all`` -- ``benchmarks/bench_rope.py``'s cases at 2k / 8k / 32k tokens, bf16 and autocast: ours,
+   transformers' torch path, Liger-Kernel's ``liger_rotary_pos_emb`` when installed.
+
+``--out`` gets ``bench_gpu.json`` (every case's result as it comes) and ``bench_gpu.md`` (the tables), both rewritten
+after each case. File names hold only letters, digits, ``.``, ``_`` and ``-`` (what a GPU machine hands back).
+Ratios within one run on one device; the device and versions are written with the tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import os
+import re
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import environment_line, format_table, lognormal_lengths, run_in_subprocess  # noqa: E402
+from common import environment_line, format_table, lognormal_lengths  # noqa: E402
 
-PROVIDERS = ("trl_padded", "trl_packing_sdpa", "trl_packing_flex", "ours_packing", "ours_padding_free")
-PRECISIONS = ("fp32+bf16", "bf16")
+PROVIDERS = (
+    "trl_padded",
+    "trl_packing_sdpa",
+    "trl_packing_flex",
+    "ours_packing",
+    "ours_packing_flex",
+    "ours_packing_liger_loss",
+    "ours_packing_liger",
+    "trl_packing_liger",
+    "ours_padding_free",
+)
+PRECISIONS = ("fp32-bf16", "bf16")
+# Dense bf16 tensor-core peak (FLOP/s) per device name fragment, for the model FLOP utilisation column.
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+
+# --------------------------------------------------------------------------------------------------------- models
+
 LLAMA_1B = dict(
+    model_type="llama",
     hidden_size=2048,
     num_hidden_layers=16,
     num_attention_heads=32,
@@ -56,6 +92,105 @@ LLAMA_1B = dict(
     rope_theta=500000.0,
     tie_word_embeddings=True,
 )
+# One model per family at about 1B parameters (the families' own features switched on), for the family rows.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama1b": LLAMA_1B,
+    "llama8b_lora": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=32768,
+        max_position_embeddings=8192,
+        sliding_window=1024,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        hidden_size=1152,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        intermediate_size=6912,
+        vocab_size=262144,
+        max_position_embeddings=8192,
+        sliding_window=512,
+        attn_logit_softcapping=50.0,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1024,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        max_position_embeddings=8192,
+        sliding_window=128,
+        attn_implementation="eager",  # transformers has no SDPA path for gpt_oss (its sinks)
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=3072,
+        moe_intermediate_size=512,
+        num_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=151936,
+        max_position_embeddings=8192,
+    ),
+    "qwen3_5": dict(
+        model_type="qwen3_5_text",
+        hidden_size=1536,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=6144,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 4,
+        vocab_size=151936,
+        max_position_embeddings=8192,
+    ),
+}
+FAMILIES = ("qwen3", "mistral", "gemma3", "gpt_oss", "qwen3_moe", "qwen3_5")
 TINY = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -66,6 +201,50 @@ TINY = dict(
     vocab_size=512,
     max_position_embeddings=512,
 )
+
+
+def model_config(model: str, *, dry_run: bool) -> Any:
+    """The transformers config of ``model`` (a key of :data:`MODELS`); tiny in the dry run, the family's fields
+    kept (a MoE stays a MoE, a hybrid keeps one linear and one full attention layer)."""
+    from transformers import AutoConfig
+
+    fields = dict(MODELS[model])
+    model_type = fields.pop("model_type")
+    fields.pop("attn_implementation", None)
+    if dry_run:
+        fields.update(TINY)
+        for name in ("moe_intermediate_size", "linear_key_head_dim", "linear_value_head_dim"):
+            if name in fields:
+                fields[name] = 16
+        if "num_experts" in fields:
+            fields.update(num_experts=4, num_experts_per_tok=2)
+        if "num_local_experts" in fields:
+            fields.update(num_local_experts=4, num_experts_per_tok=2)
+        if "linear_num_key_heads" in fields:
+            fields.update(linear_num_key_heads=2, linear_num_value_heads=4)
+        if "layer_types" in fields:
+            fields["layer_types"] = ["linear_attention", "full_attention"]
+        if "sliding_window" in fields:
+            fields["sliding_window"] = 32
+    return AutoConfig.for_model(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields)
+
+
+def flops_per_token(model: torch.nn.Module, *, lora: bool) -> float:
+    """Model FLOPs per trained token: 6 x the parameters a token passes through (4 x where the base is frozen and
+    only activations' gradients flow: LoRA), the tied embedding counted once, a MoE's experts scaled to the ones a
+    token is routed to. Attention's own FLOPs are left out, as the usual model FLOP utilisation does."""
+    config = model.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    routed = getattr(config, "num_experts_per_tok", None)
+    total = 0.0
+    for name, parameter in model.named_parameters():
+        if "lora_" in name:
+            continue
+        count = parameter.numel()
+        if experts and routed and re.search(r"\.experts\.", name):
+            count *= routed / experts
+        total += count
+    return (4.0 if lora else 6.0) * total
 
 
 # --------------------------------------------------------------------------------------------------------- trainer
@@ -88,53 +267,89 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2")
 
 
-def train_case(provider: str, precision: str, *, dry_run: bool, steps: int) -> dict[str, Any]:
-    """One trainer case in this process: ``steps`` timed optimizer steps after one warm-up."""
+def _build_model(model: str, precision: str, implementation: str, *, cuda: bool, dry_run: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model, dry_run=dry_run)
+    config._attn_implementation = implementation
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: an 8B model never exists in fp32 first
+    try:
+        with torch.device("cuda" if cuda else "cpu"):  # random init on the GPU: seconds, not minutes
+            built = AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+    finally:
+        torch.set_default_dtype(previous)
+    return built
+
+
+def train_case(
+    model: str, provider: str, precision: str, *, compile: bool, dry_run: bool, steps: int
+) -> dict[str, Any]:
+    """One trainer case in this process: ``steps`` timed optimizer steps after one warm-up step."""
     import trl
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     cuda = torch.cuda.is_available() and not dry_run
-    if provider == "trl_packing_flex" and not cuda:
+    flex = provider.endswith("_flex")
+    if flex and not cuda:
         return {"skipped": "flex_attention has no backward on the CPU"}
-    sizes = TINY if dry_run else LLAMA_1B
-    max_length, batch_size, median = (128, 4, 40) if dry_run else (4096, 16, 400)
-    implementation = "flex_attention" if provider == "trl_packing_flex" else "sdpa"
+    if "liger" in provider and not cuda:
+        return {"skipped": "Liger-Kernel's Triton kernels run on CUDA (on the CPU only under Triton's interpreter)"}
+    lora = model.endswith("_lora")
+    if lora and precision != "bf16":
+        return {"skipped": "the LoRA case runs bf16 weights only"}
+    if provider == "ours_packing_flex":
+        os.environ["UNPACK_ATTENTION_BACKEND"] = "flex"
+    liger = provider.endswith("_liger")  # use_liger_kernel=True: Liger's RoPE, RMSNorm, SwiGLU (and, in TRL, loss)
+    implementation = MODELS[model].get("attn_implementation", "sdpa")
+    if provider == "trl_packing_flex":
+        implementation = "flex_attention"
     torch.manual_seed(0)
-    config = LlamaConfig(**sizes, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation=implementation)
-    with torch.device("cuda" if cuda else "cpu"):  # random init on the GPU: seconds, not a minute, for 1.2B weights
-        model = LlamaForCausalLM(config)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    packed = provider in ("trl_packing_sdpa", "trl_packing_flex", "ours_packing")
-    rows_per_step = 4 if packed else batch_size  # ours / TRL packing: rows of max_length; padded: samples
-    num_samples = (steps + 2) * max(batch_size, 4 * max_length // median) * 2
-    dataset = _dataset(num_samples, max_length, median, sizes["vocab_size"])
+    built = _build_model(model, precision, implementation, cuda=cuda, dry_run=dry_run)
+    vocab_size = built.config.get_text_config().vocab_size
+    max_length, batch_size, median = (128, 4, 40) if dry_run else (4096, 16, 400)
+    packed = "packing" in provider
+    rows_per_step = 1 if lora else 4
+    per_step = rows_per_step if packed else batch_size  # packed: rows of max_length; padded: samples
+    num_samples = (steps + 3) * max(batch_size, rows_per_step * max_length // median) * 2
+    dataset = _dataset(num_samples, max_length, median, vocab_size)
     arguments = dict(
-        output_dir=f"/tmp/bench_gpu/{provider}",
+        output_dir=f"/tmp/bench_gpu/{model}-{provider}",
         report_to="none",
-        bf16=precision == "fp32+bf16",  # autocast on the GPU (on the CPU too in the dry run)
+        bf16=precision == "fp32-bf16",  # autocast on the GPU (on the CPU too in the dry run)
         use_cpu=not cuda,
         max_length=max_length,
         max_steps=steps + 1,
-        per_device_train_batch_size=rows_per_step,
+        per_device_train_batch_size=per_step,
         packing=packed,
         save_strategy="no",
         logging_strategy="no",
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
+        torch_compile=compile,
+        use_liger_kernel=liger,
     )
+    if provider == "ours_packing_liger_loss":
+        arguments["loss_kernel"] = "liger"
     if provider.startswith("trl"):
         trainer_cls, config_cls = trl.SFTTrainer, trl.SFTConfig
     else:
         from unpack_trainer import SFTConfig, SFTTrainer
 
         trainer_cls, config_cls = SFTTrainer, SFTConfig
+    extra = {}
+    if lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = trainer_cls(
-        model=model, args=config_cls(**arguments), train_dataset=dataset, processing_class=_tokenizer()
+        model=built, args=config_cls(**arguments), train_dataset=dataset, processing_class=_tokenizer(), **extra
     )
+    flops = flops_per_token(trainer.model, lora=lora)
 
     tokens: list[int] = []
     collate = trainer.data_collator
@@ -149,87 +364,153 @@ def train_case(provider: str, precision: str, *, dry_run: bool, steps: int) -> d
     host: list[float] = []
 
     class Stamp(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            wall.append(time.perf_counter())
+            host.append(time.process_time())
+
         def on_step_end(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
             wall.append(time.perf_counter())
             host.append(time.process_time())
-            if cuda and len(wall) == 1:
+            if cuda and len(wall) == 2:
                 torch.cuda.reset_peak_memory_stats()
 
     trainer.add_callback(Stamp())
     trainer.train()
-    timed = wall[-1] - wall[0]
+    timed = wall[-1] - wall[1]
+    tokens_per_s = sum(tokens[1 : len(wall) - 1]) / timed
     result: dict[str, Any] = {
-        "tokens_per_s": sum(tokens[1 : len(wall)]) / timed,
-        "s_per_step": timed / (len(wall) - 1),
-        "host_s_per_step": (host[-1] - host[0]) / (len(host) - 1),
+        "tokens_per_s": tokens_per_s,
+        "s_per_step": timed / (len(wall) - 2),
+        "first_step_s": wall[1] - wall[0],
+        "host_s_per_step": (host[-1] - host[1]) / (len(host) - 2),
         "peak_gib": (
             torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         )
         / 2**30,
-        "gpu_s_per_step": _gpu_time_of_one_step(trainer) if cuda else None,
+        "flops_per_token": flops,
     }
+    if cuda:
+        result.update(_profile_one_step(trainer))
+        peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
+        if peak is not None:
+            result["mfu"] = flops * tokens_per_s / peak
     decision = getattr(trainer, "unpack_decision", None)
     if decision is not None:
         result["mode"] = decision.mode
     return result
 
 
-def _gpu_time_of_one_step(trainer: Any) -> float:
-    """Seconds the GPU spent in kernels during one more training step (torch.profiler, device self time)."""
+# Kernel names by class, matched in this order (attention kernels of every backend first: flash-attention's and
+# SDPA's memory-efficient kernels carry CUTLASS in their names; then a cuBLAS / CUTLASS / inductor GEMM, the loss, the
+# optimizer); the rest is elementwise work, copies and reductions.
+KERNEL_CLASSES = (
+    ("attention", re.compile(r"flash|fmha|attn|attention|flex|varlen|triton_tem_fused_(?!(addmm|mm|bmm)_)", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|cublas|xmma|nvjet|wgmma|splitk|triton_tem_fused_(addmm|mm|bmm)", re.I)),
+    ("loss", re.compile(r"cross_entropy|nll_loss|log_softmax|logsumexp|liger.*(ce|cross)", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|fused_sgd|_amp_", re.I)),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The class of a GPU kernel by its name (:data:`KERNEL_CLASSES`; ``other``: elementwise, copies, norms)."""
+    for label, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def _profile_one_step(trainer: Any) -> dict[str, Any]:
+    """One more training step under torch.profiler: the GPU's kernel seconds, in all and by :func:`kernel_class`."""
     from torch.profiler import ProfilerActivity, profile
 
     batch = next(iter(trainer.get_train_dataloader()))
     batch = trainer._prepare_inputs(batch)
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         trainer.training_step(trainer.model, batch)
+        if trainer.optimizer is not None:
+            trainer.optimizer.step()
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    total_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
     trainer.optimizer.zero_grad(set_to_none=True)
-    return total_us / 1e6
+    split: dict[str, float] = {}
+    kernels: list[tuple[float, str]] = []
+    for event in prof.key_averages():
+        if "cuda" not in str(getattr(event, "device_type", "")).lower():
+            continue  # a CPU-side op: its kernels are events of their own
+        seconds = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)) / 1e6
+        label = kernel_class(event.key)
+        split[label] = split.get(label, 0.0) + seconds
+        kernels.append((seconds, f"{label}: {event.key[:120]}"))
+    top = [{"s": seconds, "kernel": name} for seconds, name in sorted(kernels, reverse=True)[:25]]
+    return {"gpu_s_per_step": sum(split.values()), "gpu_split_s": split, "gpu_top_kernels": top}
+
+
+def _ratio(result: dict[str, Any], other: dict[str, Any] | None) -> str:
+    if not other or "tokens_per_s" not in other or "tokens_per_s" not in result:
+        return "-"
+    return f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x"
 
 
 def trainer_table(results: dict[str, dict[str, Any]]) -> str:
+    """Every trainer case measured so far, by model, precision and compile set-up, with its ratios against TRL's
+    padded and packing runs of the same set-up."""
     headers = (
+        "model",
         "precision",
         "provider",
         "tokens/s",
         "s/step",
+        "first step s",
         "host s/step",
         "GPU s/step",
+        "GPU split gemm/attn/loss/optim/other",
+        "MFU",
         "peak GiB",
         "vs TRL padded",
         "vs TRL packing (SDPA)",
         "vs TRL packing (flex)",
     )
+    groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    for case, result in results.items():
+        _, model, provider, precision, *compiled = case.split(":")
+        groups.setdefault((model, precision, ":".join(compiled)), {})[provider] = result
     rows = []
-    for precision in PRECISIONS:
-        base = {p: results.get(f"{p}:{precision}", {}) for p in PROVIDERS}
-
-        def ratio(result: dict[str, Any], provider: str, base: dict[str, dict[str, Any]] = base) -> str:
-            other = base[provider].get("tokens_per_s")
-            return f"{result['tokens_per_s'] / other:.2f}x" if other and "tokens_per_s" in result else "-"
-
+    for (model, precision, compiled), by_provider in groups.items():
+        label = precision + (" compile" if compiled else "")
         for provider in PROVIDERS:
-            result = base[provider]
-            if "tokens_per_s" not in result:
-                rows.append((precision, provider, result.get("skipped", result.get("error", "-")), *["-"] * 7))
+            if provider not in by_provider:
                 continue
+            result = by_provider[provider]
+            if "tokens_per_s" not in result:
+                why = result.get("skipped", result.get("error", "-"))
+                rows.append((model, label, provider, why, *["-"] * 10))
+                continue
+            split = result.get("gpu_split_s")
+            split_text = "-"
+            if split:
+                split_text = " / ".join(
+                    f"{split.get(k, 0.0):.3f}" for k in ("gemm", "attention", "loss", "optimizer", "other")
+                )
             gpu = result.get("gpu_s_per_step")
+            mfu = result.get("mfu")
             rows.append(
                 (
-                    precision,
+                    model,
+                    label,
                     provider,
                     result["tokens_per_s"],
                     result["s_per_step"],
+                    result["first_step_s"],
                     result["host_s_per_step"],
                     "n/a (CPU)" if gpu is None else gpu,
+                    split_text,
+                    "-" if mfu is None else f"{100 * mfu:.1f}%",
                     result["peak_gib"],
-                    ratio(result, "trl_padded"),
-                    ratio(result, "trl_packing_sdpa"),
-                    ratio(result, "trl_packing_flex"),
+                    _ratio(result, by_provider.get("trl_padded")),
+                    _ratio(result, by_provider.get("trl_packing_sdpa")),
+                    _ratio(result, by_provider.get("trl_packing_flex")),
                 )
             )
     return format_table(headers, rows)
@@ -272,6 +553,8 @@ def attention_case(provider: str, total: int, *, dry_run: bool) -> dict[str, Any
 
     device = "cuda" if torch.cuda.is_available() and not dry_run else "cpu"
     heads, kv_heads, dim = (4, 2, 16) if dry_run else (32, 8, 128)
+    if dry_run:
+        total //= 32  # the code, not the size
     dtype = torch.bfloat16
     lengths = _row_lengths(total, 40 if dry_run else 400)
     info = PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=total)
@@ -348,13 +631,16 @@ ATTENTION_PROVIDERS = (
 )
 
 
-def attention_table(results: dict[str, dict[str, Any]], lengths: Sequence[int]) -> str:
+def attention_table(results: dict[str, dict[str, Any]]) -> str:
     headers = ("tokens", "provider", "ms (fwd+bwd)", "peak GiB", "vs torch flex")
     rows = []
+    lengths = sorted({int(case.rsplit(":", 1)[1]) for case in results})
     for total in lengths:
-        flex = results.get(f"torch_flex:{total}", {}).get("ms")
+        flex = results.get(f"attention:torch_flex:{total}", {}).get("ms")
         for provider in ATTENTION_PROVIDERS:
-            result = results.get(f"{provider}:{total}", {})
+            result = results.get(f"attention:{provider}:{total}")
+            if result is None:
+                continue
             if "ms" not in result:
                 rows.append((total, provider, result.get("skipped", result.get("error", "-")), "-", "-"))
                 continue
@@ -370,98 +656,201 @@ def attention_table(results: dict[str, dict[str, Any]], lengths: Sequence[int]) 
     return format_table(headers, rows)
 
 
-# ------------------------------------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------------------------------------ RoPE
 
 
-def _run(case: str, *, dry_run: bool, steps: int, timeout: float) -> dict[str, Any]:
-    """One case: in its own process on the GPU (its peak memory its own), in this one for the dry run (fast)."""
+def rope_case(*, dry_run: bool) -> dict[str, Any]:
+    import bench_rope
+
+    with contextlib.ExitStack() as stack:
+        if dry_run:
+            stack.enter_context(_environ("TRITON_INTERPRET", "1"))
+            rows = bench_rope.run_cases(
+                [24], ["packed"], ["bfloat16", "autocast"], device="cpu", heads=4, kv_heads=2, head_dim=16,
+                warmup=1, rep=1,
+            )  # fmt: skip
+        else:
+            rows = bench_rope.run_cases([2048, 8192, 32768], ["packed"], ["bfloat16", "autocast"], device="cuda")
+    return {"rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------------------- cases
+
+
+class Case(NamedTuple):
+    """One measured case: its name (``section:...``, see the module docstring) and the seconds it is expected to
+    take on an H100 / H200 (process start, model build, warm-up and timed steps), which ``--budget`` plans with."""
+
+    name: str
+    estimate_s: float
+
+    @property
+    def section(self) -> str:
+        return self.name.split(":", 1)[0]
+
+
+def all_cases() -> list[Case]:
+    """Every case, in priority order: the headline comparison first (ours vs TRL packing on Llama-3.2-1B shapes, both
+    precisions), then the 8B LoRA case, padding-free, flex in training, attention alone, the families, compile,
+    TRL's flex packing (minutes of compilation), RoPE."""
+    cases: list[Case] = []
+
+    def trainer(model: str, provider: str, precision: str, compile: bool = False, estimate: float = 45) -> None:
+        cases.append(Case(f"trainer:{model}:{provider}:{precision}" + (":compile" if compile else ""), estimate))
+
+    for precision in PRECISIONS:
+        trainer("llama1b", "ours_packing", precision)
+        trainer("llama1b", "trl_packing_sdpa", precision)
+    for provider in ("ours_packing_liger_loss", "ours_packing_liger", "trl_packing_liger"):
+        trainer("llama1b", provider, "fp32-bf16", estimate=60)
+    trainer("llama8b_lora", "ours_packing", "bf16", estimate=75)
+    trainer("llama8b_lora", "trl_packing_sdpa", "bf16", estimate=75)
+    for precision in PRECISIONS:
+        trainer("llama1b", "ours_padding_free", precision)
+        trainer("llama1b", "trl_padded", precision)
+    for precision in PRECISIONS:
+        trainer("llama1b", "ours_packing_flex", precision, estimate=90)
+    for provider in ("packed_torch_varlen", "packed_flex", "packed_flash", "packed_sdpa", "torch_flex", "dense_sdpa"):
+        for total in (8192, 65536):
+            cases.append(Case(f"attention:{provider}:{total}", 20))
+    for precision in ("bf16", "fp32-bf16"):
+        for family in FAMILIES:
+            trainer(family, "ours_packing", precision, estimate=50)
+            trainer(family, "trl_packing_sdpa", precision, estimate=50)
+    for precision in PRECISIONS:
+        trainer("llama1b", "ours_packing", precision, compile=True, estimate=150)
+        trainer("llama1b", "trl_packing_sdpa", precision, compile=True, estimate=150)
+    for precision in PRECISIONS:
+        trainer("llama1b", "trl_packing_flex", precision, estimate=180)
+    for provider in ("packed_xformers",):
+        for total in (8192, 65536):
+            cases.append(Case(f"attention:{provider}:{total}", 15))
+    cases.append(Case("rope:all", 60))
+    return cases
+
+
+def select_cases(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
+    """The cases whose name matches any of the shell-style ``patterns`` (all of them without any), in order."""
+    if not patterns:
+        return list(cases)
+    return [case for case in cases if any(fnmatch.fnmatchcase(case.name, p) for p in patterns)]
+
+
+def _case(name: str, *, dry_run: bool, steps: int) -> dict[str, Any]:
+    section, *rest = name.split(":")
+    if section == "trainer":
+        model, provider, precision, *compiled = rest
+        return train_case(model, provider, precision, compile=bool(compiled), dry_run=dry_run, steps=steps)
+    if section == "attention":
+        return attention_case(rest[0], int(rest[1]), dry_run=dry_run)
+    if section == "rope":
+        return rope_case(dry_run=dry_run)
+    raise ValueError(f"unknown case {name!r}")
+
+
+def _run(name: str, *, dry_run: bool, steps: int, timeout: float) -> dict[str, Any]:
+    """One case: in its own process on the GPU (its peak memory its own, at most ``timeout`` seconds), in this one
+    for the dry run (fast). A failure or a timeout is the case's result, not the end of the run."""
+    start = time.perf_counter()
     try:
         if dry_run:
-            return _case(case, dry_run=True, steps=steps)
-        command = [os.path.abspath(__file__), "--case", case, "--steps", str(steps)]
-        return run_in_subprocess(command, timeout=timeout)
-    except Exception as error:  # noqa: BLE001 - one failed case is a cell of the table, not the end of the run
-        return {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:160]}"}
+            result = _case(name, dry_run=True, steps=steps)
+        else:
+            command = [sys.executable, os.path.abspath(__file__), "--case", name, "--steps", str(steps)]
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+            if proc.returncode != 0:
+                lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+                raise RuntimeError(lines[-1][:200] if lines else f"exit status {proc.returncode}")
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        result = {"error": f"not finished within {timeout:.0f} s (the budget left for it)"}
+    except Exception as error:  # noqa: BLE001 - one failed case is a cell of the table
+        result = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"}
+    result["case_s"] = time.perf_counter() - start
+    return result
 
 
-def _case(case: str, *, dry_run: bool, steps: int) -> dict[str, Any]:
-    kind, *rest = case.split(":")
-    if kind == "trainer":
-        return train_case(rest[0], rest[1], dry_run=dry_run, steps=steps)
-    return attention_case(rest[0], int(rest[1]), dry_run=dry_run)
+class Recorder:
+    """Every result so far, written to ``out/bench_gpu.json`` and ``out/bench_gpu.md`` after each case (``out``
+    ``None``: printed only)."""
+
+    def __init__(self, out: str | None, header: dict[str, Any]):
+        self.out = Path(out) if out else None
+        self.header = header
+        self.results: dict[str, dict[str, Any]] = {}
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, result: dict[str, Any]) -> None:
+        self.results[name] = result
+        self.write()
+
+    def tables(self) -> str:
+        sections = [f"## bench_gpu on {self.header['device']}\n\n{self.header['environment']}\n"]
+        by_section: dict[str, dict[str, dict[str, Any]]] = {}
+        for name, result in self.results.items():
+            by_section.setdefault(name.split(":", 1)[0], {})[name] = result
+        if "trainer" in by_section:
+            sections.append("### Trainer\n\n" + trainer_table(by_section["trainer"]))
+        if "attention" in by_section:
+            sections.append("### Attention alone\n\n" + attention_table(by_section["attention"]))
+        rope = self.results.get("rope:all")
+        if rope is not None:
+            import bench_rope
+
+            body = bench_rope.format_rows(rope["rows"]) if "rows" in rope else rope.get("error", rope.get("skipped"))
+            sections.append("### RoPE (fwd+bwd against transformers and Liger-Kernel)\n\n" + str(body))
+        return "\n\n".join(sections) + "\n"
+
+    def write(self) -> None:
+        if self.out is None:
+            return
+        document = {**self.header, "cases": self.results}
+        (self.out / "bench_gpu.json").write_text(json.dumps(document, indent=1, default=str))
+        (self.out / "bench_gpu.md").write_text(self.tables())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="everything tiny on the CPU (checks the code only)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per trainer case (default 5)")
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
-    parser.add_argument("--precisions", default=",".join(PRECISIONS))
-    parser.add_argument("--attention-tokens", default="8192,65536")
-    parser.add_argument("--attention-providers", default=",".join(ATTENTION_PROVIDERS))
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: trainer, attention, rope")
-    parser.add_argument("--out", default=None, help="folder for results.json and tables.md")
+    parser.add_argument("--cases", default="", help="comma-separated shell patterns of case names (default: all)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run; a case is started "
+                        "only where its estimate fits in what is left, and stopped when the budget ends")  # fmt: skip
+    parser.add_argument("--list", action="store_true", help="print the selected cases in order and exit")
+    parser.add_argument("--out", default=None, help="folder for bench_gpu.json and bench_gpu.md")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one case in this process
     args = parser.parse_args(argv)
 
     if args.case is not None:
         print(json.dumps(_case(args.case, dry_run=args.dry_run, steps=args.steps)))
         return 0
-
+    cases = select_cases(all_cases(), [p for p in args.cases.split(",") if p])
+    if args.list:
+        for case in cases:
+            print(f"{case.name}  (~{case.estimate_s:.0f} s)")
+        return 0
     if not args.dry_run and not torch.cuda.is_available():
         print(
             "bench_gpu measures a CUDA GPU and none is available; pass --dry-run to check the code.", file=sys.stderr
         )
         return 2
-    skip = set(filter(None, args.skip.split(",")))
     steps = 1 if args.dry_run else args.steps
-    run = {"dry_run": args.dry_run, "steps": steps}
-    timeout = 600 if args.dry_run else 1800
     device = "cpu (dry run: not timings)" if args.dry_run else torch.cuda.get_device_name()
-    sections = [f"## bench_gpu on {device}\n\n{environment_line()}\n"]
-    results: dict[str, Any] = {"device": device, "environment": environment_line()}
-
-    if "trainer" not in skip:
-        trainer_results = {}
-        for precision in args.precisions.split(","):
-            for provider in args.providers.split(","):
-                case = f"trainer:{provider}:{precision}"
-                trainer_results[f"{provider}:{precision}"] = _run(case, timeout=timeout, **run)
-        results["trainer"] = trainer_results
-        sections.append("### Trainer (Llama-3.2-1B shapes)\n\n" + trainer_table(trainer_results))
-
-    if "attention" not in skip:
-        lengths = [256, 1024] if args.dry_run else [int(n) for n in args.attention_tokens.split(",")]
-        attention_results = {
-            f"{provider}:{total}": _run(f"attention:{provider}:{total}", timeout=timeout, **run)
-            for total in lengths
-            for provider in args.attention_providers.split(",")
-        }
-        results["attention"] = attention_results
-        sections.append("### Attention alone\n\n" + attention_table(attention_results, lengths))
-
-    if "rope" not in skip:
-        import bench_rope
-
-        with contextlib.ExitStack() as stack:
-            if args.dry_run:
-                stack.enter_context(_environ("TRITON_INTERPRET", "1"))
-                rows = bench_rope.run_cases(
-                    [24], ["packed"], ["bfloat16", "autocast"], device="cpu", heads=4, kv_heads=2, head_dim=16,
-                    warmup=1, rep=1,
-                )  # fmt: skip
-            else:
-                rows = bench_rope.run_cases([2048, 8192, 32768], ["packed"], ["bfloat16", "autocast"], device="cuda")
-        results["rope"] = rows
-        sections.append("### RoPE (fwd+bwd against transformers and Liger-Kernel)\n\n" + bench_rope.format_rows(rows))
-
-    text = "\n\n".join(sections) + "\n"
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_gpu.json").write_text(json.dumps(results, indent=1, default=str))
-        (out / "bench_gpu.md").write_text(text)
+    recorder = Recorder(args.out, {"device": device, "environment": environment_line(), "steps": steps})
+    deadline = None if args.budget is None else time.perf_counter() + args.budget
+    for case in cases:
+        timeout = 1800.0
+        if deadline is not None:
+            left = deadline - time.perf_counter()
+            if left < case.estimate_s:
+                recorder.add(case.name, {"skipped": f"budget: {max(left, 0):.0f} s left, ~{case.estimate_s:.0f} s"})
+                continue
+            timeout = left
+        result = _run(case.name, dry_run=args.dry_run, steps=steps, timeout=timeout)
+        recorder.add(case.name, result)
+        print(f"{case.name}: {json.dumps(result, default=str)[:300]}", flush=True)
+    print(recorder.tables())
     return 0
 
 

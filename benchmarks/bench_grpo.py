@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment_line, format_table, run_in_subprocess, spread, tiny_llama_config  # noqa: E402
+from common import environment_line, format_table, quiet_case, run_in_subprocess, spread, tiny_llama_config  # noqa: E402
 
 PROVIDERS = ("stock", "plain", "shared")
 SCENARIOS = ("lognormal:0.2", "lognormal:0.5", "lognormal:0.8", "uniform:0.1")
@@ -103,24 +103,17 @@ class _StepTimer:
 
 def run_case(provider: str, scenario: str, args: argparse.Namespace) -> dict:
     """Train ``args.steps`` + 1 steps of ``provider`` in this process on ``scenario``'s rollouts."""
-    import torch
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    quiet_case(args.threads)
     import trl
     from datasets import Dataset
-    from datasets.utils.logging import disable_progress_bar
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.utils import logging as hf_logging
 
     from unpack_trainer import GRPOConfig, GRPOTrainer
     from unpack_trainer.trainers import grpo
 
     if args.packed_token_share is not None:
         grpo.PACKED_TOKEN_SHARE = args.packed_token_share
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
     kind, share = scenario.split(":")
     rollouts = make_rollouts(args.steps + 1, args.prompts, args.generations, kind, float(share), args.median_tokens)
     model, extra = _model(args.model)

@@ -1,7 +1,7 @@
 """Quality of packed GRPO: the reward curve of stock ``trl.GRPOTrainer`` (padded) vs ``unpack_trainer.GRPOTrainer``
 (packed forwards, each group's prompt shared), paired per seed, on a verifiable toy task.
 
-    python benchmarks/bench_grpo_quality.py                  # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_grpo_quality.py                  # the table of docs/quality.md: 8 seeds x 3 arms, 2 processes
     python benchmarks/bench_grpo_quality.py --seeds 0 --steps 20   # smoke test
 
 The task: a prompt is a few letters of ``abcd``; the reward of a completion is the share of its first
@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import paired_table, run_arms_and_record  # noqa: E402
+from common import paired_table, quiet_case, run_arms_and_record  # noqa: E402
 
 ARMS = ("stock", "ours", "control")
 RESULTS_JSON = Path(__file__).resolve().parent / "RESULTS_grpo_quality.json"
@@ -62,19 +62,14 @@ def repeat_reward(length: int):
 
 
 def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
+    quiet_case(1)
     import torch
-
-    torch.set_num_threads(1)
     import trl
     from datasets import Dataset
-    from datasets.utils.logging import disable_progress_bar
-    from transformers.utils import logging as hf_logging
 
     from unpack_trainer import GRPOConfig, GRPOTrainer
     from unpack_trainer.models import tiny
 
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
     tokenizer = tiny.char_tokenizer()
     model = tiny.tiny_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
                             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip

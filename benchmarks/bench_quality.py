@@ -1,6 +1,6 @@
 """Quality of packed training: held-out loss of padded vs packed runs (and packing variants), over several seeds.
 
-    python benchmarks/bench_quality.py                      # the README table: 15 seeds, 3 arms, 2 processes
+    python benchmarks/bench_quality.py                      # the table of docs/quality.md: 15 seeds, 3 arms, 2 processes
     python benchmarks/bench_quality.py --seeds 0 1 2 --arms padded packed_bfd packed_shuffled
     python benchmarks/bench_quality.py --analyze            # no training: how each arm composes its steps
     python benchmarks/bench_quality.py --quick              # smoke test: 1 seed, 64 samples, 2 arms
@@ -18,8 +18,8 @@ process, with torch on one thread (the machine is shared).
 The default is the main job's configuration (``examples/sft_packing.py`` with its defaults): all 3,944 prepared
 training samples, rows of 512 tokens (longer samples, about 3%, are truncated in every arm), 2 rows per optimizer
 step (about 10 samples per step), one epoch, fp32; 15 seeds, since one packed run's held-out loss varies by about
-0.04 over seeds. The README's run took about 40 minutes on 2 shared cores (``--jobs 2``).
-``--train-samples 2000 --seeds 0 1 2`` is the smaller set-up of the first table (README).
+0.04 over seeds. The run of docs/quality.md took about 40 minutes on 2 shared cores (``--jobs 2``).
+``--train-samples 2000 --seeds 0 1 2`` is the smaller set-up of the first table (docs/quality.md).
 
 Arms (``--arms``):
 
@@ -32,7 +32,7 @@ Arms (``--arms``):
   random order (best fit over the last few open rows, the window widening only as far as needed for at most 1% more
   rows than best-fit decreasing), balanced steps.
 - ``packed_window4_balanced``: the same with the window fixed at 4 open rows (``packing_window=4``, the default of
-  the README's 15-seed table).
+  the 15-seed table of docs/quality.md).
 - ``packed_shuffled_cap``: shuffled rows of at most ``2 x`` the mean samples per row.
 - ``padded_sample``: padded with ``loss_normalization="sample"``.
 - ``padding_free``: the padded arm's random batches flattened into one row (``padding_free=True``): the padded arm's
@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table  # noqa: E402
+from common import environment, format_table, quiet_case  # noqa: E402
 
 from unpack_trainer.cli.sft_comparison import checkpointing_off, held_out_loss  # noqa: E402
 
@@ -540,17 +540,11 @@ def main(argv: list[str] | None = None) -> None:
         print(summarize_files(args.summarize, args.arms, args.seeds))
         return
 
-    import datasets
-    import torch
-    from transformers.utils import logging as hf_logging
+    quiet_case(args.threads)
+    import logging
 
     from unpack_trainer import load_default_dataset, load_default_tokenizer
     from unpack_trainer.data.packing import best_fit_decreasing
-
-    torch.set_num_threads(args.threads)
-    hf_logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    import logging
 
     logging.getLogger("unpack_trainer").setLevel(logging.ERROR)
     tokenizer = load_default_tokenizer()

@@ -45,8 +45,12 @@ def _worker(rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from unpack_trainer import patch_model
-    from unpack_trainer.data.packing import balanced_rank_order, balanced_step_order, row_costs
-    from unpack_trainer.data.sampler import measure_attention_cost_ratio
+    from unpack_trainer.data.sampler import (
+        balanced_rank_order,
+        balanced_step_order,
+        measure_attention_cost_ratio,
+        row_costs,
+    )
     from unpack_trainer.models.tiny import packed_batch, tiny_model
 
     model = tiny_model(

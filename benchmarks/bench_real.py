@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table, run_in_subprocess  # noqa: E402
+from common import environment, format_table, quiet_case, run_in_subprocess  # noqa: E402
 
 TRAINER_PROVIDERS = {
     "trl_padded": "(a) trl.SFTTrainer, padded",
@@ -49,14 +49,6 @@ ROW_PROVIDERS = {
     "unpack": "unpack_trainer patched",
     "one_by_one": "each sample alone (gradients accumulated)",
 }
-
-
-def _quiet() -> None:
-    from datasets.utils.logging import disable_progress_bar
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
 
 
 def _peak_rss_mb() -> float:
@@ -77,7 +69,7 @@ def run_trainer_case(provider: str, max_length: int, steps: int, batch_size: int
     from unpack_trainer import load_smollm2
     from unpack_trainer.cli.trainer_comparison import time_training
 
-    _quiet()
+    quiet_case()
     torch.manual_seed(0)
     model, tokenizer = load_smollm2()
     # Enough samples for every step of every provider (about 150 tokens each with the chat template).
@@ -114,7 +106,7 @@ def run_row_case(provider: str, row_tokens: int) -> dict[str, Any]:
     from unpack_trainer import load_smollm2, patch_model
     from unpack_trainer.data.collator import packed_metadata
 
-    _quiet()
+    quiet_case()
     samples = row_samples(row_tokens)
     model, _ = load_smollm2()
     model.train()

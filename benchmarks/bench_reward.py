@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dpo import PROVIDERS, _spread, make_pairs, measure, word_tokenizer  # noqa: E402
-from common import format_table, tiny_llama_config  # noqa: E402
+from common import format_table, quiet_case, tiny_llama_config  # noqa: E402
 
 
 def _model(name: str) -> tuple[object, dict]:
@@ -64,19 +64,12 @@ def run_case(
     provider: str, share: float, steps: int, batch_size: int, threads: int | None, model_name: str, median: int
 ) -> dict:
     """Train ``steps`` + 1 steps of ``provider`` in this process; tokens/s and the growth of peak RSS (MiB)."""
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
+    quiet_case(threads)
     import trl
     from datasets import Dataset
-    from datasets.utils.logging import disable_progress_bar
-    from transformers.utils import logging as hf_logging
 
     from unpack_trainer import RewardConfig, RewardTrainer
 
-    hf_logging.set_verbosity_error()
-    disable_progress_bar()
     model, extra = _model(model_name)
     tokenizer = word_tokenizer()
     pairs = make_pairs(batch_size * (steps + 1), share, median=median)

@@ -1,7 +1,7 @@
 """Quality of packed reward-model training: held-out loss and accuracy of stock ``trl.RewardTrainer`` (padded) vs
 ``unpack_trainer.RewardTrainer`` (packed rows, prompts shared), paired per seed.
 
-    python benchmarks/bench_reward_quality.py              # the README table: 8 seeds x 3 arms, 2 processes
+    python benchmarks/bench_reward_quality.py              # the table of docs/quality.md: 8 seeds x 3 arms, 2 processes
     python benchmarks/bench_reward_quality.py --seeds 0 --train-pairs 64 --eval-pairs 32   # smoke test
 
 For each seed all arms start from the same initial weights (``torch.manual_seed(seed)``'s tiny Llama sequence

@@ -40,6 +40,7 @@ __all__ = [
     "paired_difference",
     "paired_table",
     "print_header",
+    "quiet_case",
     "run_arms_and_record",
     "run_in_subprocess",
     "run_seeded_cases",
@@ -71,6 +72,19 @@ def tiny_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
     return AutoConfig.for_model(model_type, **{**TINY_SIZES, **overrides})
+
+
+def quiet_case(threads: int | None = None) -> None:
+    """The start of a benchmark case's process: torch on ``threads`` threads (``None``: torch's default), transformers'
+    logging at errors only and datasets' progress bars off, so what the case prints is its result."""
+    import torch
+    from datasets.utils.logging import disable_progress_bar
+    from transformers.utils import logging as hf_logging
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    hf_logging.set_verbosity_error()
+    disable_progress_bar()
 
 
 def print_header(title: str) -> None:

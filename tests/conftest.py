@@ -56,6 +56,53 @@ def _release_patched_models():
     gc.collect()
 
 
+# --------------------------------------------------------------------------------------- stand-in attention kernels
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """``stand_in_kernel(backend, kernel, *, cpu=False, dtypes=None)``: for this test, the optional kernel the attention
+    backend ``backend`` declares (its record's ``kernel``) loads as ``kernel`` (``None``: not installed); with ``cpu``
+    it runs on the CPU as on CUDA, in ``dtypes`` (the kernel's own when ``None``). The record in ``REGISTRY`` is
+    replaced for the test, as a new backend's would be listed."""
+    from unpack_trainer.patches.attention import REGISTRY
+
+    def install(backend, kernel, *, cpu=False, dtypes=None):
+        record = REGISTRY[backend]
+        declared = record.kernel._replace(
+            load=lambda: kernel,
+            device_types=("cuda", "cpu") if cpu else record.kernel.device_types,
+            dtypes=dtypes or record.kernel.dtypes,
+        )
+        monkeypatch.setitem(REGISTRY, backend, record._replace(kernel=declared))
+
+    return install
+
+
+@pytest.fixture
+def wrap_backends(monkeypatch):
+    """``wrap_backends(wrap)``: for this test, every attention backend's forward is ``wrap(name, forward)`` (its
+    record replaced in ``REGISTRY``); ``wrap_backends()`` records the name of every backend that runs and returns
+    the list."""
+    from unpack_trainer.patches.attention import REGISTRY
+
+    def install(wrap=None):
+        ran = []
+
+        def record_run(name, forward):
+            def spy(*args, **kwargs):
+                ran.append(name)
+                return forward(*args, **kwargs)
+
+            return spy
+
+        for name, record in list(REGISTRY.items()):
+            monkeypatch.setitem(REGISTRY, name, record._replace(forward=(wrap or record_run)(name, record.forward)))
+        return ran
+
+    return install
+
+
 # ------------------------------------------------------------------------------------------ tiny models, a tokenizer
 
 
@@ -189,11 +236,9 @@ def _sibling_leak(self):
     return PackedSeqInfo(torch.tensor(units), batch_size=1, seq_len=self.total_tokens), gather, gather
 
 
-def _parents_ignored(backend, query, key, value, info, options):
+def _parents_ignored(record, query, key, value, info, options):
     """A broken branched attention: every sample attends only to itself, so a branch never sees its prompt."""
-    from unpack_trainer.patches.attention.registry import REGISTRY
-
-    return REGISTRY[backend].forward(query, key, value, info, options)
+    return record.forward(query, key, value, info, options)
 
 
 @pytest.fixture
@@ -213,3 +258,84 @@ def leak_branches(monkeypatch):
             monkeypatch.setattr(dispatch, "_branched", _parents_ignored)
 
     return leak
+
+
+# ------------------------------------------------------------------------------------- Liger-Kernel on the CPU
+
+_LIGER_INTERPRETED: list[bool] = []  # whether this process imported Liger-Kernel under Triton's interpreter
+
+
+def _triton_language_interpreted() -> bool:
+    """On a machine without a GPU, import Triton's language under its interpreter, before any test module imports it
+    (TRL does, compiled): ``triton.jit`` decides at import whether a function is interpreted, and an interpreted
+    kernel (Liger-Kernel's, on CPU tensors) cannot call the compiled ``tl.max`` / ``tl.sum`` of a standard library
+    imported without it. Nothing here launches a compiled kernel (the project's own RoPE kernel uses none of them).
+    Returns whether Triton's language is interpreted in this process."""
+    import importlib.util
+    import os
+    import sys
+
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return False
+    if "triton.language" in sys.modules:
+        from triton.runtime.jit import JITFunction
+
+        return not isinstance(sys.modules["triton.language"].standard.max, JITFunction)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return True
+
+
+_TRITON_LANGUAGE_INTERPRETED = _triton_language_interpreted()
+
+
+@pytest.fixture
+def liger_interpreted(monkeypatch):
+    """Liger-Kernel's Triton kernels on CPU tensors: ``TRITON_INTERPRET=1`` for the test, and Liger-Kernel imported
+    under it (``triton.jit`` decides at import whether a function is interpreted, so the first import in the process
+    must be this fixture's). Skips without Liger-Kernel, on a machine with a GPU (its ``gpu`` tests run the compiled
+    kernels in this process) and after an import without the interpreter."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("Liger-Kernel is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("Liger-Kernel's kernels are tested compiled on this machine's GPU (the gpu tests)")
+    if not _TRITON_LANGUAGE_INTERPRETED:
+        pytest.skip("Triton's language was imported in this process without TRITON_INTERPRET=1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not _LIGER_INTERPRETED:
+        if any(name == "liger_kernel" or name.startswith("liger_kernel.") for name in sys.modules):
+            pytest.skip("Liger-Kernel was imported in this process without TRITON_INTERPRET=1")
+        from unpack_trainer import _compat
+
+        if _compat.liger_linear_cross_entropy() is None:
+            pytest.skip("the installed Liger-Kernel has no per-token losses with forward gradients")
+        _LIGER_INTERPRETED.append(True)
+    _interpret_floats_as_fp32(monkeypatch)
+
+
+def _interpret_floats_as_fp32(monkeypatch) -> None:
+    """Have Triton's interpreter pass a kernel's Python ``float`` arguments as fp32 scalars, as compiled Triton does
+    (the interpreter leaves them Python floats, a known gap of its: "TODO: wrap everything in triton tensors"), so
+    kernels that call ``.to`` on one (Liger-Kernel's RMSNorm, SwiGLU, softcapped cross-entropy) run interpreted."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._implicit_cvt
+
+    def implicit_cvt(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return convert(arg)
+
+    monkeypatch.setattr(interpreter, "_implicit_cvt", implicit_cvt)

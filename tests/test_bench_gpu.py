@@ -1,5 +1,6 @@
 """benchmarks/bench_gpu.py --dry-run: the GPU benchmark's trainer, attention and RoPE code run tiny on the CPU (no
-timing is asserted; a GPU run is where its numbers come from)."""
+timing is asserted; a GPU run is where its numbers come from), its results written after every case, its budget
+planning."""
 
 from __future__ import annotations
 
@@ -12,40 +13,107 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "bench_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_dry_run_writes_every_table(tmp_path, monkeypatch):
-    pytest.importorskip("triton")
+@pytest.fixture
+def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    bench = load_bench()
-    code = bench.main(
-        [
-            "--dry-run",
-            "--providers",
-            "trl_packing_sdpa,trl_packing_flex,ours_packing",
-            "--precisions",
-            "fp32+bf16",
-            "--attention-providers",
-            "packed_torch_varlen,packed_sdpa,packed_flex,torch_flex,dense_sdpa",
-            "--out",
-            str(tmp_path),
-        ]
-    )
-    assert code == 0
-    results = json.loads((tmp_path / "bench_gpu.json").read_text())
-    trainer = results["trainer"]
-    assert trainer["ours_packing:fp32+bf16"]["tokens_per_s"] > 0 and trainer["ours_packing:fp32+bf16"]["mode"]
-    assert trainer["trl_packing_sdpa:fp32+bf16"]["tokens_per_s"] > 0
-    assert "no backward on the CPU" in trainer["trl_packing_flex:fp32+bf16"]["skipped"]
-    attention = results["attention"]
-    assert attention["packed_sdpa:1024"]["ms"] > 0 and attention["packed_flex:1024"]["backward"] is False
-    assert "CUDA" in attention["packed_torch_varlen:256"]["skipped"]
-    assert [row["dtype"] for row in results["rope"]] == ["bfloat16", "autocast"]
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DRY_RUN_CASES = ",".join(
+    [
+        "trainer:llama1b:trl_packing_sdpa:fp32-bf16",
+        "trainer:llama1b:trl_packing_flex:fp32-bf16",
+        "trainer:llama1b:ours_packing:fp32-bf16",
+        "trainer:llama8b_lora:ours_packing:bf16",
+        "trainer:gpt_oss:ours_packing:bf16",
+        "attention:packed_torch_varlen:8192",
+        "attention:packed_sdpa:*",
+        "attention:packed_flex:8192",
+        "attention:torch_flex:8192",
+        "attention:dense_sdpa:8192",
+        "rope:all",
+    ]
+)
+
+
+def test_dry_run_writes_every_table(tmp_path, bench):
+    pytest.importorskip("triton")
+    pytest.importorskip("peft")
+    assert bench.main(["--dry-run", "--cases", DRY_RUN_CASES, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "bench_gpu.json").read_text())["cases"]
+    ours = results["trainer:llama1b:ours_packing:fp32-bf16"]
+    assert ours["tokens_per_s"] > 0 and ours["mode"] == "pack" and ours["first_step_s"] > 0
+    assert results["trainer:llama1b:trl_packing_sdpa:fp32-bf16"]["tokens_per_s"] > 0
+    assert "no backward on the CPU" in results["trainer:llama1b:trl_packing_flex:fp32-bf16"]["skipped"]
+    lora = results["trainer:llama8b_lora:ours_packing:bf16"]
+    assert lora["tokens_per_s"] > 0 and lora["flops_per_token"] > 0
+    assert results["trainer:gpt_oss:ours_packing:bf16"]["tokens_per_s"] > 0  # MoE with sinks, on eager
+    assert results["attention:packed_sdpa:65536"]["ms"] > 0 and results["attention:packed_flex:8192"]["backward"] is False
+    assert "CUDA" in results["attention:packed_torch_varlen:8192"]["skipped"]
+    assert [row["dtype"] for row in results["rope:all"]["rows"]] == ["bfloat16", "autocast"]
     tables = (tmp_path / "bench_gpu.md").read_text()
     for heading in ("### Trainer", "### Attention alone", "### RoPE"):
         assert heading in tables
+
+
+def test_each_result_is_written_as_it_comes_and_the_budget_skips_what_does_not_fit(tmp_path, bench, monkeypatch):
+    """A run cut short keeps what it measured: the files hold every case finished so far; a case whose estimate
+    does not fit in what is left of ``--budget`` is recorded as skipped, not started."""
+    seen_on_disk = []
+
+    def fake_run(name, *, dry_run, steps, timeout):
+        if (tmp_path / "bench_gpu.json").exists():
+            seen_on_disk.append(sorted(json.loads((tmp_path / "bench_gpu.json").read_text())["cases"]))
+        return {"ms": 1.0, "peak_gib": None, "backward": True}
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    cases = "attention:packed_sdpa:8192,attention:packed_sdpa:65536,trainer:llama8b_lora:ours_packing:bf16"
+    monkeypatch.setattr(bench, "all_cases", lambda: [
+        bench.Case("attention:packed_sdpa:8192", 1),
+        bench.Case("attention:packed_sdpa:65536", 1),
+        bench.Case("trainer:llama8b_lora:ours_packing:bf16", 10_000),
+    ])  # fmt: skip
+    assert bench.main(["--dry-run", "--cases", cases, "--budget", "60", "--out", str(tmp_path)]) == 0
+    assert seen_on_disk == [["attention:packed_sdpa:8192"]]
+    results = json.loads((tmp_path / "bench_gpu.json").read_text())["cases"]
+    assert results["trainer:llama8b_lora:ours_packing:bf16"]["skipped"].startswith("budget:")
+    assert "budget:" in (tmp_path / "bench_gpu.md").read_text()
+
+
+def test_cases_run_in_priority_order_and_patterns_select(bench, capsys):
+    names = [case.name for case in bench.all_cases()]
+    assert names[:4] == [
+        "trainer:llama1b:ours_packing:fp32-bf16",
+        "trainer:llama1b:trl_packing_sdpa:fp32-bf16",
+        "trainer:llama1b:ours_packing:bf16",
+        "trainer:llama1b:trl_packing_sdpa:bf16",
+    ]
+    assert len(names) == len(set(names))
+    assert all(set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789_-:") for name in names)
+    for family in bench.FAMILIES:
+        assert f"trainer:{family}:ours_packing:bf16" in names and f"trainer:{family}:trl_packing_sdpa:fp32-bf16" in names
+    assert bench.main(["--list", "--cases", "trainer:*:compile"]) == 0
+    listed = capsys.readouterr().out.split("\n")
+    assert [line.split()[0] for line in listed if line] == [n for n in names if n.endswith(":compile")]
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_192x192_64x3_1x2_h_bz_coopB_TNT", "gemm"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::bfloat16_t>>", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
+        ("triton_tem_fused_flex_attention_0", "attention"),
+        ("triton_tem_fused_mm_3", "gemm"),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "other"),
+        ("void at::native::cross_entropy_loss_kernel", "loss"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
+    ],
+)
+def test_kernel_classes(bench, name, label):
+    assert bench.kernel_class(name) == label

@@ -7,6 +7,8 @@ import json
 import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -369,8 +371,27 @@ def test_large_pretokenized_parquet(tmp_path, capsys):
     assert expected.packing_efficiency > 0.99 and expected.speedup > 2
 
 
+def console_script(name: str) -> str | None:
+    """The console script ``name`` of the environment running the tests: where this interpreter installs scripts
+    (``sysconfig.get_path("scripts")``: found when the environment's python is run directly, without an activated
+    environment putting its scripts on ``PATH``), else the one ``PATH`` finds."""
+    for candidate in (name, f"{name}.exe"):
+        path = Path(sysconfig.get_path("scripts")) / candidate
+        if path.is_file():
+            return str(path)
+    return shutil.which(name)
+
+
+def test_console_script_is_found_without_an_activated_environment(monkeypatch):
+    """``venv/bin/python -m pytest`` runs with the environment's scripts off ``PATH``: the script is still found."""
+    monkeypatch.setenv("PATH", "")
+    executable = console_script("unpack-trainer")
+    assert executable is not None
+    assert Path(executable).parent == Path(sysconfig.get_path("scripts"))
+
+
 def test_console_script(tmp_path, records):
-    executable = shutil.which("unpack-trainer")
+    executable = console_script("unpack-trainer")
     assert executable, "the `unpack-trainer` console script is not installed; run `pip install -e .`"
     path = _write_jsonl(tmp_path / "train.jsonl", records)
     plot = tmp_path / "script.png"

@@ -457,3 +457,59 @@ def test_the_decision_reads_padding_free_from_any_config(default, given, mode, r
 def test_a_plain_trl_grpo_config_decides_automatic_padding_free():
     decision = decide(_config(trl.GRPOConfig), model_config=_model(), supported_model_types=SUPPORTED, env={})
     assert decision.mode == "padding_free" and decision.automatic
+
+
+# ------------------------------------------------------------------------------------------------ parallelism
+
+
+@pytest.mark.parametrize(
+    ("sizes", "words"),
+    [
+        ({"cp_size": 2}, "context parallelism (cp_size=2)"),
+        ({"sp_size": 4}, "sequence parallelism (sp_size=4, DeepSpeed Ulysses)"),
+        ({}, None),
+        ({"tp_size": 1, "dp_shard_size": 1}, None),
+    ],
+)
+def test_parallelism_reason_from_the_config_or_the_launch_environment(sizes, words):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from unpack_trainer.decision import parallelism_reason
+
+    reason = parallelism_reason(ParallelismConfig(**sizes), env={})
+    assert (reason is None) if words is None else reason.startswith(words)
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"} | {
+        f"PARALLELISM_CONFIG_{name.upper()}": str(value) for name, value in sizes.items()
+    }
+    from_env = parallelism_reason(None, env=env)
+    assert from_env == reason
+    # without the launcher's switch, its variables are not a parallelism config
+    assert parallelism_reason(None, env={key: value for key, value in env.items() if "USE" not in key}) is None
+
+
+@pytest.mark.parametrize("request_kwargs", [{"packing": True}, {"padding_free": True}])
+def test_sequence_splitting_parallelism_refuses_packed_rows_at_start(request_kwargs):
+    reason = "context parallelism (cp_size=2) splits every row"
+    with pytest.raises(ValueError, match=r"is not supported with context parallelism \(cp_size=2\).*packing=False"):
+        decide(
+            _config(**request_kwargs),
+            model_config=LlamaConfig(),
+            dataset_sample=TEXT,
+            supported_model_types=SUPPORTED,
+            env={},
+            parallelism=reason,
+        )
+
+
+def test_sequence_splitting_parallelism_turns_automatic_padding_free_off_with_the_reason():
+    reason = "sequence parallelism (sp_size=2, DeepSpeed Ulysses) splits every row"
+    common = dict(model_config=LlamaConfig(), dataset_sample=TEXT, supported_model_types=SUPPORTED, env={})
+    decision = decide(_config(), **common, parallelism=reason)
+    assert (decision.mode, decision.automatic, decision.overridden_request) == ("padded", True, False)
+    assert reason in decision.reason
+    # an explicit padded choice, a request blocked anyway and UNPACK_DISABLE are not refused
+    assert decide(_config(padding_free=False), **common, parallelism=reason).mode == "padded"
+    blocked = decide(_config(packing=True), **common | {"data_collator": object()}, parallelism=reason)
+    assert blocked.mode == "padded" and blocked.overridden_request
+    stock = decide(_config(packing=True), **common | {"env": {"UNPACK_DISABLE": "1"}}, parallelism=reason)
+    assert stock.mode == "stock"

@@ -79,10 +79,30 @@ def test_bad_models_are_one_line_errors(capsys, model, message):
 
 def test_a_vision_language_model_shows_its_path(capsys):
     """A vision-language model type is built tiny (unpack_trainer.models.tiny_vision) and its packed path shown:
-    which module keeps the packing from the vision tower, its positions per sample, its image tokens' attention."""
+    which module keeps the packing from the vision tower, the model-family fixes the patch installs, its positions per
+    sample (and where they are computed), its image tokens' attention."""
     assert main(["env", "--model", "qwen2_5_vl"]) == 0
     out = capsys.readouterr().out
     assert "Vision-language path:" in out and "- module: Qwen2_5_VLModel" in out
-    assert "get_rope_index" in out and "- image tokens: causal" in out
+    assert "- model-family fixes: vision_language, multimodal_rope" in out
+    assert "get_rope_index (computed in the collator, on the CPU)" in out and "- image tokens: causal" in out
+    assert "- trainer: packs through the patch" in out
     assert main(["env", "--model", "gemma3"]) == 0
-    assert "- image tokens: bidirectional within each image" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "- image tokens: bidirectional within each image" in out
+    assert "- model-family fixes: vision_language, image_blocks" in out
+
+
+def test_an_unverified_vision_language_model_trains_padded(capsys):
+    """A vision-language model type the coverage check has not verified patches, but the trainer keeps it padded
+    (the decision blocks it): the report says so, not that it packs after the self-check."""
+    assert main(["env", "--model", "llava_next"]) == 0
+    out = capsys.readouterr().out
+    assert "- verified by the coverage check" in out and ": no (it trains padded)" in out
+    assert "- trainer: trains padded: its vision-language model type is not verified" in out
+    assert "- module: LlavaNextModel" in out and "- model-family fixes: vision_language" in out
+
+
+def test_a_text_model_lists_its_fixes(capsys):
+    assert main(["env", "--model", "bloom"]) == 0
+    assert "- model-family fixes: alibi, outer_carry" in capsys.readouterr().out

@@ -5,7 +5,7 @@ entropy, every gradient), the decision and its fallbacks, and the packed layout 
 A step generates with a tiny random model whose end-of-sequence logit is raised so that completions end at different
 lengths (right padding), from prompts of different lengths (left padding); 6 completions per step, 3 per prompt (two
 groups per batch, interleaved by TRL's shuffle before the loss). Bounds: fp32, relative to the largest entry of what is
-compared (``RTOL``); the measured floor is in the README's GRPO section.
+compared (``RTOL``); the measured floor is in docs/grpo.md, "Tests".
 """
 
 from __future__ import annotations
@@ -480,7 +480,7 @@ def _groups_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager", "flash"])
-def test_eight_completions_per_prompt_equal_the_padded_batch_on_every_backend(backend, monkeypatch):
+def test_eight_completions_per_prompt_equal_the_padded_batch_on_every_backend(backend, monkeypatch, stand_in_kernel):
     """A prompt with 8 branches (GRPO's default group) and a partial group, on SDPA buckets, eager and flash-attn (the
     CPU stand-in with flash-attn's bottom-right alignment): per-token log-probs, entropies and every gradient of the
     packed forward == TRL's padded forward."""
@@ -488,8 +488,6 @@ def test_eight_completions_per_prompt_equal_the_padded_batch_on_every_backend(ba
     from trl.trainer.utils import add_fused_lm_head
 
     from unpack_trainer.patches import attention
-    from unpack_trainer.patches.attention import _common as attention_common
-    from unpack_trainer.patches.attention import flash as flash_backend
     from unpack_trainer.trainers.branched import install_branched_hooks
 
     model = grpo_model(attn_implementation="eager" if backend == "eager" else "sdpa")
@@ -509,9 +507,7 @@ def test_eight_completions_per_prompt_equal_the_padded_batch_on_every_backend(ba
     stock = run(input_ids=ids, attention_mask=mask, labels=labels)
     if backend == "flash":
         kernel = _BottomRightFlash()
-        monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-        monkeypatch.setattr(flash_backend, "DTYPES", (torch.float32,))
-        monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
+        stand_in_kernel("flash", kernel, cpu=True, dtypes=(torch.float32,))
         monkeypatch.setenv(attention.ENV_BACKEND, "flash")
     install_branched_hooks(model)
     batch, total = pack_completions(ids, mask, width_c)

@@ -20,11 +20,13 @@ PACKAGE = Path(unpack_trainer.__file__).parent
 
 # From the ground floor up. A module belongs to the first room whose prefix its name starts with.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    # cross-cutting: log-once, the carrier of sample boundaries and its key names, every private name of another library
+    # cross-cutting: log-once, lazy package faces, the carrier of sample boundaries and its key names, every private
+    # name of another library
     (
         "foundation",
         (
             "unpack_trainer._logging",
+            "unpack_trainer._lazy",
             "unpack_trainer.packed_seq_info",
             "unpack_trainer._compat",
             "unpack_trainer._trl_compat",
@@ -40,7 +42,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # Rooms on one floor that stand side by side: neither imports the other.
 SIDE_BY_SIDE = [("unpack_trainer.data", "unpack_trainer.patches")]
 # The few files the root holds besides its face (``__init__.py``).
-ROOT_FILES = {"_compat.py", "_logging.py", "_trl_compat.py", "configs.py", "decision.py", "packed_seq_info.py"}
+ROOT_FILES = {
+    "_compat.py", "_lazy.py", "_logging.py", "_trl_compat.py", "configs.py", "decision.py", "packed_seq_info.py",
+}  # fmt: skip
 
 
 def _module_name(path: Path) -> str:

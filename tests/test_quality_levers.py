@@ -15,17 +15,19 @@ from hypothesis import strategies as st
 
 from unpack_trainer import SFTConfig, SFTTrainer
 from unpack_trainer.data.packing import (
-    attention_cost_ratio,
-    balanced_rank_order,
-    balanced_step_order,
     best_fit_decreasing,
-    row_costs,
     shuffled_best_fit,
     split_rows,
     windowed_best_fit,
     windowed_packing,
 )
-from unpack_trainer.data.sampler import BalancedStepSampler
+from unpack_trainer.data.sampler import (
+    BalancedStepSampler,
+    attention_cost_ratio,
+    balanced_rank_order,
+    balanced_step_order,
+    row_costs,
+)
 from unpack_trainer.trainers.loss import sample_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -265,7 +267,7 @@ def test_default_windowed_rows_within_one_percent_of_best_fit_decreasing_on_long
 
 def test_windowed_packing_keeps_four_open_rows_when_they_fill_enough():
     """On short samples a window of 4 is within 1% already: the default is then exactly the fixed-4 packer (the one
-    the README's 15-seed quality table measured), and the choice is described."""
+    the 15-seed table of docs/quality.md measured), and the choice is described."""
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(180), 0.8, 20_000).round(), 8, 2048).astype(np.int64)
     packing = windowed_packing(lengths, 2048, seed=5)

@@ -4,8 +4,6 @@ take them, errors on one line."""
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import fields
 
 import pytest
 
@@ -14,68 +12,10 @@ from unpack_trainer.cli.train import make_parser
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-TRL_RECIPE = """\
-env:
-  UNPACK_TEST_GRPO_RECIPE_ENV: "1"
-model_name_or_path: Qwen/Qwen2-0.5B-Instruct
-dataset_name: trl-lib/DeepMath-103K
-reward_funcs: [accuracy_reward, think_format_reward]
-learning_rate: 1.0e-6
-num_generations: 8
-max_completion_length: 256
-per_device_train_batch_size: 8
-loss_type: dr_grpo
-beta: 0.04
-use_peft: true
-lora_r: 16
-output_dir: Qwen2-0.5B-GRPO
-use_cpu: true
-"""
-
 
 def count_a(completions, **kwargs):
     """A reward function imported by its dotted path (``test_rl_command.count_a``)."""
     return [float(text.count("a")) for text in completions]
-
-
-@pytest.mark.parametrize("command, trainer", [("grpo", "GRPOTrainer"), ("rloo", "RLOOTrainer")])
-def test_help_says_what_differs(command, trainer, capsys):
-    assert main([command, "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"usage: unpack-trainer {command}") and f"unpack_trainer.{trainer}" in out
-    for flag in ("--reward_funcs", "--num_generations", "--prefix_sharing", "--padding_free", "--use_peft"):
-        assert flag in out
-    assert main(["--help"]) == 0
-    assert f"`trl {command}` with unpack_trainer's {trainer}" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("command", ["grpo", "rloo"])
-def test_a_trl_recipe_parses_exactly_as_trl(command, tmp_path, monkeypatch):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(TRL_RECIPE.replace("loss_type: dr_grpo\n", "") if command == "rloo" else TRL_RECIPE)
-    argv = ["--config", str(recipe), "--max_steps", "7"]
-    monkeypatch.delenv("UNPACK_TEST_GRPO_RECIPE_ENV", raising=False)
-    theirs = __import__(f"trl.scripts.{command}", fromlist=["make_parser"]).make_parser().parse_args_and_config(argv)
-    ours = make_parser(command).parse_args_and_config(list(argv))
-    assert os.environ["UNPACK_TEST_GRPO_RECIPE_ENV"] == "1"
-    for their, our in zip(theirs, ours):
-        assert isinstance(our, type(their))
-        for field in fields(their):
-            assert getattr(our, field.name) == getattr(their, field.name), field.name
-    assert ours[0].reward_funcs == ["accuracy_reward", "think_format_reward"]
-    assert ours[1].max_steps == 7 and ours[1].padding_free is None and ours[1].prefix_sharing
-
-
-def test_grpo_launches_like_trl_grpo(monkeypatch):
-    import accelerate.commands.launch as launch
-
-    launched = []
-    monkeypatch.setattr(launch, "launch_command", launched.append)
-    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--num_processes", "1", "--use_cpu"]
-    assert main(["grpo", *argv]) == 0
-    (args,) = launched
-    assert args.module and args.training_script == "unpack_trainer.cli.train" and args.num_processes == 1
-    assert args.training_script_args == ["grpo", "--model_name_or_path", "m", "--dataset_name", "d", "--use_cpu"]
 
 
 @pytest.fixture(scope="module")

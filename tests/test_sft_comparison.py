@@ -56,7 +56,7 @@ def test_held_out_loss_is_the_same_for_packed_padded_and_one_by_one_batches(tmp_
 
 
 def test_quality_verdict_calls_a_difference_within_two_std_seed_noise():
-    """The README's main-job run (seed 0): packed - padded +0.057 against +0.007 ± 0.052 over seeds is 1.1 std, an
+    """The main-job run of docs/quality.md (seed 0): packed - padded +0.057 against +0.007 ± 0.052 over seeds is 1.1 std, an
     ordinary seed-to-seed difference, not "packed is WORSE"."""
     noise = {
         "command": "python benchmarks/bench_quality.py",

@@ -742,3 +742,78 @@ def test_start_line_is_info_once_with_the_shared_speedup_estimate(
         )
     overridden = [r for r in caplog.records if "mode=padded" in r.getMessage()]
     assert len(overridden) == 1 and overridden[0].levelno == logging.WARNING
+
+
+# ------------------------------------------------------------------------------------------------ parallelism
+
+
+@pytest.mark.parametrize("request_kwargs", [{"packing": True}, {"padding_free": True}])
+def test_context_parallelism_refuses_packed_rows_at_start(
+    tokenizer, tmp_path, request_kwargs, prompt_completion, sft_args, tiny_llama
+):
+    """accelerate's context parallelism runs SDPA with ``is_causal=True`` and no mask on a split row: packed rows
+    are refused before TRL's ``__init__`` (which would build the device mesh), with the reason and the fix."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    args = sft_args(tmp_path, parallelism_config=ParallelismConfig(cp_size=2), **request_kwargs)
+    with pytest.raises(ValueError, match=r"not supported with context parallelism \(cp_size=2\): .*is_causal=True"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=args,
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_parallelism_of_the_accelerator_is_checked_again_after_trl_init(
+    tokenizer, tmp_path, explicit, monkeypatch, caplog, prompt_completion, sft_args, tiny_llama
+):
+    """A parallelism config that reaches only the accelerator (an accelerate config file): automatic padding-free
+    falls back to padded batches with the reason, an explicit request is refused."""
+    reason = "sequence parallelism (sp_size=2, DeepSpeed Ulysses): it splits every row"
+    answers = iter([None, reason])  # the config's (before TRL's __init__), then the accelerator's
+    monkeypatch.setattr(trainer_module, "parallelism_reason", lambda *args: next(answers))
+    args = sft_args(tmp_path, **({"padding_free": True} if explicit else {}))
+    build = dict(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=args,
+        train_dataset=prompt_completion(),
+        processing_class=tokenizer,
+    )
+    if explicit:
+        with pytest.raises(ValueError, match=r"`padding_free=True` is not supported with sequence parallelism"):
+            SFTTrainer(**build)
+        return
+    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
+        trainer = SFTTrainer(**build)
+    assert trainer.unpack_decision.mode == "padded" and reason in trainer.unpack_decision.reason
+    assert not isinstance(trainer.data_collator, DataCollatorForPacking)
+    assert "seq_lengths" not in trainer.train_dataset.column_names
+    assert any(reason in record.getMessage() for record in caplog.records)
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+
+
+@pytest.mark.parametrize("mode", ["pack", "padding_free"])
+def test_a_training_step_reads_no_packing_metadata_back_from_the_device(
+    tokenizer, tmp_path, mode, monkeypatch, sft_args, sft_train
+):
+    """The collator hands the patched model its ``packed_seq_info`` (built on the host): with every metadata tensor
+    of the batch made unreadable from the host (on the meta device, as a GPU copy is to the host), a training step
+    runs and trains exactly as with readable ones."""
+    metadata = ("packed_seq_lengths", "cu_seq_lens_q", "cu_seq_lens_k")
+    args = dict(packing=mode == "pack", max_steps=2, per_device_train_batch_size=8)
+    reference, reference_result = sft_train(tokenizer, sft_args(tmp_path, **args))
+    original = SFTTrainer._prepare_inputs
+
+    def unreadable(self, inputs):
+        inputs = original(self, inputs)
+        assert "packed_seq_info" in inputs
+        return {key: value.to("meta") if key in metadata else value for key, value in inputs.items()}
+
+    monkeypatch.setattr(SFTTrainer, "_prepare_inputs", unreadable)
+    trainer, result = sft_train(tokenizer, sft_args(tmp_path, **args))
+    assert trainer.unpack_decision.mode == mode and trainer.unpack_decision.patch
+    assert result.training_loss == reference_result.training_loss

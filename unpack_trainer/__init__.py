@@ -12,9 +12,9 @@ are resolved lazily, so ``import unpack_trainer`` imports neither torch nor tran
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from unpack_trainer._lazy import lazy_exports
 from unpack_trainer.trainers import CONFIG_MODULE, TRAINERS
 
 __version__ = "0.1.0"
@@ -27,8 +27,8 @@ _EXPORTS: dict[str, str] = {
     "shuffled_best_fit": "unpack_trainer.data.packing",
     "windowed_best_fit": "unpack_trainer.data.packing",
     "windowed_packing": "unpack_trainer.data.packing",
-    "balanced_step_order": "unpack_trainer.data.packing",
-    "balanced_rank_order": "unpack_trainer.data.packing",
+    "balanced_step_order": "unpack_trainer.data.sampler",
+    "balanced_rank_order": "unpack_trainer.data.sampler",
     "packing_efficiency": "unpack_trainer.data.packing",
     "pack_sequences": "unpack_trainer.data.tensor_packing",
     "concatenate_and_pack": "unpack_trainer.data.tensor_packing",
@@ -99,13 +99,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unpack_trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
@@ -117,8 +111,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.data.default_data import load_default_dataset, load_default_tokenizer, tiny_model_config
     from unpack_trainer.data.files import streaming_dataset_reader
     from unpack_trainer.data.packing import (
-        balanced_rank_order,
-        balanced_step_order,
         best_fit_decreasing,
         first_fit,
         packing_efficiency,
@@ -128,6 +120,7 @@ if TYPE_CHECKING:  # pragma: no cover
         windowed_packing,
     )
     from unpack_trainer.data.preparation import pack_dataset, pack_iterable_dataset, truncate_dataset
+    from unpack_trainer.data.sampler import balanced_rank_order, balanced_step_order
     from unpack_trainer.data.streaming import StreamingPacker
     from unpack_trainer.data.tensor_packing import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model

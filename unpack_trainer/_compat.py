@@ -17,7 +17,9 @@ Names that moved between releases, both spellings handled:
   ``FutureWarning`` per call): :func:`checkpointing_enabled`, :func:`enable_checkpointing`,
   :func:`disable_checkpointing`;
 - dynamo's recompile limit: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before torch 2.7):
-  :func:`recompile_limit_at_least` (without either, logged once and nothing changes).
+  :func:`recompile_limit_at_least` (without either, logged once and nothing changes);
+- whether ``torch.compile`` or ``torch.export`` is tracing now: ``torch.compiler.is_compiling`` /
+  ``is_exporting``, each where this torch has it (:func:`is_tracing`).
 
 Private names, with what each is for and what would replace it:
 
@@ -35,12 +37,18 @@ Private names, with what each is for and what would replace it:
   self-check (:func:`hook_dicts`);
 - ``torch._C._current_graph_task_id``, whether autograd is running a backward now (a mixer recomputed by gradient
   checkpointing uses what its forward used): :func:`in_backward`;
-- ``Tensor._version``, the in-place version counter (the packing metadata derived from a tensor is cached per
-  version): :func:`tensor_version`;
 - ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, the parameters and buffers DDP does not
   synchronise (``--ignore_bias_buffers``, as TRL's DPO script sets them): :func:`ignore_in_ddp`;
 - datasets' ``IterableDataset._formatting``, a stream's format (TRL's ``_get_dataset_format`` reads it too):
-  :func:`stream_format_type`.
+  :func:`stream_format_type`;
+- ``torch._assert_async``, a check on the device that never waits for it (the fused loss's precondition on the
+  gradient it receives): :func:`assert_on_device`.
+
+Optional libraries, found by feature (``None`` where missing, so the caller can give a reason):
+
+- Liger-Kernel's chunked fused linear cross-entropy that returns per-token losses with the gradients of their sum
+  computed in the forward (``liger_kernel.ops.fused_linear_cross_entropy.fused_linear_cross_entropy_forward``, not
+  part of Liger's documented API): :func:`liger_linear_cross_entropy`.
 
 Nothing is imported at module import: torch, transformers and datasets are imported by the functions that need them.
 """
@@ -59,6 +67,7 @@ from unpack_trainer._logging import log_once
 __all__ = [
     "CACHE_KEYWORDS",
     "KNOWN_TO_WORK",
+    "assert_on_device",
     "attention_functions",
     "attention_implementation",
     "cache_argument",
@@ -70,6 +79,8 @@ __all__ = [
     "hook_dicts",
     "ignore_in_ddp",
     "in_backward",
+    "is_tracing",
+    "liger_linear_cross_entropy",
     "locally_registered",
     "mask_functions",
     "missing_name_error",
@@ -77,11 +88,9 @@ __all__ = [
     "output_capturing_flag",
     "recompile_limit_at_least",
     "remove_hook",
-    "reset_checks",
     "set_attention_implementation",
     "stream_format_type",
     "supports_sdpa",
-    "tensor_version",
 ]
 
 logger = logging.getLogger("unpack_trainer")
@@ -115,11 +124,6 @@ def _private(name: str, find: Callable[[], Any]) -> Any:
             raise missing_name_error(name)
         _resolved[name] = value
     return value
-
-
-def reset_checks() -> None:
-    """Forget every private name looked up so far (for tests that take one away)."""
-    _resolved.clear()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -328,6 +332,19 @@ def hook_dicts(module: Any) -> list[dict]:
     return [hooks for name, hooks in vars(module).items() if name.endswith("hooks") and isinstance(hooks, dict)]
 
 
+def is_tracing() -> bool:
+    """Whether ``torch.compile`` (dynamo) or ``torch.export`` is tracing the code now running
+    (``torch.compiler.is_compiling`` / ``is_exporting``, each where this torch has it)."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    for name in ("is_compiling", "is_exporting"):
+        check = getattr(compiler, name, None)
+        if check is not None and check():
+            return True
+    return False
+
+
 def in_backward() -> bool:
     """Whether the code now running is part of a backward pass (where gradient checkpointing recomputes a layer's
     forward): ``torch._C._current_graph_task_id() != -1``. Not for a traced region (dynamo does not trace it)."""
@@ -338,19 +355,6 @@ def in_backward() -> bool:
         return getattr(torch._C, "_current_graph_task_id", _MISSING)
 
     return _private("torch._C._current_graph_task_id", find)() != -1
-
-
-def tensor_version(tensor: Any) -> int:
-    """``tensor._version``: autograd's counter of in-place changes, so what was derived from a tensor can be cached
-    per version."""
-
-    def find() -> Any:
-        import torch
-
-        return True if isinstance(getattr(torch.zeros(0), "_version", None), int) else _MISSING
-
-    _private("torch.Tensor._version", find)
-    return tensor._version
 
 
 def ignore_in_ddp(module: Any, names: Iterable[str]) -> None:
@@ -365,6 +369,46 @@ def ignore_in_ddp(module: Any, names: Iterable[str]) -> None:
     _private("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", find)(
         module, list(names)
     )
+
+
+def assert_on_device(condition: Any, message: str) -> None:
+    """Raise ``RuntimeError(message)`` if the 0-d bool tensor ``condition`` is false, without waiting for its device:
+    ``torch._assert_async`` (on a GPU a failure is a device-side assertion, reported at the next synchronisation; on
+    the CPU it raises at once)."""
+
+    def find() -> Any:
+        import torch
+
+        return getattr(torch, "_assert_async", _MISSING)
+
+    _private("torch._assert_async", find)(condition, message)
+
+
+# The parameters of Liger's chunked fused linear cross-entropy the fused loss passes by name.
+_LIGER_PARAMETERS = (
+    "reduction",
+    "softcap",
+    "accum_dtype",
+    "return_token_accuracy",
+    "compute_gradients",
+    "weight_requires_grad",
+)
+
+
+def liger_linear_cross_entropy() -> Callable[..., Any] | None:
+    """Liger-Kernel's ``fused_linear_cross_entropy_forward`` (``liger_kernel.ops.fused_linear_cross_entropy``), or
+    ``None`` when Liger-Kernel is not installed or its function lacks one of the keywords the fused loss passes
+    (``reduction="none"`` with ``compute_gradients`` and ``weight_requires_grad``: per-token losses and the gradients
+    of their sum in one pass; liger-kernel 0.8.5 has them). Importing it compiles nothing."""
+    try:
+        module = importlib.import_module("liger_kernel.ops.fused_linear_cross_entropy")
+    except ImportError:
+        return None
+    function = getattr(module, "fused_linear_cross_entropy_forward", None)
+    if function is None:
+        return None
+    parameters = inspect.signature(function).parameters
+    return function if all(name in parameters for name in _LIGER_PARAMETERS) else None
 
 
 def recompile_limit_at_least(limit: int) -> contextlib.AbstractContextManager:

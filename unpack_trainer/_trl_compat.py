@@ -127,6 +127,35 @@ def profiled(method: Any) -> Any:
     return profiling_decorator(method)
 
 
+def fused_lm_head_names() -> tuple[type, Any]:
+    """What TRL's fused LM head (``add_fused_lm_head``) is made of that a replacement kernel reuses, from
+    ``trl.trainer.utils``: its output class ``FusedCausalLMOutput`` and ``maybe_gather_lm_head_ctx`` (gathers a
+    ZeRO-3 partitioned LM head for a direct read of its weight)."""
+    from trl.trainer import utils
+
+    names = []
+    for name in ("FusedCausalLMOutput", "maybe_gather_lm_head_ctx"):
+        value = getattr(utils, name, None)
+        if value is None:
+            raise _missing("trl.trainer.utils", name, "class" if name[0].isupper() else "function")
+        names.append(value)
+    return names[0], names[1]
+
+
+def drop_last_metric(trainer: Any, name: str) -> None:
+    """Take back the value of metric ``name`` TRL's trainer appended last (``trainer._metrics[mode][name]``, ``mode``
+    ``"train"`` or ``"eval"`` as the model is training or not), for a value its loss did not compute; a metric left
+    without values is removed (TRL's ``log`` averages every list it holds)."""
+    metrics = getattr(trainer, "_metrics", None)
+    if not isinstance(metrics, dict):
+        raise _missing(f"trl.{type(trainer).__name__}", "_metrics", "attribute")
+    values = metrics.get("train" if trainer.model.training else "eval", {})
+    if values.get(name):
+        values[name].pop()
+    if name in values and not values[name]:
+        del values[name]
+
+
 def sft_padded_collator_class() -> type:
     """TRL's padded language-modeling collator (``trl.trainer.sft_trainer.DataCollatorForLanguageModeling``), the
     collator of padded evaluation and of the padded fallback."""

@@ -5,7 +5,8 @@ Every config lives here, and only configs (with [`convert_config`], which turns 
 command line builds its parsers from these classes (``unpack-trainer <command> --help``), so this module imports TRL's
 configs and nothing of the trainers, models or kernels.
 
-- [`SFTConfig`] (``trl.SFTConfig``): packing order, window, per-row bound, loss normalization, balanced steps;
+- [`SFTConfig`] (``trl.SFTConfig``): packing order, window, per-row bound, loss normalization, the loss kernel,
+  balanced steps;
 - [`DPOConfig`] (``trl.DPOConfig``) and [`RewardConfig`] (``trl.RewardConfig``): packed preference pairs,
   ``prefix_sharing``;
 - [`GRPOConfig`] / [`RLOOConfig`] (``trl.GRPOConfig`` / ``trl.RLOOConfig``): packed training forwards,
@@ -72,8 +73,8 @@ class SFTConfig(trl.SFTConfig):
             Which samples share a row, with `packing=True`. `"windowed"`: samples are taken in a random order (seeded
             with `seed`), each into the best-fitting of the last few open rows (see `packing_window`), so a row
             holds samples that follow each other in that order, whatever their lengths, as a random padded batch
-            does; at most 1% more rows than best-fit decreasing (README, "Packing efficiency"). On the quality
-            benchmark (README, "Quality") this is the
+            does; at most 1% more rows than best-fit decreasing (docs/quality.md, "Packing efficiency"). On the quality
+            benchmark (docs/quality.md) this is the
             order whose held-out loss matches padded training. `"shuffled"`: samples placed in a random order with
             best fit over every open row, the shortest ones kept back to fill the gaps; rows at least 99.5% full,
             but a long sample's row is topped up with the shortest samples. `"decreasing"`: best-fit decreasing,
@@ -99,8 +100,17 @@ class SFTConfig(trl.SFTConfig):
             samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss
             (`eval_loss`: the mean over the evaluation set's samples, each evaluation batch weighed by its samples).
             Not supported with `loss_type="dft"`, label smoothing or a custom `compute_loss_func`. On the quality
-            benchmark's first, 2,000-sample run (README), `"sample"` raised the packed held-out loss per token by 0.12
+            benchmark's first, 2,000-sample run (docs/quality.md), `"sample"` raised the packed held-out loss per token by 0.12
             against padded training.
+        loss_kernel (`str` or `None`, *optional*, defaults to `None`):
+            The kernel that computes the loss of packed and padding-free rows (with the attention patch). `"trl"`:
+            TRL's chunked fused LM head (its default loss, no full logits). `"liger"`: Liger-Kernel's fused linear
+            cross-entropy (`pip install liger-kernel`; CUDA), which computes the LM head's gradients in the forward
+            instead of projecting again in the backward (three of the head's four matrix multiplies); needs TRL's
+            token loss (`loss_type="nll"`, `loss_normalization="token"`, no label smoothing or `compute_loss_func`),
+            does not log the `entropy` metric, and raises at start where it cannot run. `None` lets the trainer
+            decide: the environment variable `UNPACK_LOSS_KERNEL` (`trl` / `liger`) when set, else the kernel
+            measured faster on the device (today TRL's everywhere). Padded batches always use TRL's.
         balance_samples_per_step (`bool`, *optional*, defaults to `True`):
             With `packing=True` and several packed rows per optimizer step (`per_device_train_batch_size *
             gradient_accumulation_steps * processes > 1`), compose each step from rows whose sample counts balance
@@ -114,7 +124,7 @@ class SFTConfig(trl.SFTConfig):
             instead (logged once).
             With one row per step it has nothing to balance (the rows are then drawn at random as usual). With
             best-fit rows (`packing_order="shuffled"`) it brought the packed held-out loss from +0.035 to +0.004 of
-            the padded run's on 2,000 samples, but not at full data (+0.040, README). The default (windowed rows,
+            the padded run's on 2,000 samples, but not at full data (+0.040, docs/quality.md). The default (windowed rows,
             balanced) is what the benchmark measured at parity; windowed rows without it were not measured.
         attention_cost_ratio (`float` or `None`, *optional*, defaults to `None`):
             With `balance_samples_per_step` and several data-parallel processes: `b / a` in the cost model `a *
@@ -170,6 +180,15 @@ class SFTConfig(trl.SFTConfig):
             "choices": ["token", "sample"],
         },
     )
+    loss_kernel: str | None = field(
+        default=None,
+        metadata={
+            "help": "The kernel of the loss of packed rows: 'trl' (TRL's chunked fused LM head) or 'liger' "
+            "(Liger-Kernel's fused linear cross-entropy, LM head gradients in the forward; CUDA). None: the "
+            "environment variable UNPACK_LOSS_KERNEL when set, else the one measured faster (TRL's today).",
+            "choices": ["trl", "liger"],
+        },
+    )
     balance_samples_per_step: bool = field(
         default=True,
         metadata={
@@ -183,7 +202,7 @@ class SFTConfig(trl.SFTConfig):
         metadata={
             "help": "With packing=True, balanced steps and several processes: b/a in the cost a * tokens + b * sum of "
             "squared sample lengths that every process of a step gets equal. None: from the model config's shapes "
-            "(matrix-multiply FLOPs, unpack_trainer.data.packing.attention_cost_ratio)."
+            "(matrix-multiply FLOPs, unpack_trainer.data.sampler.attention_cost_ratio)."
         },
     )
 
@@ -211,6 +230,8 @@ class SFTConfig(trl.SFTConfig):
             raise ValueError(f"`attention_cost_ratio` must be at least 0 or None, got {self.attention_cost_ratio}.")
         if self.loss_normalization not in ("token", "sample"):
             raise ValueError(f"`loss_normalization` must be 'token' or 'sample', got {self.loss_normalization!r}.")
+        if self.loss_kernel not in (None, "trl", "liger"):
+            raise ValueError(f"`loss_kernel` must be 'trl', 'liger' or None, got {self.loss_kernel!r}.")
         if self.packing_buffer_size <= 0:
             raise ValueError(f"`packing_buffer_size` must be positive, got {self.packing_buffer_size}.")
 

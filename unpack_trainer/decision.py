@@ -9,6 +9,8 @@
 | ``padding_free=None`` (not set)          | padding-free (auto, logged)     | padded (info, logged)                    |
 | ``padding_free=None`` + ``UNPACK_DISABLE_AUTO_PADDING_FREE=1`` | padded    | padded                                   |
 | ``padding_free=False``                   | padded (never overridden)       | padded                                   |
+| ``packing=True`` / ``padding_free=True`` with ``cp_size > 1`` or ``sp_size > 1`` | ``ValueError`` at start (the reason) | |
+| ``padding_free=None`` with ``cp_size > 1`` or ``sp_size > 1`` | padded (info, the reason)  |                                          |
 
 (*) The packer is ``packing_order``'s ([`PACKERS`]): windowed best fit by default, global best fit with
 ``"shuffled"`` or ``"decreasing"``.
@@ -20,6 +22,12 @@ positions and image blocks per sample, :mod:`unpack_trainer.models.vision`); an 
 bidirectional self-attention, row-wide position biases); PEFT prompt learning (prompt tuning, p-tuning, prefix
 tuning: virtual tokens or prefix keys are prepended to every row). A model type that is not verified is not blocked
 here: it runs without our patch if the contamination self-check passes on the user's model.
+
+Refused: context or sequence parallelism that splits every row across processes (accelerate's ``ParallelismConfig``
+with ``cp_size > 1`` or ``sp_size > 1``, [`parallelism_reason`]). Neither engine keeps the samples of a packed row
+apart (torch's context parallel drops the mask and runs SDPA with ``is_causal=True``: one causal document across the
+row; DeepSpeed Ulysses splits the row before the model sees it, its boundaries not with it), so a request for packed
+or padding-free rows is an error at start, never a silent causal document across samples.
 
 Also decided here, without overriding an explicit request:
 
@@ -113,6 +121,63 @@ def _is_vision_model(model_config: Any) -> bool:
     return any(getattr(model_config, name, None) is not None for name in ("vision_config", "visual", "vision_tower"))
 
 
+def _size(config: Any, name: str, env: Mapping[str, str]) -> int:
+    """``config.<name>`` (accelerate's ``ParallelismConfig``), or without a config the ``PARALLELISM_CONFIG_<NAME>``
+    environment variable accelerate's launcher writes (``ACCELERATE_USE_PARALLELISM_CONFIG=true``); 1 when unset."""
+    if config is not None:
+        value = getattr(config, name, None)
+    elif env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").strip().lower() == "true":
+        value = env.get(f"PARALLELISM_CONFIG_{name.upper()}")
+    else:
+        value = None
+    try:
+        return int(value) if value not in (None, "") else 1
+    except (TypeError, ValueError):
+        return 1
+
+
+def parallelism_reason(parallelism_config: Any, env: Mapping[str, str] | None = None) -> str | None:
+    """Why packed or padding-free rows cannot run under this parallelism, or ``None``.
+
+    Args:
+        parallelism_config: accelerate's ``ParallelismConfig`` (``TrainingArguments.parallelism_config``, or the
+            accelerator's), or ``None``; then the environment an accelerate launch with a parallelism config writes is
+            read (``ACCELERATE_USE_PARALLELISM_CONFIG=true``, ``PARALLELISM_CONFIG_CP_SIZE`` / ``_SP_SIZE``).
+        env: environment variables (defaults to ``os.environ``).
+
+    ``cp_size > 1`` (torch context parallel) and ``sp_size > 1`` (DeepSpeed Ulysses) split every row along the
+    sequence across processes; neither keeps the per-sample boundaries of a packed row (see the module docstring).
+
+    Example:
+        ``ParallelismConfig(cp_size=2)`` -> ``"context parallelism (cp_size=2): it splits every row ..."``; ``ParallelismConfig()`` or
+        ``None`` (no environment) -> ``None``.
+    """
+    env = os.environ if env is None else env
+    cp_size, sp_size = _size(parallelism_config, "cp_size", env), _size(parallelism_config, "sp_size", env)
+    if cp_size > 1:
+        return (
+            f"context parallelism (cp_size={cp_size}): it splits every row across processes and runs SDPA with "
+            "is_causal=True and no mask (accelerate's hooks drop it), so the samples of a packed row would attend to "
+            "each other as one causal document"
+        )
+    if sp_size > 1:
+        return (
+            f"sequence parallelism (sp_size={sp_size}, DeepSpeed Ulysses): it splits every row across processes before "
+            "the model sees it, and the packed samples' boundaries (packed_seq_lengths) are not split with it, so "
+            "the packed attention cannot keep the samples apart"
+        )
+    return None
+
+
+def parallelism_refusal(asked: str, reason: str) -> ValueError:
+    """The error for a request for packed rows (``asked``: ``"packing=True"`` / ``"padding_free=True"``) that a
+    [`parallelism_reason`] rules out."""
+    return ValueError(
+        f"`{asked}` is not supported with {reason}. Set `packing=False` and `padding_free=False` to train on padded "
+        "batches, or turn off context / sequence parallelism (`cp_size=1`, `sp_size=1`) to pack."
+    )
+
+
 def blocked_reason(
     *,
     model_config: Any,
@@ -189,6 +254,7 @@ def decide(
     env: Mapping[str, str] | None = None,
     peft_config: Any = None,
     vision: str | None = None,
+    parallelism: str | None = None,
 ) -> PackingDecision:
     """Decide how to batch, from the config, the model's config, the collator, the tokenizer, one dataset example and
     the environment. Pure: no logging, no model calls.
@@ -208,6 +274,11 @@ def decide(
             ``None``; prompt learning blocks packing.
         vision: ``None`` when the trainer packs vision-language data (SFT), else why it does not: a vision-language
             model, a processor or image data then block packing with it.
+        parallelism: [`parallelism_reason`] of the run's parallelism config, or ``None``.
+
+    Raises:
+        ValueError: ``packing=True`` or ``padding_free=True`` (not otherwise blocked) with a ``parallelism`` reason
+            (the rows cannot be kept apart: refused at start, never trained as one causal document).
     """
     env = os.environ if env is None else env
     blocklist = {} if blocklist is None else blocklist
@@ -235,6 +306,8 @@ def decide(
         supported_model_types=supported_model_types,
         vision=vision,
     )
+    if parallelism is not None and (packing or explicit_on) and reason is None:
+        raise parallelism_refusal("packing=True" if packing else "padding_free=True", parallelism)
     model_type = getattr(model_config, "model_type", None)
     verified = model_type in supported_model_types
     probe_note = "" if verified else f" (model type {model_type!r} is not verified: the self-check decides)"
@@ -272,6 +345,8 @@ def decide(
         return PackingDecision("padded", "padding_free=False was set")
     if env_flag(env, "UNPACK_DISABLE_AUTO_PADDING_FREE"):
         return PackingDecision("padded", "UNPACK_DISABLE_AUTO_PADDING_FREE is set")
+    if parallelism is not None:
+        return PackingDecision("padded", f"automatic padding-free off ({parallelism})", automatic=True)
     if reason is not None:
         return PackingDecision("padded", f"automatic padding-free off ({reason})", automatic=True)
     if getattr(config, "neftune_noise_alpha", None) is not None:

@@ -28,9 +28,10 @@ One set of per-sample lengths, named for the place it is in (a column, a batch k
                                                                                argument names
 
 The metadata reaches a layer by one keyword, ``packed_seq_info`` (it survives gradient checkpointing: a recomputed
-layer gets the keywords of its forward). Where a keyword cannot reach, the hook also publishes the running packed
-forward (:mod:`unpack_trainer.patches.masks`): transformers calls mask functions with fixed arguments, a few decoders
-do not hand their keyword arguments down to attention (bloom, mpt), and token mixers' forwards take none.
+layer gets the keywords of its forward). Where a keyword cannot reach (transformers calls mask functions with fixed
+arguments, a few decoders do not hand their keyword arguments down to attention (bloom, mpt), and token mixers'
+forwards take none), the same object is read from the patched decoder's state while its forward runs
+(:mod:`unpack_trainer.models.state`).
 
 Worked example, one row of two samples of lengths 3 and 2::
 
@@ -90,7 +91,11 @@ __all__ = [
     "BranchSpans",
     "PackedSeqInfo",
     "branched_row",
+    "carried_info",
+    "detect_packed",
+    "hides_nothing",
     "restart_positions",
+    "text_positions",
     "zero_prefixed_cumsum",
 ]
 
@@ -192,7 +197,7 @@ def restart_positions(seq_lengths: torch.Tensor, cu_seqlens: torch.Tensor | None
     return torch.arange(starts.numel(), dtype=torch.int64) - starts
 
 
-def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[int]) -> dict[str, torch.Tensor]:
+def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[int]) -> dict[str, Any]:
     """One packed row of samples that may continue an earlier one (shared prompts), under its batch keys.
 
     Args:
@@ -203,7 +208,8 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
     Returns:
         ``packed_input_ids`` ``(1, T)`` int64, ``packed_position_ids`` ``(1, T)`` int64 (restarting at 0 per sample,
         continuing the parent's positions in a branch), ``packed_seq_lengths`` ``(num_seqs,)`` int32 and
-        ``packed_seq_parents`` ``(num_seqs,)`` int64, on the CPU.
+        ``packed_seq_parents`` ``(num_seqs,)`` int64, on the CPU; and ``packed_seq_info``, the row's
+        :class:`PackedSeqInfo`, which the patched model's hook adopts (no metadata read back from the device).
 
     Example::
 
@@ -219,6 +225,7 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
         PACKED_POSITION_IDS_KEY: info.position_ids(),
         SEQ_LENGTHS_KEY: lengths,
         SEQ_PARENTS_KEY: parents,
+        INFO_KEY: info,
     }
 
 
@@ -273,6 +280,7 @@ class PackedSeqInfo:
         seq_parents: ``None`` (no sample continues another), or ``(num_seqs,)`` int64 CPU: ``-1`` for a sample that
             starts at position 0, else the index of the earlier sample of the same row it continues (a shared
             prefix, see the module docstring). Positions, attention and the first prediction of a branch follow it.
+        is_branched: whether some sample continues another.
         bidirectional_spans: ``None``, or ``(num_spans, 2)`` int64 CPU ``[start, end)`` token ranges (row-major over
             ``B * T``, ascending, disjoint, each inside one sample): the tokens of a span attend to each other both
             ways (an image's tokens in Gemma 3), every other pair causally as usual. With a sliding window ``w`` a key
@@ -331,6 +339,8 @@ class PackedSeqInfo:
                 f"`{MAX_LENGTH_Q_KEY}`={int(max_seqlen)} but the longest packed sample has {longest} tokens."
             )
         self.seq_parents = None if seq_parents is None else _checked_parents(seq_parents, cu, seq_len)
+        # Whether some sample continues another (a shared prefix; see branch_units): a plain bool, read per layer.
+        self.is_branched = self.seq_parents is not None and bool((self.seq_parents >= 0).any())
         self.seq_lengths = lengths.to(torch.int32)
         self.cu_seqlens = cu.to(torch.int32)
         self.max_seqlen = longest
@@ -405,11 +415,6 @@ class PackedSeqInfo:
         return self.plan("bidirectional_ids", None, build)
 
     @property
-    def is_branched(self) -> bool:
-        """Whether some sample continues another (a shared prefix); see :meth:`branch_units`."""
-        return self.seq_parents is not None and bool((self.seq_parents >= 0).any())
-
-    @property
     def num_seqs(self) -> int:
         return int(self.seq_lengths.numel())
 
@@ -460,6 +465,20 @@ class PackedSeqInfo:
         ends = torch.cat([start_index[1:], torch.tensor([batch_size * seq_len])])
         return cls(ends - start_index, batch_size=batch_size, seq_len=seq_len)
 
+    def check_key_side(self, cu_seqlens_k: torch.Tensor | None, max_seqlen_k: Any = None) -> None:
+        """``cu_seq_lens_k`` ``(num_seqs + 1,)`` int and ``max_length_k`` (the keys of packed self-attention: the
+        queries' own samples), when a batch carries them apart from the query side, checked against these samples;
+        ``ValueError`` naming the key otherwise."""
+        if cu_seqlens_k is not None and not torch.equal(cu_seqlens_k.detach().cpu().to(torch.int32), self.cu_seqlens):
+            raise ValueError(
+                f"`{CU_SEQ_LENS_K_KEY}` does not match the packed sample lengths: expected the zero-prefixed cumsum "
+                f"{self.cu_seqlens.tolist()[:8]}..., got {cu_seqlens_k.tolist()[:8]}..."
+            )
+        if max_seqlen_k is not None and int(max_seqlen_k) != self.max_seqlen:
+            raise ValueError(
+                f"`{MAX_LENGTH_K_KEY}`={int(max_seqlen_k)} but the longest packed sample has {self.max_seqlen} tokens."
+            )
+
     # -- derived values ----------------------------------------------------------------------------------------------
 
     def position_ids(self, device: torch.device | str | None = None) -> torch.Tensor:
@@ -470,7 +489,7 @@ class PackedSeqInfo:
             offsets = torch.where(parents >= 0, self.seq_lengths.to(torch.int64)[parents.clamp(min=0)], 0)
             positions = positions + torch.repeat_interleave(offsets, self.seq_lengths.to(torch.int64))
         positions = positions.view(self.batch_size, self.seq_len)
-        return positions if device is None else positions.to(device)
+        return positions if device is None else positions.to(device, non_blocking=True)
 
     def branch_units(self) -> tuple[PackedSeqInfo, torch.Tensor, torch.Tensor]:
         """The attention units of a branched batch: every branch with its prefix gathered in front, as plain samples.
@@ -573,6 +592,62 @@ class PackedSeqInfo:
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
         return BranchSpans(as_tensor(query_lengths), as_tensor(query_starts), as_tensor(key_lengths), torch.cat(keys))
 
+    def chunked(self, chunk_size: int) -> PackedSeqInfo:
+        """These samples cut into chunks of ``chunk_size`` tokens counted from each sample's start (the last chunk of
+        a sample may be shorter), cached on this object.
+
+        Chunked attention (llama4: a query sees the keys of its own chunk only, causally) over packed samples is
+        packed attention over their chunks, so every backend runs it unchanged. Lengths ``[5, 2]``, ``chunk_size`` 2
+        -> ``[2, 2, 1, 2]``. In a branched batch chunks are counted by position, and a branch continues its prefix's
+        positions: a prefix is cut from its start; a branch's first piece, up to the next multiple of ``chunk_size``
+        of its positions, is a branch of the prefix's last chunk when that chunk is not full (so it sees the prefix
+        tokens of its own chunk); the rest of the branch is cut into whole chunks that start fresh. Example,
+        ``chunk_size`` 3, p, c, r of lengths 4, 3, 2 (positions 0-3, 4-6, 4-5): p -> ``[3, 1]``, c -> ``[2, 1]``, r ->
+        ``[2]``; parents ``[-1, -1, 1, -1, 1]``.
+
+        Raises:
+            ValueError: ``chunk_size`` is not a positive number of tokens.
+        """
+        chunk_size = int(chunk_size)
+        if chunk_size <= 0:
+            raise ValueError(f"attention_chunk_size must be a positive number of tokens, got {chunk_size}.")
+        if self.max_seqlen <= chunk_size and not self.is_branched:  # a branch's positions continue its prefix's
+            return self
+        build = self._chunked_branches if self.is_branched else self._chunked_samples
+        return self.plan("chunked", chunk_size, lambda: build(chunk_size))
+
+    def _chunked_samples(self, chunk_size: int) -> PackedSeqInfo:
+        lengths = self.seq_lengths.to(torch.int64)
+        chunks = (lengths + chunk_size - 1) // chunk_size  # (num_seqs,) chunks per sample
+        sizes = torch.full((int(chunks.sum()),), chunk_size, dtype=torch.int64)
+        sizes[torch.cumsum(chunks, 0) - 1] = lengths - (chunks - 1) * chunk_size  # each sample's last chunk
+        return PackedSeqInfo(sizes.to(torch.int32), batch_size=self.batch_size, seq_len=self.seq_len)
+
+    def _chunked_branches(self, chunk_size: int) -> PackedSeqInfo:
+        sizes: list[int] = []
+        parents: list[int] = []
+        last_chunk: dict[int, tuple[int, int]] = {}  # prefix sample -> (index of its last chunk, tokens in it)
+        for index, (length, parent) in enumerate(zip(self.seq_lengths.tolist(), self.seq_parents.tolist())):
+            if parent >= 0:
+                chunk, filled = last_chunk[parent]
+                if filled < chunk_size:
+                    first = min(length, chunk_size - filled)
+                    sizes.append(first)
+                    parents.append(chunk)
+                    length -= first
+            whole, rest = divmod(length, chunk_size)
+            pieces = [chunk_size] * whole + ([rest] if rest else [])
+            sizes += pieces
+            parents += [-1] * len(pieces)
+            if parent < 0:
+                last_chunk[index] = (len(sizes) - 1, pieces[-1])
+        return PackedSeqInfo(
+            torch.tensor(sizes, dtype=torch.int32),
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            seq_parents=torch.tensor(parents, dtype=torch.int64),
+        )
+
     def plan(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
         """The value ``owner`` cached under ``key`` for these samples, made by ``build()`` on first use.
 
@@ -584,3 +659,102 @@ class PackedSeqInfo:
         if key not in plans:
             plans[key] = build()
         return plans[key]
+
+
+def _is_2d_mask(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is a ``(B, T)`` padding mask (not a prepared 4D mask, nor a dict of masks by layer
+    type as ``generate`` passes with a static cache)."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+
+
+def hides_nothing(attention_mask: Any) -> bool:
+    """Whether ``attention_mask`` is absent, a 2D mask of ones (a padding-free batch that carries one anyway), or a
+    mapping of masks by layer type that are all absent (what an outer multimodal model built through the mask
+    functions inside a packed forward, which return ``None``: Gemma 3 builds its text model's masks itself)."""
+    if attention_mask is None:
+        return True
+    if isinstance(attention_mask, dict):
+        return all(mask is None for mask in attention_mask.values())
+    return _is_2d_mask(attention_mask) and bool(attention_mask.bool().all())
+
+
+def text_positions(position_ids: Any) -> Any:
+    """The row of ``position_ids`` that numbers the tokens of each sample as text: ``position_ids`` itself when it is
+    ``(B, T)`` (or ``(T,)``); for multi-axis positions ``(rows, B, T)`` (Qwen2-VL's multimodal RoPE), the text row
+    ``position_ids[0]`` of the 4-row layout ``[text; t; h; w]`` its text models take, and ``None`` for 3 rows
+    ``[t; h; w]`` (no text row: transformers' models do not find packed samples in them either)."""
+    if position_ids is None or position_ids.dim() < 3:
+        return position_ids
+    return position_ids[0] if position_ids.shape[0] == 4 else None
+
+
+def detect_packed(
+    batch_size: int,
+    seq_len: int,
+    *,
+    packed_seq_lengths: torch.Tensor | None = None,
+    packed_seq_parents: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: Any = None,
+    cached: int = 0,
+    packed_seq_info: PackedSeqInfo | None = None,
+) -> PackedSeqInfo | None:
+    """The one detector of a packed batch: its metadata, or ``None`` when the batch is not packed.
+
+    The keyword arguments are the batch's keys of the same names. A batch of ``batch_size`` rows of ``seq_len`` tokens
+    is packed when it carries packing metadata (``packed_seq_lengths`` ``(num_seqs,)`` int, else ``cu_seq_lens_q``
+    ``(num_seqs + 1,)`` int32, zero-prefixed), or when ``position_ids`` ``(B, T)`` or ``(1, T)`` int restart inside a
+    row and the batch has more than one token, no ``cached`` tokens before it and no ``attention_mask`` (or a
+    ``(B, T)`` one of all ones; a 4D mask counts as one that hides tokens). With metadata the mask is not looked at
+    (the caller checks it); the collator's ``cu_seq_lens_q`` and ``max_length_q`` are adopted, not derived again
+    (:meth:`PackedSeqInfo.from_seq_lengths`). Multi-axis ``position_ids`` ``(rows, B, T)`` are read by their text row
+    (:func:`text_positions`). ``packed_seq_parents`` ``(num_seqs,)`` int (with ``packed_seq_lengths``
+    only): for each sample, -1 or the index of the earlier sample whose prefix it continues (branched segments, e.g.
+    a DPO prompt with its chosen and rejected completions).
+
+    ``packed_seq_info``: the batch's :class:`PackedSeqInfo`, built with the batch on the host (the collator's
+    ``packed_seq_info`` key, see :func:`carried_info`): adopted as it is after checking its shape against the batch,
+    and the other metadata keys are not read (on a GPU they are device copies: reading them would wait for the
+    device).
+
+    The decoder hook (:mod:`unpack_trainer.models.packed_forward`, once per forward) and a direct call of the packed
+    attention helper (:func:`unpack_trainer.patches.attention.packed_attention_forward` without the hook) both decide
+    with it.
+    """
+    if packed_seq_info is not None:
+        return carried_info(packed_seq_info, batch_size, seq_len)
+    if packed_seq_lengths is not None:
+        return PackedSeqInfo.from_seq_lengths(
+            packed_seq_lengths,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seq_parents=packed_seq_parents,
+            cu_seqlens=cu_seq_lens_q,
+            max_seqlen=max_length_q,
+        )
+    if cu_seq_lens_q is not None:
+        return PackedSeqInfo.from_cu_seqlens(
+            cu_seq_lens_q, batch_size=batch_size, seq_len=seq_len, max_seqlen=max_length_q
+        )
+    position_ids = text_positions(position_ids)
+    if position_ids is None or seq_len <= 1 or cached or not hides_nothing(attention_mask):
+        return None
+    if position_ids.shape[0] != batch_size:
+        position_ids = position_ids.expand(batch_size, -1)
+    return PackedSeqInfo.from_position_ids(position_ids)
+
+
+def carried_info(info: Any, batch_size: int, seq_len: int) -> PackedSeqInfo:
+    """``info``, a batch's own :class:`PackedSeqInfo` (its ``packed_seq_info`` key: built with the batch on the host
+    by the collator, so that no forward reads the metadata back from the device), checked against the batch's shape
+    ``(batch_size, seq_len)``; ``ValueError`` naming the key otherwise."""
+    if not isinstance(info, PackedSeqInfo):
+        raise ValueError(f"`{INFO_KEY}` must be a PackedSeqInfo or None, got {type(info).__name__}.")
+    if (info.batch_size, info.seq_len) != (batch_size, seq_len):
+        raise ValueError(
+            f"`{INFO_KEY}` describes {info.batch_size} row(s) of {info.seq_len} tokens but the batch has {batch_size} "
+            f"row(s) of {seq_len}."
+        )
+    return info

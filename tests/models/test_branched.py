@@ -13,8 +13,6 @@ import torch
 from unpack_trainer.models import patch_model
 from unpack_trainer.models.tiny import tiny_model
 from unpack_trainer.packed_seq_info import SEQ_PARENTS_KEY, PackedSeqInfo
-from unpack_trainer.patches.attention import _common as attention_common
-from unpack_trainer.patches.attention import flash as flash_backend
 from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
 
 REL = 1e-5
@@ -89,12 +87,10 @@ def test_positions_and_units_of_a_branched_segment():
     ],
 )
 def test_chunks_of_a_branched_batch_follow_positions(lengths, parents, expected_lengths, expected_parents):
-    from unpack_trainer.patches.attention import chunked_info
-
     info = PackedSeqInfo.from_seq_lengths(
         torch.tensor(lengths), batch_size=1, seq_len=sum(lengths), seq_parents=parents
     )
-    chunks = chunked_info(info, 3)
+    chunks = info.chunked(3)
     assert chunks.seq_lengths.tolist() == expected_lengths
     assert chunks.seq_parents.tolist() == expected_parents
 
@@ -349,16 +345,14 @@ class _BottomRightFlash:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 2.0)])
-def test_branched_attention_on_flash_queries_each_token_once(window, softcap, layout, monkeypatch):
+def test_branched_attention_on_flash_queries_each_token_once(window, softcap, layout, monkeypatch, stand_in_kernel):
     """flash-attn gets the row's tokens as queries once and ``[prefix; branch]`` keys per unit (cu_seqlens_q !=
     cu_seqlens_k, bottom-right causal); a first branch apart from its prefix runs as ``[prefix; branch]`` units.
     Output and q/k/v gradients == the fp64 reference."""
     from unpack_trainer.patches import attention
 
     kernel = _BottomRightFlash()
-    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flash_backend, "DTYPES", (torch.float32,))
-    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
+    stand_in_kernel("flash", kernel, cpu=True, dtypes=(torch.float32,))
     monkeypatch.setenv(attention.ENV_BACKEND, "flash")
     info, inputs, generator = _layout(layout)
     weight = torch.randn(info.total_tokens, 4, 16, generator=generator, dtype=torch.float64)

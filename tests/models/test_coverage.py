@@ -16,7 +16,7 @@ import transformers
 
 from unpack_trainer.decision import blocked_reason
 from unpack_trainer.models import BLOCKLIST, RefusalKind, refusal_reason, supported_model_types
-from unpack_trainer.models.__main__ import README_END, README_START
+from unpack_trainer.models.__main__ import TABLE_END, TABLE_PAGE, TABLE_START
 from unpack_trainer.models.coverage import check_model_type, coverage_table, model_types
 from unpack_trainer.models.tiny import config_class, tiny_config
 from unpack_trainer.models.verified import (
@@ -29,7 +29,7 @@ from unpack_trainer.models.verified import (
 
 MODEL_TYPES = model_types()
 MEASURED = transformers.__version__ in VERIFIED_WITH  # a release the verified lists were generated with
-NEWEST = transformers.__version__ == VERIFIED_WITH[-1]  # the release the README table was generated with
+NEWEST = transformers.__version__ == VERIFIED_WITH[-1]  # the release the docs' table was generated with
 VERIFIED = verified_model_types()
 _outcomes: dict[str, object] = {}
 
@@ -69,14 +69,14 @@ def test_goal_and_supported_model_types():
     assert all(set(types) <= VERIFIED_MODEL_TYPES for types in NOT_VERIFIED_ON.values())
 
 
-@pytest.mark.skipif(not NEWEST, reason=f"the README table was generated with transformers {VERIFIED_WITH[-1]}")
-def test_readme_table_is_generated_from_this_run():
+@pytest.mark.skipif(not NEWEST, reason=f"the docs' table was generated with transformers {VERIFIED_WITH[-1]}")
+def test_docs_table_is_generated_from_this_run():
     if set(_outcomes) != set(MODEL_TYPES):
         pytest.skip("needs the whole parametrized run of test_model_type")
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+    page = (Path(__file__).parents[2] / TABLE_PAGE).read_text()
+    table = page.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
     expected = coverage_table([_outcomes[model_type] for model_type in MODEL_TYPES])
-    assert table == expected, "README table is stale: run python -m unpack_trainer.models --coverage --write-readme"
+    assert table == expected, f"{TABLE_PAGE}'s table is stale: run python -m unpack_trainer.models --coverage --write-docs"
 
 
 def test_refusal_needs_no_forward(monkeypatch):

@@ -89,7 +89,7 @@ def test_packed_positions_without_input_ids(model_type):
 def test_sample_positions_by_hand():
     """RoBERTa's numbering (padding_idx 0 here) per sample, a padding token inside a sample, and branched samples
     (a prompt with two completions: each branch numbered as [prompt; branch] alone)."""
-    from unpack_trainer.models.positions import own_position_embeddings, sample_positions
+    from unpack_trainer.models.fixes.positions import own_position_embeddings, sample_positions
 
     model = _decoder("roberta")
     [(name, embeddings)] = own_position_embeddings(model.roberta)
@@ -118,13 +118,13 @@ def _leaking_backends(monkeypatch):
 
         return whole_rows
 
-    for name, function in dict(attention_module._BACKEND_FUNCTIONS).items():
-        monkeypatch.setitem(attention_module._BACKEND_FUNCTIONS, name, leak(function))
+    for name, record in dict(attention_module.REGISTRY).items():
+        monkeypatch.setitem(attention_module.REGISTRY, name, record._replace(forward=leak(record.forward)))
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta", "xmod"])
 def test_selfcheck_passes_and_catches_a_leak(model_type, monkeypatch):
-    import unpack_trainer.models.patch as patch_module
+    from unpack_trainer.models.fixes import positions as positions_fix
 
     model = _decoder(model_type)
     patch_model(model)
@@ -139,7 +139,7 @@ def test_selfcheck_passes_and_catches_a_leak(model_type, monkeypatch):
         unpatch_model(model)
     if model_type in ROBERTA_STYLE:
         # The same patch without the positions: every packed token looked up padding_idx + 1 positions early.
-        monkeypatch.setattr(patch_module, "own_position_embeddings", lambda decoder: [])
+        monkeypatch.setattr(positions_fix, "own_position_embeddings", lambda decoder: [])
         patch_model(model)
         try:
             report = check_uncontaminated(model)

@@ -74,7 +74,7 @@ class _LeakyHandler:
     def handles(self, mixer):
         return True
 
-    def patch(self, module):
+    def patch(self, module, decoder):
         pass
 
     def unpatch(self, module):

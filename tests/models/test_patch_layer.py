@@ -15,7 +15,6 @@ import torch
 from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from unpack_trainer.models import is_patched, patch_model, unpatch_model
-from unpack_trainer.patches import attention as attention_module
 
 # On top of unpack_trainer.models.tiny's sizes (hidden 32, 2 layers, 4 heads, 2 key/value heads, initializer range 0.1,
 # pad id 0); None takes the config class's default.
@@ -145,17 +144,10 @@ def test_output_attentions_after_patching(llama):
         sdpa.config.output_attentions = True
 
 
-def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch, llama):
+def test_set_attn_implementation_after_patching_keeps_packed_routing(wrap_backends, llama):
     """Issue 10 item 12: switching the implementation after ``patch_model`` re-routes packed batches through the
     helper on the new implementation (and ``is_patched`` tells the truth)."""
-    calls = []
-    for name, function in list(attention_module._BACKEND_FUNCTIONS.items()):
-
-        def spy(*args, _name=name, _function=function, **kwargs):
-            calls.append(_name)
-            return _function(*args, **kwargs)
-
-        monkeypatch.setitem(attention_module._BACKEND_FUNCTIONS, name, spy)
+    calls = wrap_backends()
     model = patch_model(llama("sdpa"))
     model.set_attn_implementation("eager")
     assert is_patched(model)
@@ -172,7 +164,7 @@ def test_set_attn_implementation_after_patching_keeps_packed_routing(monkeypatch
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_a_patched_model_reports_the_stock_attention_implementation(monkeypatch, implementation, llama):
+def test_a_patched_model_reports_the_stock_attention_implementation(wrap_backends, implementation, llama):
     """Issue 20 item 12: a patched model's ``config._attn_implementation`` reads what a stock one reads (transformers'
     ``test_can_set_attention_dynamically`` / ``test_sdpa_can_dispatch_non_composite_models`` and user code checking
     ``== "sdpa"``), packed batches still take the packed helper, an unpatched model of the same class next to it runs
@@ -180,14 +172,7 @@ def test_a_patched_model_reports_the_stock_attention_implementation(monkeypatch,
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    calls = []
-    for name, function in list(attention_module._BACKEND_FUNCTIONS.items()):
-
-        def spy(*args, _name=name, _function=function, **kwargs):
-            calls.append(_name)
-            return _function(*args, **kwargs)
-
-        monkeypatch.setitem(attention_module._BACKEND_FUNCTIONS, name, spy)
+    calls = wrap_backends()
     gc.collect()  # patched models of earlier tests, released
     interfaces = (dict(ALL_ATTENTION_FUNCTIONS.items()), dict(ALL_MASK_ATTENTION_FUNCTIONS.items()))
     row, inputs = packed_row(), prompts()

@@ -24,8 +24,6 @@ from unpack_trainer.models import (
 from unpack_trainer.models.discovery import discover
 from unpack_trainer.models.refusals import REFUSAL_CHECKS
 from unpack_trainer.patches import attention, rope
-from unpack_trainer.patches.attention import _common as attention_common
-from unpack_trainer.patches.attention import flash as flash_backend
 
 # On top of unpack_trainer.models.tiny's sizes; None takes LlamaConfig's default.
 SIZES = dict(
@@ -53,17 +51,16 @@ def llama(tiny_model):
 
 
 def test_no_module_per_architecture():
-    """The patch is generic: the package holds one module per responsibility; the one architecture-specific module
-    (alibi: bloom's and mpt's attention, which no extension point reaches) is keyed by attention class; positions
-    (embeddings that number tokens themselves, the RoBERTa family), classification_head (a sequence classifier's
-    head and decoder) and vision (a vision-language model's multimodal model, positions and image blocks, from its
-    own get_rope_index / get_block_sequence_ids_for_mask) are found from the structure. Beside the patch: what undoes
-    the pieces installed on top of it, the verified types, the self-check, and the models the package builds (tiny
-    ones of every text and vision family, SmolLM2)."""
+    """The patch is generic: the package holds one module per responsibility, and what a model family needs beyond
+    it lives in ``fixes/`` (one module and one record each, tests/models/fixes/test_fixes.py); vision (what a
+    vision-language model is made of, read from its code, and its positions and image blocks per sample from its own
+    get_rope_index / get_block_sequence_ids_for_mask) is found from the structure and serves the vision fixes. Beside
+    the patch: the verified types, the self-check, and the models the package builds (tiny ones of every text and
+    vision family, SmolLM2)."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
     assert modules == {
-        "__main__", "alibi", "classification_head", "coverage", "discovery", "mixers", "patch", "positions", "refusals",
-        "undo", "verified", "selfcheck", "tiny", "tiny_vision", "real_model", "vision",
+        "__main__", "coverage", "discovery", "fixes", "mixers", "packed_forward", "patch", "refusals", "routing",
+        "state", "verified", "selfcheck", "tiny", "tiny_vision", "real_model", "vision",
     }  # fmt: skip
 
 
@@ -86,7 +83,7 @@ def test_discovery_finds_decoder_and_attention_from_the_model(llama):
 @pytest.mark.parametrize(
     ("config", "kind", "fragment"),
     [
-        # ALiBi in attention without a packed forward (bloom and mpt have one: unpack_trainer.models.alibi)
+        # ALiBi in attention without a packed forward (bloom and mpt have one: unpack_trainer.models.fixes.alibi)
         (
             FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64, alibi=True),
             "alibi",
@@ -127,8 +124,6 @@ def test_a_mixer_handler_turns_the_state_refusal_into_a_patch(monkeypatch, tiny_
     """The seam of unpack_trainer.models.mixers: a handler that owns LFM2's short convolutions makes the model
     patchable; it is called on each mixer, sees the packing metadata inside a packed forward (and none otherwise), and
     is undone by unpatch_model."""
-    from unpack_trainer.patches.masks import current_packed_info
-
     model = tiny_model("lfm2")  # layer 0 a short convolution, layer 1 attention
     monkeypatch.setattr(mixers, "MIXER_HANDLERS", [])
     with pytest.raises(PatchRefused, match="Lfm2ShortConv") as refused:
@@ -143,8 +138,8 @@ def test_a_mixer_handler_turns_the_state_refusal_into_a_patch(monkeypatch, tiny_
         def handles(self, mixer):
             return type(mixer.module).__name__ == "Lfm2ShortConv"
 
-        def patch(self, module):
-            hook = module.register_forward_pre_hook(lambda m, args: seen.append(current_packed_info(model.config)))
+        def patch(self, module, decoder):
+            hook = module.register_forward_pre_hook(lambda m, args: seen.append(decoder.running))
             module._test_hook = hook
 
         def unpatch(self, module):
@@ -215,7 +210,7 @@ def test_peft_wrapped_model_is_patched_in_place(llama):
     assert not is_patched(model)
 
 
-def test_resolve_backend(monkeypatch, llama):
+def test_resolve_backend(monkeypatch, llama, stand_in_kernel):
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
     model = llama(attn_implementation="sdpa")
     choice = resolve_backend(model)
@@ -227,8 +222,7 @@ def test_resolve_backend(monkeypatch, llama):
     assert tuple(resolve_backend(model)) == ("eager", "forced by UNPACK_ATTENTION_BACKEND")
     # The trainer's test seam: pretend flash-attn runs on this device.
     monkeypatch.delenv(attention.ENV_BACKEND)
-    monkeypatch.setattr(flash_backend, "kernel", lambda: object())
-    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cpu",))
+    stand_in_kernel("flash", object(), cpu=True)
     assert resolve_backend(model.to(torch.bfloat16)).name == "flash"
 
 

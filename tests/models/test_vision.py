@@ -32,15 +32,14 @@ from unpack_trainer.models.tiny_vision import (
 from unpack_trainer.models.vision import RopeIndex, find_vision_language, multimodal_positions, rope_index_of
 from unpack_trainer.packed_seq_info import METADATA_KEYS, MULTIMODAL_POSITIONS_KEY
 from unpack_trainer.patches import attention
-from unpack_trainer.patches.attention import _common as attention_common
-from unpack_trainer.patches.attention import flash as flash_backend
-from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
 
 REL = 1e-5
 ZERO = 1e-8  # gradients that are zero in exact arithmetic come out as rounding noise
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 FAMILIES = list(VISION_FAMILIES)
 BACKENDS = ["sdpa", "eager", "flex", "flash", "torch_varlen"]
+# flex's kernel takes head dims of 16 or more (the tiny text models' are 8; Qwen2-VL's follow the hidden size)
+HEAD_DIMS = {"flex": dict(hidden_size=64, head_dim=16)}
 
 
 def _segments(model_type: str) -> list[list]:
@@ -137,7 +136,7 @@ def _stand_in_varlen(calls):
 
 
 @pytest.fixture
-def backend(request, monkeypatch):
+def backend(request, monkeypatch, stand_in_kernel):
     """The packed backend under test: eager / flex forced, SDPA the automatic CPU choice, or a varlen kernel as the
     automatic choice with its stand-in; yields ``(name, calls)`` with the stand-in kernel's calls."""
     name = request.param
@@ -146,13 +145,11 @@ def backend(request, monkeypatch):
     if name in ("eager", "flex"):
         monkeypatch.setenv(attention.ENV_BACKEND, name)
     if name in ("flash", "torch_varlen"):
-        monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-        monkeypatch.setattr(flash_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-        monkeypatch.setattr(torch_varlen_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-        flash = _stand_in_flash(calls) if name == "flash" else None
-        varlen = _stand_in_varlen(calls) if name == "torch_varlen" else None
-        monkeypatch.setattr(flash_backend, "kernel", lambda: flash)
-        monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: varlen)
+        dtypes = (torch.float16, torch.bfloat16, torch.float32)
+        stand_in_kernel("flash", _stand_in_flash(calls) if name == "flash" else None, cpu=True, dtypes=dtypes)
+        stand_in_kernel(
+            "torch_varlen", _stand_in_varlen(calls) if name == "torch_varlen" else None, cpu=True, dtypes=dtypes
+        )
     return name, calls
 
 
@@ -232,7 +229,7 @@ def _first_tensor(output):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_packed_logits_and_gradients_match(model_type, backend):
     name, calls = backend
-    model = patch_model(_model(model_type))
+    model = patch_model(_model(model_type, **HEAD_DIMS.get(name, {})))
     samples = _samples(model, model_type)
     batch = _packed(samples)
     _assert_matches_alone(model, samples, batch)
@@ -246,7 +243,7 @@ def test_packed_logits_and_gradients_match(model_type, backend):
 def test_gemma3_image_blocks_with_a_sliding_window(backend):
     """A sliding window shorter than the samples and the images: an image's tokens still see each other both ways
     within the window, as Gemma 3 alone does."""
-    model = patch_model(_model("gemma3", sliding_window=4))
+    model = patch_model(_model("gemma3", sliding_window=4, **HEAD_DIMS.get(backend[0], {})))
     samples = _samples(model, "gemma3")
     batch = _packed(samples)
     _assert_matches_alone(model, samples, batch)
@@ -254,13 +251,11 @@ def test_gemma3_image_blocks_with_a_sliding_window(backend):
         _assert_grads_match_padded(model, samples, batch)
 
 
-def test_image_blocks_hand_over_from_a_varlen_kernel_or_refuse_it(monkeypatch, caplog):
+def test_image_blocks_hand_over_from_a_varlen_kernel_or_refuse_it(monkeypatch, caplog, stand_in_kernel):
     """Gemma 3's image blocks: the automatic choice hands them from flash-attn to SDPA (logged once, with the
     reason); flash-attn forced refuses them with the reason."""
     calls: list[str] = []
-    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flash_backend, "DTYPES", (torch.float32,))
-    monkeypatch.setattr(flash_backend, "kernel", lambda: _stand_in_flash(calls))
+    stand_in_kernel("flash", _stand_in_flash(calls), cpu=True, dtypes=(torch.float32,))
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
     model = patch_model(_model("gemma3"))
     samples = _samples(model, "gemma3")
@@ -370,14 +365,44 @@ def test_use_cache_and_positions_only(model_type):
     _assert_matches_alone(model, samples, only_positions)
 
 
-def test_unpatch_removes_the_vision_hook():
+def test_output_attentions_on_packed_image_rows():
+    """``output_attentions=True``: Qwen2.5-VL's text model builds its own masks, so its packed batch takes
+    transformers' dense path exactly (each sample's positions still its own) and returns the weights; Gemma 3 builds
+    its text masks in its multimodal model, before that path can be taken: refused with the reason. The batch carries
+    its ``packed_seq_info``, as the trainer's collator hands it over."""
+    model = patch_model(_model("qwen2_5_vl", "eager"))  # (SDPA returns no weights, packed or not)
+    samples = _samples(model, "qwen2_5_vl")
+    batch = pack_processed(processed_batch(samples), [s["input_ids"].shape[1] for s in samples], seq_info=True)
+    with torch.no_grad():
+        outputs = model(**batch, output_attentions=True)
+    assert len(outputs.attentions) == model.config.text_config.num_hidden_layers
+    _assert_matches_alone(model, samples, batch)
+    with torch.no_grad():
+        alone = torch.cat([model(**sample).logits[0] for sample in samples])
+    _close(outputs.logits[0], alone, "dense path")
+    model = patch_model(_model("gemma3", "eager"))
+    samples = _samples(model, "gemma3")
+    with pytest.raises(ValueError, match="Gemma3Model: it builds its text model's attention masks itself"):
+        with torch.no_grad():
+            model(**_packed(samples), output_attentions=True)
+
+
+def test_unpatch_removes_the_vision_hooks():
+    """The vision fixes of a model (here: the vision tower kept out of the packing and the multi-axis positions) are
+    one pre-hook each on its multimodal model, and a post-hook clearing what the first handed over; unpatching takes
+    them all off and leaves nothing on the decoder."""
+    from unpack_trainer.models.state import PATCH_ATTRIBUTE, decoder_state
+
     model = _model("qwen2_5_vl")
     samples = _samples(model, "qwen2_5_vl")
-    stock_hooks = dict(model.model._forward_pre_hooks)
+    stock_pre, stock_post = dict(model.model._forward_pre_hooks), dict(model.model._forward_hooks)
     patch_model(model)
-    assert len(model.model._forward_pre_hooks) == len(stock_hooks) + 1
+    assert decoder_state(model.model.language_model).fixes[:2] == ["vision_language", "multimodal_rope"]
+    assert len(model.model._forward_pre_hooks) == len(stock_pre) + 2
+    assert len(model.model._forward_hooks) == len(stock_post) + 1
     unpatch_model(model)
-    assert dict(model.model._forward_pre_hooks) == stock_hooks
+    assert dict(model.model._forward_pre_hooks) == stock_pre and dict(model.model._forward_hooks) == stock_post
+    assert all(PATCH_ATTRIBUTE not in module.__dict__ for module in model.modules())
     with torch.no_grad():
         model(**samples[0])
 
@@ -410,7 +435,7 @@ def test_selfcheck_probes_image_rows(model_type, monkeypatch):
     """Unpatched, Qwen2.5-VL's packed image rows are contaminated (its multimodal RoPE runs over the row) and the
     self-check says so; patched it passes; Gemma 3 patched with its image blocks dropped fails it. Read-only
     throughout. (Unpatched Gemma 3 may pass: transformers' own dense packed mask can express its image blocks.)"""
-    from unpack_trainer.models import vision
+    from unpack_trainer.models.fixes import image_blocks
     from unpack_trainer.models.selfcheck import check_uncontaminated
 
     model = _model(model_type)
@@ -422,7 +447,7 @@ def test_selfcheck_probes_image_rows(model_type, monkeypatch):
     report = check_uncontaminated(model)
     assert report.ok, report.summary()
     if model_type == "gemma3":
-        monkeypatch.setattr(vision, "image_block_spans", lambda *args: None)
+        monkeypatch.setattr(image_blocks, "image_block_spans", lambda *args: None)
         assert not check_uncontaminated(model).ok
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert getattr(model.model, "rope_deltas", None) is deltas

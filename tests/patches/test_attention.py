@@ -18,19 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer import _logging
+from unpack_trainer.models.routing import make_attention_function
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import attention, buckets
 from unpack_trainer.patches.attention import (
+    REGISTRY,
     BackendChoice,
     choose_backend,
-    make_attention_function,
     packed_attention_forward,
 )
 from unpack_trainer.patches.attention import _common as attention_common
 from unpack_trainer.patches.attention import _varlen as varlen_common
-from unpack_trainer.patches.attention import flash as flash_backend
-from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
-from unpack_trainer.patches.attention import xformers as xformers_backend
 
 
 class FakeModule(torch.nn.Module):
@@ -323,15 +321,15 @@ def test_automatic_choice_hands_quirks_to_eager(caplog, monkeypatch, option, fea
 
 
 def spy_backends(monkeypatch) -> list[str]:
-    """Record the name of every backend function that runs."""
+    """Record the name of every backend whose forward runs."""
     ran: list[str] = []
-    for name, function in list(attention._BACKEND_FUNCTIONS.items()):
+    for name, record in list(REGISTRY.items()):
 
-        def spy(*args, _name=name, _function=function, **kwargs):
+        def spy(*args, _name=name, _function=record.forward, **kwargs):
             ran.append(_name)
             return _function(*args, **kwargs)
 
-        monkeypatch.setitem(attention._BACKEND_FUNCTIONS, name, spy)
+        monkeypatch.setitem(REGISTRY, name, record._replace(forward=spy))
     return ran
 
 
@@ -354,11 +352,9 @@ def never_called(*args, **kwargs):
 )
 def test_explicit_backend_refuses_what_it_cannot_apply(cpu_kernels, monkeypatch, backend, option, feature):
     """Issue 10 item 21: ``backend="sdpa"`` with ``softcap`` used to return the output without softcapping."""
-    monkeypatch.setattr(flash_backend, "kernel", lambda: never_called)
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: never_called)
-    monkeypatch.setattr(
-        xformers_backend, "fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
-    )
+    cpu_kernels("flash", never_called)
+    cpu_kernels("torch_varlen", never_called)
+    cpu_kernels("xformers", types.SimpleNamespace(memory_efficient_attention=never_called))
     lengths = [6, 3]
     q, k, v = random_qkv(lengths)
     value = {"softcap": 2.0, "s_aux": random_sinks(), "dropout": 0.1}[option]
@@ -380,11 +376,9 @@ def test_explicit_backend_refuses_what_it_cannot_apply(cpu_kernels, monkeypatch,
     ],
 )
 def test_forced_backend_that_cannot_apply_a_quirk_is_an_error(cpu_kernels, monkeypatch, backend, option, feature):
-    monkeypatch.setattr(flash_backend, "kernel", lambda: never_called)
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: never_called)
-    monkeypatch.setattr(
-        xformers_backend, "fmha", lambda: types.SimpleNamespace(memory_efficient_attention=never_called)
-    )
+    cpu_kernels("flash", never_called)
+    cpu_kernels("torch_varlen", never_called)
+    cpu_kernels("xformers", types.SimpleNamespace(memory_efficient_attention=never_called))
     monkeypatch.setenv(attention.ENV_BACKEND, backend)
     lengths = [6, 3]
     q, k, v = random_qkv(lengths)
@@ -455,7 +449,7 @@ def test_packed_attention_errors():
         packed_attention_forward(FakeModule(), q, k, v, None, backend="magic", **info_kwargs(lengths))
 
 
-def test_choose_backend(monkeypatch):
+def test_choose_backend(monkeypatch, stand_in_kernel):
     cpu = torch.device("cpu")
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
     assert choose_backend(cpu, torch.float32, "sdpa").name == "sdpa"
@@ -467,22 +461,22 @@ def test_choose_backend(monkeypatch):
     monkeypatch.setenv(attention.ENV_BACKEND, "magic")
     with pytest.raises(ValueError, match="is not a packed attention backend"):
         choose_backend(cpu, torch.float32, "sdpa")
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    stand_in_kernel("flash", None)
     monkeypatch.setenv(attention.ENV_BACKEND, "flash")
     with pytest.raises(ValueError, match="flash-attn is not installed"):
         choose_backend(cpu, torch.bfloat16, "sdpa")
 
 
-def test_choose_backend_prefers_available_kernels(monkeypatch):
+def test_choose_backend_prefers_available_kernels(monkeypatch, stand_in_kernel):
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(flash_backend, "kernel", lambda: object())
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
-    monkeypatch.setattr(xformers_backend, "fmha", lambda: object())
+    stand_in_kernel("flash", object())
+    stand_in_kernel("torch_varlen", None)
+    stand_in_kernel("xformers", object())
     cuda = torch.device("cuda")
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "flash"
     assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # flash-attn needs half precision
     assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    stand_in_kernel("flash", None)
     assert choose_backend(cuda, torch.bfloat16, "flash_attention_2").name == "xformers"
 
 
@@ -506,8 +500,9 @@ def test_unpacked_calls_run_the_original_implementation():
     assert torch.equal(got, sdpa_attention_forward(module, q, k, v, None, scaling=0.2)[0])
 
 
-def test_direct_calls_derive_metadata_once_per_tensor(monkeypatch):
-    """The helper called directly (no model hook) derives the metadata of one ``cu_seq_lens_q`` tensor once."""
+def test_direct_calls_derive_metadata_on_every_call(monkeypatch):
+    """The helper called directly (no decoder hook hands it ``packed_seq_info``) derives the metadata of its
+    ``cu_seq_lens_q`` on every call: there is no cache beside the keyword."""
     calls = []
     original = PackedSeqInfo.from_cu_seqlens.__func__
 
@@ -522,7 +517,7 @@ def test_direct_calls_derive_metadata_once_per_tensor(monkeypatch):
     with torch.no_grad():
         first, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu)
         second, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=0.5, cu_seq_lens_q=cu)
-    assert len(calls) == 1 and torch.equal(first, second)
+    assert len(calls) == 2 and torch.equal(first, second)
     assert_close_to_reference(first, reference(q, k, v, lengths, scaling=0.5).detach())
 
 
@@ -582,20 +577,22 @@ class StandInFlash:
 
 
 @pytest.fixture
-def cpu_kernels(monkeypatch):
-    """Make the kernel backends 'available' on the CPU in fp32."""
-    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flash_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-    monkeypatch.setattr(torch_varlen_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+def cpu_kernels(monkeypatch, stand_in_kernel):
+    """``cpu_kernels(backend, kernel)``: a stand-in kernel for a kernel backend, 'available' on the CPU in fp32 too.
+    torch's real varlen_attn (it imports on a CPU build too) is not installed unless a test installs a stand-in."""
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    # torch's real varlen_attn imports on a CPU build too; a test that wants it installs a stand-in.
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
+
+    def install(backend, kernel):
+        stand_in_kernel(backend, kernel, cpu=True, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+
+    install("torch_varlen", None)
+    return install
 
 
 @pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 1), (50, 4)])
 def test_flash_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
     kernel = StandInFlash()
-    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
+    cpu_kernels("flash", kernel)
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads)
     out, _ = packed_attention_forward(
@@ -612,7 +609,7 @@ def test_flash_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
 
 def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog):
     kernel = StandInFlash()
-    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
+    cpu_kernels("flash", kernel)
     monkeypatch.setattr(_logging, "_logged", set())
     heads, dim = 4, 8  # one token costs 4 * 32 elements of the (head_dim rounded up to 32) accumulator
     lengths = [30, 10, 50, 2, 20, 7]
@@ -632,7 +629,7 @@ def test_flash_splits_rows_past_the_int32_limit(cpu_kernels, monkeypatch, caplog
 @pytest.mark.parametrize(("softcap", "fallback"), [(None, "sdpa"), (1.5, "eager")])
 def test_flash_sample_too_large_alone_falls_back(cpu_kernels, monkeypatch, caplog, softcap, fallback):
     kernel = StandInFlash()
-    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
+    cpu_kernels("flash", kernel)
     monkeypatch.setattr(_logging, "_logged", set())
     lengths = [10, 400, 12]
     monkeypatch.setattr(varlen_common, "MAX_ELEMENTS", (40 + 128 * 2) * 4 * 32)
@@ -687,8 +684,8 @@ def make_fake_xformers(record):
 @pytest.mark.parametrize(("window", "kv_heads"), [(None, 2), (4, 4), (3, 1)])
 def test_xformers_dispatch(cpu_kernels, monkeypatch, window, kv_heads):
     record = {}
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
-    monkeypatch.setattr(xformers_backend, "fmha", lambda: make_fake_xformers(record))
+    cpu_kernels("flash", None)
+    cpu_kernels("xformers", make_fake_xformers(record))
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads)
     out, _ = packed_attention_forward(
@@ -708,7 +705,7 @@ def test_flash_gets_one_head_dim_for_q_k_v(cpu_kernels, monkeypatch):
     """flash-attn 2 takes one head dim for q, k and v: MLA values are zero-padded to the query head dim and the
     output cropped back (as transformers' flash_attention_forward does)."""
     kernel = StandInFlash()
-    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
+    cpu_kernels("flash", kernel)
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, dim=20, v_dim=12)
     out, _ = packed_attention_forward(
@@ -720,7 +717,7 @@ def test_flash_gets_one_head_dim_for_q_k_v(cpu_kernels, monkeypatch):
 
 def test_flash_applies_softcap(cpu_kernels, monkeypatch):
     kernel = StandInFlash()
-    monkeypatch.setattr(flash_backend, "kernel", lambda: kernel)
+    cpu_kernels("flash", kernel)
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths)
     out, _ = packed_attention_forward(FakeModule(), q, k, v, None, scaling=1.0, softcap=1.5, **info_kwargs(lengths))
@@ -731,9 +728,9 @@ def test_flash_applies_softcap(cpu_kernels, monkeypatch):
 @pytest.mark.parametrize(("window", "kv_heads", "v_dim"), [(None, 2, None), (4, 2, 12), (3, 4, None)])
 def test_xformers_dispatch_quirks(cpu_kernels, monkeypatch, window, kv_heads, v_dim):
     record = {}
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
-    monkeypatch.setattr(xformers_backend, "fmha", lambda: make_fake_xformers(record))
+    cpu_kernels("flash", None)
+    cpu_kernels("torch_varlen", None)
+    cpu_kernels("xformers", make_fake_xformers(record))
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, kv_heads=kv_heads, v_dim=v_dim)
     out, _ = packed_attention_forward(
@@ -823,10 +820,8 @@ def make_stand_in_varlen(calls: list, *, gqa_parameter: bool = True):
 )
 def test_torch_varlen_dispatch(cpu_kernels, monkeypatch, window, kv_heads, gqa_parameter, dim, v_dim):
     calls = []
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
-    monkeypatch.setattr(
-        torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls, gqa_parameter=gqa_parameter)
-    )
+    cpu_kernels("flash", None)
+    cpu_kernels("torch_varlen", make_stand_in_varlen(calls, gqa_parameter=gqa_parameter))
     lengths = [5, 1, 9, 1, 12, 4]
     q, k, v = random_qkv(lengths, rows=2, kv_heads=kv_heads, dim=dim, v_dim=v_dim)
     out, _ = packed_attention_forward(
@@ -849,8 +844,8 @@ def test_torch_varlen_dispatch(cpu_kernels, monkeypatch, window, kv_heads, gqa_p
 )
 def test_torch_varlen_hands_over_what_it_cannot_apply(cpu_kernels, monkeypatch, caplog, option, value, fallback):
     monkeypatch.setattr(_logging, "_logged", set())
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: never_called)
+    cpu_kernels("flash", None)
+    cpu_kernels("torch_varlen", never_called)
     ran = spy_backends(monkeypatch)
     lengths = [6, 3, 9]
     q, k, v = random_qkv(lengths)
@@ -867,16 +862,15 @@ def test_torch_varlen_hands_over_what_it_cannot_apply(cpu_kernels, monkeypatch, 
         assert_matches_reference(out, leaves, lengths, scaling=0.5, **options)
 
 
-def test_autocast_runs_the_varlen_kernel_in_the_autocast_dtype(monkeypatch, caplog):
+def test_autocast_runs_the_varlen_kernel_in_the_autocast_dtype(monkeypatch, caplog, stand_in_kernel):
     """Issue 26 item 1: fp32 weights under bf16 autocast (TRL's default on a GPU) hand attention fp32 q / k (RoPE
     multiplied them by fp32 cos / sin) and a bf16 v. The backend is chosen for the dtype attention computes in, bf16,
     and the varlen kernel (a stand-in that only takes half precision, as the real one) receives bf16 q / k / v.
     Before: the choice saw fp32, skipped the kernel ("needs float16 or bfloat16") and ran the SDPA buckets."""
-    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))  # DTYPES stay half precision
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    stand_in_kernel("flash", None, cpu=True)
     calls = []
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls))
+    stand_in_kernel("torch_varlen", make_stand_in_varlen(calls), cpu=True)
     lengths = [5, 1, 9, 12, 4]
     q, k, v = random_qkv(lengths, dim=16)
     v_bf16 = v.detach().to(torch.bfloat16).requires_grad_()
@@ -894,17 +888,16 @@ def test_autocast_runs_the_varlen_kernel_in_the_autocast_dtype(monkeypatch, capl
     assert choose_backend(torch.device("cpu"), torch.float32, "sdpa").name == "sdpa"
 
 
-def test_autocast_model_takes_the_varlen_kernel_and_says_so(monkeypatch, caplog, tiny_llama):
+def test_autocast_model_takes_the_varlen_kernel_and_says_so(monkeypatch, caplog, tiny_llama, stand_in_kernel):
     """A patched fp32 Llama under bf16 autocast: the stand-in varlen kernel runs every layer in bf16, the
     packed logits match each sample alone under the same autocast, and ``resolve_backend`` with the trainer's
     compute dtype names the backend the forward logs."""
     from unpack_trainer.models import patch_model, resolve_backend
 
-    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    stand_in_kernel("flash", None, cpu=True)
     calls = []
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: make_stand_in_varlen(calls))
+    stand_in_kernel("torch_varlen", make_stand_in_varlen(calls), cpu=True)
     model = patch_model(tiny_llama(head_dim=8).eval())
     assert resolve_backend(model).name == "sdpa"  # fp32 without mixed precision
     choice = resolve_backend(model, compute_dtype=torch.bfloat16)
@@ -920,36 +913,40 @@ def test_autocast_model_takes_the_varlen_kernel_and_says_so(monkeypatch, caplog,
     assert_close_to_reference(packed, torch.cat(alone, dim=1), rel=2e-2)
 
 
-def test_choose_torch_varlen(monkeypatch):
+def test_choose_torch_varlen(monkeypatch, stand_in_kernel):
     """On CUDA in half precision: flash-attn when installed, else torch's varlen_attn, before xformers."""
     monkeypatch.delenv(attention.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(torch_varlen_backend, "_cuda_flash_unsupported_reason", lambda device: None)
-    monkeypatch.setattr(flash_backend, "kernel", lambda: object())
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: object())
-    monkeypatch.setattr(xformers_backend, "fmha", lambda: object())
+    monkeypatch.setitem(
+        REGISTRY, "torch_varlen", REGISTRY["torch_varlen"]._replace(requires=lambda device, dtype: None)
+    )
+    stand_in_kernel("flash", object())
+    stand_in_kernel("torch_varlen", object())
+    stand_in_kernel("xformers", object())
     cuda = torch.device("cuda")
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "flash"
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
+    stand_in_kernel("flash", None)
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "torch_varlen"
     assert choose_backend(cuda, torch.float16, "flash_attention_2").name == "torch_varlen"
     assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # varlen_attn needs half precision
     assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
     # Quirks the kernel cannot apply go to the next backend that can.
-    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True).name == "eager"
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True).name == "flex"  # eager on the CPU
     assert choose_backend(cuda, torch.bfloat16, "sdpa", dropout=True).name == "xformers"
     assert choose_backend(cuda, torch.bfloat16, "sdpa", head_dim=320).name == "xformers"
-    monkeypatch.setattr(
-        torch_varlen_backend, "_cuda_flash_unsupported_reason", lambda device: "compute capability 7.5 < 8.0"
+    monkeypatch.setitem(
+        REGISTRY,
+        "torch_varlen",
+        REGISTRY["torch_varlen"]._replace(requires=lambda device, dtype: "compute capability 7.5 < 8.0"),
     )
     choice = choose_backend(cuda, torch.bfloat16, "sdpa")
     assert choice.name == "xformers" and "compute capability 7.5" in choice.reason
 
 
-def test_forced_torch_varlen_that_cannot_run_names_the_variable(monkeypatch):
+def test_forced_torch_varlen_that_cannot_run_names_the_variable(monkeypatch, stand_in_kernel):
     monkeypatch.setenv(attention.ENV_BACKEND, "torch_varlen")
     with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen cannot run here: .*CUDA"):
         choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa")
-    monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: None)
+    stand_in_kernel("torch_varlen", None)
     with pytest.raises(ValueError, match=f"{attention.ENV_BACKEND}=torch_varlen cannot run here: .*varlen_attn"):
         choose_backend(torch.device("cuda"), torch.bfloat16, "sdpa")
 
@@ -1067,7 +1064,7 @@ def run_quirk_layer(model_type: str, layer: int, packed: bool) -> tuple[torch.Te
 
 
 @pytest.fixture
-def quirk_backend(request, monkeypatch):
+def quirk_backend(request, monkeypatch, stand_in_kernel):
     """Sets up one backend for the packed run: ``eager`` forced, ``sdpa`` the automatic CPU choice, or a kernel
     backend (flash-attn, torch varlen, xformers) as the automatic choice with a stand-in kernel on the CPU."""
     backend = request.param
@@ -1076,15 +1073,13 @@ def quirk_backend(request, monkeypatch):
     if backend == "eager":
         monkeypatch.setenv(attention.ENV_BACKEND, "eager")
     if backend in ("flash", "torch_varlen", "xformers"):
-        monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-        monkeypatch.setattr(flash_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-        monkeypatch.setattr(torch_varlen_backend, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
         flash = StandInFlash() if backend == "flash" else None
         varlen = make_stand_in_varlen([]) if backend == "torch_varlen" else None
         fmha = make_fake_xformers({}) if backend == "xformers" else None
-        monkeypatch.setattr(flash_backend, "kernel", lambda: flash)
-        monkeypatch.setattr(torch_varlen_backend, "kernel", lambda: varlen)
-        monkeypatch.setattr(xformers_backend, "fmha", lambda: fmha)
+        full = (torch.float16, torch.bfloat16, torch.float32)
+        stand_in_kernel("flash", flash, cpu=True, dtypes=full)
+        stand_in_kernel("torch_varlen", varlen, cpu=True, dtypes=full)
+        stand_in_kernel("xformers", fmha, cpu=True)
     return backend
 
 
@@ -1210,8 +1205,12 @@ def test_real_kernels(backend, device, window, monkeypatch):
 @pytest.mark.parametrize(("dim", "v_dim"), [(192, 128), (20, 12)])
 def test_real_kernels_value_head_dim(backend, device, dim, v_dim, monkeypatch):
     """MLA shapes (deepseek_v3: 192 / 128) and head dims that are not a multiple of 8, on the real kernels."""
-    if backend == "flex" and dim < 16:
-        pytest.skip("flex_attention's kernel takes head dims of 16 or more")
+    if backend == "flex" and min(dim, v_dim) < 16:
+        # A reason, not inductor's crash: the forced choice is refused and the automatic one skips flex.
+        q, k, v = random_qkv(REAL_LENGTHS, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, device=device)
+        with pytest.raises(ValueError, match=f"cannot apply head_dim {min(dim, v_dim)} \\(its kernel takes at least 16\\)"):
+            packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **info_kwargs(REAL_LENGTHS))
+        return
     _check_fwd_bwd_against_reference(
         backend,
         device,
@@ -1223,6 +1222,20 @@ def test_real_kernels_value_head_dim(backend, device, dim, v_dim, monkeypatch):
         dim=dim,
         v_dim=v_dim,
     )
+
+
+@pytest.mark.parametrize(("dim", "v_dim"), [(12, 12), (32, 12), (12, 32)])
+def test_flex_refuses_head_dims_below_its_kernels_limit(dim, v_dim, monkeypatch):
+    """Compiled flex takes query, key and value head dims of 16 or more: a smaller one is a reason (a forced choice
+    is refused, naming the dim and the limit), never inductor's NYI crash inside a training step."""
+    q, k, v = random_qkv(REAL_LENGTHS, heads=4, kv_heads=2, dim=dim, v_dim=v_dim)
+    message = "cannot apply head_dim 12 \\(its kernel takes at least 16\\)"
+    with pytest.raises(ValueError, match=message):
+        packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **info_kwargs(REAL_LENGTHS))
+    monkeypatch.setenv(attention.ENV_BACKEND, "flex")
+    with pytest.raises(ValueError, match=message):
+        attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa", head_dim=max(dim, v_dim), min_head_dim=12)
+    assert not attention.missing_features("flex", frozenset(), 32, 16)
 
 
 @pytest.mark.parametrize(("backend", "device"), _cases(["flash", "flex", "sdpa", "eager"]))
@@ -1259,14 +1272,14 @@ def test_flash_accumulator_head_dim_rounding():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_chunked_info_cuts_each_sample_from_its_start():
+def test_chunked_cuts_each_sample_from_its_start():
     info = PackedSeqInfo.from_seq_lengths(torch.tensor([5, 2], dtype=torch.int32), batch_size=1, seq_len=7)
-    chunked = attention.chunked_info(info, 2)
+    chunked = info.chunked(2)
     assert chunked.seq_lengths.tolist() == [2, 2, 1, 2] and chunked.cu_seqlens.tolist() == [0, 2, 4, 5, 7]
-    assert attention.chunked_info(info, 2) is chunked  # cached on the batch's metadata
-    assert attention.chunked_info(info, 5) is info  # no sample longer than a chunk
+    assert info.chunked(2) is chunked  # cached on the batch's metadata
+    assert info.chunked(5) is info  # no sample longer than a chunk
     with pytest.raises(ValueError, match="attention_chunk_size must be a positive number of tokens, got 0"):
-        attention.chunked_info(info, 0)
+        info.chunked(0)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
@@ -1294,7 +1307,7 @@ def test_alibi_per_sample(backend, window, kv_heads, cpu_kernels, monkeypatch):
     """SDPA buckets, eager and flash-attn's ``alibi_slopes`` (a stand-in kernel on the CPU) == dense per-sample
     attention with ``-slope * (i - j)`` counted within each sample."""
     flash = StandInFlash()
-    monkeypatch.setattr(flash_backend, "kernel", lambda: flash)
+    cpu_kernels("flash", flash)
     lengths = [7, 1, 12, 3, 9]
     q, k, v = random_qkv(lengths, kv_heads=kv_heads)
     out, _ = packed_attention_forward(
@@ -1333,8 +1346,8 @@ def test_alibi_on_a_backend_that_cannot(backend, monkeypatch):
 
 def test_alibi_hands_over_from_a_kernel_that_cannot(cpu_kernels, monkeypatch):
     """The automatic choice skips xformers (no ALiBi) for SDPA, and says so once."""
-    monkeypatch.setattr(flash_backend, "kernel", lambda: None)
-    monkeypatch.setattr(xformers_backend, "fmha", lambda: object())
+    cpu_kernels("flash", None)
+    cpu_kernels("xformers", object())
     lengths = [5, 4]
     q, k, v = random_qkv(lengths)
     assert attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa").name == "xformers"
@@ -1345,7 +1358,7 @@ def test_alibi_hands_over_from_a_kernel_that_cannot(cpu_kernels, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flash", "sdpa", "eager"])
 def test_real_kernels_alibi_on_cuda(backend, monkeypatch):
-    _force_available_backend(backend, monkeypatch)
+    _force_available_backend(backend, "cuda", monkeypatch)
     lengths = [40, 1, 97, 3, 64, 11]
     q, k, v = random_qkv(lengths, heads=8, kv_heads=8, dim=64, dtype=torch.bfloat16, device="cuda")
     slopes = torch.tensor([2.0 ** -(i + 1) for i in range(8)], device="cuda")

@@ -10,9 +10,9 @@ import torch
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention import ENV_BACKEND, choose_backend, packed_attention_forward
-from unpack_trainer.patches.attention import _common as attention_common
-from unpack_trainer.patches.attention import flash as flash_backend
 from unpack_trainer.patches.attention import flex as flex_backend
+
+HAS_FLEX = flex_backend.BACKEND.kernel.get() is not None
 
 # Samples of 300, 7, 140 and 60 tokens; spans inside them, one across flex's 128-token block boundary, one a
 # whole short sample, one at a sample's end.
@@ -63,7 +63,7 @@ def random_qkv(total, heads=4, kv_heads=2, dim=16, seed=0):
 @pytest.mark.parametrize("window", [None, 5, 100])
 @pytest.mark.parametrize("backend", ["sdpa", "eager", "flex"])
 def test_spans_on_each_backend_match_the_dense_reference(backend, window):
-    if backend == "flex" and flex_backend.kernel() is None:
+    if backend == "flex" and not HAS_FLEX:
         pytest.skip("this torch has no flex_attention")
     info = make_info()
     q, k, v = random_qkv(info.total_tokens)
@@ -86,7 +86,7 @@ def test_spans_on_each_backend_match_the_dense_reference(backend, window):
         assert (g.double() - w).abs().max() <= 1e-5 * w.abs().max(), f"d{name}"
 
 
-@pytest.mark.skipif(flex_backend.kernel() is None, reason="this torch has no flex_attention")
+@pytest.mark.skipif(not HAS_FLEX, reason="this torch has no flex_attention")
 @pytest.mark.parametrize("window", [None, 1, 100])
 def test_flex_block_mask_with_spans_is_exact(window):
     """Full blocks are wholly allowed and partial blocks cover every allowed pair (a span's later keys included)."""
@@ -123,11 +123,9 @@ def test_buckets_without_a_span_stay_causal():
     assert [m is not None for m in masks] == [index in holding for index in range(len(plan.buckets))]
 
 
-def test_varlen_kernels_cannot_apply_spans(monkeypatch):
+def test_varlen_kernels_cannot_apply_spans(monkeypatch, stand_in_kernel):
     """The automatic choice takes a backend that can; a forced varlen kernel is refused with the reason."""
-    monkeypatch.setattr(attention_common, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flash_backend, "DTYPES", (torch.float32,))
-    monkeypatch.setattr(flash_backend, "kernel", lambda: object())
+    stand_in_kernel("flash", object(), cpu=True, dtypes=(torch.float32,))
     monkeypatch.delenv(ENV_BACKEND, raising=False)
     cpu = torch.device("cpu")
     assert choose_backend(cpu, torch.float32, "sdpa").name == "flash"

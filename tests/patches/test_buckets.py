@@ -11,8 +11,7 @@ import torch
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import buckets
-from unpack_trainer.patches.attention import _common as attention_common
-from unpack_trainer.patches.attention import packed_attention_forward
+from unpack_trainer.patches.attention import REGISTRY, packed_attention_forward
 from unpack_trainer.patches.attention import sdpa as sdpa_backend
 
 
@@ -74,7 +73,7 @@ def output_and_grads(backend: str, info: PackedSeqInfo, inputs, **options) -> li
     for x in inputs:
         x.grad = None
     out, _ = packed_attention_forward(FakeModule(), *inputs, None, backend=backend, packed_seq_info=info, **options)
-    weight = torch.linspace(-1, 1, out.numel()).view_as(out)
+    weight = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     (out * weight).sum().backward()
     return [out.detach()] + [x.grad.clone() for x in inputs]
 
@@ -146,7 +145,8 @@ def test_cuda_device_types_are_seams_of_the_planner_and_the_kernels():
     """Without the seams the CPU keeps its cost model and SDPA's own choice (what the CPU tests above change)."""
     assert buckets.planning_for(torch.device("cpu")) == buckets.Planning()
     assert buckets.planning_for(torch.device("cuda")) == buckets.Planning(buckets.GPU_CALL_COST_PAIRS, grid=True)
-    assert sdpa_backend.NO_CUDNN_DEVICE_TYPES == attention_common.KERNEL_DEVICE_TYPES == ("cuda",)
+    assert sdpa_backend.NO_CUDNN_DEVICE_TYPES == ("cuda",)
+    assert {record.kernel.device_types for record in REGISTRY.values() if record.kernel is not None} >= {("cuda",)}
 
 
 @pytest.mark.gpu

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention import ENV_BACKEND, choose_backend, packed_attention_forward
+from unpack_trainer.patches.attention import ENV_BACKEND, REGISTRY, choose_backend, packed_attention_forward
 from unpack_trainer.patches.attention import flex as flex_backend
 
-pytestmark = pytest.mark.skipif(flex_backend.kernel() is None, reason="this torch has no flex_attention")
+pytestmark = pytest.mark.skipif(flex_backend.BACKEND.kernel.get() is None, reason="this torch has no flex_attention")
 
 
 class FakeModule(torch.nn.Module):
@@ -178,7 +178,7 @@ def test_flex_forward_equals_eager_on_cpu(layout, feature):
     reference backend, itself checked against per-sample float64 attention in test_attention.py)."""
     lengths, parents = LAYOUTS[layout]
     info = make_info(lengths, parents)
-    q, k, v = random_qkv(info.total_tokens, v_dim=8 if feature == "causal" else None)
+    q, k, v = random_qkv(info.total_tokens, v_dim=32 if feature == "causal" else None)
     options = dict(scaling=0.3, packed_seq_info=info, **FEATURES[feature])
     with torch.no_grad():
         out, _ = packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **options)
@@ -206,12 +206,22 @@ def test_flex_refuses_backward_on_the_cpu_and_dropout():
         packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", dropout=0.1, packed_seq_info=info)
 
 
-def test_flex_is_chosen_only_when_asked(monkeypatch):
-    """Not in the automatic order until measured on a GPU (see flex.BACKEND); UNPACK_ATTENTION_BACKEND=flex runs it."""
+def test_flex_is_chosen_on_cuda_for_what_varlen_kernels_cannot_apply(monkeypatch):
+    """On CUDA, flex follows the varlen kernels and precedes SDPA's buckets (it ran 0.90x torch varlen in a training
+    step on an H200, and it is the one kernel that applies softcap, sinks and ALiBi in one call); never automatic on
+    the CPU (no flex backward there) nor for head dims its compiled kernel does not take;
+    UNPACK_ATTENTION_BACKEND=flex runs it anywhere."""
     monkeypatch.delenv(ENV_BACKEND, raising=False)
-    for device in ("cpu", "cuda"):
-        for quirks in ({}, {"softcap": True}, {"sinks": True}, {"alibi": True}):
-            assert choose_backend(torch.device(device), torch.bfloat16, "sdpa", **quirks).name != "flex"
+    varlen = REGISTRY["torch_varlen"]
+    monkeypatch.setitem(REGISTRY, "torch_varlen", varlen._replace(kernel=None, requires=None))
+    cuda = torch.device("cuda")
+    for quirks in ({}, {"softcap": True}, {"sinks": True}, {"alibi": True}):
+        assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa", **quirks).name != "flex"
+    assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "torch_varlen"
+    for quirks in ({"softcap": True}, {"sinks": True}, {"alibi": True}):
+        choice = choose_backend(cuda, torch.bfloat16, "sdpa", **quirks)
+        assert choice.name == "flex", choice
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True, head_dim=8).name == "eager"
     monkeypatch.setenv(ENV_BACKEND, "flex")
     assert choose_backend(torch.device("cpu"), torch.float32, "sdpa", softcap=True, sinks=True).name == "flex"
 
@@ -224,7 +234,7 @@ def test_one_compiled_kernel_per_shape_class(monkeypatch):
     real_compile = torch.compile
 
     def stand_in_compile(function, **options):
-        if function is not flex_backend.kernel():
+        if function is not flex_backend.BACKEND.kernel.get():
             return real_compile(function, **options)  # flex's unfused path compiles its own pieces
         compiled.append(options)
         return function

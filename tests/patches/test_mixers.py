@@ -125,11 +125,17 @@ def test_run_padded_buckets_by_length():
     assert len(calls) == 2 and sum(n * length for n, length in calls) < 2 * sum(lengths)
 
 
+class _Decoder:
+    """Stands in for the decoder state a mixer is patched with: no packed forward running."""
+
+    running = None
+
+
 def test_packed_mixer_with_a_cache_is_refused():
     scan = _Scan()
     handler = PerSampleMixers()
-    handler.patch(scan)
-    handler.patch(scan)  # idempotent
+    handler.patch(scan, _Decoder())
+    handler.patch(scan, _Decoder())  # idempotent
     try:
         with pytest.raises(ValueError, match=r"cache \(`cache_params`\).*use_cache=False"):
             scan(torch.randn(1, 11, 6), cache_params=object(), packed_seq_info=_info())
@@ -144,7 +150,7 @@ def test_a_branched_packed_batch_is_refused_by_a_mixer():
     carrying the prompt's: refused with the reason, never computed wrong."""
     scan = _Scan()
     handler = PerSampleMixers()
-    handler.patch(scan)
+    handler.patch(scan, _Decoder())
     branched = PackedSeqInfo.from_seq_lengths(
         torch.tensor([3, 2, 2]), batch_size=1, seq_len=7, seq_parents=torch.tensor([-1, 0, 0])
     )

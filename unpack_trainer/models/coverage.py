@@ -15,7 +15,7 @@ attention chunk smaller than the samples where the config has one) and returns o
 - ``"skipped"``: not a decoder-only text model, or it cannot be built here; the reason says which;
 - ``"failed"``: a check did not hold (never expected: ``tests/models/test_coverage.py`` fails on it).
 
-``python -m unpack_trainer.models --coverage`` prints the table (``--write-readme`` puts it into README.md). What the
+``python -m unpack_trainer.models --coverage`` prints the table (``--write-docs`` puts it into docs/models.md). What the
 runs verified is kept in :mod:`unpack_trainer.models.verified` (the patch reads it without running a check); the
 coverage test keeps it exact on the release installed.
 """
@@ -148,9 +148,9 @@ class _Spies:
     def active(self):
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-        from unpack_trainer.patches import attention
+        from unpack_trainer.patches.attention import REGISTRY
 
-        backends = dict(attention._BACKEND_FUNCTIONS)
+        backends = dict(REGISTRY)
         # transformers' own mask functions: the class-wide registry (a patched model's routing, in the per-instance
         # mapping, calls them when it does not skip the mask); the originals are registered back afterwards.
         masks = dict(mask_functions())
@@ -171,13 +171,13 @@ class _Spies:
             return spy
 
         try:
-            for name, function in backends.items():
-                attention._BACKEND_FUNCTIONS[name] = backend_spy(function)
+            for name, record in backends.items():
+                REGISTRY[name] = record._replace(forward=backend_spy(record.forward))
             for name, function in masks.items():
                 ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_spy(name, function))
             yield self
         finally:
-            attention._BACKEND_FUNCTIONS.update(backends)
+            REGISTRY.update(backends)
             for name, function in masks.items():
                 ALL_MASK_ATTENTION_FUNCTIONS.register(name, function)
 
@@ -427,7 +427,9 @@ def _verify_vision(model_type: str, implementation: str) -> str | None:
             return f"{implementation}: transformers' mask function {spies.mask_calls[0]!r} ran for a packed batch"
         start = 0
         for index, expected in enumerate(alone):
-            problem = _close(logits[start : start + len(expected)], expected, f"{implementation}: sample {index} logits")
+            problem = _close(
+                logits[start : start + len(expected)], expected, f"{implementation}: sample {index} logits"
+            )
             if problem:
                 return problem
             start += len(expected)

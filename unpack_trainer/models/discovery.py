@@ -3,8 +3,9 @@
 - **The decoder**: the innermost module whose class builds its attention mask through transformers' mask functions
   (:data:`MASK_BUILDERS`) and holds attention modules.
 - **The attention modules**: modules of the decoder whose class looks its attention function up in
-  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``), or whose class has a packed
-  forward for what the extension points do not reach (:mod:`unpack_trainer.models.alibi`: bloom, mpt).
+  ``ALL_ATTENTION_FUNCTIONS`` (so the patch reaches them through ``AttentionInterface``), or whose class the caller
+  says the package runs itself (``discover(model, runs_attention=...)``: the classes a model-family fix gives a packed
+  forward, :mod:`unpack_trainer.models.fixes.alibi`'s bloom and mpt).
 - **The decoder layers**: the longest ``ModuleList`` directly under the decoder.
 - **The token mixers** (:func:`find_token_mixers`): modules other than attention that mix tokens along the row and
   carry state from one token to the next (recurrent / state-space scans, causal convolutions). Whether one can be
@@ -25,7 +26,7 @@ import functools
 import inspect
 import textwrap
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -497,8 +498,8 @@ class Decoder:
 
     Attributes:
         module: the decoder module (``LlamaModel``, the text model of a multimodal model, ...).
-        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS`` or has a packed forward), in
-            module order.
+        attention: its attention modules (each goes through ``ALL_ATTENTION_FUNCTIONS``, or the package runs it
+            itself), in module order.
         layers: its decoder layers (:func:`layers_of`).
         mixers: its token mixers (:func:`find_token_mixers`).
     """
@@ -538,8 +539,8 @@ class ModelStructure:
         pretrained: the ``PreTrainedModel``.
         model_type: ``config.model_type``.
         classes: every module class of the model, once each, in module order.
-        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS`` or have a packed forward
-            (:mod:`unpack_trainer.models.alibi`).
+        attention_classes: the classes of those that go through ``ALL_ATTENTION_FUNCTIONS`` or that the package runs
+            itself (``runs_attention``).
         mask_builders: the innermost modules that build their mask through transformers' :data:`MASK_BUILDERS`.
         mixers: the token mixers of the decoders (of the whole model when it has none).
         decoders: the mask builders that hold attention modules or token mixers, as :class:`Decoder`; without mask
@@ -559,18 +560,20 @@ class ModelStructure:
         return self.pretrained.config
 
 
-def discover(model: torch.nn.Module) -> ModelStructure:
+def discover(model: torch.nn.Module, *, runs_attention: Callable[[type], Any] | None = None) -> ModelStructure:
     """What ``model`` (a ``PreTrainedModel``, or a ``PeftModel`` wrapping one) is made of; see the module docstring.
+    ``runs_attention(cls)``: truthy for an attention class outside transformers' interface that the package runs
+    itself (its modules then count as attention modules).
 
     Raises:
         TypeError: ``model`` holds no transformers ``PreTrainedModel``.
     """
-    from unpack_trainer.models.alibi import packed_forward_for
-
     pretrained = pretrained_model(model)
     modules = list(model.modules())
     classes = list(dict.fromkeys(type(module) for module in modules))
-    attention_classes = [cls for cls in classes if uses_attention_interface(cls) or packed_forward_for(cls)]
+    attention_classes = [
+        cls for cls in classes if uses_attention_interface(cls) or (runs_attention is not None and runs_attention(cls))
+    ]
     builders = [m for m in modules if builds_mask_with_transformers(type(m))]
     innermost = [
         candidate

@@ -4,7 +4,8 @@
 scans, causal convolutions). Each one is offered to the handlers in :data:`MIXER_HANDLERS`, in order; the first whose
 ``handles(mixer)`` is true owns it. A model with a mixer no handler owns is refused before any forward
 (:class:`~unpack_trainer.models.refusals.RefusalKind` ``STATE``, with the mixer named); a model whose mixers are all
-owned is patched: :func:`~unpack_trainer.models.patch_model` calls ``handler.patch(module)`` on each mixer and
+owned is patched: :func:`~unpack_trainer.models.patch_model` calls ``handler.patch(module, decoder)`` on each mixer
+(``decoder``: the :class:`~unpack_trainer.models.state.DecoderState` of its decoder) and
 :func:`~unpack_trainer.models.unpatch_model` ``handler.unpatch(module)``.
 
 A handler makes the mixer's state restart at every sample's first token on a packed row. The one installed,
@@ -13,15 +14,14 @@ A handler makes the mixer's state restart at every sample's first token on a pac
 ``seq_idx`` / ``cu_seqlens`` support where the mixer's code hands them on, see
 :mod:`unpack_trainer.patches.mixer_kernels`; or masked taps for a bare depthwise causal convolution). Inside a
 packed forward a handler finds the row's samples in the ``packed_seq_info`` keyword where its layer hands it down,
-else with :func:`unpack_trainer.patches.masks.current_packed_info` (``for_attention=False``), which the decoder hook
-publishes before the decoder runs; ``None`` there means the batch is not packed and the mixer must run exactly as
-stock (padded batches, generation with a cache). Adding a handler is one class and one entry
-in :data:`MIXER_HANDLERS`.
+else as ``decoder.running``, which the decoder hook sets before the decoder runs; ``None`` there means the batch is
+not packed and the mixer must run exactly as stock (padded batches, generation with a cache). Adding a handler is one
+class and one entry in :data:`MIXER_HANDLERS`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -43,8 +43,10 @@ class MixerHandler(Protocol):
     def handles(self, mixer: TokenMixer) -> bool:
         """Whether this handler makes ``mixer`` exact on packed rows (it then owns it)."""
 
-    def patch(self, module: torch.nn.Module) -> None:
-        """Make the mixer ``module`` restart its state per sample in packed forwards; calling it twice is a no-op."""
+    def patch(self, module: torch.nn.Module, decoder: Any) -> None:
+        """Make the mixer ``module`` restart its state per sample in packed forwards; calling it twice is a no-op.
+        ``decoder``: the state of the mixer's decoder, whose ``running`` is the packed forward now running (or
+        ``None``)."""
 
     def unpatch(self, module: torch.nn.Module) -> None:
         """Undo :meth:`patch` on ``module`` (a no-op when it is not patched)."""

@@ -15,7 +15,7 @@ kind               found when                                                   
                    image blocks (:mod:`.vision`)
 ``ALIBI``          ALiBi position biases (``config.alibi``, ``attn_config.alibi``,     trains padded
                    or the modeling code uses an ``*alibi*`` helper) in attention
-                   without a packed forward (:mod:`.alibi` has bloom's and mpt's)
+                   without a packed forward (:mod:`.fixes.alibi` has bloom's and mpt's)
 ``POSITIONS``      an attention term computed from positions the attention counts     trains padded
                    itself along the row (an ``arange``: Inkling's relative position
                    bias), or a ``position_bias`` of its own, read from the source of
@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.models.alibi import packed_forward_for
 from unpack_trainer.models.discovery import (
     MASK_BUILDERS,
     PER_TOKEN_LAYER_TYPES,
@@ -60,6 +59,7 @@ from unpack_trainer.models.discovery import (
     mentions,
     mentions_alibi,
 )
+from unpack_trainer.models.fixes.alibi import packed_forward_for
 from unpack_trainer.models.mixers import handler_for
 from unpack_trainer.models.vision import decoders_problem, image_block_problem, multi_axis_problem
 from unpack_trainer.packed_seq_info import METADATA_KEYS
@@ -219,8 +219,9 @@ def _own_attention_calls(structure: ModelStructure) -> Iterator[tuple[torch.nn.M
 
 
 def _corrected_by_patch(module: torch.nn.Module, argument: str) -> bool:
-    """llama4's queries, scaled by positions along the row in its NoPE layers (attention temperature tuning):
-    :func:`unpack_trainer.models.patch_model` rescales them per sample; in its RoPE layers the scaling does not run."""
+    """llama4's queries, scaled by positions along the row in its NoPE layers (attention temperature tuning): its fix
+    (:mod:`unpack_trainer.models.fixes.llama4`) rescales them per sample; in its RoPE layers the scaling does not
+    run."""
     return argument == "query" and hasattr(module, "attn_temperature_tuning")
 
 
@@ -359,7 +360,7 @@ def check_model(model: torch.nn.Module) -> ModelStructure:
         PatchRefused: the first check of :data:`REFUSAL_CHECKS` that finds a reason, with its kind.
         TypeError: ``model`` holds no transformers ``PreTrainedModel``.
     """
-    structure = discover(model)
+    structure = discover(model, runs_attention=packed_forward_for)
     for kind, check in REFUSAL_CHECKS:
         reason = check(structure)
         if reason is not None:

@@ -1,25 +1,29 @@
-"""Vision-language models on packed rows: the vision tower kept out of the packing, and each sample's own multi-axis
-positions and bidirectional image blocks, all from the model's own code.
+"""Vision-language models on packed rows: what such a model is made of, what cannot be packed exactly, and each
+sample's own multi-axis positions and bidirectional image blocks, all from the model's own code.
 
 A vision-language model (its config has a ``vision_config``) runs its vision tower per image and writes the image
 features into the image tokens of its text model, the one decoder :func:`~unpack_trainer.models.patch_model` makes
 pack. Its *multimodal model* (the module that holds the text decoder and the vision tower: ``Qwen2_5_VLModel``,
-``Gemma3Model``, ``LlavaModel``, ``Idefics3Model``, ...) gets one forward pre-hook (:data:`VISION_LANGUAGE`, a model
-fix: ``applies`` / ``install`` / ``remove``) that, on a packed batch:
+``Gemma3Model``, ``LlavaModel``, ``Idefics3Model``, ...) is found from the structure (:func:`find_vision_language`).
+Three model-family fixes (:mod:`unpack_trainer.models.fixes`) put a forward pre-hook on it, in this order:
 
-1. takes the packing metadata (``packed_seq_lengths``, ``cu_seq_lens_*``, ``max_length_*``) off the call, because
-   transformers hands a multimodal model's keyword arguments on to its vision tower, whose attention runs per image
-   (its own ``cu_seqlens``) and must stay exactly as stock; the decision reaches the text decoder as the packed
-   forward this hook publishes (:func:`unpack_trainer.patches.masks.packed_forward_active`), which the decoder hook
-   adopts, and which answers the mask functions a multimodal model calls itself (Gemma 3 builds its text masks);
-2. multi-axis RoPE (the Qwen2-VL family): gives every sample the positions the model's own ``get_rope_index`` gives it
-   alone (:func:`multimodal_positions`), in the layout the text model takes: 4 rows ``[text; t; h; w]`` with a
-   per-sample text row where the text model reads one (``position_ids[0]``), else 3. Positions that already have that
-   layout are used as given, and so are the collator's (``packed_multimodal_position_ids``, computed ahead on the CPU
-   with :class:`SamplePositions`, so the forward needs no host sync); 3 rows where 4 are read, or 2-D positions other than the per-sample ``arange``, are
+1. ``vision_language`` (every vision-language model, :mod:`~unpack_trainer.models.fixes.vision_language`): takes the
+   packing metadata (``packed_seq_info``, ``packed_seq_lengths``, ``cu_seq_lens_*``, ``max_length_*``) off the call,
+   because transformers hands a multimodal model's keyword arguments on to its vision tower, whose attention runs per
+   image and must stay exactly as stock; decides the packing with the one detector and hands it to the text
+   decoder's state (:attr:`~unpack_trainer.models.state.DecoderState.carried`, adopted by the decoder hook, and
+   :attr:`~unpack_trainer.models.state.DecoderState.running`, which answers the mask functions a multimodal model
+   calls itself: Gemma 3 builds its text masks);
+2. ``multimodal_rope`` (the Qwen2-VL family, :mod:`~unpack_trainer.models.fixes.multimodal_rope`): gives every sample
+   the positions the model's own ``get_rope_index`` gives it alone (:func:`multimodal_positions`), in the layout the
+   text model takes: 4 rows ``[text; t; h; w]`` with a per-sample text row where the text model reads one
+   (``position_ids[0]``), else 3. Positions that already have that layout are used as given, and so are the
+   collator's (``packed_multimodal_position_ids``, computed ahead on the CPU with :class:`SamplePositions`, so the
+   forward needs no host sync); 3 rows where 4 are read, or 2-D positions other than the per-sample ``arange``, are
    refused with a ``ValueError``: each runs without an error and contaminates (measured 0.29-0.43 logit error);
-3. image tokens that attend to each other both ways (Gemma 3: ``token_type_ids``): each sample's image spans from the
-   model's own ``get_block_sequence_ids_for_mask``, cut at sample boundaries, on the
+3. ``image_blocks`` (Gemma 3, :mod:`~unpack_trainer.models.fixes.image_blocks`): image tokens that attend to each other
+   both ways (``token_type_ids``): each sample's image spans from the model's own
+   ``get_block_sequence_ids_for_mask``, cut at sample boundaries, on the
    :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA and eager apply
    them; the varlen kernels cannot and refuse (:mod:`unpack_trainer.patches.attention`).
 
@@ -31,7 +35,6 @@ model with more than one text decoder.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -40,14 +43,13 @@ from typing import Any
 
 import torch
 
-from unpack_trainer._compat import cache_argument, cache_length, remove_hook
 from unpack_trainer.models.discovery import ModelStructure, class_references, mentions, pretrained_model, unwrapped
-from unpack_trainer.models.undo import add_undo
-from unpack_trainer.packed_seq_info import METADATA_KEYS, MULTIMODAL_POSITIONS_KEY, PackedSeqInfo
+from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 __all__ = [
-    "VISION_LANGUAGE",
-    "ModelFix",
+    "MM_TOKEN_TYPES_KEY",
+    "ROPE_INDEX_INPUTS",
+    "TOKEN_TYPES_KEY",
     "RopeIndex",
     "SamplePositions",
     "VisionLanguage",
@@ -62,6 +64,7 @@ __all__ = [
     "multimodal_positions",
     "rope_index_of",
     "sample_positions_of",
+    "text_model",
     "vision_problem",
 ]
 
@@ -69,26 +72,7 @@ __all__ = [
 MM_TOKEN_TYPES_KEY = "mm_token_type_ids"
 TOKEN_TYPES_KEY = "token_type_ids"
 # The arguments of ``get_rope_index`` besides the tokens, handed on from the batch where its signature has them.
-_ROPE_INDEX_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-
-
-@dataclass(frozen=True)
-class ModelFix:
-    """One model-family fix: what the generic patch does not reach, as one record.
-
-    Attributes:
-        name: what the fix is called in logs and errors.
-        applies: ``(model) -> str | None``: what the fix does on ``model`` (a ``PreTrainedModel``), ``None`` where it
-            does not apply.
-        install: ``(model, structure) -> None``: install it on a model whose decoders the patch has just patched.
-        remove: ``(model) -> None``: take it off again (also registered with :func:`~unpack_trainer.models.undo.add_undo`,
-            so ``unpatch_model`` removes it).
-    """
-
-    name: str
-    applies: Callable[[torch.nn.Module], str | None]
-    install: Callable[[torch.nn.Module, ModelStructure], None]
-    remove: Callable[[torch.nn.Module], None]
+ROPE_INDEX_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass(frozen=True)
@@ -240,6 +224,17 @@ def has_image_blocks(model: torch.nn.Module) -> bool:
     return module is not None and _image_block_function(module) is not None
 
 
+def text_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The text decoder of the vision-language model ``model`` (the one module the patch packs), or ``None`` for a
+    model that is no vision-language model or has other than one text decoder. Works on the ``meta`` device."""
+    from unpack_trainer.models.discovery import discover
+
+    if not is_vision_language(model):
+        return None
+    decoders = discover(model).decoders
+    return decoders[0].module if len(decoders) == 1 else None
+
+
 def find_vision_language(model: torch.nn.Module, structure: ModelStructure | None = None) -> VisionLanguage | None:
     """What the packing of the vision-language model ``model`` needs (see :class:`VisionLanguage`); ``None`` for a
     model that is no vision-language model.
@@ -297,6 +292,15 @@ class RopeIndex:
         value = getattr(object.__getattribute__(self, "_owner"), name)
         return types.MethodType(value, self) if isinstance(value, types.FunctionType) else value
 
+    def accepts(self, name: str) -> bool:
+        """Whether the model's ``get_rope_index`` takes the argument ``name``."""
+        return name in self._accepts
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether the method reads a module of the live model, not only its config (then only the forward hook
+        computes the positions, never a collator)."""
+        return self._live is not None
 
     def _call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         kwargs = {name: value for name, value in inputs.items() if name in self._accepts and value is not None}
@@ -392,173 +396,6 @@ def image_block_spans(
     return torch.stack([begin[keep], end[keep]], dim=1)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# The hook on the multimodal model
-# --------------------------------------------------------------------------------------------------------------------
-
-_STATE_ATTRIBUTE = "_unpack_vision_language"  # on the multimodal model: {"decoder": name, "hooks": [ids]}
-
-
-@functools.cache
-def _forward_parameters(cls: type) -> tuple[str, ...]:
-    return tuple(
-        p.name
-        for p in inspect.signature(cls.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    )
-
-
-def _vision_language_of(module: torch.nn.Module) -> VisionLanguage:
-    state = module.__dict__[_STATE_ATTRIBUTE]
-    decoder = module.get_submodule(state["decoder"])
-    rows = state["rows"]
-    return VisionLanguage(module, decoder, rows, _image_block_function(module))
-
-
-def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    from unpack_trainer.patches.masks import detect_packed, hides_nothing, packed_forward_active
-
-    if args:
-        kwargs = {**dict(zip(_forward_parameters(type(module)), args)), **kwargs}
-        args = ()
-    metadata = {key: kwargs.pop(key) for key in METADATA_KEYS if key in kwargs}
-    ahead = kwargs.pop(MULTIMODAL_POSITIONS_KEY, None)  # the collator's multi-axis positions
-    input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-    reference = input_ids if input_ids is not None else embeds
-    if reference is None:
-        return args, kwargs
-    position_ids = kwargs.get("position_ids")
-    info = detect_packed(
-        reference.shape[0],
-        reference.shape[1],
-        packed_seq_lengths=metadata.get("packed_seq_lengths"),
-        packed_seq_parents=metadata.get("packed_seq_parents"),
-        cu_seq_lens_q=metadata.get("cu_seq_lens_q"),
-        max_length_q=metadata.get("max_length_q"),
-        position_ids=position_ids,
-        attention_mask=kwargs.get("attention_mask"),
-        cached=cache_length(cache_argument(kwargs)),
-    )
-    if info is None:
-        return args, kwargs
-    if info.is_branched:
-        raise ValueError("Branched packed samples (shared prompts) are not supported on vision-language models.")
-    vision = _vision_language_of(module)
-    if vision.position_rows > 1:
-        if ahead is not None and (position_ids is None or position_ids.dim() == 2):
-            position_ids = ahead
-        kwargs["position_ids"] = _multi_axis_positions(module, vision, kwargs, info, position_ids, input_ids)
-    elif position_ids is None:
-        kwargs["position_ids"] = info.position_ids(reference.device)
-    token_types = kwargs.get(TOKEN_TYPES_KEY)
-    if vision.image_blocks is not None and token_types is not None:
-        info = info.with_bidirectional_spans(image_block_spans(vision.image_blocks, token_types, info))
-    if not hides_nothing(kwargs.get("attention_mask")):
-        raise ValueError(
-            "A packed batch cannot also hide tokens with an `attention_mask`; make trailing padding a sample of its "
-            "own and drop the mask."
-        )
-    kwargs["attention_mask"] = None
-    if kwargs.get("use_cache") is None:
-        kwargs["use_cache"] = False
-    packed_forward_active(vision.decoder, info)
-    return args, kwargs
-
-
-def _multi_axis_positions(
-    module: torch.nn.Module,
-    vision: VisionLanguage,
-    kwargs: dict[str, Any],
-    info: PackedSeqInfo,
-    position_ids: torch.Tensor | None,
-    input_ids: torch.Tensor | None,
-) -> torch.Tensor:
-    """The multi-axis positions of a packed batch (see the module docstring, step 2)."""
-    rows = vision.position_rows
-    if position_ids is not None and position_ids.dim() == 3:
-        if position_ids.shape[0] == rows:
-            return position_ids
-        raise ValueError(
-            f"A packed batch of {type(module).__name__} has position_ids of {position_ids.shape[0]} rows; its text "
-            f"model takes {rows} ({'[text; t; h; w]' if rows == 4 else '[t; h; w]'}) and would attend across "
-            "samples with any other layout. Pass no position_ids (each sample's are computed from the model's own "
-            "get_rope_index) or the full layout."
-        )
-    if position_ids is not None and not torch.equal(
-        position_ids.detach().cpu().expand(info.batch_size, -1), info.position_ids()
-    ):
-        raise ValueError(
-            f"A packed batch of {type(module).__name__} has 2-D position_ids other than each sample's own 0, 1, 2, "
-            "...; its multimodal RoPE cannot be derived from them. Pass no position_ids (each sample's are computed "
-            "from the model's own get_rope_index)."
-        )
-    if input_ids is None:
-        raise ValueError(
-            f"A packed batch of {type(module).__name__} given as inputs_embeds needs its position_ids: the multimodal "
-            "positions are computed from input_ids. Pass input_ids, or the 4-row position_ids."
-        )
-    rope_index = module.__dict__[_STATE_ATTRIBUTE]["rope_index"]
-    inputs = {name: kwargs.get(name) for name in (MM_TOKEN_TYPES_KEY, *_ROPE_INDEX_INPUTS)}
-    has_images = any(kwargs.get(name) is not None for name in ("image_grid_thw", "video_grid_thw"))
-    if has_images and MM_TOKEN_TYPES_KEY in rope_index._accepts and inputs[MM_TOKEN_TYPES_KEY] is None:
-        raise ValueError(
-            f"A packed batch of {type(module).__name__} with images needs `{MM_TOKEN_TYPES_KEY}` (the processor "
-            "returns them) to compute each sample's multimodal positions; without them the model itself falls back "
-            "to text positions for the image tokens."
-        )
-    return multimodal_positions(rope_index, input_ids, info, inputs, rows=rows)
-
-
-def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    from unpack_trainer.patches.masks import reset_packed_forward
-
-    state = module.__dict__.get(_STATE_ATTRIBUTE)
-    if state is not None:
-        reset_packed_forward(module.get_submodule(state["decoder"]))
-
-
-def _applies(model: torch.nn.Module) -> str | None:
-    if not is_vision_language(model):
-        return None
-    return (
-        "a vision-language model: the packing metadata is kept from its vision tower, each sample gets its own "
-        "positions (and image blocks) from the model's own code"
-    )
-
-
-def _install(model: torch.nn.Module, structure: ModelStructure) -> None:
-    vision = find_vision_language(model, structure)
-    if vision is None or _STATE_ATTRIBUTE in vision.module.__dict__:
-        return
-    module = vision.module
-    names = {m: name for name, m in module.named_modules()}
-    pre = module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-    post = module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
-    module.__dict__[_STATE_ATTRIBUTE] = {
-        "decoder": names[vision.decoder],
-        "rows": vision.position_rows,
-        "rope_index": RopeIndex(module) if vision.position_rows > 1 else None,
-        "hooks": [pre.id, post.id],
-    }
-    add_undo(module, _remove_hooks)
-
-
-def _remove_hooks(module: torch.nn.Module) -> None:
-    state = module.__dict__.pop(_STATE_ATTRIBUTE, None)
-    if state is not None:
-        for hook_id in state["hooks"]:
-            remove_hook(module, hook_id)
-
-
-def _remove(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        _remove_hooks(module)
-
-
-VISION_LANGUAGE = ModelFix("vision_language", _applies, _install, _remove)
-"""The fix of every vision-language model (see the module docstring)."""
-
-
 def rope_index_of(model: torch.nn.Module) -> RopeIndex | None:
     """A :class:`RopeIndex` of ``model`` when its text model takes multi-axis positions, else ``None``."""
     vision = find_vision_language(model)
@@ -587,6 +424,6 @@ def sample_positions_of(model: torch.nn.Module) -> SamplePositions | None:
     if vision is None or vision.position_rows == 1:
         return None
     rope_index = RopeIndex(vision.module)
-    if rope_index._live is not None:  # it needs the model itself: the forward hook computes the positions
+    if rope_index.needs_model:  # the forward hook computes the positions
         return None
     return SamplePositions(rope_index, vision.position_rows)

@@ -52,10 +52,10 @@ MAX_DISTINCT_LENGTHS = 256
 
 # On a GPU one more SDPA call (forward + backward: our Python, torch's dispatch and the launches, ~100 us of host
 # time) costs as much as about a million (query, key) pairs of a 1B-parameter model's 32 heads of GPU work (~0.1 ns a
-# pair at ~400 TFLOP/s), so buckets there are few and large. An estimate from the issue's H200 numbers;
-# benchmarks/bench_gpu.py measures the step it gives.
+# pair at ~400 TFLOP/s), so buckets there are few and large: an estimate from a profiled H200 step, which
+# benchmarks/bench_gpu.py measures.
 GPU_CALL_COST_PAIRS = 1 << 20
-# Device types planned with the GPU cost and the shape grid (tests add "cpu").
+# Device types planned with the GPU cost and the shape grid.
 GPU_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # The shape grid: bucket lengths are multiples of 16 up to 128, then 4 values per octave (160, 192, 224, 256, 320,
 # ...), so the (n, L) shapes of every step come from a small fixed set of L.
@@ -80,10 +80,12 @@ class Planning(NamedTuple):
     grid: bool = False
 
 
-def planning_for(device: torch.device) -> Planning:
-    """The attention buckets' planning on ``device``: on a GPU (:data:`GPU_DEVICE_TYPES`) few large buckets of grid
-    lengths, so a step launches a handful of attention calls of shapes seen before; elsewhere the CPU cost model."""
-    if torch.device(device).type in GPU_DEVICE_TYPES:
+def planning_for(device: torch.device, *, compiled: bool = False) -> Planning:
+    """The attention buckets' planning on ``device``: on a GPU (:data:`GPU_DEVICE_TYPES`), and for layers compiled by
+    ``torch.compile`` on any device, few large buckets of grid lengths, so a step launches a handful of attention
+    calls of shapes seen before (a compiled layer recompiles only for a new number of buckets, its sizes turning
+    symbolic after the first change); elsewhere the CPU cost model."""
+    if compiled or torch.device(device).type in GPU_DEVICE_TYPES:
         return Planning(GPU_CALL_COST_PAIRS, grid=True)
     return Planning()
 
@@ -148,10 +150,11 @@ def group_sorted_lengths(
     return [(offsets[begin], offsets[end]) for begin, end in reversed(bounds)]
 
 
-def attention_plan(info: PackedSeqInfo, device: torch.device) -> BucketPlan:
+def attention_plan(info: PackedSeqInfo, device: torch.device, *, compiled: bool = False) -> BucketPlan:
     """The samples of ``info`` bucketed by length for batched per-sample attention (SDPA and eager), index tensors on
-    ``device``; built once per batch and device."""
-    planning = planning_for(device)
+    ``device``; built once per batch and device (``compiled``: planned for compiled layers, :func:`planning_for`; the
+    first build of a batch decides)."""
+    planning = planning_for(device, compiled=compiled)
     return info.plan(
         "buckets", str(device), lambda: build_plan(info, device, call_cost=planning.call_cost, grid=planning.grid)
     )
@@ -228,7 +231,7 @@ def finish_plan(
     )
 
 
-def branch_plan(info: PackedSeqInfo, device: torch.device) -> BucketPlan | None:
+def branch_plan(info: PackedSeqInfo, device: torch.device, *, compiled: bool = False) -> BucketPlan | None:
     """The units of a branched batch (:meth:`PackedSeqInfo.branch_spans`) bucketed for SDPA and eager, every query
     computed once; ``None`` when the spans are not contiguous. Built once per batch and device.
 
@@ -238,7 +241,7 @@ def branch_plan(info: PackedSeqInfo, device: torch.device) -> BucketPlan | None:
     (:func:`~unpack_trainer.patches.attention.bucket_masks.branch_mask`). Planned for ``device`` as
     :func:`attention_plan` (:func:`planning_for`).
     """
-    planning = planning_for(device)
+    planning = planning_for(device, compiled=compiled)
     pad_to = grid_length if planning.grid else int
 
     def build() -> BucketPlan | None:

@@ -40,9 +40,9 @@ Which modules run per sample is found from the model's structure
 is not depthwise causal, or a mixer outside the decoder layers, stays refused with the reason).
 
 Only packed forwards change. A mixer reads the packing metadata from the ``packed_seq_info`` keyword where its layer
-hands it down, else from the packed forward the model hook published
-(:func:`unpack_trainer.patches.masks.current_packed_info`: a mixer's forward takes no such keyword in most models); a
-mixer recomputed in the backward (gradient checkpointing, after that forward ended) uses what it used in its forward. Any
+hands it down, else from the packed forward running on its decoder (``decoder.running``, the decoder state it was
+patched with: a mixer's forward takes no such keyword in most models); a mixer recomputed in the backward (gradient
+checkpointing, after that forward ended) uses what it used in its forward. Any
 other forward (a padded batch, generation with a cache, a compiled forward without metadata) runs the mixer's own
 forward unchanged. A packed forward that reaches a mixer with a cache is refused: the cache of a packed row would carry
 one sample's state into the next.
@@ -58,12 +58,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unpack_trainer._compat import in_backward
+from unpack_trainer._compat import in_backward, is_tracing
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import FORWARD_KEYS, INFO_KEY, PackedSeqInfo
 from unpack_trainer.patches import mixer_kernels
 from unpack_trainer.patches.buckets import GatherSlots, ScatterTokens, build_plan
-from unpack_trainer.patches.masks import current_packed_info
 from unpack_trainer.patches.mixer_kernels import VarlenPlan, varlen_plan
 
 logger = logging.getLogger(__name__)
@@ -133,29 +132,6 @@ def conv_problem(module: torch.nn.Module) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 # Packing metadata of the running forward
 # --------------------------------------------------------------------------------------------------------------------
-
-# On a patched mixer: the packing metadata of its last forward, for its recomputation in the backward (gradient
-# checkpointing recomputes a layer after the forward's published state is gone).
-_LAST_INFO_ATTRIBUTE = "_unpack_mixer_last_info"
-
-
-def _current_info(module: torch.nn.Module, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
-    """The packing metadata of the mixer call now running, or ``None`` (not packed): the ``packed_seq_info`` keyword
-    when the layer handed it down, else the packed forward published for the decoder, else, in a recomputation during
-    the backward, what this mixer used in its last forward."""
-    from unpack_trainer.patches.masks import is_tracing
-
-    info = kwargs.get(INFO_KEY)
-    if info is None:
-        info = current_packed_info(for_attention=False)
-    if is_tracing():
-        return info  # a compiled / exported forward: no state kept on the module, no backward recomputation here
-    if in_backward():
-        return info if info is not None else module.__dict__.get(_LAST_INFO_ATTRIBUTE)
-    if torch.is_grad_enabled():  # only a forward that builds a graph can be recomputed in its backward
-        module.__dict__[_LAST_INFO_ATTRIBUTE] = info
-    return info
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # The padded path
@@ -248,6 +224,20 @@ def _positional_names(module: torch.nn.Module) -> list[str]:
     return names[1:]  # self
 
 
+def _mixer_call(
+    owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any], purpose: str
+) -> tuple[dict[str, Any], torch.device]:
+    """A mixer call's keyword arguments without the packing keywords (``FORWARD_KEYS``), and the device of its
+    sequence tensors; ``TypeError`` when it has none (``purpose`` says what it was wanted for)."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
+    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
+    if reference is None:
+        raise TypeError(
+            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor {purpose}."
+        )
+    return kwargs, reference.device
+
+
 def run_padded(
     forward: Callable[..., Any], owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any]
 ) -> Any:
@@ -259,13 +249,8 @@ def run_padded(
     bucket, and every per-token output is scattered back to ``(B, T, *rest)`` (padding slots get a zero gradient).
     Exact for a causal ``forward``: a real token's output reads only its own sample's earlier tokens.
     """
-    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
-    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
-    if reference is None:
-        raise TypeError(
-            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor to split per sample."
-        )
-    plan = _bucket_plan(info, reference.device)
+    kwargs, device = _mixer_call(owner, info, args, kwargs, "to split per sample")
+    plan = _bucket_plan(info, device)
     count = len(plan.buckets)
     split_args = [_split(arg, plan, info) for arg in args]
     split_kwargs = {key: _split(value, plan, info) for key, value in kwargs.items()}
@@ -341,13 +326,8 @@ def run_varlen(
     argument (what :func:`~unpack_trainer.patches.mixer_kernels.varlen_plan` checks from the code; the self-check
     verifies it on the model).
     """
-    kwargs = {k: v for k, v in kwargs.items() if k not in FORWARD_KEYS}
-    reference = next((x for x in (*args, *kwargs.values()) if _is_sequence(x, info)), None)
-    if reference is None:
-        raise TypeError(
-            f"unpack_trainer: the token mixer {owner} got no (batch, {info.seq_len}, ...) tensor to run packed."
-        )
-    metadata = _varlen_metadata(info, reference.device)
+    kwargs, device = _mixer_call(owner, info, args, kwargs, "to run packed")
+    metadata = _varlen_metadata(info, device)
     args = tuple(_flatten_rows(arg, info) for arg in args)
     kwargs = {key: _flatten_rows(value, info) for key, value in kwargs.items()}
     kwargs.update({key: metadata[argument] for key, argument in plan.keywords})
@@ -409,17 +389,34 @@ class _PackedMixerForward:
     a ``"padded"`` mixer whose installed kernels take varlen metadata (``varlen.reason is None``) runs through them
     when its tensors are on their device)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, decoder: Any) -> None:
         self.module = module
+        self.decoder = decoder
         self.path = "conv" if isinstance(module, torch.nn.Conv1d) else "padded"
         self.parameters = _positional_names(module)
         self.varlen = varlen_plan(module) if self.path == "padded" else None
+        # The packing metadata of the mixer's last forward that built a graph, for its recomputation in the backward
+        # (gradient checkpointing recomputes a layer after the forward, and the decoder's running forward, ended).
+        self.last_info: PackedSeqInfo | None = None
+
+    def _info(self, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+        """The packing metadata of the call now running, or ``None`` (not packed): the ``packed_seq_info`` keyword
+        when the layer handed it down, else the packed forward running on the decoder, else, in a recomputation during
+        the backward, what this mixer used in its last forward."""
+        info = kwargs.get(INFO_KEY)
+        if info is None:
+            info = self.decoder.running
+        if is_tracing():
+            return info  # a compiled / exported forward: no state kept, no backward recomputation here
+        if in_backward():
+            return info if info is not None else self.last_info
+        if torch.is_grad_enabled():  # only a forward that builds a graph can be recomputed in its backward
+            self.last_info = info
+        return info
 
     def _takes_varlen(self, owner: str, info: PackedSeqInfo, args: tuple, kwargs: dict[str, Any]) -> bool:
         """Whether this packed call runs through the installed kernels' varlen entry points; logs once per mixer
         class, path and reason which path it takes."""
-        from unpack_trainer.patches.masks import is_tracing
-
         if is_tracing():
             return False  # a compiled / exported forward keeps the path it traced before: no logging inside a trace
         plan = self.varlen
@@ -451,7 +448,7 @@ class _PackedMixerForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         forward = type(module).forward
-        info = _current_info(module, kwargs)
+        info = self._info(kwargs)
         if info is None:
             return forward(module, *args, **kwargs)
         owner = type(module).__name__
@@ -471,10 +468,10 @@ class _PackedMixerForward:
         return run_padded(lambda *a, **k: forward(module, *a, **k), owner, info, args, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"module": self.module}
+        return {"module": self.module, "decoder": self.decoder}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["module"])
+        self.__init__(state["module"], state["decoder"])
 
 
 class PerSampleMixers:
@@ -489,16 +486,16 @@ class PerSampleMixers:
         """Whether ``mixer`` (a :class:`~unpack_trainer.models.discovery.TokenMixer`) can run per sample."""
         return mixer.problem is None and mixer.layer is not None
 
-    def patch(self, module: torch.nn.Module) -> None:
-        """Replace ``module.forward`` by the per-sample path on packed forwards (idempotent)."""
+    def patch(self, module: torch.nn.Module, decoder: Any) -> None:
+        """Replace ``module.forward`` by the per-sample path on packed forwards (idempotent); ``decoder``: the state of
+        its decoder (``decoder.running``: the packed forward running now, or ``None``)."""
         if not is_mixer_patched(module):
-            module.__dict__[_FORWARD_ATTRIBUTE] = _PackedMixerForward(module)
+            module.__dict__[_FORWARD_ATTRIBUTE] = _PackedMixerForward(module, decoder)
 
     def unpatch(self, module: torch.nn.Module) -> None:
         """Give ``module`` its own forward back (a no-op when it is not patched)."""
         if is_mixer_patched(module):
             del module.__dict__[_FORWARD_ATTRIBUTE]
-        module.__dict__.pop(_LAST_INFO_ATTRIBUTE, None)
 
 
 def is_mixer_patched(module: torch.nn.Module) -> bool:

@@ -16,7 +16,7 @@ with a single rounding, so fp16/bf16 results are at least as close to the exact 
 after each of its three operations).
 
 Taken from Liger-Kernel's ``liger_rotary_pos_emb`` (one program per token row, all heads of the token in one tile,
-cos/sin loaded once per token), which measured faster at 2k-8k tokens on an H200 (issue 26): the head counts and
+cos/sin loaded once per token), which measured faster at 2k-8k tokens on an H200 (benchmarks/bench_rope.py): the head counts and
 the half head dim are compile-time constants (head loops unrolled, a third fewer launch arguments, less host time
 per launch), and the outputs are written ``(B, T, H, D)``-dense without output strides. Unlike Liger's, the kernel
 writes new tensors (the inputs are left alone), reads both halves of cos/sin (any cos/sin, not only
@@ -138,35 +138,58 @@ def _rope_qk_kernel(
     mask_td3 = mask_t[:, None, None] & mask_d[None, None, :]
     token = pid_b * seq_len + t3  # row of the (B * T, H, D) outputs
 
-    # Query heads.
-    offs_hq = tl.arange(0, BLOCK_HQ).to(tl.int64)
-    for h_start in tl.static_range(0, NUM_HEADS, BLOCK_HQ):
-        h3 = (h_start + offs_hq)[None, :, None]
-        mask = mask_td3 & (h3 < NUM_HEADS)
-        src = q_ptr + pid_b * stride_qb + h3 * stride_qh + t3 * stride_qt + d3 * stride_qd
-        dst = q_out_ptr + (token * NUM_HEADS + h3) * (2 * HALF_DIM) + d3
+    # All query heads, then all key heads (fewer of them under grouped-query attention): same tokens, same cos/sin.
+    _rotate_heads(
+        q_ptr, q_out_ptr, pid_b * stride_qb, stride_qh, stride_qt, stride_qd, token, t3, d3, mask_td3,
+        cos1, cos2, mix1, mix2, NUM_HEADS, HALF_DIM, BLOCK_HQ,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, pid_b * stride_kb, stride_kh, stride_kt, stride_kd, token, t3, d3, mask_td3,
+        cos1, cos2, mix1, mix2, NUM_KV_HEADS, HALF_DIM, BLOCK_HK,
+    )  # fmt: skip
+
+
+def _rotate_heads_of(
+    x_ptr,
+    out_ptr,
+    row_offset,
+    stride_h,
+    stride_t,
+    stride_d,
+    token,
+    t3,
+    d3,
+    mask_td3,
+    cos1,
+    cos2,
+    mix1,
+    mix2,
+    NUM: tl.constexpr,
+    HALF_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Heads ``[0, NUM)`` of one program's tokens, ``BLOCK_H`` at a time: ``x`` read through its strides (``row_offset``
+    the batch row's), the rotation ``out1 = x1 * cos1 + x2 * mix1``, ``out2 = x2 * cos2 + x1 * mix2`` in fp32 (``mix``
+    carries the sines' signs of the forward or the backward), ``out`` written ``(B, T, NUM, D)``-dense. The kernel's
+    helper for its query heads and its key heads alike (``triton.jit``-wrapped with it: :func:`_kernel`)."""
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
+    for h_start in tl.static_range(0, NUM, BLOCK_H):
+        h3 = (h_start + offs_h)[None, :, None]
+        mask = mask_td3 & (h3 < NUM)
+        src = x_ptr + row_offset + h3 * stride_h + t3 * stride_t + d3 * stride_d
+        dst = out_ptr + (token * NUM + h3) * (2 * HALF_DIM) + d3
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF_DIM * stride_qd, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, (x1 * cos1 + x2 * mix1).to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF_DIM, (x2 * cos2 + x1 * mix2).to(q_out_ptr.dtype.element_ty), mask=mask)
-
-    # Key heads (fewer of them under grouped-query attention), same tokens, same cos/sin.
-    offs_hk = tl.arange(0, BLOCK_HK).to(tl.int64)
-    for h_start in tl.static_range(0, NUM_KV_HEADS, BLOCK_HK):
-        h3 = (h_start + offs_hk)[None, :, None]
-        mask = mask_td3 & (h3 < NUM_KV_HEADS)
-        src = k_ptr + pid_b * stride_kb + h3 * stride_kh + t3 * stride_kt + d3 * stride_kd
-        dst = k_out_ptr + (token * NUM_KV_HEADS + h3) * (2 * HALF_DIM) + d3
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF_DIM * stride_kd, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, (x1 * cos1 + x2 * mix1).to(k_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF_DIM, (x2 * cos2 + x1 * mix2).to(k_out_ptr.dtype.element_ty), mask=mask)
+        x2 = tl.load(src + HALF_DIM * stride_d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst, (x1 * cos1 + x2 * mix1).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF_DIM, (x2 * cos2 + x1 * mix2).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ``triton.jit`` reads TRITON_INTERPRET when it wraps a function (not when it launches it), so the wrapped kernel is
-# built on first use and kept per interpreter setting: the same process can run the interpreter on CPU tensors and the
-# compiled kernel on CUDA tensors.
-_JITTED: dict[bool, Any] = {}
+# ``triton.jit`` reads TRITON_INTERPRET when it wraps a function (not when it launches it), so the kernel and its
+# helper are wrapped on first use and kept per interpreter setting: the same process can run the interpreter on CPU
+# tensors and the compiled kernel on CUDA tensors. The kernel calls the helper by the global name ``_rotate_heads``,
+# read at each interpreted launch and at each compile: :func:`_kernel` points it at the wrapper of the setting asked.
+_JITTED: dict[bool, tuple[Any, Any]] = {}
+_rotate_heads: Any = None
 
 
 def _interpreter_enabled() -> bool:
@@ -177,9 +200,11 @@ def _interpreter_enabled() -> bool:
 
 
 def _kernel(interpret: bool) -> Any:
-    kernel = _JITTED.get(interpret)
-    if kernel is None:
-        kernel = _JITTED[interpret] = triton.jit(_rope_qk_kernel)
+    global _rotate_heads
+    jitted = _JITTED.get(interpret)
+    if jitted is None:
+        jitted = _JITTED[interpret] = (triton.jit(_rope_qk_kernel), triton.jit(_rotate_heads_of))
+    kernel, _rotate_heads = jitted
     return kernel
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+
+from unpack_trainer._lazy import lazy_exports
 
 # Where every trainer's config class lives.
 CONFIG_MODULE = "unpack_trainer.configs"
@@ -123,8 +124,4 @@ _CLASSES = {"PackedTrainerMixin": "unpack_trainer.trainers._packed"} | {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _CLASSES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unpack_trainer.trainers' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _CLASSES)

@@ -26,7 +26,8 @@ whatever it is), decides ([`_unpack_before_init`]), runs TRL's ``__init__`` with
 
 Class attributes: ``unpack_config_class`` (our config class, e.g. [`unpack_trainer.SFTConfig`]; any other
 ``TrainingArguments`` is converted to it), ``unpack_trl_class`` (the TRL trainer class behind the mixin, whose private
-names [`unpack_trainer._trl_compat`] checks), ``unpack_name`` (the start line's prefix) and ``unpack_packs_in``. The
+names [`unpack_trainer._trl_compat`] checks), ``unpack_name`` (the start line's prefix) and ``unpack_packs_in``; the
+first three are read from the trainer's entry in [`unpack_trainer.trainers.TRAINERS`] and its TRL base class. The
 core reads from the config only what it has: TRL's fields the decision reads (``packing``, ``padding_free``,
 ``max_length``, ...) and ours (``loss_normalization``, ``balance_samples_per_step``; see [`unpack_trainer.SFTConfig`]
 for their meaning; a config without them trains with TRL's token loss and TRL's sampler).
@@ -54,10 +55,18 @@ from unpack_trainer import _trl_compat
 from unpack_trainer._compat import attention_implementation
 from unpack_trainer._logging import log_once
 from unpack_trainer.configs import convert_config
-from unpack_trainer.data.packing import attention_cost_ratio, row_costs
 from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
-from unpack_trainer.data.sampler import BalancedStepSampler
-from unpack_trainer.decision import PackingDecision, decide, env_flag, eval_batches, neftune_note
+from unpack_trainer.data.sampler import BalancedStepSampler, attention_cost_ratio, row_costs
+from unpack_trainer.decision import (
+    PackingDecision,
+    decide,
+    env_flag,
+    eval_batches,
+    explicit_padding_free,
+    neftune_note,
+    parallelism_reason,
+    parallelism_refusal,
+)
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 
@@ -195,6 +204,20 @@ class PackedTrainerMixin:
     _unpack_trl_methods: tuple[str, ...] = ()  # private methods of the TRL class the subclass relies on
     _unpack_trl_attributes: tuple[str, ...] = ()  # attributes TRL's __init__ sets that the subclass reads
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A trainer declared in [`unpack_trainer.trainers.TRAINERS`] takes what its entry says: ``unpack_name`` (its
+        class name), ``unpack_config_class`` (the entry's config class); and ``unpack_trl_class``, the TRL trainer
+        class it derives from. A user's subclass inherits them."""
+        super().__init_subclass__(**kwargs)
+        from unpack_trainer.trainers import TRAINERS
+
+        spec = next((spec for spec in TRAINERS if spec.trainer_module == cls.__module__), None)
+        if spec is None or spec.trainer != cls.__name__:
+            return
+        cls.unpack_name = spec.trainer
+        cls.unpack_config_class = spec.config_class()
+        cls.unpack_trl_class = next(base for base in cls.__mro__ if base.__module__.split(".")[0] == "trl")
+
     # ------------------------------------------------------------------------------------------------ hooks
 
     def _packed_collator(self) -> Any:
@@ -319,6 +342,7 @@ class PackedTrainerMixin:
             if self.unpack_packs_vision
             else f"{self.unpack_name} does not pack vision-language data (a vision-language model, a processor or "
             "images) yet",
+            parallelism=parallelism_reason(getattr(args, "parallelism_config", None), env),
         )
         self.unpack_decision = decision
         self._unpack_args = args
@@ -372,10 +396,26 @@ class PackedTrainerMixin:
             log_once(logger, level, self._unpack_eval_note)
         self._enable_sample_loss()
         if decision.packed:
+            self._refuse_sequence_splitting()
+        if self.unpack_decision.packed:
             self._enable_packed_path()
         self._log_start_line()
 
     # ------------------------------------------------------------------------------------------------ packed path
+
+    def _refuse_sequence_splitting(self) -> None:
+        """The parallelism the accelerator was built with, checked again (an accelerate config file reaches it
+        without ``args.parallelism_config``): packed rows it would split are refused (``ValueError``) when asked for,
+        and the automatic choice falls back to padded batches, logged with the reason."""
+        reason = parallelism_reason(getattr(self.accelerator, "parallelism_config", None), {})
+        if reason is None:
+            return
+        if getattr(self._unpack_args, "packing", False):
+            raise parallelism_refusal("packing=True", reason)
+        if explicit_padding_free(self._unpack_args):
+            raise parallelism_refusal("padding_free=True", reason)
+        log_once(logger, logging.INFO, f"{self.unpack_name}: automatic padding-free off ({reason})")
+        self._fall_back_to_padded(f"automatic padding-free off ({reason})")
 
     def _enable_packed_path(self) -> None:
         if self.unpack_packs_in == "collator":
@@ -386,7 +426,8 @@ class PackedTrainerMixin:
             # An impossible UNPACK_ATTENTION_BACKEND raises here, naming the variable.
             resolve_backend(self.model, compute_dtype=_autocast_dtype(self.args))
             for model in self._unpack_models():
-                patch_model(model)
+                # torch_compile=True: the packed metadata is planned on the host before the compiled layers.
+                patch_model(model, compiled=bool(getattr(self.args, "torch_compile", False)))
         self._unpack_checked = False  # the self-check runs right before the first data loader is built
 
     def get_train_dataloader(self) -> Any:
@@ -484,10 +525,25 @@ class PackedTrainerMixin:
             if not report.conclusive:
                 log_once(logger, logging.WARNING, f"Self-check inconclusive on this model: {report.summary()}")
             log_once(logger, logging.INFO, f"Contamination self-check passed: {report.summary()}")
+            if getattr(self.args, "use_liger_kernel", False):
+                self._log_liger_note()
             return
         what = report.failure()
         self._unpack_self_check_failed(f"Contamination self-check failed ({what}); training padded instead")
         self._fall_back_to_padded(f"contamination self-check failed: {what}")
+
+    def _log_liger_note(self) -> None:
+        """With ``use_liger_kernel=True`` (Liger's kernels applied by now): one line on whose RoPE, per-token kernels,
+        attention and loss run ([`unpack_trainer.trainers.liger.liger_note`])."""
+        from accelerate.utils import is_peft_model
+
+        from unpack_trainer.trainers.liger import liger_note
+
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if is_peft_model(model) else model
+        attention = _attention_backend(model, self.unpack_decision.patch, self.args)
+        note = liger_note(model, attention=attention, loss_kernel=getattr(self, "unpack_loss_kernel", None))
+        log_once(logger, logging.INFO, f"{self.unpack_name}: {note}")
 
     @staticmethod
     def _unpack_self_check_failed(message: str) -> None:
@@ -536,7 +592,7 @@ class PackedTrainerMixin:
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         """With ``balance_samples_per_step`` and packed rows: a sampler whose optimizer steps hold balanced numbers of
-        samples ([`unpack_trainer.data.packing.balanced_step_order`]); otherwise the Trainer's own sampler."""
+        samples ([`unpack_trainer.data.sampler.balanced_step_order`]); otherwise the Trainer's own sampler."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
         args = self.args
         if (

@@ -5,10 +5,9 @@ A batch of such a trainer carries TRL's padded *view* of its sequences (what TRL
 model) and one packed row in which each prompt appears once and its completions follow as branches
 (``packed_seq_parents``, see :mod:`unpack_trainer.packed_seq_info`), with the maps between the two. Here:
 
-- [`install_packed_view`]: a hook on the decoder that runs the packed row instead of the view and hands back the last
-  hidden state in the view's layout (and MoE router logits in TRL's batch layout);
-- [`install_compact_lm_head`]: TRL's fused LM head (``add_fused_lm_head``) scoring only the labelled positions of the
-  view, each per-token output scattered back where TRL expects it;
+- [`install_branched_hooks`]: the model-family fixes such a batch needs on the model: the decoder's packed view (the
+  packed row run instead of the view, its last hidden state handed back in the view's layout) and the compact LM head
+  (TRL's fused head scoring only the labelled positions), :mod:`unpack_trainer.models.fixes`;
 - [`BranchedTrainerMixin`] (and [`PackedPairsMixin`], for trainers whose collator packs pairs): the packed-trainer core
   plus what prompt sharing adds to a trainer: the policy and the
   reference model patched and hooked, sharing off for models whose token mixers carry state, and the branched
@@ -16,7 +15,7 @@ model) and one packed row in which each prompt appears once and its completions 
 - [`pack_completions`]: the view and the packed row of TRL's own ``(rows, prompt + completion)`` batch (left-padded
   prompts, right-padded completions: GRPO's and RLOO's training forwards), each distinct prompt once.
 
-Both hooks are undone by [`unpack_trainer.models.unpatch_model`]. How a trainer builds the view and the packed row is
+Both fixes are undone by [`unpack_trainer.models.unpatch_model`]. How a trainer builds the view and the packed row is
 its own: DPO's collator ([`unpack_trainer.data.preference`]), GRPO's and RLOO's step ([`pack_completions`],
 [`unpack_trainer.trainers.grpo`]).
 """
@@ -24,200 +23,31 @@ its own: DPO's collator ([`unpack_trainer.data.preference`]), GRPO's and RLOO's 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
 
-from unpack_trainer._compat import remove_hook
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
-from unpack_trainer.models.undo import add_undo
 from unpack_trainer.packed_seq_info import (
-    PACKED_INPUT_IDS_KEY,
-    PACKED_POSITION_IDS_KEY,
     TOKEN_INDEX_KEY,
     VIEW_INDEX_KEY,
     branched_row,
 )
 from unpack_trainer.trainers._packed import PackedTrainerMixin
 
-__all__ = [
-    "BranchedTrainerMixin",
-    "PackedPairsMixin",
-    "install_branched_hooks",
-    "install_compact_lm_head",
-    "install_packed_view",
-    "pack_completions",
-]
+__all__ = ["BranchedTrainerMixin", "PackedPairsMixin", "install_branched_hooks", "pack_completions"]
 
 logger = logging.getLogger("unpack_trainer")
 
-_VIEW_ATTRIBUTE = "_unpack_packed_view"  # on the decoder: its _PackedView
-_COMPACT_ATTRIBUTE = "_unpack_compact_lm_head"  # on the causal LM: the forward the compact head replaced
-
-
-class _PackedView:
-    """Forward hooks on a decoder (the backbone under the LM head): a call carrying ``packed_input_ids`` runs the
-    packed row instead of the padded view, and its outputs come back in the view's layout."""
-
-    def __init__(self) -> None:
-        self.index: torch.Tensor | None = None
-        self.token_index: torch.Tensor | None = None
-        self.hook_ids: list[int] = []
-
-    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from unpack_trainer.models import is_patched
-
-        self.index = None
-        if kwargs.get(PACKED_INPUT_IDS_KEY) is None:
-            return args, kwargs
-        if args:
-            raise ValueError("A packed batch with shared prompts must reach the decoder as keyword arguments.")
-        if not is_patched(module):
-            raise ValueError(
-                f"A packed batch with shared prompts reached {type(module).__name__}, which is not patched for "
-                "packing (unpack_trainer.models.patch_model): its attention would not follow the packed samples."
-            )
-        view_ids = kwargs.pop("input_ids")
-        index = kwargs.pop(VIEW_INDEX_KEY)
-        self.token_index = kwargs.pop(TOKEN_INDEX_KEY)
-        if index.shape != view_ids.shape:
-            raise ValueError(
-                f"`{VIEW_INDEX_KEY}` has shape {tuple(index.shape)} but the padded view is {tuple(view_ids.shape)}."
-            )
-        kwargs["input_ids"] = kwargs.pop(PACKED_INPUT_IDS_KEY).to(view_ids.device)
-        kwargs["position_ids"] = kwargs.pop(PACKED_POSITION_IDS_KEY).to(view_ids.device)
-        kwargs.pop("attention_mask", None)
-        self.index = index
-        return args, kwargs
-
-    def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        index, self.index = self.index, None
-        if index is None:
-            return output
-        hidden = output.last_hidden_state
-        flat = index.reshape(-1).to(hidden.device)
-        output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).view(*index.shape, -1)
-        router_logits = getattr(output, "router_logits", None)
-        if router_logits is not None:
-            tokens = self.token_index.reshape(-1)
-            output.router_logits = tuple(
-                layer if layer is None else layer.reshape(-1, layer.shape[-1]).index_select(0, tokens.to(layer.device))
-                for layer in router_logits
-            )
-        return output
-
-
-def _remove_packed_view(decoder: torch.nn.Module) -> None:
-    view = decoder.__dict__.pop(_VIEW_ATTRIBUTE, None)
-    for hook_id in view.hook_ids if view is not None else ():
-        remove_hook(decoder, hook_id)
-
-
-def install_packed_view(decoder: torch.nn.Module) -> None:
-    """Let ``decoder`` (the model's backbone, e.g. ``LlamaModel``) run packed batches with shared prompts; idempotent;
-    undone by [`unpack_trainer.models.unpatch_model`].
-
-    A forward with ``packed_input_ids`` ``(1, T)`` (and ``packed_position_ids`` ``(1, T)``, ``packed_seq_lengths``,
-    ``packed_seq_parents``, ``packed_token_index`` ``(rows, L)`` and ``packed_view_index`` ``(rows, L')``, all int)
-    runs the packed row; its ``last_hidden_state`` ``(1, T, H)`` comes back as ``(rows, L', H)``, each view token's
-    hidden state read from its packed token (a shared prompt token feeds every row of its group), and
-    ``router_logits`` (one ``(T, num_experts)`` per layer) as ``(rows * L, num_experts)`` through
-    ``packed_token_index``, so the LM head, the loss and the MoE auxiliary loss (with TRL's ``attention_mask``
-    ``(rows, L)``) see the padded batch's values. The hook runs before the packing patch's own hook, which then finds
-    the packing metadata. A forward without ``packed_input_ids`` is untouched.
-    """
-    if decoder.__dict__.get(_VIEW_ATTRIBUTE) is not None:
-        return
-    view = _PackedView()
-    view.hook_ids.append(decoder.register_forward_pre_hook(view.before, with_kwargs=True, prepend=True).id)
-    view.hook_ids.append(decoder.register_forward_hook(view.after, with_kwargs=True).id)
-    decoder.__dict__[_VIEW_ATTRIBUTE] = view
-    add_undo(decoder, _remove_packed_view)
-
-
-# The per-token fields of TRL's fused LM head output (``add_fused_lm_head``), each ``(rows, L - 1)`` or ``None``.
-_FUSED_PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_NO_INSTANCE_FORWARD = object()
-
-
-def _remove_compact_lm_head(model: torch.nn.Module) -> None:
-    replaced = model.__dict__.pop(_COMPACT_ATTRIBUTE, None)
-    if replaced is _NO_INSTANCE_FORWARD:
-        model.__dict__.pop("forward", None)
-    elif replaced is not None:
-        model.forward = replaced
-
-
-def install_compact_lm_head(model: torch.nn.Module) -> None:
-    """Let TRL's fused LM head score only the labelled positions of a packed batch with shared prompts; idempotent;
-    undone by [`unpack_trainer.models.unpatch_model`].
-
-    ``model`` is the causal LM whose ``forward`` TRL's ``add_fused_lm_head`` replaced (under PEFT, the base model).
-    Without Triton (on CPU, for one), TRL's fused head scores every position of the padded view ``(rows, L)``,
-    padding and unlabelled columns included, then zeroes them. A call with ``fused_lm_head=True``, ``labels`` and
-    ``packed_view_index`` instead runs TRL's forward on one compact row ``(1, K + 1)``: the ``K`` positions whose
-    next-token label is not ``-100``, in the view's row-major order, then one unscored position (TRL shifts labels by
-    one: the row's labels are ``[-100, l_1, .., l_K]``). The decoder hook ([`install_packed_view`]) reads each one's
-    hidden state from its packed token as before, and every per-token field of TRL's output is scattered back into the
-    view's ``(rows, L - 1)`` with zeros where the label is ``-100``, as TRL returns it. So each scored value is
-    computed from the same hidden state and label as in the view (the LM head projects each position on its own), the
-    loss TRL's trainer computes from them and the gradients are those of the view (fp32 rel 1e-5: the sums run in
-    another order); the MoE auxiliary loss still sees the view's ``attention_mask`` and the router logits in its
-    layout. Any other call goes to TRL's forward unchanged.
-    """
-    if _COMPACT_ATTRIBUTE in model.__dict__:
-        return
-    fused_forward = model.forward
-
-    @functools.wraps(type(model).forward)  # the class's signature, as TRL keeps it (`generate` checks kwargs on it)
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        labels = kwargs.get("labels")
-        index = kwargs.get(VIEW_INDEX_KEY)
-        if (
-            not kwargs.get("fused_lm_head")
-            or labels is None
-            or index is None
-            or kwargs.get("shift_labels") is not None
-        ):
-            return fused_forward(*args, **kwargs)
-        if labels.shape != index.shape:
-            raise ValueError(
-                f"`labels` has shape {tuple(labels.shape)} but `{VIEW_INDEX_KEY}` is {tuple(index.shape)}."
-            )
-        mask = labels[:, 1:] != IGNORE_INDEX
-        num_scored = int(mask.sum())
-        if num_scored == 0:  # nothing to score: TRL's own path keeps the output connected to the model
-            return fused_forward(*args, **kwargs)
-        compact_index = torch.cat([index[:, :-1][mask], index.new_zeros(1)]).unsqueeze(0)
-        compact_labels = torch.cat([labels.new_full((1,), IGNORE_INDEX), labels[:, 1:][mask]]).unsqueeze(0)
-        kwargs["labels"] = compact_labels
-        kwargs[VIEW_INDEX_KEY] = compact_index
-        if kwargs.get("input_ids") is not None:  # the decoder hook checks the view's shape against the index's
-            kwargs["input_ids"] = compact_labels.clamp(min=0)
-        output = fused_forward(*args, **kwargs)
-        for name in _FUSED_PER_TOKEN_FIELDS:
-            value = getattr(output, name, None)
-            if value is not None:
-                setattr(output, name, value.new_zeros(mask.shape).masked_scatter(mask.to(value.device), value[0]))
-        if getattr(output, "label_mask", None) is not None:
-            output.label_mask = mask.to(output.label_mask.device)
-        return output
-
-    model.__dict__[_COMPACT_ATTRIBUTE] = model.__dict__.get("forward", _NO_INSTANCE_FORWARD)
-    model.forward = types.MethodType(forward, model)
-    add_undo(model, _remove_compact_lm_head)
-
-
 def install_branched_hooks(model: torch.nn.Module) -> None:
-    """[`install_packed_view`] on ``model``'s decoder and [`install_compact_lm_head`] on its causal LM (under PEFT,
-    the base model's); ``model`` is patched ([`unpack_trainer.models.patch_model`]) first if it is not yet."""
+    """The fixes a packed batch with shared prompts needs on ``model`` (the decoder's packed view, the compact LM head:
+    :mod:`unpack_trainer.models.fixes.packed_view`, :mod:`unpack_trainer.models.fixes.compact_lm_head`); ``model`` is
+    patched ([`unpack_trainer.models.patch_model`]) first if it is not yet. Undone by
+    [`unpack_trainer.models.unpatch_model`]."""
     from unpack_trainer.models import patch_model
 
     patch_model(model)
@@ -225,10 +55,11 @@ def install_branched_hooks(model: torch.nn.Module) -> None:
 
 
 def _install_view_and_head(model: torch.nn.Module) -> None:
-    """The two hooks of [`install_branched_hooks`] on a model that is patched already."""
-    pretrained = model.get_base_model() if is_peft_model(model) else model
-    install_packed_view(pretrained.base_model)
-    install_compact_lm_head(pretrained)
+    """The fixes of [`install_branched_hooks`] on a model that is patched already."""
+    from unpack_trainer.models import install_fix
+
+    install_fix(model, "packed_view")
+    install_fix(model, "compact_lm_head")
 
 
 def pack_completions(

@@ -18,7 +18,6 @@ from typing import Any
 import trl
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.configs import DPOConfig
 from unpack_trainer.data.preference import DataCollatorForPackedPreference
 from unpack_trainer.trainers.branched import PackedPairsMixin
 
@@ -34,9 +33,6 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
     and ``[prompt, rejected]``.
     """
 
-    unpack_config_class = DPOConfig
-    unpack_trl_class = trl.DPOTrainer
-    unpack_name = "DPOTrainer"
     unpack_unshared = "each pair is packed as [prompt, chosen] and [prompt, rejected]"
     unpack_trl_collator = staticmethod(_trl_compat.dpo_padded_collator_class)
     _unpack_trl_methods = _trl_compat.DPO_TRAINER_METHODS

@@ -24,7 +24,6 @@ import trl
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
-from unpack_trainer.configs import GRPOConfig
 from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions
 
 __all__ = ["GRPOTrainer", "PackedCompletionsMixin"]
@@ -183,8 +182,5 @@ class GRPOTrainer(PackedCompletionsMixin, trl.GRPOTrainer):
     attributes). ``args`` may be any ``TrainingArguments`` (converted to our [`GRPOConfig`]).
     """
 
-    unpack_config_class = GRPOConfig
-    unpack_trl_class = trl.GRPOTrainer
-    unpack_name = "GRPOTrainer"
     _unpack_trl_methods = _trl_compat.ONLINE_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.ONLINE_TRAINER_ATTRIBUTES

@@ -1,13 +1,40 @@
-"""Per-sample loss weighting (``loss_normalization="sample"``): every sample weighs the same, whatever its length.
+"""The SFT trainer's loss ([`unpack_trainer.trainers.sft`]): per-sample weighting and the LM head's kernel.
 
-Part of the trainers' room: the SFT trainer's loss ([`unpack_trainer.trainers.sft`]) weighs its token losses with it.
+- [`sample_weights`]: per-sample loss weighting (``loss_normalization="sample"``): every sample weighs the same,
+  whatever its length.
+- [`choose_loss_kernel`]: which kernel computes the loss of packed rows (``loss_kernel``): TRL's chunked fused LM head
+  (``"trl"``) or Liger-Kernel's fused linear cross-entropy (``"liger"``,
+  [`unpack_trainer.patches.linear_cross_entropy`]), and why.
+
+Liger's kernel is installed on the model as the fix [`unpack_trainer.models.fixes.liger_loss`] (TRL's fused LM head
+with Liger's kernel for packed rows, TRL's own for any other call).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+__all__ = [
+    "LOSS_KERNELS",
+    "LOSS_KERNEL_ENV",
+    "choose_loss_kernel",
+    "head_unsupported_reason",
+    "sample_weights",
+]
+
+
+LOSS_KERNELS = ("trl", "liger")
+"""The values of ``SFTConfig.loss_kernel`` besides ``None`` (automatic)."""
+LOSS_KERNEL_ENV = "UNPACK_LOSS_KERNEL"
+"""Environment variable read when ``loss_kernel`` is ``None``: ``trl`` / ``liger`` as if set in the config."""
+
+# The automatic choice per device type: TRL's kernel until Liger's is measured faster there in a training step
+# (``benchmarks/bench_gpu.py``); a device type missing here takes TRL's.
+AUTOMATIC_LOSS_KERNEL: dict[str, str] = {"cpu": "trl", "cuda": "trl"}
 
 
 def sample_weights(batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
@@ -40,3 +67,54 @@ def sample_weights(batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
     counts = torch.bincount(segment[trained], minlength=int(segment[-1]) + 1)
     weights = torch.where(trained, 1.0 / counts[segment].clamp(min=1).to(torch.float32), 0.0)
     return weights.view(labels.shape)[:, 1:], int((counts > 0).sum())
+
+
+def choose_loss_kernel(
+    requested: str | None, *, device: torch.device | str, env: Mapping[str, str] | None = None
+) -> tuple[str, str]:
+    """The kernel that computes the loss of packed rows, and why.
+
+    | ``loss_kernel``          | kernel                                                                           |
+    |--------------------------|----------------------------------------------------------------------------------|
+    | ``"trl"``                | TRL's chunked fused LM head                                                      |
+    | ``"liger"``              | Liger-Kernel's fused linear cross-entropy; ``ValueError`` where it cannot run    |
+    | ``None``, env set        | ``UNPACK_LOSS_KERNEL`` (``trl`` / ``liger``), as if set in the config            |
+    | ``None``                 | [`AUTOMATIC_LOSS_KERNEL`] for the device type: ``"trl"`` until Liger's measures  |
+    |                          | faster in a training step on it (CPU: Liger's Triton kernels do not run there)   |
+
+    Args:
+        requested: ``SFTConfig.loss_kernel``.
+        device: the device the model trains on.
+        env: environment variables (defaults to ``os.environ``).
+    """
+    from unpack_trainer.patches.linear_cross_entropy import liger_unavailable_reason
+
+    env = os.environ if env is None else env
+    source = "loss_kernel"
+    if requested is None and env.get(LOSS_KERNEL_ENV, "").strip():
+        requested, source = env[LOSS_KERNEL_ENV].strip().lower(), LOSS_KERNEL_ENV
+    if requested is None:
+        device_type = torch.device(device).type
+        kernel = AUTOMATIC_LOSS_KERNEL.get(device_type, "trl")
+        return kernel, f"automatic on {device_type}"
+    if requested not in LOSS_KERNELS:
+        raise ValueError(f"`{source}`={requested!r} is not supported; use one of {', '.join(LOSS_KERNELS)}.")
+    if requested == "liger":
+        reason = liger_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"`{source}='liger'` cannot run: {reason}. Set `{source}` to 'trl' or leave it unset.")
+    return requested, f"{source}={requested!r}"
+
+
+def head_unsupported_reason(config: Any) -> str | None:
+    """Why Liger's kernel cannot compute this model's LM head as TRL's fused head does, or ``None``: TRL scales the
+    logits by ``logit_scale`` / ``output_multiplier`` / ``lm_head_multiplier`` / ``logits_scaling`` (Liger's kernel
+    takes no scale; only a softcap), and a mixture of experts adds its router loss."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1:
+            return f"the model scales its logits ({name}={value})"
+    if getattr(text_config, "output_router_logits", False):
+        return "the model adds a router loss (output_router_logits)"
+    return None

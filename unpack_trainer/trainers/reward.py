@@ -6,7 +6,7 @@ each batch run as one packed row: with ``prefix_sharing`` a pair is one branched
 rejected']`` (:mod:`unpack_trainer.data.preference`'s layout: both continue the shared tokens, neither sees the other),
 where the shared tokens are the longest common start of the two tokenized sequences (the prompt, explicit or
 implicit, and whatever the completions share at their start), at most all but one token of the shorter one. The
-model's packed forward ([`unpack_trainer.models.classification_head`]) reads each sequence's score at its own last
+model's packed forward ([`unpack_trainer.models.fixes.classification_head`]) reads each sequence's score at its own last
 non-pad token and returns them in TRL's order, so TRL's ``compute_loss`` is kept whole: the loss (``margin``,
 ``center_rewards_coefficient``), every metric (``accuracy``, ``margin``, ``min/mean/max_reward``, ``num_tokens``,
 counted from TRL's padded ``attention_mask``, which the batch keeps) and the predictions evaluation hands to
@@ -23,10 +23,9 @@ import trl
 from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.configs import RewardConfig
 from unpack_trainer.data.preference import pack_preference_pairs
 from unpack_trainer.decision import PackingDecision, explicit_padding_free
-from unpack_trainer.models.classification_head import score_head_refusal
+from unpack_trainer.models.fixes.classification_head import score_head_refusal
 from unpack_trainer.packed_seq_info import SCORE_ORDER_KEY, TOKEN_INDEX_KEY
 from unpack_trainer.trainers.branched import PackedPairsMixin
 
@@ -103,14 +102,11 @@ class RewardTrainer(PackedPairsMixin, trl.RewardTrainer):
     pair start with run once (see the module docstring). The decision, switches, self-checks and fallbacks are those
     of [`PackedPairsMixin`] (and its core [`PackedTrainerMixin`], which documents the attributes); on top, a
     model whose score cannot be read per packed sequence
-    ([`unpack_trainer.models.classification_head.score_head_refusal`]) trains on TRL's padded batches, logged once
+    ([`unpack_trainer.models.fixes.classification_head.score_head_refusal`]) trains on TRL's padded batches, logged once
     with the reason. Evaluation batches are packed too, also with ``compute_metrics``: its predictions are one score
     per sequence in TRL's order, as stock.
     """
 
-    unpack_config_class = RewardConfig
-    unpack_trl_class = trl.RewardTrainer
-    unpack_name = "RewardTrainer"
     unpack_unshared = "each pair is packed as two samples, [prompt, chosen] and [prompt, rejected]"
     unpack_trl_collator = staticmethod(_trl_compat.reward_padded_collator_class)
     _unpack_trl_methods = _trl_compat.REWARD_TRAINER_METHODS
@@ -137,7 +133,7 @@ class RewardTrainer(PackedPairsMixin, trl.RewardTrainer):
 
     def _unpack_install_hooks(self, model: Any) -> None:
         """Nothing on top of the patch: ``patch_model`` gives a sequence-classification model its packed scoring
-        ([`unpack_trainer.models.classification_head.install_score_hooks`])."""
+        ([`unpack_trainer.models.fixes.classification_head.install_score_hooks`])."""
 
     def _enable_packed_path(self) -> None:
         """The packed path, unless the model's score cannot be read per packed sequence: then TRL's padded batches,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import trl
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.configs import RLOOConfig
 from unpack_trainer.trainers.grpo import PackedCompletionsMixin
 
 __all__ = ["RLOOTrainer"]
@@ -23,8 +22,5 @@ class RLOOTrainer(PackedCompletionsMixin, trl.RLOOTrainer):
     ([`PackedCompletionsMixin`]). ``args`` may be any ``TrainingArguments`` (converted to our [`RLOOConfig`]).
     """
 
-    unpack_config_class = RLOOConfig
-    unpack_trl_class = trl.RLOOTrainer
-    unpack_name = "RLOOTrainer"
     _unpack_trl_methods = _trl_compat.ONLINE_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.ONLINE_TRAINER_ATTRIBUTES

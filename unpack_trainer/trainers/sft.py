@@ -17,7 +17,6 @@ from datasets import Dataset, IterableDataset
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
-from unpack_trainer.configs import SFTConfig
 from unpack_trainer.data.collator import DataCollatorForPacking
 from unpack_trainer.data.estimate import estimated_speedup
 from unpack_trainer.data.preparation import (
@@ -31,9 +30,11 @@ from unpack_trainer.data.preparation import (
 )
 from unpack_trainer.data.validation import check_dataset_token_ids
 from unpack_trainer.data.vision import VISION_ROWS_KEY, DataCollatorForVisionPacking, pack_vision_dataset
+from unpack_trainer.models import install_fix
+from unpack_trainer.models.fixes.liger_loss import LIGER_OUTPUT_MARK
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
 from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
-from unpack_trainer.trainers.loss import sample_weights
+from unpack_trainer.trainers.loss import choose_loss_kernel, head_unsupported_reason, sample_weights
 
 logger = logging.getLogger("unpack_trainer")
 
@@ -50,9 +51,6 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     field copied and ours at their documented defaults).
     """
 
-    unpack_config_class = SFTConfig
-    unpack_trl_class = trl.SFTTrainer
-    unpack_name = "SFTTrainer"
     unpack_packs_vision = True  # image data and vision-language models pack (unpack_trainer.data.vision)
     _unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
@@ -85,6 +83,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
             pad_token_id=self._tokenizer.pad_token_id,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             completion_only_loss=self.completion_only_loss,
+            seq_info=self.unpack_decision.patch,  # the patched hook adopts it: no metadata read back from the GPU
         )
 
     def _padded_collator(self) -> Any:
@@ -119,6 +118,35 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     def _count_samples(self, batch: dict[str, Any]) -> int:
         return sample_weights(batch)[1]
 
+    def _enable_loss_kernel(self) -> None:
+        """Choose the kernel of the packed rows' loss ([`choose_loss_kernel`]) and install Liger's where chosen
+        (the fix [`unpack_trainer.models.fixes.liger_loss`]); an explicit ``loss_kernel="liger"`` that cannot be honoured raises ``ValueError``."""
+        args = self.args
+        kernel, why = choose_loss_kernel(getattr(args, "loss_kernel", None), device=args.device)
+        self.unpack_loss_kernel = "trl"
+        if kernel != "liger":
+            return
+        reason = None
+        if not self.unpack_decision.patch:
+            reason = "the model runs without the attention patch, so its packed rows are not marked as such"
+        elif args.loss_type != "nll" or self._unpack_sample_loss:
+            reason = "it needs TRL's token loss (loss_type='nll', loss_normalization='token')"
+        elif self.label_smoother is not None or self.compute_loss_func is not None:
+            reason = "label smoothing and a custom compute_loss_func take the full logits"
+        else:
+            reason = head_unsupported_reason(self.model.config)
+        if reason is not None:
+            raise ValueError(f"Liger-Kernel's fused linear cross-entropy ({why}) cannot compute this loss: {reason}.")
+        install_fix(self.model, "liger_loss")
+        self.unpack_loss_kernel = "liger"
+
+    def _check_sample_loss(self) -> None:
+        if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ValueError(
+                "`loss_normalization='sample'` is not supported with `loss_type='dft'`, label smoothing or a custom "
+                "`compute_loss_func`; use `loss_normalization='token'`."
+            )
+
     # ------------------------------------------------------------------------------------------------ vision
 
     # TRL's vision collator, when TRL prepared an image dataset (it processes images per batch); the raw training
@@ -128,12 +156,14 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
 
     def _enable_packed_path(self) -> None:
         """The core's, and for an image dataset (TRL's vision collator): the vision packing collator, and with
-        ``packing=True`` the training examples packed ahead into rows ([`unpack_trainer.data.vision`])."""
+        ``packing=True`` the training examples packed ahead into rows ([`unpack_trainer.data.vision`]); then the
+        loss kernel ([`_enable_loss_kernel`])."""
         if self._is_vision_dataset and not self._unpack_user_collator:
             self._unpack_vision_collator = self.data_collator
         super()._enable_packed_path()
         if self._unpack_vision_collator is not None and self._unpack_mode == "pack":
             self._pack_vision_training_set()
+        self._enable_loss_kernel()
 
     def _vision_packing_collator(self) -> DataCollatorForVisionPacking:
         """TRL's vision collator, run without truncation (the packing collator truncates text only, never an
@@ -149,6 +179,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
             max_length=self.args.max_length,
             positions=positions,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
+            seq_info=self.unpack_decision.patch,  # the patched hook adopts it: no metadata read back from the GPU
         )
 
     def _pack_vision_training_set(self) -> None:
@@ -199,13 +230,6 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
                 *self._signature_columns,
                 *(key for key in (VISION_ROWS_KEY, SEQ_LENGTHS_COLUMN) if key not in self._signature_columns),
             ]
-
-    def _check_sample_loss(self) -> None:
-        if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
-            raise ValueError(
-                "`loss_normalization='sample'` is not supported with `loss_type='dft'`, label smoothing or a custom "
-                "`compute_loss_func`; use `loss_normalization='token'`."
-            )
 
     # ------------------------------------------------------------------------------------------------ data
 
@@ -270,7 +294,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
                     order=args.packing_order,
                     max_samples_per_row=args.max_samples_per_row,
                     window=args.packing_window if args.packing_order == "windowed" else None,
-                    # every process gets as many full batches: no row repeated to even them out (issue 20 item 4)
+                    # every process gets as many full batches: no row repeated to even them out
                     rows_multiple_of=args.per_device_train_batch_size * args.world_size if args.world_size > 1 else 1,
                 )
             stats = {"samples": int(lengths.size), "tokens": int(lengths.sum()), "lengths": lengths}
@@ -297,9 +321,23 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         divided by the number of samples in the step (``num_items_in_batch``, see [`get_batch_samples`]) or, outside
         a training step, in the batch."""
         if not self._unpack_sample_loss:
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            if getattr(self, "unpack_loss_kernel", "trl") != "liger":
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+            liger_calls = []
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                out = model(*args, **kwargs)
+                liger_calls.append(getattr(out, LIGER_OUTPUT_MARK, False))
+                return out
+
+            result = super().compute_loss(
+                counted, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+            if any(liger_calls):  # TRL logged the zeros Liger's kernel returns for the entropy it does not compute
+                _trl_compat.drop_last_metric(self, "entropy")
+            return result
         if "shift_labels" in inputs:
             raise ValueError(
                 "`loss_normalization='sample'` does not support pre-shifted `shift_labels` (context parallel)."

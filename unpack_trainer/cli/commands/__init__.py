@@ -22,9 +22,10 @@ class CLIError(Exception):
 
 
 def add_command_parser(
-    subparsers: argparse._SubParsersAction, name: str, *, help: str, description: str, epilog: str
+    subparsers: argparse._SubParsersAction, name: str, help: str, description: str, epilog: str
 ) -> argparse.ArgumentParser:
-    """A subcommand's parser whose description and epilog keep their line breaks."""
+    """The parser of the subcommand ``name``: ``help`` its line in ``unpack-trainer --help``, ``description`` and
+    ``epilog`` (examples) its own ``--help`` text, line breaks kept."""
     return subparsers.add_parser(
         name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -449,7 +449,9 @@ def format_report(analysis: PackingAnalysis) -> str:
         )
     )
     if a.default_packing:
-        out.append("\n" + _wrap(f"The trainer's default packer (packing_order='windowed', seed 0): {a.default_packing}."))
+        out.append(
+            "\n" + _wrap(f"The trainer's default packer (packing_order='windowed', seed 0): {a.default_packing}.")
+        )
     out.append(
         f"\nEstimated speedup of packing: {a.speedup:.2f}x over random padded batches, "
         f"{a.sorted_speedup:.2f}x over length-sorted batches."
@@ -523,6 +525,7 @@ def write_plot(analysis: PackingAnalysis, path: Path, *, title: str = "") -> Non
 # --------------------------------------------------------------------------------------------------------------------
 
 
+_ANALYZE_HELP = "show length statistics, padding waste and the packing speedup for a dataset"
 _ANALYZE_DESCRIPTION = """\
 Show what sample packing does for a dataset, before training: token length statistics, the padding that padded
 batching processes at a batch size, the rows the global best-fit-decreasing packer needs at --max-length, and the
@@ -552,13 +555,7 @@ exit status: 0 on success, 2 on a usage or data error (the message says what to 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Add ``analyze`` to the ``unpack-trainer`` subcommands."""
-    parser = add_command_parser(
-        subparsers,
-        "analyze",
-        help="show length statistics, padding waste and the packing speedup for a dataset",
-        description=_ANALYZE_DESCRIPTION,
-        epilog=_ANALYZE_EPILOG,
-    )
+    parser = add_command_parser(subparsers, "analyze", _ANALYZE_HELP, _ANALYZE_DESCRIPTION, _ANALYZE_EPILOG)
     parser.add_argument(
         "data",
         nargs="?",

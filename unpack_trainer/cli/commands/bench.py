@@ -13,6 +13,7 @@ from unpack_trainer.cli.commands import CLIError, add_command_parser
 
 __all__ = ["add_command"]
 
+_BENCH_HELP = "compare training throughput: stock TRL padded / packed vs unpack_trainer"
 _BENCH_DESCRIPTION = """\
 Time training on the embedded default dataset (or lognormal random data with --data lognormal) four ways, each in its
 own process, and print real (non-pad) tokens per second with ratios:
@@ -32,13 +33,7 @@ examples:
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` to the ``unpack-trainer`` subcommands."""
-    parser = add_command_parser(
-        subparsers,
-        "bench",
-        help="compare training throughput: stock TRL padded / packed vs unpack_trainer",
-        description=_BENCH_DESCRIPTION,
-        epilog=_BENCH_EPILOG,
-    )
+    parser = add_command_parser(subparsers, "bench", _BENCH_HELP, _BENCH_DESCRIPTION, _BENCH_EPILOG)
     trainer_comparison.add_arguments(parser, default_data="default")
     parser.set_defaults(handler=_run_bench)
 

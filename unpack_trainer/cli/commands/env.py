@@ -33,13 +33,13 @@ PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenizers", ("tokenizers",)),
     ("numpy", ("numpy",)),
 )
+# Besides the optional kernels of the attention backends, each declared by its backend's record
+# (unpack_trainer.patches.attention.REGISTRY: its kernel's ``distributions``).
 OPTIONAL_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("flash-attn", ("flash-attn", "flash_attn")),
     ("flash-linear-attention", ("flash-linear-attention",)),
     ("fla-core", ("fla-core",)),
     ("causal-conv1d", ("causal-conv1d", "causal_conv1d")),
     ("mamba-ssm", ("mamba-ssm", "mamba_ssm")),
-    ("xformers", ("xformers",)),
     ("triton", ("triton", "pytorch-triton")),
     ("bitsandbytes", ("bitsandbytes",)),
     ("liger-kernel", ("liger-kernel", "liger_kernel")),
@@ -47,6 +47,7 @@ OPTIONAL_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 NOT_INSTALLED = "not installed"
 
+_HELP = "print versions, devices, kernels and what the patch does with a model (for bug reports)"
 _DESCRIPTION = """\
 Print the versions, devices and kernels that decide how unpack_trainer packs, to paste into a bug report. With
 --model, also what the patch does with that model: patched or refused (and why), the packed attention backend it
@@ -65,13 +66,7 @@ examples:
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Add ``env`` to the ``unpack-trainer`` subcommands."""
-    parser = add_command_parser(
-        subparsers,
-        "env",
-        help="print versions, devices, kernels and what the patch does with a model (for bug reports)",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-    )
+    parser = add_command_parser(subparsers, "env", _HELP, _DESCRIPTION, _EPILOG)
     parser.add_argument(
         "--model",
         metavar="PATH_OR_TYPE",
@@ -130,7 +125,8 @@ def _devices() -> list[dict[str, Any]]:
 
 def environment() -> dict[str, Any]:
     """Versions of unpack_trainer, python, the libraries it runs on (:data:`PACKAGES`) and the optional kernel
-    packages (:data:`OPTIONAL_PACKAGES`, ``"not installed"`` where absent), and the devices torch sees."""
+    packages (the attention backends' kernels, then :data:`OPTIONAL_PACKAGES`; ``"not installed"`` where absent), and
+    the devices torch sees."""
     import torch
 
     from unpack_trainer import __version__
@@ -141,10 +137,18 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "packages": {name: _version(dists) for name, dists in PACKAGES},
         "torch_cuda": torch.version.cuda or "none (CPU build)",
-        "optional_packages": {name: _version(dists) for name, dists in OPTIONAL_PACKAGES},
+        "optional_packages": {name: _version(dists) for name, dists in (*_attention_kernels(), *OPTIONAL_PACKAGES)},
         "devices": _devices(),
         "attention_backends": _backends(),
     }
+
+
+def _attention_kernels() -> list[tuple[str, tuple[str, ...]]]:
+    """``(name, distributions)`` of every optional kernel an attention backend declares."""
+    from unpack_trainer.patches.attention import REGISTRY
+
+    kernels = [record.kernel for record in REGISTRY.values() if record.kernel is not None]
+    return [(kernel.name, kernel.distributions) for kernel in kernels if kernel.distributions]
 
 
 def _backends() -> dict[str, dict[str, str]]:
@@ -275,7 +279,12 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         with torch.device("meta"), quiet_transformers():
             built = auto_model_class(config).from_config(config)
     except Exception as error:  # noqa: BLE001 - one line for the user
-        raise CLIError(f"--model {model}: no causal LM can be built from its config: {one_line(error)}") from None
+        what = (
+            "no vision-language model"
+            if auto_model_class(config).__name__ != "AutoModelForCausalLM"
+            else "no causal LM"
+        )
+        raise CLIError(f"--model {model}: {what} can be built from its config: {one_line(error)}") from None
     report: dict[str, Any] = {
         "model": model,
         "source": source,
@@ -300,26 +309,53 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         )
         return report
     report.update(patched=True, trainer="packs through the patch (after its self-check on the first batch)")
+    report["fixes"] = _fixes(structure)
     report["attention"] = _precisions(device, attention_implementation(built.config), attention_features(built))
     report["mixers"] = _mixer_paths(structure, device)
     report["vision"] = _vision_path(built, structure)
+    if report["vision"] is not None and not report["verified"]:
+        report["trainer"] = (
+            "trains padded: its vision-language model type is not verified for packed image rows "
+            "(python -m unpack_trainer.models --coverage --vision)"
+        )
     return report
+
+
+def _fixes(structure: Any) -> list[str]:
+    """The model-family fixes :func:`unpack_trainer.models.patch_model` installs on the model of ``structure``
+    (:data:`unpack_trainer.models.fixes.FIXES`, in order), each one's ``applies`` asked as the patch asks it."""
+    from unpack_trainer._compat import attention_implementation
+    from unpack_trainer.models.fixes import FIXES, FixSite
+    from unpack_trainer.models.state import DecoderState
+
+    names: list[str] = []
+    for index, decoder in enumerate(structure.decoders):
+        implementation = attention_implementation(decoder.module.config) or "eager"
+        state = DecoderState(structure.model_type, implementation, True, True, config=decoder.module.config)
+        site = FixSite(structure.pretrained, decoder.module, state, decoder)
+        for fix in FIXES:
+            if fix.automatic and (index == 0 or not fix.per_model) and fix.applies(site) is not None:
+                state.fixes.append(fix.name)
+        names += [name for name in state.fixes if name not in names]
+    return names
 
 
 def _vision_path(built: Any, structure: Any) -> dict[str, str] | None:
     """How the packed rows of a vision-language model are made exact (``None`` for a text model): which module runs
     the vision tower apart from the packing, its positions per sample and its image tokens' attention."""
     from unpack_trainer.models.verified import verified_vision_model_types
-    from unpack_trainer.models.vision import find_vision_language
+    from unpack_trainer.models.vision import RopeIndex, find_vision_language
 
     vision = find_vision_language(built, structure)
     if vision is None:
         return None
+    where = "the forward hook"
+    if vision.position_rows > 1 and not RopeIndex(vision.module).needs_model:
+        where = "the collator, on the CPU"
     positions = {
         1: "restarting 1-D positions per sample",
-        3: "multimodal RoPE [t; h; w] per sample, from the model's own get_rope_index",
-        4: "multimodal RoPE [text; t; h; w] per sample, from the model's own get_rope_index (computed in the "
-        "collator)",
+        3: f"multimodal RoPE [t; h; w] per sample, from the model's own get_rope_index (computed in {where})",
+        4: f"multimodal RoPE [text; t; h; w] per sample, from the model's own get_rope_index (computed in {where})",
     }[vision.position_rows]
     model_type = built.config.model_type
     return {
@@ -363,7 +399,8 @@ def format_environment(report: dict[str, Any]) -> str:
     if model:
         lines += ["", f"## Model: {model['model']}", "", f"- built from: {model['source']}"]
         lines.append(f"- class: {model['class']} (model_type {model['model_type']})")
-        verified = "yes" if model["verified"] else "no (the trainer's self-check guards it)"
+        guard = "it trains padded" if model.get("vision") else "the trainer's self-check guards it"
+        verified = "yes" if model["verified"] else f"no ({guard})"
         lines.append(f"- verified by the coverage check ({model['verified_with']}): {verified}")
         lines.append(f"- attention implementation: {model['attn_implementation']}")
         if model["patched"]:
@@ -371,6 +408,8 @@ def format_environment(report: dict[str, Any]) -> str:
         else:
             lines.append(f"- patch: REFUSED ({model['refusal_kind']}): {model['refusal']}")
         lines.append(f"- trainer: {model['trainer']}")
+        if model.get("fixes") is not None:
+            lines.append(f"- model-family fixes: {', '.join(model['fixes']) or 'none'}")
         if model.get("attention"):
             lines += ["", f"Packed attention backend on {model['device']}:", ""]
             for label, choice in model["attention"].items():

@@ -1,8 +1,10 @@
-"""What every packed attention backend shares: the options of a call, the backend record, the token layout helpers
-and the availability check of an optional CUDA kernel."""
+"""What every packed attention backend shares: the backend record (with the optional kernel it may declare), the
+options of a call, the token layout helpers and the record of a bucket backend. Below every backend:
+it imports no backend, and no backend imports another."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -12,17 +14,17 @@ from torch import Tensor
 
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.patches.buckets import BucketPlan, attention_plan, branch_plan
 
 __all__ = [
     "FEATURE_NAMES",
-    "KERNEL_DEVICE_TYPES",
     "AttentionBackend",
     "BackendFunction",
     "BranchedFunction",
     "CallOptions",
-    "kernel_unavailable_reason",
+    "OptionalKernel",
+    "bucket_backend",
     "logger",
-    "optional_kernel",
     "repeat_heads",
     "tokens_major",
 ]
@@ -40,9 +42,6 @@ FEATURE_NAMES = {
     "bidirectional": "bidirectional image blocks",
 }
 
-# Availability seam. Tests extend it to run the CUDA kernels' dispatch on CPU with stand-in kernels.
-KERNEL_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
-
 
 class CallOptions(NamedTuple):
     """What one packed attention call asks for besides q, k, v and the samples (checked by packed_attention_forward).
@@ -51,6 +50,11 @@ class CallOptions(NamedTuple):
     convention). ``softcap``: ``None`` or ``c``: scores become ``tanh(scores / c) * c``. ``sinks``: ``None`` or
     ``(num_heads,)`` one logit per query head added to every softmax denominator (gpt_oss ``s_aux``). ``dropout``: a
     probability (transformers passes 0.0 outside training). ``module``: the attention module (``training``).
+    ``alibi_slopes``: ALiBi (bloom, mpt), ``None`` or ``(num_heads,)`` float slopes: query ``i`` adds
+    ``-slopes[h] * (i - j)`` to its score of key ``j``, ``i`` and ``j`` counted within the sample. ``fallback``: the
+    forward of a backend that runs on any device and applies this call's features, for what a kernel cannot take (a
+    sample past its 32-bit offsets), and ``kernel``: the record's optional kernel, loaded (:meth:`OptionalKernel.get`);
+    both set by the dispatch, so no backend imports another or loads its own.
     """
 
     scaling: float
@@ -59,9 +63,9 @@ class CallOptions(NamedTuple):
     softcap: float | None
     sinks: Tensor | None
     module: torch.nn.Module
-    # ALiBi (bloom, mpt): (num_heads,) float slopes; query i adds -slopes[h] * (i - j) to its score of key j, i and j
-    # counted within the sample.
     alibi_slopes: Tensor | None = None
+    fallback: AttentionBackend | None = None
+    kernel: Any = None
 
 
 class BackendFunction(Protocol):
@@ -71,8 +75,8 @@ class BackendFunction(Protocol):
     ``(B, num_kv_heads, T, head_dim_v)``, one float dtype, ``num_kv_heads`` dividing ``num_heads`` (query head ``h``
     reads kv head ``h // (num_heads // num_kv_heads)``); ``info``: the samples, tiling the ``B * T`` tokens. Returns
     ``(B, T, num_heads, head_dim_v)`` in query's dtype, causal attention within each sample. Every query sees at
-    least itself, so no row is ever fully masked. An option the backend cannot apply (beyond its record's ``capabilities``) is refused
-    before dispatch, so it arrives as ``None`` / 0.0.
+    least itself, so no row is ever fully masked. An option the backend cannot apply (beyond its record's
+    ``capabilities``) is refused before dispatch, so it arrives as ``None`` / 0.0.
     """
 
     def __call__(
@@ -98,21 +102,72 @@ class AttentionBackend(NamedTuple):
         name: what ``UNPACK_ATTENTION_BACKEND`` and ``backend=`` call it.
         capabilities: what it applies beyond causal / sliding-window / grouped-query attention (keys of
             :data:`FEATURE_NAMES`); a call asking for more goes to a backend that can, or is refused.
-        unavailable_reason: ``(device, compute dtype) -> str | None``, why it cannot run there (``None``: it can).
         forward: the packed forward (:class:`BackendFunction`).
         branched_forward: its own path for branched batches (:class:`BranchedFunction`), or ``None``: always the
             ``[prefix; branch]`` units.
+        kernel: the optional kernel it runs (:class:`OptionalKernel`), or ``None`` for a backend of torch's own ops
+            that runs wherever torch does.
+        requires: ``(device, compute dtype) -> str | None``, why it cannot run there beyond what ``kernel`` says (a
+            GPU too old for it, ...); ``None``: nothing more.
         max_head_dim: the largest query / value head dim its kernel takes; ``None``: any.
+        min_head_dim: the smallest query / value head dim its kernel takes; ``None``: any.
         automatic: whether the automatic choice considers it (in the registry's order).
+        automatic_device_types: the device types where it does (``None``: every device it runs on).
+        prepare: ``(info, device) -> None``: plan on the host what its forward reads of a batch (cached on ``info``),
+            before compiled layers run it: its forward then only reads the plans, with no graph break, shaped so that
+            a compiled layer recompiles only when a batch's shapes change class; ``None``: nothing to plan.
     """
 
     name: str
     capabilities: frozenset[str]
-    unavailable_reason: Callable[[torch.device, torch.dtype], str | None]
     forward: BackendFunction
     branched_forward: BranchedFunction | None = None
+    kernel: OptionalKernel | None = None
+    requires: Callable[[torch.device, torch.dtype], str | None] | None = None
     max_head_dim: int | None = None
     automatic: bool = True
+    prepare: Callable[[PackedSeqInfo, torch.device], None] | None = None
+    min_head_dim: int | None = None
+    automatic_device_types: tuple[str, ...] | None = None
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why it cannot run on ``device`` computing in ``dtype`` (its kernel's reason first); ``None`` when it can."""
+        reason = None if self.kernel is None else self.kernel.unavailable_reason(device, dtype)
+        if reason is None and self.requires is not None:
+            reason = self.requires(device, dtype)
+        return reason
+
+
+def bucket_backend(
+    name: str,
+    capabilities: frozenset[str],
+    forward: BackendFunction,
+    buckets_forward: Callable[..., Tensor],
+    *,
+    automatic: bool = True,
+) -> AttentionBackend:
+    """The record of a backend that runs the samples in buckets of similar lengths (SDPA, eager), whose
+    ``buckets_forward(q, k, v, info, options, plan)`` runs a bucket plan (:mod:`unpack_trainer.patches.buckets`):
+    ``forward`` on the batch's plan; a branched batch with every query computed once on its branch plan
+    (``None`` for ALiBi or spans that are not contiguous: the caller runs the ``[prefix; branch]`` units); both plans
+    made before compiled layers run (``prepare``)."""
+
+    def branched_forward(
+        query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
+    ) -> Tensor | None:
+        if options.alibi_slopes is not None:
+            return None
+        plan: BucketPlan | None = branch_plan(info, query.device)
+        return None if plan is None else buckets_forward(query, key, value, info, options, plan)
+
+    def prepare(info: PackedSeqInfo, device: torch.device) -> None:
+        if info.is_branched:
+            branch_plan(info, device, compiled=True)
+        attention_plan(info, device, compiled=True)
+
+    return AttentionBackend(
+        name, capabilities, forward, branched_forward=branched_forward, automatic=automatic, prepare=prepare
+    )
 
 
 def tokens_major(x: Tensor) -> Tensor:
@@ -131,32 +186,53 @@ def repeat_heads(x: Tensor, heads_per_kv: int) -> Tensor:
     return expanded.reshape(n, num_kv_heads * heads_per_kv, length, head_dim)
 
 
-def optional_kernel(description: str, load: Callable[[], Any]) -> Any:
-    """``load()``, or ``None`` when it raises (logged at DEBUG): an optional kernel that is missing or broken (e.g. an
-    install without its CUDA libraries) is "not available"."""
-    try:
-        return load()
-    except Exception as error:  # noqa: BLE001
-        log_once(logger, logging.DEBUG, f"{description} is not usable: {error!r}")
+class OptionalKernel(NamedTuple):
+    """A kernel that may be missing or broken in this environment, declared by the backend that runs it (its record's
+    ``kernel``): how to load it and what it runs on. Loaded on first use (never at import), once per process.
+
+    Attributes:
+        name: how messages name it (``"flash-attn"``).
+        load: ``() -> kernel``; anything it raises (not installed, an install without its CUDA libraries) means "not
+            available", logged once at DEBUG.
+        not_installed: the reason given when ``load`` fails, with the fix (``"flash-attn is not installed (pip
+            install flash-attn)"``).
+        dtypes: the compute dtypes it takes.
+        dtype_problem: the reason for another dtype, formatted with ``name`` and ``dtype``.
+        device_types: the device types it runs on.
+        distributions: the names its package is installed under (``pip``'s), tried in order for its version
+            (``unpack-trainer env``); empty for a kernel that comes with torch.
+    """
+
+    name: str
+    load: Callable[[], Any]
+    not_installed: str
+    dtypes: tuple[torch.dtype, ...]
+    dtype_problem: str = "{name} needs float16 or bfloat16, the model computes in {dtype}"
+    device_types: tuple[str, ...] = ("cuda",)
+    distributions: tuple[str, ...] = ()
+
+    def get(self) -> Any:
+        """The loaded kernel, or ``None`` when it cannot be loaded here."""
+        return _loaded(self.name, self.load)
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why the kernel cannot run on ``device`` computing in ``dtype``: not loadable, another device type, another
+        dtype; ``None`` when it can."""
+        if self.get() is None:
+            return self.not_installed
+        if device.type not in self.device_types:
+            if self.device_types == ("cuda",):
+                return f"{self.name} needs a CUDA device, the model is on {device.type}"
+            return f"{self.name} runs on {' and '.join(self.device_types)} here, the model is on {device.type}"
+        if dtype not in self.dtypes:
+            return self.dtype_problem.format(name=self.name, dtype=dtype)
         return None
 
 
-def kernel_unavailable_reason(
-    kernel: Any,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    name: str,
-    not_installed: str,
-    dtypes: tuple[torch.dtype, ...],
-    dtype_problem: str,
-) -> str | None:
-    """Why an optional CUDA kernel (``None`` when it did not import) cannot run on ``device`` / ``dtype``.
-    ``dtype_problem`` is formatted with ``name`` and ``dtype``."""
-    if kernel is None:
-        return not_installed
-    if device.type not in KERNEL_DEVICE_TYPES:
-        return f"{name} needs a CUDA device, the model is on {device.type}"
-    if dtype not in dtypes:
-        return dtype_problem.format(name=name, dtype=dtype)
-    return None
+@functools.cache
+def _loaded(name: str, load: Callable[[], Any]) -> Any:
+    try:
+        return load()
+    except Exception as error:  # noqa: BLE001
+        log_once(logger, logging.DEBUG, f"{name} is not usable: {error!r}")
+        return None

@@ -1,11 +1,12 @@
 """What flash-attn and torch's ``varlen_attn`` share: one ``(total_tokens, num_heads, head_dim)`` call with the
-samples' ``cu_seqlens``, rows split at sample boundaries where the kernel's 32-bit offsets would overflow."""
+samples' ``cu_seqlens``, rows split at sample boundaries where the kernel's 32-bit offsets would overflow. Below the
+backends: it imports none of them (a sample too large for the kernel goes to the call's ``fallback``)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +14,11 @@ from torch import Tensor
 
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention import eager, sdpa
-from unpack_trainer.patches.attention._common import CallOptions, logger, tokens_major
 
 __all__ = ["MAX_HEAD_DIM", "fits_offsets", "one_head_dim", "varlen_forward", "varlen_window"]
+
+# The attention backends' logger (one name for the package's attention messages).
+logger = logging.getLogger("unpack_trainer.patches.attention")
 
 # flash-attn 2 and torch's varlen flash kernel take head dims up to 256 (one head dim for q, k and v).
 MAX_HEAD_DIM = 256
@@ -100,9 +102,25 @@ def one_head_dim(q: Tensor, k: Tensor, v: Tensor, multiple: int) -> tuple[Tensor
     return q, k, F.pad(v, (0, padded - head_dim_v)) if padded != head_dim_v else v
 
 
+def fallback_of(options: Any) -> tuple[str, Fallback]:
+    """The name and forward of ``options.fallback`` (a backend record of torch's own ops, set by the dispatch), bound
+    to the call's options."""
+    record = options.fallback
+    return record.name, lambda q, k, v, info: record.forward(q, k, v, info, options)
+
+
+def _tokens(x: Tensor) -> Tensor:
+    """(B, num_heads, T, head_dim) -> (B * T, num_heads, head_dim), contiguous as transformers hands it to flash-attn."""
+    batch_size, num_heads, seq_len, head_dim = x.shape
+    return x.transpose(1, 2).reshape(batch_size * seq_len, num_heads, head_dim).contiguous()
+
+
 # kernel_call(q, k, v, cu_seqlens, max_seqlen): q/k/v (tokens, num_heads or num_kv_heads, padded head_dim), cu_seqlens
 # (num_seqs + 1,) int32 on the device -> (tokens, num_heads, padded head_dim).
 VarlenCall = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
+# fallback(q, k, v, info): (1, heads, tokens, head_dim) q / k / v of one sample and its metadata -> (1, tokens, heads,
+# head_dim_v), on a backend that runs anywhere.
+Fallback = Callable[[Tensor, Tensor, Tensor, PackedSeqInfo], Tensor]
 
 
 def varlen_forward(
@@ -112,22 +130,22 @@ def varlen_forward(
     key: Tensor,
     value: Tensor,
     info: PackedSeqInfo,
-    options: CallOptions,
     *,
     head_dim_multiple: int,
+    fallback: tuple[str, Fallback],
 ) -> Tensor:
     """Shared by flash-attn and torch's varlen_attn: ``(total_tokens, num_heads, head_dim)`` inputs with one head dim
     for q, k and v (zero-padded up to ``head_dim_multiple``), the samples' ``cu_seqlens`` and ``max_seqlen``, rows
     split into chunks (cached under ``"varlen_chunks"``) where the kernel's 32-bit offsets would overflow; a sample
-    too large alone runs on SDPA (eager with ``softcap``). Zero padding of q and k leaves every score unchanged
-    (``scaling`` is explicit); padded value columns are cropped from the output.
+    too large alone runs on ``fallback`` (its name and forward: the dispatch's, SDPA or eager). Zero padding of
+    q and k leaves every score unchanged (``scaling`` is explicit); padded value columns are cropped from the output.
 
     Returns ``(B, T, num_heads, head_dim_v)``.
     """
     batch_size, num_heads, seq_len, head_dim = query.shape
     head_dim_v = value.shape[-1]
     # (total_tokens, num_heads, head_dim), contiguous as transformers hands them to flash-attn.
-    q_tokens, k_tokens, v_tokens = (tokens_major(x).contiguous() for x in (query, key, value))
+    q_tokens, k_tokens, v_tokens = (_tokens(x) for x in (query, key, value))
     q_in, k_in, v_in = one_head_dim(q_tokens, k_tokens, v_tokens, head_dim_multiple)
     padded = q_in.shape[-1]
 
@@ -150,14 +168,13 @@ def varlen_forward(
         if chunk.cu_seqlens is not None:
             outputs.append(crop(kernel_call(q_in[part], k_in[part], v_in[part], chunk.cu_seqlens, chunk.max_seqlen)))
             continue
-        fallback = eager if options.softcap is not None else sdpa
         log_once(
             logger,
             logging.WARNING,
             f"Packed sample {chunk.first_seq} ({chunk.end - chunk.begin} tokens) alone exceeds {kernel_name}'s 32-bit "
-            f"offsets; it runs on {fallback.BACKEND.name} instead.",
+            f"offsets; it runs on {fallback[0]} instead.",
         )
         q, k, v = (x[part].transpose(0, 1).unsqueeze(0) for x in (q_tokens, k_tokens, v_tokens))
-        out = fallback.forward(q, k, v, chunk.fallback, options)
+        out = fallback[1](q, k, v, chunk.fallback)
         outputs.append(out.reshape(chunk.end - chunk.begin, num_heads, head_dim_v))
     return torch.cat(outputs).view(batch_size, seq_len, num_heads, head_dim_v)

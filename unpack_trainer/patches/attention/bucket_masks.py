@@ -1,6 +1,8 @@
 """What the SDPA and eager backends share on their buckets (:mod:`unpack_trainer.patches.buckets`): the masks and
 biases, each built once per batch, bucket shape and device and cached on
-:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`, and the branched forward over a branch plan."""
+:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (inside a ``torch.compile`` trace built in the graph instead,
+from the bucket's symbolic shape: a few elementwise ops, and no cache keyed by a shape). Below the backends: it
+imports none of them."""
 
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import BranchedFunction, CallOptions
-from unpack_trainer.patches.buckets import Bucket, BucketPlan, branch_plan
+from unpack_trainer.patches.buckets import Bucket
 
 __all__ = [
     "additive_mask",
@@ -21,24 +22,12 @@ __all__ = [
     "bidirectional_mask",
     "branch_additive_mask",
     "branch_mask",
-    "branched_buckets",
 ]
 
 
-def branched_buckets(buckets_forward: Callable[..., Tensor]) -> BranchedFunction:
-    """The branched forward of a bucket backend (SDPA, eager) whose ``buckets_forward(q, k, v, info, options, plan)``
-    runs a plan: a branched batch with every query computed once (:func:`branch_plan`), or ``None`` (ALiBi, or spans
-    that are not contiguous: the caller runs the ``[prefix; branch]`` units)."""
-
-    def branched_forward(
-        query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
-    ) -> Tensor | None:
-        if options.alibi_slopes is not None:
-            return None
-        plan: BucketPlan | None = branch_plan(info, query.device)
-        return None if plan is None else buckets_forward(query, key, value, info, options, plan)
-
-    return branched_forward
+def _cached(info: PackedSeqInfo, owner: str, key: tuple, build: Callable[[], Tensor]) -> Tensor:
+    """``info.plan(owner, key, build)``; in a ``torch.compile`` trace ``build()`` (see the module docstring)."""
+    return build() if torch.compiler.is_compiling() else info.plan(owner, key, build)
 
 
 def branch_mask(
@@ -60,7 +49,7 @@ def branch_mask(
         padding = (i >= q_lengths) & (j == 0)
         return (torch.where(i < q_lengths, allowed, padding)).to(device, non_blocking=True)
 
-    return info.plan("branch_masks", (bucket_index, sliding_window, str(device)), build)
+    return _cached(info, "branch_masks", (bucket_index, sliding_window, str(device)), build)
 
 
 def branch_additive_mask(
@@ -78,7 +67,7 @@ def branch_additive_mask(
         allowed = branch_mask(info, bucket_index, bucket, sliding_window, device)
         return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
 
-    return info.plan("branch_additive_masks", (bucket_index, sliding_window, dtype, str(device)), build)
+    return _cached(info, "branch_additive_masks", (bucket_index, sliding_window, dtype, str(device)), build)
 
 
 def band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: torch.device) -> Tensor:
@@ -89,7 +78,7 @@ def band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: tor
         j = torch.arange(length, device=device).unsqueeze(0)
         return (j <= i) & (j > i - sliding_window)
 
-    return info.plan("band_masks", (length, sliding_window, str(device)), build)
+    return _cached(info, "band_masks", (length, sliding_window, str(device)), build)
 
 
 def additive_mask(
@@ -104,7 +93,7 @@ def additive_mask(
         zero = torch.zeros((), dtype=dtype, device=device)
         return torch.where(allowed, zero, torch.finfo(dtype).min)
 
-    return info.plan("additive_masks", (length, sliding_window, dtype, str(device)), build)
+    return _cached(info, "additive_masks", (length, sliding_window, dtype, str(device)), build)
 
 
 def alibi_bias(

@@ -1,5 +1,10 @@
-"""The packed attention helper: checks a call, chooses its backend once per batch and runs it (branched batches
-included)."""
+"""The packed attention helper: checks a call, chooses its backend and runs it (branched batches included).
+
+A call's packing metadata arrives resolved: the ``packed_seq_info`` keyword the decoder hook (or the registered
+attention function) hands it, read once here. Only a direct call without the hook (``packed_seq_lengths``,
+``cu_seq_lens_q`` or packed ``position_ids`` in its keywords) derives it, with the one detector,
+:func:`unpack_trainer.packed_seq_info.detect_packed`, every call.
+"""
 
 from __future__ import annotations
 
@@ -12,69 +17,135 @@ import torch
 from torch import Tensor
 
 from unpack_trainer._logging import log_once
-from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import CallOptions, logger, tokens_major
-from unpack_trainer.patches.attention.metadata import chunked_info, packed_info_from_kwargs
+from unpack_trainer.packed_seq_info import (
+    BOUNDARY_KEYS,
+    INFO_KEY,
+    SEQ_PARENTS_KEY,
+    PackedSeqInfo,
+    detect_packed,
+)
+from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, logger, tokens_major
 from unpack_trainer.patches.attention.registry import (
     ENV_BACKEND,
     REGISTRY,
-    BackendChoice,
     check_explicit_backend,
     choose_backend,
     compute_dtype,
+    fallback_for,
     features,
     missing_features,
 )
 
-__all__ = ["packed_attention_forward"]
+__all__ = ["packed_attention_forward", "packed_info_from_kwargs", "prepare_packed_attention"]
 
 
-def _choice_for(
-    info: PackedSeqInfo,
-    query: Tensor,
-    value: Tensor,
-    original: str | None,
-    *,
-    softcap: bool,
-    sinks: bool,
-    dropout: bool,
-    alibi: bool = False,
-) -> BackendChoice:
-    """The automatic (or forced) backend of one call, decided once per batch and set of features; a hand-over from
-    the backend chosen for plain attention to one that can apply the call's features is logged once."""
-    head_dim = max(query.shape[-1], value.shape[-1])
-    bidirectional = info.bidirectional_spans is not None
-    flags = (softcap, sinks, dropout, head_dim, alibi, bidirectional)
-    key = (str(query.device), query.dtype, original, flags, os.environ.get(ENV_BACKEND))
+def packed_info_from_kwargs(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+    """The packing metadata of this call, or ``None`` for an unpacked call.
 
-    def build() -> BackendChoice:
-        choice = choose_backend(
-            query.device,
-            query.dtype,
-            original,
-            softcap=softcap,
-            sinks=sinks,
-            dropout=dropout,
-            head_dim=head_dim,
-            alibi=alibi,
-            bidirectional=bidirectional,
+    ``packed_seq_info`` (set by the decoder hook, ``None`` meaning "not packed") when present; else, for a direct call
+    without the hook, what :func:`unpack_trainer.packed_seq_info.detect_packed` decides from ``packed_seq_lengths``,
+    ``cu_seq_lens_q`` or ``position_ids`` (the latter only with as many keys as queries, i.e. no KV cache), derived
+    anew on every call.
+    """
+    if INFO_KEY in kwargs:
+        return kwargs[INFO_KEY]
+    if kwargs.get(SEQ_PARENTS_KEY) is not None:
+        raise ValueError(
+            f"Branched packed samples (`{SEQ_PARENTS_KEY}`) reach attention through the patched model's hook, which "
+            f"passes `{INFO_KEY}`; patch the model with unpack_trainer.models.patch_model."
         )
-        plain = choose_backend(query.device, query.dtype, original)
-        if plain.name != choice.name:
-            wanted = features(
-                softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi, bidirectional=bidirectional
-            )
-            missing = missing_features(plain.name, wanted, head_dim)
-            log_once(
-                logger,
-                logging.WARNING,
-                f"Packed attention: {plain.name} cannot apply {' and '.join(missing)}; using {choice.name} for these "
-                "layers.",
-            )
-        log_once(logger, logging.INFO, f"Packed attention backend: {choice}.")
-        return choice
+    batch_size, _, seq_len, _ = query.shape
+    for name in BOUNDARY_KEYS:
+        if kwargs.get(name) is not None:
+            return detect_packed(batch_size, seq_len, **{name: kwargs[name]})
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and key.shape[2] == seq_len:
+        return detect_packed(batch_size, seq_len, position_ids=position_ids)
+    return None
 
-    return info.plan("backend_choice", key, build)
+
+def prepare_packed_attention(
+    info: PackedSeqInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+    implementation: str | None,
+    *,
+    softcap: bool = False,
+    sinks: bool = False,
+    head_dim: int | None = None,
+    min_head_dim: int | None = None,
+    bidirectional: bool = False,
+) -> str:
+    """Plan on the host, before the layers of a compiled model run, what their packed attention reads of this batch:
+    the backend :func:`choose_backend` takes for ``device``, the compute ``dtype``, the model's ``implementation`` and
+    what its attention applies, and that backend's plans (its record's ``prepare``: buckets, block masks), cached on
+    ``info``. Returns the backend's name. ``bidirectional``: the model's image tokens may attend both ways (Gemma 3);
+    the choice asks for it only when this batch has such spans (``info.bidirectional_spans``), as its layers will."""
+    choice = choose_backend(
+        device,
+        dtype,
+        implementation,
+        softcap=softcap,
+        sinks=sinks,
+        head_dim=head_dim,
+        min_head_dim=min_head_dim,
+        bidirectional=bidirectional and info.bidirectional_spans is not None,
+    )
+    record = REGISTRY[choice.name]
+    if record.prepare is not None:
+        record.prepare(info, torch.device(device))
+    return choice.name
+
+
+def _decide(
+    device: torch.device, dtype: torch.dtype, original: str | None, wanted: frozenset[str], head_dims: tuple[int, int]
+) -> str:
+    """The automatic (or forced) backend of a call asking for ``wanted`` (keys of ``FEATURE_NAMES``) with heads of
+    ``head_dims`` (the largest and the smallest of the query and value head dims); a hand-over from the backend chosen
+    for plain attention to one that can apply them is logged once."""
+    flags = {name: name in wanted for name in ("softcap", "sinks", "dropout", "alibi", "bidirectional")}
+    head_dim, min_head_dim = head_dims
+    choice = choose_backend(device, dtype, original, head_dim=head_dim, min_head_dim=min_head_dim, **flags)
+    plain = choose_backend(device, dtype, original)
+    if plain.name != choice.name:
+        missing = missing_features(plain.name, wanted, head_dim, min_head_dim)
+        log_once(
+            logger,
+            logging.WARNING,
+            f"Packed attention: {plain.name} cannot apply {' and '.join(missing)}; using {choice.name} for these "
+            "layers.",
+        )
+    log_once(logger, logging.INFO, f"Packed attention backend: {choice}.")
+    return choice.name
+
+
+@torch.compiler.assume_constant_result
+def _traced_choice(
+    device: str,
+    dtype: torch.dtype,
+    original: str | None,
+    wanted: frozenset[str],
+    head_dims: tuple[int, int],
+    forced: str,
+) -> str:
+    """:func:`_decide` inside a ``torch.compile`` trace: run once while tracing, its result a constant of the graph
+    (the inputs' device and dtype are guarded by the graph already; ``forced`` is ``UNPACK_ATTENTION_BACKEND``)."""
+    del forced  # part of the call so that a trace reads it: choose_backend reads it from the environment
+    return _decide(torch.device(device), dtype, original, wanted, head_dims)
+
+
+def _backend_for(
+    info: PackedSeqInfo, query: Tensor, value: Tensor, original: str | None, wanted: frozenset[str]
+) -> str:
+    """The backend of one call, decided once per batch and set of features (in a ``torch.compile`` trace: once per
+    graph, as a constant of it)."""
+    dims = (query.shape[-1], value.shape[-1])
+    head_dims = (max(dims), min(dims))
+    forced = os.environ.get(ENV_BACKEND, "")
+    if torch.compiler.is_compiling():
+        return _traced_choice(str(query.device), query.dtype, original, wanted, head_dims, forced)
+    key = (str(query.device), query.dtype, original, wanted, head_dims, forced)
+    return info.plan("backend_choice", key, lambda: _decide(query.device, query.dtype, original, wanted, head_dims))
 
 
 def packed_attention_forward(
@@ -112,14 +183,14 @@ def packed_attention_forward(
             cannot apply (softcap, sinks, dropout on torch_varlen) to one that can. A ``backend`` that cannot apply
             them raises ``ValueError``.
         original_implementation: the model's attention implementation before patching (for the choice).
-        **kwargs: packing metadata, read by :func:`packed_info_from_kwargs`: ``packed_seq_info``,
+        **kwargs: packing metadata (:func:`packed_info_from_kwargs`): ``packed_seq_info``,
             ``packed_seq_lengths`` ``(num_seqs,)`` int, ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, or
             ``position_ids`` ``(B, T)``. ``s_aux``: attention sinks (gpt_oss), ``(num_heads,)`` one logit per query
             head added to every softmax denominator (eager applies them). ``is_causal`` (default: the module's).
             ``alibi_slopes``: ALiBi (bloom, mpt), ``(num_heads,)`` float, query ``i`` adds ``-slopes[h] * (i - j)`` to
             its score of key ``j``, both counted within the sample (flash's ``alibi_slopes``, SDPA and eager).
             ``attention_chunk_size``: chunked attention (llama4), each query sees the keys of its own chunk of that
-            many tokens, chunks counted from its sample's start (:func:`chunked_info`; every backend).
+            many tokens, chunks counted from its sample's start (:meth:`PackedSeqInfo.chunked`; every backend).
             Bidirectional spans on the metadata (``PackedSeqInfo.bidirectional_spans``, Gemma 3's image tokens): the
             tokens of a span also see each other's later tokens (flex, SDPA and eager; a varlen kernel hands over).
 
@@ -131,7 +202,7 @@ def packed_attention_forward(
         query sees at least itself, so no row is fully masked and no output is NaN.
     """
     del attention_mask
-    info = packed_info_from_kwargs(query, key, None, kwargs)
+    info = packed_info_from_kwargs(query, key, kwargs)
     if info is None:
         raise ValueError(
             "packed_attention_forward needs packing metadata: `packed_seq_lengths`, `cu_seq_lens_q` or packed "
@@ -163,7 +234,7 @@ def packed_attention_forward(
     if kwargs.get("attention_chunk_size") is not None:
         if info.bidirectional_spans is not None:
             raise ValueError("Bidirectional image blocks are not supported together with chunked attention.")
-        info = chunked_info(info, kwargs["attention_chunk_size"])
+        info = info.chunked(kwargs["attention_chunk_size"])
     if info.bidirectional_spans is not None and kwargs.get("alibi_slopes") is not None:
         raise ValueError("Bidirectional image blocks are not supported together with ALiBi.")
     alibi_slopes = kwargs.get("alibi_slopes")
@@ -177,35 +248,39 @@ def packed_attention_forward(
     # all go to the autocast dtype, and the backend is chosen for it.
     target = compute_dtype(query.device, functools.reduce(torch.promote_types, (query.dtype, key.dtype, value.dtype)))
     query, key, value = (x if x.dtype == target else x.to(target) for x in (query, key, value))
+    wanted = features(
+        softcap=softcap is not None,
+        sinks=sinks is not None,
+        dropout=dropout > 0,
+        alibi=alibi_slopes is not None,
+        bidirectional=info.bidirectional_spans is not None,
+    )
     if backend is None:
-        backend = _choice_for(
-            info,
-            query,
-            value,
-            original_implementation,
-            softcap=softcap is not None,
-            sinks=sinks is not None,
-            dropout=dropout > 0,
-            alibi=alibi_slopes is not None,
-        ).name
+        backend = _backend_for(info, query, value, original_implementation, wanted)
     else:
-        wanted = features(
-            softcap=softcap is not None,
-            sinks=sinks is not None,
-            dropout=dropout > 0,
-            alibi=alibi_slopes is not None,
-            bidirectional=info.bidirectional_spans is not None,
+        dims = (head_dim, value.shape[-1])
+        check_explicit_backend(
+            backend, query.device, query.dtype, wanted, max(dims), from_env=False, min_head_dim=min(dims)
         )
-        largest_head_dim = max(head_dim, value.shape[-1])
-        check_explicit_backend(backend, query.device, query.dtype, wanted, largest_head_dim, from_env=False)
-    options = CallOptions(scaling, dropout, sliding_window, softcap, sinks, module, alibi_slopes)
+    record = REGISTRY[backend]
+    options = CallOptions(
+        scaling,
+        dropout,
+        sliding_window,
+        softcap,
+        sinks,
+        module,
+        alibi_slopes,
+        fallback=fallback_for(wanted),
+        kernel=None if record.kernel is None else record.kernel.get(),
+    )
     if info.is_branched:
-        return _branched(backend, query, key, value, info, options), None
-    return REGISTRY[backend].forward(query, key, value, info, options), None
+        return _branched(record, query, key, value, info, options), None
+    return record.forward(query, key, value, info, options), None
 
 
 def _branched(
-    backend: str, query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
+    record: AttentionBackend, query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions
 ) -> Tensor:
     """Backend ``backend`` on branched samples (shared prefixes); no branch sees a sibling.
 
@@ -223,7 +298,6 @@ def _branched(
     token's output is read back from its own slot. Shapes as :class:`BackendFunction`: ``(B, num_heads, T,
     head_dim)`` in, ``(B, T, num_heads, head_dim_v)`` out.
     """
-    record = REGISTRY[backend]
     if record.branched_forward is not None:
         out = record.branched_forward(query, key, value, info, options)
         if out is not None:

@@ -10,13 +10,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
+from unpack_trainer.patches.attention._common import CallOptions, bucket_backend, repeat_heads, tokens_major
 from unpack_trainer.patches.attention.bucket_masks import (
     additive_mask,
     alibi_bias,
     bidirectional_additive_mask,
     branch_additive_mask,
-    branched_buckets,
 )
 from unpack_trainer.patches.buckets import BucketPlan, attention_plan, bucketed, key_bucketed, unbucketed
 
@@ -41,7 +40,6 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column. Dropout: on the
     weights, only while ``options.module.training``. ALiBi: ``-slopes[h] * (i - j)`` added to the scores.
     Bidirectional spans (``info.bidirectional_spans``): an ``(n, 1, L, L)`` additive mask on each bucket holding one.
-    Bidirectional spans: an ``(n, 1, L, L)`` additive mask on each bucket holding one.
     """
     return buckets_forward(query, key, value, info, options, attention_plan(info, query.device))
 
@@ -68,9 +66,7 @@ def buckets_forward(
         if bucket.key_length:
             mask = branch_additive_mask(info, index, bucket, options.sliding_window, query.dtype, query.device)
         elif info.bidirectional_spans is not None:
-            mask = bidirectional_additive_mask(
-                info, index, bucket, options.sliding_window, query.dtype, query.device
-            )
+            mask = bidirectional_additive_mask(info, index, bucket, options.sliding_window, query.dtype, query.device)
         if mask is None:
             mask = additive_mask(info, length, options.sliding_window, query.dtype, query.device)
         per_chunk = max(1, MAX_SCORE_ELEMENTS // (num_heads * length * key_length))
@@ -104,11 +100,11 @@ def buckets_forward(
     return unbucketed(outputs, plan, batch_size, seq_len)
 
 
-BACKEND = AttentionBackend(
-    name="eager",
-    capabilities=frozenset({"softcap", "sinks", "dropout", "alibi", "bidirectional"}),
-    unavailable_reason=lambda device, dtype: None,
-    forward=forward,
-    branched_forward=branched_buckets(buckets_forward),
-    automatic=False,  # not a choice among the others: what remains when none of them can run or apply the call
+# Not a choice among the others: what remains when none of them can run or apply the call.
+BACKEND = bucket_backend(
+    "eager",
+    frozenset({"softcap", "sinks", "dropout", "alibi", "bidirectional"}),
+    forward,
+    buckets_forward,
+    automatic=False,
 )

@@ -3,53 +3,24 @@ sample boundaries where a row is so large that the kernel's 32-bit offsets would
 
 from __future__ import annotations
 
-import functools
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo, zero_prefixed_cumsum
-from unpack_trainer.patches.attention._common import (
-    AttentionBackend,
-    CallOptions,
-    kernel_unavailable_reason,
-    optional_kernel,
-    tokens_major,
-)
+from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
 from unpack_trainer.patches.attention._varlen import (
     MAX_HEAD_DIM,
+    fallback_of,
     fits_offsets,
     one_head_dim,
     varlen_forward,
     varlen_window,
 )
 
-__all__ = ["BACKEND", "kernel"]
-
-# The dtypes its kernel takes. Tests extend it to run stand-in kernels in float32.
-DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def kernel() -> Callable[..., Tensor] | None:
-    """``flash_attn.flash_attn_varlen_func`` when flash-attn imports, else ``None`` (imported on first use)."""
-    return optional_kernel("flash-attn", lambda: importlib.import_module("flash_attn").flash_attn_varlen_func)
-
-
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why flash-attn cannot run on ``device`` / ``dtype``: not installed, not CUDA, not float16 / bfloat16."""
-    return kernel_unavailable_reason(
-        kernel(),
-        device,
-        dtype,
-        name="flash-attn",
-        not_installed="flash-attn is not installed (pip install flash-attn)",
-        dtypes=DTYPES,
-        dtype_problem="{name} needs float16 or bfloat16, the model computes in {dtype}",
-    )
+__all__ = ["BACKEND"]
 
 
 def _kernel_options(options: CallOptions, longest: int, device: torch.device) -> dict[str, Any]:
@@ -81,14 +52,16 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     ``w``. Softcap: the kernel's ``softcap``. Dropout: ``dropout_p``. ALiBi: the kernel's ``alibi_slopes`` (float32
     ``(num_heads,)``). Sinks: refused. No query row is fully masked.
     """
-    flash_attn_varlen_func = kernel()
+    flash_attn_varlen_func = options.kernel
     kernel_options = _kernel_options(options, info.max_seqlen, query.device)
 
     def call(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         # flash-attn takes grouped kv heads as they are, and pads head dims to a multiple of 8 itself.
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kernel_options)
 
-    return varlen_forward(call, "flash-attn", query, key, value, info, options, head_dim_multiple=1)
+    return varlen_forward(
+        call, "flash-attn", query, key, value, info, head_dim_multiple=1, fallback=fallback_of(options)
+    )
 
 
 def branched_forward(
@@ -125,15 +98,21 @@ def branched_forward(
     )
     max_q, max_k = int(spans.query_lengths.max()), int(spans.key_lengths.max())
     kernel_options = _kernel_options(options, max_k, device)
-    out = kernel()(q_in, k_in, v_in, cu_q, cu_k, max_q, max_k, **kernel_options)
+    out = options.kernel(q_in, k_in, v_in, cu_q, cu_k, max_q, max_k, **kernel_options)
     return out[..., :head_dim_v].reshape(batch_size, seq_len, num_heads, head_dim_v)
 
 
 BACKEND = AttentionBackend(
     name="flash",
     capabilities=frozenset({"softcap", "dropout", "alibi"}),
-    unavailable_reason=unavailable_reason,
     forward=forward,
     branched_forward=branched_forward,
+    kernel=OptionalKernel(
+        name="flash-attn",
+        load=lambda: importlib.import_module("flash_attn").flash_attn_varlen_func,
+        not_installed="flash-attn is not installed (pip install flash-attn)",
+        dtypes=(torch.float16, torch.bfloat16),
+        distributions=("flash-attn", "flash_attn"),
+    ),
     max_head_dim=MAX_HEAD_DIM,
 )

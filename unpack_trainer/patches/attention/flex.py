@@ -37,24 +37,21 @@ from torch import Tensor
 
 from unpack_trainer._compat import recompile_limit_at_least
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, optional_kernel, tokens_major
+from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
 from unpack_trainer.patches.buckets import grid_length
 
 __all__ = ["BACKEND", "block_mask", "padded_length"]
 
 # Queries and keys per block of the block mask (flex's default sparse block size).
 BLOCK_SIZE = 128
-# Device types where flex runs compiled (tests may add "cpu").
+# Device types where flex runs compiled (elsewhere: its unfused forward).
 COMPILE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+# The smallest query / key / value head dim inductor's flex_attention kernel takes ("NYI: embedding dimension of the
+# query, key, and value must be at least 16").
+MIN_HEAD_DIM = 16
 # Recompilations allowed for the compiled kernel while a packed call runs (torch's default is 8): one per shape class
 # and variant of the mask / score functions (window or not, softcap, ALiBi), over a whole run.
 RECOMPILE_LIMIT = 64
-
-
-@functools.cache
-def kernel() -> Callable[..., Any] | None:
-    """``torch.nn.attention.flex_attention.flex_attention`` when this torch has it (2.5 and later), else ``None``."""
-    return optional_kernel("torch.nn.attention.flex_attention", _load_flex)
 
 
 def _load_flex() -> Callable[..., Any]:
@@ -67,17 +64,7 @@ def _load_flex() -> Callable[..., Any]:
 @functools.cache
 def _compiled() -> Callable[..., Any]:
     """The compiled kernel, built once per process on first use (nothing compiles at import)."""
-    return torch.compile(kernel(), dynamic=False)
-
-
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why flex_attention cannot run on ``device`` / ``dtype``: this torch lacks it (or its log-sum-exp output), or
-    the device is neither CUDA nor the CPU."""
-    if kernel() is None:
-        return "this torch has no torch.nn.attention.flex_attention with AuxRequest (torch 2.9 or later)"
-    if device.type not in ("cuda", "cpu"):
-        return f"flex_attention runs on CUDA and the CPU here, the model is on {device.type}"
-    return None
+    return torch.compile(BACKEND.kernel.get(), dynamic=False)
 
 
 def padded_length(total_tokens: int) -> int:
@@ -271,12 +258,12 @@ def _score_mod(options: CallOptions, pos: Tensor, device: torch.device) -> Calla
     return alibi if softcap is None else capped_alibi
 
 
-def _call(device: torch.device) -> Callable[..., Any]:
+def _call(device: torch.device, kernel: Callable[..., Any]) -> Callable[..., Any]:
     """The kernel to call on ``device``: compiled on :data:`COMPILE_DEVICE_TYPES` (unless already inside a compiled
     region, which compiles it with the rest), else flex's unfused forward."""
     if device.type in COMPILE_DEVICE_TYPES and not torch.compiler.is_compiling():
         return _compiled()
-    return kernel()
+    return kernel
 
 
 def _recompile_limit(device: torch.device) -> contextlib.AbstractContextManager:
@@ -322,7 +309,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
         extra["return_aux"] = AuxRequest(lse=True)
     with _recompile_limit(device):
-        result = _call(device)(
+        result = _call(device, options.kernel)(
             q,
             k,
             v,
@@ -343,14 +330,30 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     return out.transpose(0, 1).reshape(batch_size, seq_len, num_heads, head_dim_v)
 
 
+def prepare(info: PackedSeqInfo, device: torch.device) -> None:
+    """The batch's block mask (without a window) and token layout on ``device``, built on the host for compiled
+    layers."""
+    block_mask(info, padded_length(info.total_tokens), None, device)
+
+
 BACKEND = AttentionBackend(
     name="flex",
     capabilities=frozenset({"softcap", "sinks", "alibi", "bidirectional"}),
-    unavailable_reason=unavailable_reason,
     forward=forward,
     branched_forward=forward,  # the layout's parents: a branch sees its prefix and itself, every query once
-    # Not in the automatic order until benchmarks/bench_gpu.py measures it against torch_varlen on a GPU (issue 26:
-    # 1.3x faster at 8k-64k tokens on an H200 with a mask from create_block_mask; this block mask is unmeasured).
-    # Set to True, with its line placed before the backend it beats in REGISTRY, to let the automatic choice take it.
-    automatic=False,
+    kernel=OptionalKernel(
+        name="flex_attention",
+        load=_load_flex,
+        not_installed="this torch has no torch.nn.attention.flex_attention with AuxRequest (torch 2.9 or later)",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        dtype_problem="{name} does not support {dtype}",
+        device_types=("cuda", "cpu"),
+    ),
+    prepare=prepare,
+    min_head_dim=MIN_HEAD_DIM,
+    # Automatic on CUDA, after the varlen kernels and before SDPA's buckets (benchmarks/RESULTS_gpu.md, H200): in a
+    # training step on rows of 4,096 it ran 0.90x torch's varlen_attn, so it takes the calls varlen kernels cannot
+    # (softcap, sinks, ALiBi, float32 compute), where the alternative is SDPA's or eager's buckets. Not on the CPU:
+    # torch has no flex backward there.
+    automatic_device_types=COMPILE_DEVICE_TYPES,
 )

@@ -1,21 +1,47 @@
 """The one table of packed attention backends, and the choice among them.
 
-Each backend module declares one :class:`~unpack_trainer.patches.attention._common.AttentionBackend` record (its name,
-what it can apply, why it cannot run for a device and compute dtype, its forward and branched forward); this module
-lists them once, in the order the automatic choice prefers them. Adding a backend is one new module and one entry in
-:data:`REGISTRY`.
+A packed batch holds several samples per row. Stock transformers (5.x) turns packed ``position_ids`` into a dense
+``(T, T)`` block-causal mask for SDPA and eager, so attention costs ``O(T**2)`` time and memory whatever the samples.
+This package computes the same result from the per-sample lengths, one module per backend (its docstring says what it
+runs and how it applies each feature). Each declares one :class:`~unpack_trainer.patches.attention._common.AttentionBackend`
+record: its name, what it can apply beyond causal attention (``capabilities``), the optional kernel it runs and what
+else it requires of a device, its forward and branched forward. :data:`REGISTRY` lists them once, in the order the
+automatic choice prefers them. Adding a backend is one new module and one entry in :data:`REGISTRY`; ``unpack-trainer
+env`` and the choice read everything else from the record.
+
+Worked example, one row of two samples of lengths 3 and 2::
+
+    position_ids        [[0, 1, 2, 0, 1]]
+    packed_seq_lengths  [3, 2]          int32
+    cu_seqlens          [0, 3, 5]       int32
+    max_seqlen          3
+
+Sliding-window attention (a query at position ``i`` sees keys ``j`` with ``i - sliding_window < j <= i``, as in
+transformers' masks), grouped-query attention (``num_kv_heads`` dividing ``num_heads``), any ``scaling`` and a value
+head dim different from the query head dim (MLA) work on every backend. What a backend cannot apply (a feature outside
+its ``capabilities``, a head dim outside its ``min_head_dim`` .. ``max_head_dim``; flex only on the devices of its ``automatic_device_types``) the automatic choice hands to one that can (logged once).
+
+Under ``torch.autocast`` attention computes in the autocast dtype: float32 q / k / v are cast to it and the backend
+is chosen for it (:func:`compute_dtype`).
+
+``UNPACK_ATTENTION_BACKEND=<name>`` forces a backend; asking for one that cannot run, or that cannot apply what the
+model asks for, is an error naming the variable. So is a ``backend=`` argument that cannot apply it (as transformers'
+own ``sdpa_attention_forward`` refuses ``softcap``).
+
+The packing metadata is computed once per forward on the CPU (:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`);
+each backend caches the index tensors it derives from it on that object (``PackedSeqInfo.plan``, one namespace per
+backend), so no layer synchronises with the device.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, MutableMapping
 from typing import NamedTuple
 
 import torch
 
 from unpack_trainer.patches.attention import eager, flash, flex, sdpa, torch_varlen, xformers
-from unpack_trainer.patches.attention._common import FEATURE_NAMES, AttentionBackend, BackendFunction
+from unpack_trainer.patches.attention._common import FEATURE_NAMES, AttentionBackend
 
 __all__ = [
     "BACKENDS",
@@ -27,6 +53,7 @@ __all__ = [
     "choose_backend",
     "compute_dtype",
     "features",
+    "fallback_for",
     "missing_features",
 ]
 
@@ -44,29 +71,6 @@ REGISTRY: dict[str, AttentionBackend] = {
 }
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 ENV_BACKEND = "UNPACK_ATTENTION_BACKEND"
-
-
-class _ForwardTable(MutableMapping):
-    """The registry's forwards by name, for spies (tests, :mod:`unpack_trainer.models.coverage`): setting an entry
-    replaces that record's ``forward``; the dispatch always calls ``REGISTRY[name].forward``."""
-
-    def __getitem__(self, name: str) -> BackendFunction:
-        return REGISTRY[name].forward
-
-    def __setitem__(self, name: str, function: BackendFunction) -> None:
-        REGISTRY[name] = REGISTRY[name]._replace(forward=function)
-
-    def __delitem__(self, name: str) -> None:
-        raise TypeError("backends are removed from REGISTRY, not from their forwards")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(REGISTRY)
-
-    def __len__(self) -> int:
-        return len(REGISTRY)
-
-
-_BACKEND_FUNCTIONS = _ForwardTable()
 
 
 def compute_dtype(
@@ -114,13 +118,29 @@ class BackendChoice(NamedTuple):
         return f"{self.name} ({self.reason})"
 
 
-def missing_features(backend: str, wanted: frozenset[str], head_dim: int | None) -> list[str]:
-    """What ``backend`` cannot apply of ``wanted`` (keys of :data:`FEATURE_NAMES`) and ``head_dim``, described."""
+def missing_features(
+    backend: str, wanted: frozenset[str], head_dim: int | None, min_head_dim: int | None = None
+) -> list[str]:
+    """What ``backend`` cannot apply of ``wanted`` (keys of :data:`FEATURE_NAMES`), of ``head_dim`` (the largest
+    query / value head dim) and of ``min_head_dim`` (the smallest; ``None``: the same as ``head_dim``), described."""
     record = REGISTRY[backend]
     missing = [FEATURE_NAMES[name] for name in sorted(wanted - record.capabilities)]
     if record.max_head_dim is not None and head_dim is not None and head_dim > record.max_head_dim:
         missing.append(f"head_dim {head_dim} (its kernel takes at most {record.max_head_dim})")
+    smallest = head_dim if min_head_dim is None else min_head_dim
+    if record.min_head_dim is not None and smallest is not None and smallest < record.min_head_dim:
+        missing.append(f"head_dim {smallest} (its kernel takes at least {record.min_head_dim})")
     return missing
+
+
+def fallback_for(wanted: frozenset[str]) -> AttentionBackend:
+    """The first backend of :data:`REGISTRY` that runs wherever torch does (no optional kernel, no requirement) and
+    applies ``wanted``: where a kernel hands over what it cannot take (a sample past its 32-bit offsets)."""
+    return next(
+        record
+        for record in REGISTRY.values()
+        if record.kernel is None and record.requires is None and not missing_features(record.name, wanted, None)
+    )
 
 
 def features(
@@ -139,6 +159,7 @@ def check_explicit_backend(
     head_dim: int | None,
     *,
     from_env: bool,
+    min_head_dim: int | None = None,
 ) -> None:
     """Refuse a backend the user named (``UNPACK_ATTENTION_BACKEND`` when ``from_env``, else a ``backend=``
     argument) that does not exist, cannot apply what the call asks for, or cannot run on ``device`` computing in
@@ -149,9 +170,9 @@ def check_explicit_backend(
         named, fix = f"Packed attention backend={backend!r}", "backend=None to choose one that can"
     if backend not in REGISTRY:
         raise ValueError(f"{named} is not a packed attention backend; choose one of {', '.join(BACKENDS)}.")
-    missing = missing_features(backend, wanted, head_dim)
+    missing = missing_features(backend, wanted, head_dim, min_head_dim)
     if missing:
-        able = [repr(name) for name in BACKENDS if not missing_features(name, wanted, head_dim)]
+        able = [repr(name) for name in BACKENDS if not missing_features(name, wanted, head_dim, min_head_dim)]
         raise ValueError(f"{named} cannot apply {' and '.join(missing)}; use {' or '.join(able)}, or {fix}.")
     reason = backend_unavailable_reason(backend, device, dtype)
     if reason is not None:
@@ -168,6 +189,7 @@ def choose_backend(
     dropout: bool = False,
     head_dim: int | None = None,
     alibi: bool = False,
+    min_head_dim: int | None = None,
     bidirectional: bool = False,
 ) -> BackendChoice:
     """Which backend packed attention uses for inputs on ``device`` computing in ``dtype``.
@@ -184,13 +206,16 @@ def choose_backend(
         softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
         head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
         alibi: whether the call adds ALiBi position biases (bloom, mpt).
+        min_head_dim: the smaller of the query and value head dims (compiled flex takes 16 or more); ``None``: the
+            same as ``head_dim``.
         bidirectional: whether some tokens attend to each other both ways (``PackedSeqInfo.bidirectional_spans``:
             Gemma 3's image tokens); the varlen kernels cannot apply it.
     """
     wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi, bidirectional=bidirectional)
+    device = torch.device(device)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced:
-        check_explicit_backend(forced, device, dtype, wanted, head_dim, from_env=True)
+        check_explicit_backend(forced, device, dtype, wanted, head_dim, from_env=True, min_head_dim=min_head_dim)
         return BackendChoice(forced, f"forced by {ENV_BACKEND}")
     if original_implementation == "eager":
         return BackendChoice("eager", "the model was loaded with attn_implementation='eager'")
@@ -198,11 +223,13 @@ def choose_backend(
     for record in REGISTRY.values():
         if not record.automatic:
             continue
+        if record.automatic_device_types is not None and device.type not in record.automatic_device_types:
+            continue
         reason = record.unavailable_reason(torch.device(device), dtype)
         if reason is not None:
             skipped.append(reason)
             continue
-        missing = missing_features(record.name, wanted, head_dim)
+        missing = missing_features(record.name, wanted, head_dim, min_head_dim)
         if missing:
             skipped.append(f"{record.name} cannot apply {' and '.join(missing)}")
             continue

@@ -13,21 +13,14 @@ the host stays ahead of the GPU.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, repeat_heads, tokens_major
-from unpack_trainer.patches.attention.bucket_masks import (
-    alibi_bias,
-    band_mask,
-    bidirectional_mask,
-    branch_mask,
-    branched_buckets,
-)
+from unpack_trainer.patches.attention._common import CallOptions, bucket_backend, repeat_heads, tokens_major
+from unpack_trainer.patches.attention.bucket_masks import alibi_bias, band_mask, bidirectional_mask, branch_mask
 from unpack_trainer.patches.buckets import (
     Bucket,
     BucketPlan,
@@ -39,7 +32,7 @@ from unpack_trainer.patches.buckets import (
 
 __all__ = ["BACKEND"]
 
-# Device types whose bucket calls run without cuDNN attention (tests add "cpu").
+# Device types whose bucket calls run without cuDNN attention.
 NO_CUDNN_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
@@ -69,17 +62,6 @@ def _planless_kernels(device: torch.device) -> contextlib.AbstractContextManager
     return sdpa_kernel(enabled) if enabled else contextlib.nullcontext()
 
 
-@functools.cache
-def _sdpa_supports_gqa() -> bool:
-    """Whether this torch's SDPA takes ``enable_gqa`` (probed once on a tiny CPU input)."""
-    try:
-        probe = torch.zeros(1, 2, 1, 4)
-        F.scaled_dot_product_attention(probe, probe[:, :1], probe[:, :1], enable_gqa=True)
-    except (TypeError, RuntimeError):
-        return False
-    return True
-
-
 def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions) -> Tensor:
     """Per-sample causal attention through ``F.scaled_dot_product_attention``, one call per bucket of similar lengths.
 
@@ -88,7 +70,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     bucket is a padded ``(n, num_heads, L, head_dim)`` batch, padding after each sample's tokens where no real query
     sees it (cached under ``"buckets"``).
 
-    GQA: ``enable_gqa`` where this torch has it and the bucket runs ``is_causal``, else each kv head repeated
+    GQA: ``enable_gqa`` where the bucket runs ``is_causal``, else each kv head repeated
     ``num_heads // num_kv_heads`` times. Window ``w``: a ``(L, L)`` band mask ``i - w < j <= i`` on each bucket longer
     than ``w`` (a shorter one stays ``is_causal``). Dropout: SDPA's ``dropout_p``. Softcap, sinks: refused. No query
     row is fully masked (each sees itself, padded ones included). ALiBi: a float ``(num_heads, L, L)`` mask of the
@@ -138,7 +120,7 @@ def _bucket_attention(
         mask = band_mask(info, bucket.length, window, q.device)
     extra = {}
     if heads_per_kv > 1:
-        if mask is None and _sdpa_supports_gqa():
+        if mask is None:
             extra["enable_gqa"] = True
         else:
             k, v = repeat_heads(k, heads_per_kv), repeat_heads(v, heads_per_kv)
@@ -147,10 +129,4 @@ def _bucket_attention(
     )
 
 
-BACKEND = AttentionBackend(
-    name="sdpa",
-    capabilities=frozenset({"dropout", "alibi", "bidirectional"}),
-    unavailable_reason=lambda device, dtype: None,
-    forward=forward,
-    branched_forward=branched_buckets(buckets_forward),
-)
+BACKEND = bucket_backend("sdpa", frozenset({"dropout", "alibi", "bidirectional"}), forward, buckets_forward)

@@ -3,7 +3,6 @@ newer, float16 / bfloat16; no extra install)."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -13,26 +12,10 @@ import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import (
-    AttentionBackend,
-    CallOptions,
-    kernel_unavailable_reason,
-    optional_kernel,
-)
-from unpack_trainer.patches.attention._varlen import MAX_HEAD_DIM, varlen_forward, varlen_window
+from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel
+from unpack_trainer.patches.attention._varlen import MAX_HEAD_DIM, fallback_of, varlen_forward, varlen_window
 
-__all__ = ["BACKEND", "kernel"]
-
-# The dtypes its kernel takes. Tests extend it to run stand-in kernels in float32.
-DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def kernel() -> Callable[..., Tensor] | None:
-    """``torch.nn.attention.varlen.varlen_attn`` when this torch has it (2.10 and later), else ``None``."""
-    return optional_kernel(
-        "torch.nn.attention.varlen", lambda: importlib.import_module("torch.nn.attention.varlen").varlen_attn
-    )
+__all__ = ["BACKEND"]
 
 
 def _takes_enable_gqa(kernel: Callable[..., Any]) -> bool:
@@ -44,7 +27,7 @@ def _takes_enable_gqa(kernel: Callable[..., Any]) -> bool:
         return False
 
 
-def _cuda_flash_unsupported_reason(device: torch.device) -> str | None:
+def _cuda_flash_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why torch's own flash kernel cannot run on ``device``: a torch built without it, or a GPU older than sm80."""
     if device.type != "cuda":
         return None
@@ -59,21 +42,6 @@ def _cuda_flash_unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why torch's ``varlen_attn`` cannot run on ``device`` / ``dtype``: this torch lacks it, not CUDA, not float16 /
-    bfloat16, or a GPU / build without torch's flash kernel."""
-    reason = kernel_unavailable_reason(
-        kernel(),
-        device,
-        dtype,
-        name="torch's varlen_attn",
-        not_installed="this torch has no torch.nn.attention.varlen.varlen_attn (torch 2.10 or later)",
-        dtypes=DTYPES,
-        dtype_problem="{name} needs float16 or bfloat16, the model computes in {dtype}",
-    )
-    return reason or _cuda_flash_unsupported_reason(device)
-
-
 def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions) -> Tensor:
     """PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10 or later, CUDA sm80 or newer).
 
@@ -86,7 +54,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     ``num_heads // num_kv_heads`` times. Window ``w`` (keys ``i - w < j <= i``): ``window_size=(w - 1, 0)``; causal
     is ``(-1, 0)``. Softcap, sinks, dropout: refused (the kernel has none of them). No query row is fully masked.
     """
-    varlen_attn = kernel()
+    varlen_attn = options.kernel
     heads_per_kv = query.shape[1] // key.shape[1]
     grouped = heads_per_kv > 1 and _takes_enable_gqa(varlen_attn)
     kernel_options: dict[str, Any] = {
@@ -102,13 +70,21 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kernel_options)
 
     # torch's flash kernel asserts head_dim % 8 == 0 (flash-attn's Python wrapper pads for us).
-    return varlen_forward(call, "torch varlen_attn", query, key, value, info, options, head_dim_multiple=8)
+    return varlen_forward(
+        call, "torch varlen_attn", query, key, value, info, head_dim_multiple=8, fallback=fallback_of(options)
+    )
 
 
 BACKEND = AttentionBackend(
     name="torch_varlen",
     capabilities=frozenset(),
-    unavailable_reason=unavailable_reason,
     forward=forward,
+    kernel=OptionalKernel(
+        name="torch's varlen_attn",
+        load=lambda: importlib.import_module("torch.nn.attention.varlen").varlen_attn,
+        not_installed="this torch has no torch.nn.attention.varlen.varlen_attn (torch 2.10 or later)",
+        dtypes=(torch.float16, torch.bfloat16),
+    ),
+    requires=_cuda_flash_unsupported_reason,
     max_head_dim=MAX_HEAD_DIM,
 )

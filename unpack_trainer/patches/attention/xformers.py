@@ -3,7 +3,6 @@ float16 / bfloat16 / float32)."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from typing import Any
@@ -12,45 +11,17 @@ import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import (
-    AttentionBackend,
-    CallOptions,
-    kernel_unavailable_reason,
-    optional_kernel,
-    tokens_major,
-)
+from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
 
-__all__ = ["BACKEND", "fmha"]
-
-# The dtypes its kernel takes.
-DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = ["BACKEND"]
 
 
-@functools.cache
-def fmha() -> Any:
-    """``xformers.ops.fmha`` when xformers imports, else ``None`` (imported on first use)."""
-    return optional_kernel("xformers", lambda: importlib.import_module("xformers.ops.fmha"))
-
-
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why xformers cannot run on ``device`` / ``dtype``: not installed, not CUDA, a dtype it does not take."""
-    return kernel_unavailable_reason(
-        fmha(),
-        device,
-        dtype,
-        name="xformers",
-        not_installed="xformers is not installed (pip install xformers)",
-        dtypes=DTYPES,
-        dtype_problem="{name} does not support {dtype}",
-    )
-
-
-def attn_bias(info: PackedSeqInfo, sliding_window: int | None, device: torch.device) -> Any:
+def attn_bias(fmha: Any, info: PackedSeqInfo, sliding_window: int | None, device: torch.device) -> Any:
     """The xformers ``BlockDiagonalCausalMask`` for these samples (made local for a sliding window that binds), built
     once per batch, window and device."""
 
     def build() -> Any:
-        mask_cls = fmha().attn_bias.BlockDiagonalCausalMask
+        mask_cls = fmha.attn_bias.BlockDiagonalCausalMask
         seqlens = info.seq_lengths.tolist()
         if "device" in inspect.signature(mask_cls.from_seqlens).parameters:
             bias = mask_cls.from_seqlens(seqlens, device=device)
@@ -77,14 +48,14 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     batch_size, num_heads, seq_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     heads_per_kv = num_heads // num_kv_heads
-    xformers_fmha = fmha()
+    xformers_fmha = options.kernel
     total_tokens = batch_size * seq_len
     q, k, v = (tokens_major(x).contiguous().unsqueeze(0) for x in (query, key, value))  # (1, total_tokens, H, D)
     if heads_per_kv > 1:
         q = q.reshape(1, total_tokens, num_kv_heads, heads_per_kv, head_dim)
         k = k.unsqueeze(3).expand(1, total_tokens, num_kv_heads, heads_per_kv, head_dim)
         v = v.unsqueeze(3).expand(1, total_tokens, num_kv_heads, heads_per_kv, v.shape[-1])
-    bias = attn_bias(info, options.sliding_window, query.device)
+    bias = attn_bias(xformers_fmha, info, options.sliding_window, query.device)
     out = xformers_fmha.memory_efficient_attention(q, k, v, attn_bias=bias, p=options.dropout, scale=options.scaling)
     return out.reshape(batch_size, seq_len, num_heads, -1)
 
@@ -92,6 +63,13 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 BACKEND = AttentionBackend(
     name="xformers",
     capabilities=frozenset({"dropout"}),
-    unavailable_reason=unavailable_reason,
     forward=forward,
+    kernel=OptionalKernel(
+        name="xformers",
+        load=lambda: importlib.import_module("xformers.ops.fmha"),
+        not_installed="xformers is not installed (pip install xformers)",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        dtype_problem="{name} does not support {dtype}",
+        distributions=("xformers",),
+    ),
 )

@@ -1,37 +1,40 @@
 """Attention that the extension points do not reach: the ALiBi families (bloom, mpt) compute attention in their own
 ``forward``, not through ``ALL_ATTENTION_FUNCTIONS``, and add ALiBi position biases.
 
-For these classes (:data:`PACKED_FORWARDS`, looked up along the class's MRO) the patch replaces the class's
-``forward`` with one that, inside a packed forward of a patched model, computes q, k, v exactly as the model does and
-hands them to :func:`unpack_trainer.patches.attention.packed_attention_forward` with the model's own ALiBi slopes
+For these classes (:data:`PACKED_FORWARDS`, looked up along the class's MRO) the fix gives each attention module a
+``forward`` of its own (an instance attribute, as a patched token mixer has) that, inside a packed forward of its
+decoder, computes q, k, v exactly as the model does and hands them to
+:func:`unpack_trainer.patches.attention.packed_attention_forward` with the model's own ALiBi slopes
 (``alibi_slopes``: the bias counts distance within each sample, as for the sample alone; SDPA buckets, eager or
-flash-attn's ``alibi_slopes``), then applies the model's own output projection. Every other call (an unpatched
-model, a padded batch, generation with a cache) runs the original ``forward``. The slopes are read from the ALiBi
-tensor the model passes its attention (no copy of the formulas): adjacent keys differ by one slope, and one of the
-two entries read is an exact 0.
+flash-attn's ``alibi_slopes``), then applies the model's own output projection. Their decoders hand the attention no
+keyword arguments: the packed forward is the one running on the decoder's state, reached from the module's
+:class:`~unpack_trainer.models.state.AttentionState`. Every other call (a padded batch, generation with a cache) runs
+the class's ``forward``. The slopes are read from the ALiBi tensor the model passes its attention (no copy of the
+formulas): adjacent keys differ by one slope, and one of the two entries read is an exact 0. Their decoders use the
+mask as a tensor (mpt: ``.to(torch.bool)``), so the mask function gives them a placeholder their packed attention
+ignores.
 
 These models have only transformers' eager attention, so the packed path chooses its backend automatically
 (``UNPACK_ATTENTION_BACKEND`` forces one). ``output_attentions=True`` on a packed batch is refused (the packed path
 returns no weights and the model has no exact dense packed path to hand over to).
+
+Their ``*ForCausalLM`` forwards hand the decoder only its named arguments, dropping the packing keywords:
+:mod:`unpack_trainer.models.fixes.outer_carry` carries them.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.state import attention_state
 from unpack_trainer.patches.attention import packed_attention_forward
-from unpack_trainer.patches.masks import current_packed_info
 
-__all__ = ["PACKED_FORWARDS", "packed_forward_for", "patch_attention_class", "unpatch_attention_class"]
-
-# The attribute a patched attention module carries: the config of its patched decoder (whose packed forwards it
-# joins). A module without it runs the original forward.
-CONFIG_ATTRIBUTE = "_unpack_packed_config"
+__all__ = ["FIX", "PACKED_FORWARDS", "packed_forward_for"]
 
 
 def _alibi_context(
@@ -143,55 +146,52 @@ def packed_forward_for(cls: type) -> Callable[..., Any] | None:
     return None if owner is None else PACKED_FORWARDS[f"{owner.__module__}.{owner.__qualname__}"]
 
 
-# owner class -> its original forward, and the modules currently patched.
-_originals: dict[type, Callable[..., Any]] = {}
-_users: dict[type, weakref.WeakSet] = {}
+class _PackedForward:
+    """Installed as an attention module's ``forward`` (an instance attribute): its class's packed forward inside a
+    packed forward of its decoder, else the class's own ``forward``."""
 
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.packed = packed_forward_for(type(module))
 
-def _routing_forward(original: Callable[..., Any], packed: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        config = self.__dict__.get(CONFIG_ATTRIBUTE)
-        info = current_packed_info(config) if config is not None else None
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = attention_state(self.module)
+        info = None if state is None else state.decoder.attention_info()
         if info is None:
-            return original(self, *args, **kwargs)
-        return packed(self, *args, packed_seq_info=info, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.packed(self.module, *args, packed_seq_info=info, **kwargs)
 
-    forward.__wrapped__ = original  # type: ignore[attr-defined]
-    forward.__doc__ = original.__doc__
-    return forward
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module}
 
-
-def patch_attention_class(module: torch.nn.Module, config: Any) -> None:
-    """Route ``module``'s packed forwards (those of the decoder with ``config``) through its class's packed forward.
-
-    The class's ``forward`` is replaced on the first such module (unpatched modules of the class still run the
-    original) and restored when the last one is unpatched or collected (:func:`unpatch_attention_class`)."""
-    owner = _owner(type(module))
-    if owner is None:
-        raise TypeError(f"{type(module).__name__} has no packed forward in unpack_trainer.models.alibi")
-    if owner not in _originals:
-        _originals[owner] = owner.forward
-        packed = PACKED_FORWARDS[f"{owner.__module__}.{owner.__qualname__}"]
-        owner.forward = _routing_forward(_originals[owner], packed)
-    module.__dict__[CONFIG_ATTRIBUTE] = config
-    users = _users.setdefault(owner, weakref.WeakSet())
-    if module not in users:
-        users.add(module)
-        weakref.finalize(module, _release, owner)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["module"])
 
 
-def unpatch_attention_class(module: torch.nn.Module) -> None:
-    """Undo :func:`patch_attention_class` on ``module`` (a no-op when it is not patched)."""
-    module.__dict__.pop(CONFIG_ATTRIBUTE, None)
-    owner = _owner(type(module))
-    if owner is not None and owner in _users:
-        _users[owner].discard(module)
-        _release(owner)
+def _own_forward_modules(site: FixSite) -> list[torch.nn.Module]:
+    return [module for module in site.decoder.attention if packed_forward_for(type(module)) is not None]
 
 
-def _release(owner: type) -> None:
-    users = _users.get(owner)
-    if users is not None and next(iter(users), None) is not None:  # iterating skips modules being collected
-        return
-    if owner in _originals:
-        owner.forward = _originals.pop(owner)
+def _applies(site: FixSite) -> str | None:
+    modules = _own_forward_modules(site)
+    if not modules or not site.state.attention:
+        return None
+    return f"its attention ({type(modules[0]).__name__}) computes attention and ALiBi in its own forward"
+
+
+def _install(site: FixSite) -> None:
+    for module in _own_forward_modules(site):
+        module.__dict__["forward"] = _PackedForward(module)
+    # Their decoders use the mask as a tensor (mpt: .to(torch.bool)); their packed attention ignores it.
+    site.state.mask_placeholder = torch.zeros((1, 1, 1, 1), dtype=torch.bool)
+    site.state.no_dense_path = "its attention applies ALiBi over the whole row"
+
+
+def _remove(site: FixSite) -> None:
+    for module in site.module.modules():
+        if isinstance(module.__dict__.get("forward"), _PackedForward):
+            del module.__dict__["forward"]
+    site.state.mask_placeholder = None
+
+
+FIX = Fix("alibi", _applies, _install, _remove)

@@ -1,5 +1,5 @@
 """A packed forward of a patched ``*ForSequenceClassification`` model scores each sequence at its own last non-pad
-token (unpack_trainer.models.classification_head): packed scores == each sequence padded / alone (fp32 1e-5), plain
+token (unpack_trainer.models.fixes.classification_head): packed scores == each sequence padded / alone (fp32 1e-5), plain
 and branched rows, on decoders written like ``GenericForSequenceClassification`` and on GPT-2 / GPT-NeoX / OPT's own
 classes; a model whose score cannot be read per sequence refuses a packed forward with the reason."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unpack_trainer.models import patch_model, unpatch_model
-from unpack_trainer.models.classification_head import find_score_head, score_head_refusal
+from unpack_trainer.models.fixes.classification_head import find_score_head, score_head_refusal
 from unpack_trainer.models.tiny import tiny_config
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 

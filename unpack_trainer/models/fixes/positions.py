@@ -18,21 +18,25 @@ Worked example, ``padding_idx`` 1, one row of the samples ``[5, 6, 7]`` and ``[8
     given to the embeddings     [[2, 3, 4, 2, 1, 3]]
 
 Found from the structure (:func:`own_position_embeddings`): a module of the decoder with an integer ``padding_idx``, a
-``create_position_ids_from_input_ids`` method and a ``forward`` that takes ``position_ids``.
+``create_position_ids_from_input_ids`` method and a ``forward`` that takes ``position_ids``. A forward pre-hook on each
+computes, inside a packed forward of its decoder (the one running on the decoder's state), the positions of its own
+``input_ids`` (or ``inputs_embeds``) and puts them in place of the ``position_ids`` it is given.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from typing import Any
 
 import torch
 
+from unpack_trainer._compat import remove_hook
+from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.state import DecoderState
 from unpack_trainer.packed_seq_info import PackedSeqInfo, restart_positions
 
-__all__ = ["POSITIONS_ATTRIBUTE", "own_position_embeddings", "sample_positions"]
-
-# On an embeddings module during a packed forward: the (B, T) positions its next forward uses (popped by its hook).
-POSITIONS_ATTRIBUTE = "_unpack_sample_positions"
+__all__ = ["FIX", "own_position_embeddings", "sample_positions"]
 
 
 def own_position_embeddings(decoder: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -58,7 +62,7 @@ def _layout(units: PackedSeqInfo, device: torch.device) -> tuple[torch.Tensor, t
     lengths = units.seq_lengths.to(torch.int64)
     rows = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int64), lengths)
     cols = restart_positions(units.seq_lengths, units.cu_seqlens)
-    return rows.to(device), cols.to(device)
+    return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
 
 def sample_positions(
@@ -88,7 +92,7 @@ def sample_positions(
     device = reference.device
     if info.is_branched:
         units, gather, owner = info.branch_units()
-        gather, owner = gather.to(device), owner.to(device)
+        gather, owner = gather.to(device, non_blocking=True), owner.to(device, non_blocking=True)
     else:
         units, gather, owner = info, None, None
     rows, cols = info.plan("sample_positions", device, lambda: _layout(units, device))
@@ -107,3 +111,51 @@ def sample_positions(
     if owner is not None:
         slots = slots[owner]
     return slots.view(info.batch_size, info.seq_len)
+
+
+# embeddings class -> the names of its forward's parameters.
+_parameters: dict[type, list[str]] = {}
+
+
+def _positions_pre_hook(state: DecoderState, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """On an embeddings module that numbers tokens itself: inside a packed forward of its decoder, the positions each
+    sample gets alone replace the restarting ``position_ids``; otherwise nothing."""
+    info = state.running
+    if info is None:
+        return None
+    names = _parameters.get(type(module))
+    if names is None:
+        names = _parameters[type(module)] = list(inspect.signature(module.forward).parameters)
+    bound = {**dict(zip(names, args)), **kwargs}
+    positions = sample_positions(
+        module, info, input_ids=bound.get("input_ids"), inputs_embeds=bound.get("inputs_embeds")
+    )
+    index = names.index("position_ids")
+    if len(args) > index:
+        return (*args[:index], positions, *args[index + 1 :]), kwargs
+    return args, {**kwargs, "position_ids": positions}
+
+
+def _applies(site: FixSite) -> str | None:
+    found = own_position_embeddings(site.module)
+    if not found:
+        return None
+    return f"its embeddings ({type(found[0][1]).__name__}) number tokens from padding_idx + 1 themselves"
+
+
+def _install(site: FixSite) -> None:
+    hooks = []
+    for name, embeddings in own_position_embeddings(site.module):
+        hook = embeddings.register_forward_pre_hook(
+            functools.partial(_positions_pre_hook, site.state), with_kwargs=True
+        )
+        hooks.append((name, hook.id))
+    site.state.undo["positions"] = hooks
+
+
+def _remove(site: FixSite) -> None:
+    for name, hook_id in site.state.undo.pop("positions", ()):
+        remove_hook(site.module.get_submodule(name), hook_id)
+
+
+FIX = Fix("positions", _applies, _install, _remove)

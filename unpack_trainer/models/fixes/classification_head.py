@@ -25,9 +25,9 @@ whatever the model does to the hidden states before its head (a norm, dropout) s
 sequence replaces the forward's ``logits``. A head that is not applied to every token of the packed row (a model that
 pools before its head) is refused at that forward, with the reason.
 
-[`install_score_hooks`] (called by :func:`unpack_trainer.models.patch_model` on such a model) installs this; a model
-whose head is not found gets a hook that refuses every packed forward instead, with the reason, so that no packed
-forward pools the wrong token. Unpacked forwards run exactly as before.
+The fix (:data:`FIX`, installed by :func:`unpack_trainer.models.patch_model` on such a model: [`install_score_hooks`])
+installs this; a model whose head is not found gets a hook that refuses every packed forward instead, with the reason,
+so that no packed forward pools the wrong token. Unpacked forwards run exactly as before.
 """
 
 from __future__ import annotations
@@ -40,19 +40,22 @@ from typing import Any
 import torch
 
 from unpack_trainer._compat import cache_argument, cache_length
-from unpack_trainer.models.undo import add_undo
+from unpack_trainer.models.discovery import _code_names, unwrapped
+from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.packed_seq_info import (
     CU_SEQ_LENS_Q_KEY,
+    INFO_KEY,
     MAX_LENGTH_Q_KEY,
     PACKED_INPUT_IDS_KEY,
     PACKED_POSITION_IDS_KEY,
     SCORE_ORDER_KEY,
     SEQ_LENGTHS_KEY,
     SEQ_PARENTS_KEY,
+    detect_packed,
 )
-from unpack_trainer.patches.masks import detect_packed
 
 __all__ = [
+    "FIX",
     "ScoreHead",
     "find_score_head",
     "install_score_hooks",
@@ -60,8 +63,6 @@ __all__ = [
     "score_head_refusal",
     "score_token_index",
 ]
-
-_HOOKS_ATTRIBUTE = "_unpack_score_hooks"  # on the model: the _ScoreHooks installed
 
 
 def is_sequence_classifier(model: torch.nn.Module) -> bool:
@@ -107,8 +108,6 @@ def _linear_of(module: torch.nn.Module) -> torch.nn.Linear | None:
 def _reads_pad_token_id(cls: type) -> bool:
     """Whether ``cls.forward`` (the one that runs, unwrapped from its decorators) reads an attribute named
     ``pad_token_id``."""
-    from unpack_trainer.models.discovery import _code_names, unwrapped
-
     code = getattr(unwrapped(getattr(cls, "forward", None), "forward"), "__code__", None)
     return code is not None and "pad_token_id" in _code_names(code)
 
@@ -269,6 +268,7 @@ class _ScoreHooks:
             max_length_q=kwargs.get(MAX_LENGTH_Q_KEY),
             position_ids=kwargs.get("position_ids"),
             attention_mask=kwargs.get("attention_mask"),
+            packed_seq_info=kwargs.get(INFO_KEY),
         )
         if info is None:
             if packed_ids is not None or order is not None:
@@ -332,17 +332,12 @@ class _ScoreHooks:
         return call
 
 
-def _remove_score_hooks(model: torch.nn.Module) -> None:
-    if model.__dict__.pop(_HOOKS_ATTRIBUTE, None) is not None:
-        model.__dict__.pop("forward", None)
-
-
 def install_score_hooks(model: torch.nn.Module) -> ScoreHead | None:
     """Make a packed forward of ``model`` (a sequence-classification ``PreTrainedModel``) return one score per scored
-    sequence, or refuse it with the reason; idempotent; undone by :func:`unpack_trainer.models.unpatch_model`. Any
-    other model is left as it is (``None``).
+    sequence, or refuse it with the reason (``model.forward`` wrapped on the instance; :data:`FIX`'s ``remove`` takes
+    it off). Any other model is left as it is (``None``).
 
-    A packed forward is one the patch's detector calls packed (:func:`unpack_trainer.patches.masks.detect_packed`:
+    A packed forward is one the patch's detector calls packed (:func:`unpack_trainer.packed_seq_info.detect_packed`:
     ``packed_seq_lengths`` / ``cu_seq_lens_q`` (with ``packed_seq_parents``), or ``position_ids`` restarting inside a
     row), on ``input_ids`` ``(B, T)``; or a packed row next to a padded view of the same sequences: ``input_ids`` /
     ``attention_mask`` the view (not run), ``packed_input_ids`` / ``packed_position_ids`` ``(1, T)`` the row, with its
@@ -357,9 +352,6 @@ def install_score_hooks(model: torch.nn.Module) -> ScoreHead | None:
     """
     if not is_sequence_classifier(model):
         return None
-    installed = model.__dict__.get(_HOOKS_ATTRIBUTE)
-    if installed is not None:
-        return installed.head
     try:
         head, refusal = find_score_head(model), None
     except ValueError as error:
@@ -386,6 +378,23 @@ def install_score_hooks(model: torch.nn.Module) -> ScoreHead | None:
         return hooks.after(self, args, kwargs, output)
 
     model.forward = forward.__get__(model)
-    model.__dict__[_HOOKS_ATTRIBUTE] = hooks
-    add_undo(model, _remove_score_hooks)
     return head
+
+
+def _applies(site: FixSite) -> str | None:
+    if not is_sequence_classifier(site.model):
+        return None
+    return "a sequence classifier scores one token per row, not one per packed sequence"
+
+
+def _install(site: FixSite) -> None:
+    install_score_hooks(site.model)
+    site.state.undo["classification_head"] = True
+
+
+def _remove(site: FixSite) -> None:
+    if site.state.undo.pop("classification_head", False):
+        site.model.__dict__.pop("forward", None)
+
+
+FIX = Fix("classification_head", _applies, _install, _remove, per_model=True)

@@ -1,0 +1,115 @@
+"""unpack_trainer/models/routing.py: the mask function registered for transformers (no mask inside a packed forward
+of its decoders, the original implementation's mask otherwise) and the registration it lives in."""
+
+import copy
+import types
+import weakref
+
+import pytest
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from unpack_trainer.models.routing import make_mask_function
+from unpack_trainer.models.state import DecoderState
+from unpack_trainer.packed_seq_info import PackedSeqInfo
+
+
+def state_of(config=None):
+    """The state of a decoder routed under a test name: only ``config`` and the running forward are read."""
+    return DecoderState("test", "sdpa", True, True, config=config if config is not None else types.SimpleNamespace())
+
+
+def info_of(lengths):
+    return PackedSeqInfo.from_seq_lengths(torch.tensor(lengths), batch_size=1, seq_len=sum(lengths))
+
+
+@pytest.fixture
+def original_mask(monkeypatch):
+    """A mask function registered in transformers' class-wide mapping under a test name; records its calls."""
+    calls = []
+
+    def mask(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "original mask"
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "unpack_test_original", mask)
+    return calls
+
+
+def test_mask_function_calls_its_fallback():
+    """Registered under transformers' own name in place of a per-instance function, it falls back to that one."""
+    calls = []
+    state = state_of()
+    function = make_mask_function(
+        "sdpa", [weakref.ref(state)], fallback=lambda *args, **kwargs: calls.append(kwargs) or "fallback mask"
+    )
+    config = types.SimpleNamespace()
+    assert function(config=config) == "fallback mask" and calls == [{"config": config}]
+
+
+def test_mask_function_calls_the_original_outside_a_packed_forward(original_mask):
+    state = state_of()
+    function = make_mask_function("unpack_test_original", [weakref.ref(state)])
+    assert function.original_implementation == "unpack_test_original"
+    config = types.SimpleNamespace()
+    assert function(1, 2, config=config, flag=True) == "original mask"
+    assert original_mask == [((1, 2), {"config": config, "flag": True})]
+
+
+def test_mask_function_builds_no_mask_inside_a_packed_forward(original_mask):
+    state = state_of()
+    function = make_mask_function("unpack_test_original", [weakref.ref(state)])
+    state.running = info_of([3, 2])
+    assert function(config=state.config) is None
+    assert function() is None  # no config: any decoder's packed forward
+    assert original_mask == []
+    # Another model's mask inside this packed forward (e.g. a draft model) is built as usual.
+    assert function(config=types.SimpleNamespace()) == "original mask"
+    assert len(original_mask) == 1
+    # Where attention takes transformers' dense path (output_attentions), its mask is built.
+    state.dense = True
+    assert function(config=state.config) == "original mask"
+    # The forward has ended.
+    state.running, state.dense = None, False
+    assert function(config=state.config) == "original mask"
+
+
+def test_mask_function_gives_the_decoders_placeholder(original_mask):
+    """A decoder that needs a tensor where the mask goes (mpt) gets its placeholder."""
+    state = state_of()
+    state.mask_placeholder = torch.zeros((1, 1, 1, 1), dtype=torch.bool)
+    state.running = info_of([2, 2])
+    assert (
+        make_mask_function("unpack_test_original", [weakref.ref(state)])(config=state.config) is state.mask_placeholder
+    )
+
+
+def test_a_copy_of_a_state_is_not_inside_the_forward():
+    state = state_of()
+    state.running, state.carried = info_of([3, 2]), {"position_ids": None}
+    copied = copy.deepcopy(state)
+    assert copied.running is None and copied.carried is None and copied.routed is False
+    assert state.running is not None
+
+
+def test_mask_function_of_an_implementation_without_masks():
+    assert "unpack_test_no_mask" not in ALL_MASK_ATTENTION_FUNCTIONS
+    assert make_mask_function("unpack_test_no_mask", [])(config=types.SimpleNamespace()) is None
+
+
+def test_mask_function_reaches_transformers_sdpa_mask():
+    """Outside a packed forward the result is exactly what the model's own implementation returns."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+    options = {
+        "batch_size": 1,
+        "q_length": 4,
+        "kv_length": 4,
+        "config": config,
+        "allow_is_causal_skip": False,
+    }
+    expected = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**options)
+    state = state_of(config)
+    got = make_mask_function("sdpa", [weakref.ref(state)])(**options)
+    assert got is not None and torch.equal(got, expected)

@@ -1,0 +1,117 @@
+"""A packed row run in place of TRL's padded view of the same sequences: prompts shared by several completions
+(DPO's pairs, GRPO's and RLOO's groups, reward models' pairs).
+
+A batch of such a trainer carries TRL's padded *view* of its sequences (what TRL's loss reads, never run through the
+model) and one packed row in which each prompt appears once and its completions follow as branches
+(``packed_seq_parents``, see :mod:`unpack_trainer.packed_seq_info`), with the maps between the two
+(:mod:`unpack_trainer.data.preference`, :func:`unpack_trainer.trainers.branched.pack_completions`). This fix hooks the
+model's backbone so that such a batch runs the packed row and hands back the last hidden state in the view's layout.
+Not automatic: the prompt-sharing trainers install it (:func:`unpack_trainer.models.fixes.install_fix`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unpack_trainer._compat import remove_hook
+from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.state import decoder_state
+from unpack_trainer.packed_seq_info import (
+    PACKED_INPUT_IDS_KEY,
+    PACKED_POSITION_IDS_KEY,
+    TOKEN_INDEX_KEY,
+    VIEW_INDEX_KEY,
+)
+
+__all__ = ["FIX", "install_packed_view"]
+
+
+class _PackedView:
+    """Forward hooks on a decoder (the backbone under the LM head): a call carrying ``packed_input_ids`` runs the
+    packed row instead of the padded view, and its outputs come back in the view's layout."""
+
+    def __init__(self) -> None:
+        self.index: torch.Tensor | None = None
+        self.token_index: torch.Tensor | None = None
+
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.index = None
+        if kwargs.get(PACKED_INPUT_IDS_KEY) is None:
+            return args, kwargs
+        if args:
+            raise ValueError("A packed batch with shared prompts must reach the decoder as keyword arguments.")
+        if not any(decoder_state(inner) is not None for inner in module.modules()):
+            raise ValueError(
+                f"A packed batch with shared prompts reached {type(module).__name__}, which is not patched for "
+                "packing (unpack_trainer.models.patch_model): its attention would not follow the packed samples."
+            )
+        view_ids = kwargs.pop("input_ids")
+        index = kwargs.pop(VIEW_INDEX_KEY)
+        self.token_index = kwargs.pop(TOKEN_INDEX_KEY)
+        if index.shape != view_ids.shape:
+            raise ValueError(
+                f"`{VIEW_INDEX_KEY}` has shape {tuple(index.shape)} but the padded view is {tuple(view_ids.shape)}."
+            )
+        kwargs["input_ids"] = kwargs.pop(PACKED_INPUT_IDS_KEY).to(view_ids.device)
+        kwargs["position_ids"] = kwargs.pop(PACKED_POSITION_IDS_KEY).to(view_ids.device)
+        kwargs.pop("attention_mask", None)
+        self.index = index
+        return args, kwargs
+
+    def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        index, self.index = self.index, None
+        if index is None:
+            return output
+        hidden = output.last_hidden_state
+        flat = index.reshape(-1).to(hidden.device)
+        output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).view(*index.shape, -1)
+        router_logits = getattr(output, "router_logits", None)
+        if router_logits is not None:
+            tokens = self.token_index.reshape(-1)
+            output.router_logits = tuple(
+                layer if layer is None else layer.reshape(-1, layer.shape[-1]).index_select(0, tokens.to(layer.device))
+                for layer in router_logits
+            )
+        return output
+
+
+def install_packed_view(decoder: torch.nn.Module) -> list[int]:
+    """Let ``decoder`` (the model's backbone, e.g. ``LlamaModel``) run packed batches with shared prompts; the ids of
+    the hooks installed (:data:`FIX` records them, and its ``remove`` takes them off).
+
+    A forward with ``packed_input_ids`` ``(1, T)`` (and ``packed_position_ids`` ``(1, T)``, ``packed_seq_lengths``,
+    ``packed_seq_parents``, ``packed_token_index`` ``(rows, L)`` and ``packed_view_index`` ``(rows, L')``, all int)
+    runs the packed row; its ``last_hidden_state`` ``(1, T, H)`` comes back as ``(rows, L', H)``, each view token's
+    hidden state read from its packed token (a shared prompt token feeds every row of its group), and
+    ``router_logits`` (one ``(T, num_experts)`` per layer) as ``(rows * L, num_experts)`` through
+    ``packed_token_index``, so the LM head, the loss and the MoE auxiliary loss (with TRL's ``attention_mask``
+    ``(rows, L)``) see the padded batch's values. The hook runs before the packing patch's own hook, which then finds
+    the packing metadata. A forward without ``packed_input_ids`` is untouched.
+    """
+    view = _PackedView()
+    return [
+        decoder.register_forward_pre_hook(view.before, with_kwargs=True, prepend=True).id,
+        decoder.register_forward_hook(view.after, with_kwargs=True).id,
+    ]
+
+
+def _backbone(site: FixSite) -> torch.nn.Module:
+    return site.model.base_model
+
+
+def _applies(site: FixSite) -> str | None:
+    return "its prompts are shared by several completions, packed once with their completions as branches"
+
+
+def _install(site: FixSite) -> None:
+    site.state.undo["packed_view"] = install_packed_view(_backbone(site))
+
+
+def _remove(site: FixSite) -> None:
+    for hook_id in site.state.undo.pop("packed_view", ()):
+        remove_hook(_backbone(site), hook_id)
+
+
+FIX = Fix("packed_view", _applies, _install, _remove, automatic=False, per_model=True)

@@ -1,0 +1,61 @@
+"""The record every model-family fix declares (:class:`Fix`), and what its functions are handed (:class:`FixSite`).
+The contract is told in :mod:`unpack_trainer.models.fixes`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from unpack_trainer.models.state import DecoderState
+
+if TYPE_CHECKING:
+    from unpack_trainer.models.discovery import Decoder
+
+__all__ = ["Fix", "FixSite"]
+
+
+class FixSite(NamedTuple):
+    """Where a fix applies: one patched decoder of one model.
+
+    Attributes:
+        model: the ``PreTrainedModel`` (under PEFT, the base model).
+        module: the decoder module (``LlamaModel``, the text model of a multimodal model; the ``PreTrainedModel``
+            itself for a decoder of token mixers only).
+        state: the decoder's :class:`~unpack_trainer.models.state.DecoderState`; ``install`` keeps in
+            ``state.undo[name]`` what ``remove`` needs (names, hook ids: a deep copy keeps them valid).
+        decoder: what the decoder is made of (its attention modules, layers, token mixers), for ``applies`` and
+            ``install``; ``None`` for ``remove`` (which works from ``module`` and ``state`` alone).
+    """
+
+    model: torch.nn.Module
+    module: torch.nn.Module
+    state: DecoderState
+    decoder: Decoder | None = None
+
+
+class Fix(NamedTuple):
+    """One model-family fix.
+
+    Attributes:
+        name: unique; what ``state.fixes`` records (a copy of the model finds the record again by it).
+        applies: ``(site) -> str | None``: why the fix is needed on this decoder, in words (logged at DEBUG), or
+            ``None`` where it is not. Reads the model only.
+        install: ``(site) -> None``: install it. Called once per site where ``applies`` gave a reason.
+        remove: ``(site) -> None``: undo ``install`` (by :func:`unpack_trainer.models.unpatch_model`).
+        automatic: whether :func:`unpack_trainer.models.patch_model` installs it wherever it applies; ``False`` for one
+            a trainer asks for by name (:func:`unpack_trainer.models.fixes.install_fix`).
+        per_model: installed once per model (on its first decoder), not once per decoder.
+    """
+
+    name: str
+    applies: Callable[[FixSite], str | None]
+    install: Callable[[FixSite], None]
+    remove: Callable[[FixSite], None]
+    automatic: bool = True
+    per_model: bool = False
+
+    def __repr__(self) -> str:
+        return f"Fix({self.name!r})"
+

@@ -1,0 +1,206 @@
+"""Registration in transformers' interfaces: under the model's own implementation name (``"sdpa"``, ``"eager"``,
+``"flash_attention_2"``, ...) a packed forward of a patched decoder takes the packed attention helper and builds no
+``(T, T)`` mask; every other call (any unpatched model, padded batches, generation) runs exactly what the name mapped
+to before.
+
+The mapping is the interfaces' per-instance one (``interface[name] = function``), so the class-wide registry stays as
+transformers and the user left it; it is restored when the last decoder using it is unpatched or collected. So a
+patched model's ``config._attn_implementation`` reads what a stock one reads.
+
+Which forward is packed: the registered attention function reads the ``packed_seq_info`` keyword each layer hands it
+(:mod:`unpack_trainer.models.state`); the mask function, called with fixed arguments, finds the packed forward
+running now on the states of the decoders routed under its name (the one whose ``config`` it is called with).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unpack_trainer._compat import attention_functions, locally_registered, mask_functions
+from unpack_trainer.models.state import DecoderState, attention_state
+from unpack_trainer.packed_seq_info import INFO_KEY, OWN_KEYS, SEQ_LENGTHS_KEY, PackedSeqInfo
+from unpack_trainer.patches.attention.dispatch import packed_attention_forward, packed_info_from_kwargs
+
+__all__ = ["make_attention_function", "make_mask_function", "release_route", "route"]
+
+# implementation name -> the states of the live patched decoders routed under it (weakly: a state may reach its model,
+# through what a fix keeps for its undo, and a module-level table must not keep a dropped model alive), and what the
+# routing replaced.
+_routed_states: dict[str, list[weakref.ref[DecoderState]]] = {}
+_replaced: dict[str, tuple[Any, Any]] = {}
+
+
+def route(implementation: str, decoder: torch.nn.Module, state: DecoderState) -> None:
+    """Route the packed batches of ``decoder`` (patched, with ``state``) through the packed helper under
+    ``implementation``: register the packed attention and mask functions under that name the first time, and count
+    the decoder among its users until it is released or collected."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    states = _routed_states.setdefault(implementation, [])
+    if implementation not in _replaced:
+        previous_attention = locally_registered(ALL_ATTENTION_FUNCTIONS, implementation)
+        previous_mask = locally_registered(ALL_MASK_ATTENTION_FUNCTIONS, implementation)
+        ALL_ATTENTION_FUNCTIONS[implementation] = make_attention_function(implementation, fallback=previous_attention)
+        if implementation in mask_functions():
+            # (transformers builds no mask at all for a name missing there, packed or not)
+            ALL_MASK_ATTENTION_FUNCTIONS[implementation] = make_mask_function(
+                implementation, states, fallback=previous_mask
+            )
+        _replaced[implementation] = (previous_attention, previous_mask)
+    if not any(known() is state for known in states):
+        known = weakref.ref(state)
+        states.append(known)
+        # A patched model that is garbage collected without unpatch_model releases the routing too.
+        weakref.finalize(decoder, release_route, implementation, known)
+
+
+def release_route(implementation: str, state: DecoderState | weakref.ref[DecoderState]) -> None:
+    """Drop ``state`` (or a weak reference to it) from the users of ``implementation``'s routing, and any user
+    collected since; restore the interfaces once none is left."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    states = _routed_states.get(implementation, [])
+    states[:] = [known for known in states if known is not state and known() not in (None, state)]
+    if states or implementation not in _replaced:
+        return
+    for interface, previous in zip(
+        (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS), _replaced.pop(implementation)
+    ):
+        if previous is not None:
+            interface[implementation] = previous
+        elif getattr(locally_registered(interface, implementation), "original_implementation", None) is not None:
+            del interface[implementation]
+
+
+def make_mask_function(
+    original_implementation: str,
+    states: list[weakref.ref[DecoderState]],
+    *,
+    fallback: Callable[..., Any] | None = None,
+) -> Callable[..., Any]:
+    """An ``AttentionMaskInterface`` function: inside a packed forward of one of the decoders of ``states`` (weak
+    references to their states; the one
+    whose ``config`` it is called with; without a config, any), that decoder's mask placeholder (``None``: no mask);
+    else the original implementation's mask (``sdpa_mask``, ``eager_mask``, ...) called with the same arguments:
+    ``fallback`` when given, else transformers' own function of that name (the class-wide registry)."""
+    # Looked up here, not inside the mask function (which a compiled forward traces); the registry's own dict, read
+    # per call.
+    stock_functions = mask_functions()
+
+    def unpack_mask(*args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("config")
+        for known in reversed(states):
+            state = known()
+            if state is not None and (config is None or state.config is config) and state.attention_info() is not None:
+                return state.mask_placeholder
+        original = fallback or stock_functions.get(original_implementation)
+        if original is None:
+            # transformers builds no mask for implementations without a mask function; neither do we.
+            return None
+        return original(*args, **kwargs)
+
+    unpack_mask.original_implementation = original_implementation  # type: ignore[attr-defined]
+    return unpack_mask
+
+
+@functools.cache
+def _eager_function_of_class(cls: type) -> Callable[..., Any]:
+    """The eager attention function a module class falls back to: the ``*eager_attention_forward`` its ``forward``
+    passes to ``ALL_ATTENTION_FUNCTIONS.get_interface`` (looked up where that ``forward`` is defined), else its
+    modeling file's ``eager_attention_forward``, else Llama's."""
+    forward = inspect.unwrap(getattr(cls, "forward", None))
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    if code is not None:
+        named = [n for n in dict.fromkeys(code.co_names) if n.endswith("eager_attention_forward") and n in namespace]
+        if len(named) == 1:
+            return namespace[named[0]]
+    function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    if function is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as function
+    return function
+
+
+def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
+    """The eager attention function of ``module``'s class (what transformers falls back to for "eager")."""
+    return _eager_function_of_class(type(module))
+
+
+def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
+    """The eager attention function of ``module``'s class (what transformers falls back to for "eager")."""
+    return _eager_function_of_class(type(module))
+
+
+def _routed_info(module: torch.nn.Module, query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
+    """The packing metadata a registered function routes on, or ``None`` (then it runs the stock function exactly).
+
+    Only what marks a batch as packed by this package: ``packed_seq_info`` (the decoder hook's decision, ``None``
+    meaning "not packed"), ``packed_seq_lengths`` (a layer called without the hook), or, for an attention module
+    whose decoder does not hand its keyword arguments down, the packed forward running on its decoder. Keys
+    transformers itself passes (``cu_seq_lens_q``, ``position_ids``) never reroute a call, so an unpatched model
+    sharing the registered name runs exactly as stock.
+    """
+    if INFO_KEY in kwargs:
+        return kwargs[INFO_KEY]
+    if kwargs.get(SEQ_LENGTHS_KEY) is not None:
+        return packed_info_from_kwargs(query, key, kwargs)
+    state = attention_state(module)
+    return None if state is None else state.decoder.attention_info()
+
+
+def make_attention_function(
+    original_implementation: str, *, fallback: Callable[..., Any] | None = None
+) -> Callable[..., tuple[Tensor, Any]]:
+    """An ``AttentionInterface`` function: packed batches (see :func:`_routed_info`) go to
+    :func:`~unpack_trainer.patches.attention.packed_attention_forward` with what the module's
+    :class:`~unpack_trainer.models.state.AttentionState` adds (a window, chunks, a query correction), anything else
+    to ``original_implementation`` ("sdpa", "eager", "flash_attention_2", ...) exactly as without the patch:
+    ``fallback`` when given, else transformers' own function of that name (the class-wide registry, so the returned
+    function can be registered under the same name)."""
+    # Looked up here, not inside the forward: dynamo cannot import transformers' lazy module while tracing. The
+    # mapping is the registry's own dict, read per call.
+    stock_functions = attention_functions()
+
+    def unpack_attention_forward(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Any]:
+        info = _routed_info(module, query, key, kwargs)
+        if info is not None:
+            kwargs[INFO_KEY] = info
+            state = attention_state(module)
+            if state is not None:
+                if kwargs.get("sliding_window") is None and state.sliding_window:
+                    kwargs["sliding_window"] = state.sliding_window
+                if state.attention_chunk_size:
+                    kwargs["attention_chunk_size"] = state.attention_chunk_size
+                if state.query_correction is not None:
+                    query = state.query_correction(module, query, info)
+            return packed_attention_forward(
+                module, query, key, value, None, original_implementation=original_implementation, **kwargs
+            )
+        for name in OWN_KEYS:  # transformers' own functions do not know them
+            kwargs.pop(name, None)
+        if fallback is not None:
+            function = fallback
+        elif original_implementation == "eager":
+            function = _eager_function_of(module)
+        else:
+            function = stock_functions[original_implementation]
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    unpack_attention_forward.original_implementation = original_implementation  # type: ignore[attr-defined]
+    return unpack_attention_forward
