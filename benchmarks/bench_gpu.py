@@ -702,7 +702,7 @@ def all_cases() -> list[Case]:
         trainer("llama1b", "ours_packing", precision)
         trainer("llama1b", "trl_packing_sdpa", precision)
     for provider in ("ours_packing_liger_loss", "ours_packing_liger", "trl_packing_liger"):
-        trainer("llama1b", provider, "fp32-bf16", estimate=60)
+        trainer("llama1b", provider, "fp32-bf16")
     trainer("llama8b_lora", "ours_packing", "bf16", estimate=75)
     trainer("llama8b_lora", "trl_packing_sdpa", "bf16", estimate=75)
     for precision in PRECISIONS:

@@ -56,6 +56,7 @@ Nothing is imported at module import: torch, transformers and datasets are impor
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -89,6 +90,7 @@ __all__ = [
     "recompile_limit_at_least",
     "remove_hook",
     "set_attention_implementation",
+    "skip_packed_sequence_detection",
     "stream_format_type",
     "supports_sdpa",
 ]
@@ -224,6 +226,37 @@ def mask_functions() -> dict[str, Callable[..., Any]]:
         "transformers.masking_utils.AttentionMaskInterface._global_mapping",
         _class_table("transformers.masking_utils", "AttentionMaskInterface"),
     )
+
+
+def skip_packed_sequence_detection(skip: Callable[[], bool]) -> Callable[[], None] | None:
+    """Have transformers' ``masking_utils.find_packed_sequence_indices`` return ``None`` (no packed rows seen) while
+    ``skip()`` is true, calling it as before otherwise; returns the function that puts the original back, or ``None``
+    where this transformers has no such function.
+
+    ``create_causal_mask`` and its siblings call it when ``position_ids`` come without an ``attention_mask``; outside a
+    trace it reads ``(mask[:, -1] == 0).all()`` back from the device, a host sync per forward on a GPU. The packed
+    mask function does not use its result, so a packed forward has no need of it.
+    """
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        log_once(
+            logger, logging.DEBUG, "unpack_trainer: transformers.masking_utils has no find_packed_sequence_indices."
+        )
+        return None
+
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: Any) -> Any:
+        return None if skip() else original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+    def restore() -> None:
+        if masking_utils.find_packed_sequence_indices is find_packed_sequence_indices:
+            masking_utils.find_packed_sequence_indices = original
+
+    return restore
 
 
 def locally_registered(interface: Any, name: str) -> Any:

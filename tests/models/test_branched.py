@@ -13,7 +13,6 @@ import torch
 from unpack_trainer.models import patch_model
 from unpack_trainer.models.tiny import tiny_model
 from unpack_trainer.packed_seq_info import SEQ_PARENTS_KEY, PackedSeqInfo
-from unpack_trainer.patches.attention import torch_varlen as torch_varlen_backend
 
 REL = 1e-5
 SIZES = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=512, head_dim=16, sliding_window=5)
@@ -386,10 +385,9 @@ def test_branched_attention_on_the_cuda_kernels(backend, window, monkeypatch):
         pytest.importorskip("flash_attn")
     if backend == "xformers":
         pytest.importorskip("xformers")
-    if backend == "torch_varlen" and torch_varlen_backend.kernel() is None:
-        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
-    if backend == "flex" and attention.backend_unavailable_reason("flex", torch.device("cuda"), torch.bfloat16):
-        pytest.skip(attention.backend_unavailable_reason("flex", torch.device("cuda"), torch.bfloat16))
+    reason = attention.backend_unavailable_reason(backend, torch.device("cuda"), torch.bfloat16)
+    if backend in ("torch_varlen", "flex") and reason is not None:
+        pytest.skip(reason)
     out, expected = _attention_case(backend, window, None, torch.bfloat16, "cuda", monkeypatch)
     error = (out.double() - expected).abs().max() / expected.abs().max()
     assert error <= 2e-2, f"{backend}: relative error {float(error):.2e}"

@@ -247,7 +247,9 @@ def test_a_compiled_model_breaks_only_at_the_decoder_hook(tiny_model, fresh_dyna
         seen.append(graphs_compiled())
     breaks = list(counters["graph_break"])
     assert breaks and all("_start_packed_forward" in reason for reason in breaks), breaks
-    assert seen[6] == seen[-1], seen
+    # Graphs stop being added after the warm-up: from the 7th batch here (torch 2.13, transformers 5.24); torch 2.11
+    # with transformers 5.22 recompiles one decorator frame per length until dynamo's cache limit (8), 2 batches more.
+    assert seen[-4] == seen[-1] <= 10, seen
 
 
 def test_the_trainer_patches_for_compile(tmp_path, sft_args, tiny_llama, prompt_completion):

@@ -113,3 +113,40 @@ def test_mask_function_reaches_transformers_sdpa_mask():
     state = state_of(config)
     got = make_mask_function("sdpa", [weakref.ref(state)])(**options)
     assert got is not None and torch.equal(got, expected)
+
+
+def test_a_packed_forward_skips_transformers_packed_sequence_detection(monkeypatch, tiny_model):
+    """transformers' ``find_packed_sequence_indices`` (run by ``create_causal_mask`` when ``position_ids`` come without
+    an ``attention_mask``) reads a value back from the device: a host sync per forward on a GPU. Inside a packed
+    forward of a patched decoder its result is not used (the mask function returns the placeholder), so it is not
+    called; an unpatched model, or a batch that is not packed, calls it as before, and unpatching restores it."""
+    from transformers import masking_utils
+
+    from unpack_trainer.models import patch_model, unpatch_model
+    from unpack_trainer.packed_seq_info import restart_positions
+
+    stock = masking_utils.find_packed_sequence_indices
+    calls = []
+
+    def spy(position_ids):
+        calls.append(position_ids.shape)
+        return stock(position_ids)
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
+    model = tiny_model("llama", attn_implementation="sdpa", vocab_size=64)
+    ids = torch.randint(3, 64, (1, 12))
+    lengths = torch.tensor([5, 7], dtype=torch.int32)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=torch.arange(12).unsqueeze(0), use_cache=False)
+        assert len(calls) == 1
+        patch_model(model)
+        packed = model(input_ids=ids, packed_seq_lengths=lengths).logits
+        assert len(calls) == 1
+        model(input_ids=ids, position_ids=torch.arange(12).unsqueeze(0), use_cache=False)  # one sample: not packed
+        assert len(calls) == 2
+        unpatch_model(model)
+        assert masking_utils.find_packed_sequence_indices is spy
+        alone = torch.cat([model(input_ids=part).logits for part in ids.split(lengths.tolist(), dim=1)], dim=1)
+        restarted = model(input_ids=ids, position_ids=restart_positions(lengths).unsqueeze(0), use_cache=False).logits
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(restarted, alone, rtol=1e-5, atol=1e-5)

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unpack_trainer._compat import attention_functions, locally_registered, mask_functions
+from unpack_trainer._compat import (
+    attention_functions,
+    locally_registered,
+    mask_functions,
+    skip_packed_sequence_detection,
+)
 from unpack_trainer.models.state import DecoderState, attention_state
 from unpack_trainer.packed_seq_info import INFO_KEY, OWN_KEYS, SEQ_LENGTHS_KEY, PackedSeqInfo
 from unpack_trainer.patches.attention.dispatch import packed_attention_forward, packed_info_from_kwargs
@@ -36,6 +41,18 @@ __all__ = ["make_attention_function", "make_mask_function", "release_route", "ro
 # routing replaced.
 _routed_states: dict[str, list[weakref.ref[DecoderState]]] = {}
 _replaced: dict[str, tuple[Any, Any]] = {}
+# While any implementation is routed: what puts transformers' packed-sequence detector back.
+_detector_restore: list[Callable[[], None] | None] = []
+
+
+def _packed_forward_running() -> bool:
+    """Whether a routed decoder is inside a packed forward whose attention follows it (its mask function then returns
+    the placeholder whatever transformers detected)."""
+    return any(
+        state is not None and state.attention_info() is not None
+        for states in _routed_states.values()
+        for state in (known() for known in states)
+    )
 
 
 def route(implementation: str, decoder: torch.nn.Module, state: DecoderState) -> None:
@@ -46,6 +63,8 @@ def route(implementation: str, decoder: torch.nn.Module, state: DecoderState) ->
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     states = _routed_states.setdefault(implementation, [])
+    if not _replaced and not _detector_restore:
+        _detector_restore.append(skip_packed_sequence_detection(_packed_forward_running))
     if implementation not in _replaced:
         previous_attention = locally_registered(ALL_ATTENTION_FUNCTIONS, implementation)
         previous_mask = locally_registered(ALL_MASK_ATTENTION_FUNCTIONS, implementation)
@@ -80,6 +99,10 @@ def release_route(implementation: str, state: DecoderState | weakref.ref[Decoder
             interface[implementation] = previous
         elif getattr(locally_registered(interface, implementation), "original_implementation", None) is not None:
             del interface[implementation]
+    if not _replaced and _detector_restore:
+        restore = _detector_restore.pop()
+        if restore is not None:
+            restore()
 
 
 def make_mask_function(

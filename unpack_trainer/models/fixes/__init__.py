@@ -125,4 +125,3 @@ def remove_fixes(site: FixSite) -> None:
     for name in reversed(site.state.fixes):
         fix_named(name).remove(site)
     site.state.fixes.clear()
-

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from unpack_trainer.data.collator import IGNORE_INDEX
-from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.fixes.record import FixSite, forward_wrapping_fix
 from unpack_trainer.packed_seq_info import VIEW_INDEX_KEY
 
 __all__ = ["FIX", "install_compact_lm_head"]
@@ -85,19 +85,4 @@ def _applies(site: FixSite) -> str | None:
     return "TRL's fused LM head scores every position of the padded view"
 
 
-def _install(site: FixSite) -> None:
-    site.state.undo["compact_lm_head"] = site.model.__dict__.get("forward")
-    install_compact_lm_head(site.model)
-
-
-def _remove(site: FixSite) -> None:
-    if "compact_lm_head" not in site.state.undo:
-        return
-    replaced = site.state.undo.pop("compact_lm_head")
-    if replaced is None:
-        site.model.__dict__.pop("forward", None)
-    else:
-        site.model.forward = replaced
-
-
-FIX = Fix("compact_lm_head", _applies, _install, _remove, automatic=False, per_model=True)
+FIX = forward_wrapping_fix("compact_lm_head", _applies, install_compact_lm_head)

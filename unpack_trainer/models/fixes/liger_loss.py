@@ -19,7 +19,7 @@ import torch
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
-from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.fixes.record import FixSite, forward_wrapping_fix
 from unpack_trainer.packed_seq_info import INFO_KEY
 
 __all__ = ["FIX", "LIGER_OUTPUT_MARK", "install_liger_loss"]
@@ -102,19 +102,4 @@ def _applies(site: FixSite) -> str | None:
     return "the loss of packed rows runs on Liger-Kernel's fused linear cross-entropy (loss_kernel)"
 
 
-def _install(site: FixSite) -> None:
-    site.state.undo["liger_loss"] = site.model.__dict__.get("forward")
-    install_liger_loss(site.model)
-
-
-def _remove(site: FixSite) -> None:
-    if "liger_loss" not in site.state.undo:
-        return
-    replaced = site.state.undo.pop("liger_loss")
-    if replaced is None:
-        site.model.__dict__.pop("forward", None)
-    else:
-        site.model.forward = replaced
-
-
-FIX = Fix("liger_loss", _applies, _install, _remove, automatic=False, per_model=True)
+FIX = forward_wrapping_fix("liger_loss", _applies, install_liger_loss)

@@ -13,7 +13,7 @@ from unpack_trainer.models.state import DecoderState
 if TYPE_CHECKING:
     from unpack_trainer.models.discovery import Decoder
 
-__all__ = ["Fix", "FixSite"]
+__all__ = ["Fix", "FixSite", "forward_wrapping_fix"]
 
 
 class FixSite(NamedTuple):
@@ -59,3 +59,25 @@ class Fix(NamedTuple):
     def __repr__(self) -> str:
         return f"Fix({self.name!r})"
 
+
+def forward_wrapping_fix(
+    name: str, applies: Callable[[FixSite], str | None], wrap: Callable[[torch.nn.Module], None]
+) -> Fix:
+    """A fix a trainer asks for, once per model, that wraps the model's ``forward`` on the instance (TRL's fused LM
+    head): ``wrap(model)`` sets ``model.forward``; ``remove`` gives back the instance ``forward`` it replaced (or none,
+    the class's), kept in ``state.undo[name]``."""
+
+    def install(site: FixSite) -> None:
+        site.state.undo[name] = site.model.__dict__.get("forward")
+        wrap(site.model)
+
+    def remove(site: FixSite) -> None:
+        if name not in site.state.undo:
+            return
+        replaced = site.state.undo.pop(name)
+        if replaced is None:
+            site.model.__dict__.pop("forward", None)
+        else:
+            site.model.forward = replaced
+
+    return Fix(name, applies, install, remove, automatic=False, per_model=True)
