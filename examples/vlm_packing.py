@@ -18,7 +18,8 @@ It ends with a table: wall-clock, real tokens per second, padding, the final tra
 64 held-out examples (computed the same way for both runs), and the packed run's speed-up.
 
 Other families (``--model-type``): gemma3 (image tokens attend both ways within each image), idefics3, smolvlm,
-llava, qwen2_vl, qwen3_vl. ``--quick`` runs a few steps of each (a smoke test); ``--skip-padded`` only the packed run.
+llava, qwen2_vl, qwen3_vl. ``--quick`` runs two steps of each on 16 small images with the tiny text model (a smoke
+test); ``--skip-padded`` only the packed run.
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def small_model(model_type: str, seed: int) -> Any:
+def small_model(model_type: str, seed: int, quick: bool = False) -> Any:
     """The small model of ``model_type``: the tiny family's vision tower, a text model of hidden 256 and 4 layers
-    (Qwen families; the others keep the tiny text model so that their vision projectors fit)."""
+    (Qwen families; the others, and every family with ``quick``, keep the tiny text model so that their vision
+    projectors fit)."""
     from unpack_trainer.models.tiny_vision import tiny_vision_model
 
     text = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=688,
-                num_hidden_layers=4) if model_type.startswith("qwen") else {}  # fmt: skip
+                num_hidden_layers=4) if model_type.startswith("qwen") and not quick else {}  # fmt: skip
     return tiny_vision_model(model_type, seed=seed, attn_implementation="sdpa", **text)
 
 
@@ -102,7 +104,7 @@ def train(run: str, options: argparse.Namespace, train_set: Any, held_out: Any, 
         max_length=options.max_length,
         per_device_train_batch_size=batch_size,
         num_train_epochs=options.epochs,
-        max_steps=4 if options.quick else -1,
+        max_steps=2 if options.quick else -1,
         learning_rate=options.learning_rate,
         lr_scheduler_type="constant",
         use_cpu=True,
@@ -115,7 +117,7 @@ def train(run: str, options: argparse.Namespace, train_set: Any, held_out: Any, 
         data_seed=options.seed,
     )
     trainer = SFTTrainer(
-        model=small_model(options.model_type, options.seed),
+        model=small_model(options.model_type, options.seed, options.quick),
         args=config,
         train_dataset=train_set,
         processing_class=processor,
@@ -175,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     from unpack_trainer.data.default_vision_data import load_shapes_dataset
 
     hf_logging.set_verbosity_error()
-    count = 32 if options.quick else options.train
-    train_set = load_shapes_dataset(count, seed=options.seed, sizes=(56, 224))
-    held_out = load_shapes_dataset(16 if options.quick else options.held_out, seed=10_000 + options.seed)
+    count = 16 if options.quick else options.train
+    train_set = load_shapes_dataset(count, seed=options.seed, sizes=(56, 112) if options.quick else (56, 224))
+    held_out = load_shapes_dataset(8 if options.quick else options.held_out, seed=10_000 + options.seed)
     packed = train("packed", options, train_set, held_out, options.rows_per_step)
     results = [packed]
     if not options.skip_padded:
