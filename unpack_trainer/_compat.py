@@ -42,7 +42,9 @@ Private names, with what each is for and what would replace it:
 - datasets' ``IterableDataset._formatting``, a stream's format (TRL's ``_get_dataset_format`` reads it too):
   :func:`stream_format_type`;
 - ``torch._assert_async``, a check on the device that never waits for it (the fused loss's precondition on the
-  gradient it receives): :func:`assert_on_device`.
+  gradient it receives): :func:`assert_on_device`;
+- transformers' ``masking_utils.find_packed_sequence_indices``, replaced while a decoder is routed so that a packed
+  forward skips its read-back from the device: :func:`skip_packed_sequence_detection`.
 
 Optional libraries, found by feature (``None`` where missing, so the caller can give a reason):
 

@@ -112,10 +112,10 @@ def make_mask_function(
     fallback: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """An ``AttentionMaskInterface`` function: inside a packed forward of one of the decoders of ``states`` (weak
-    references to their states; the one
-    whose ``config`` it is called with; without a config, any), that decoder's mask placeholder (``None``: no mask);
-    else the original implementation's mask (``sdpa_mask``, ``eager_mask``, ...) called with the same arguments:
-    ``fallback`` when given, else transformers' own function of that name (the class-wide registry)."""
+    references to their states; the one whose ``config`` it is called with; without a config, any), that decoder's
+    mask placeholder (``None``: no mask); else the original implementation's mask (``sdpa_mask``, ``eager_mask``,
+    ...) called with the same arguments: ``fallback`` when given, else transformers' own function of that name (the
+    class-wide registry)."""
     # Looked up here, not inside the mask function (which a compiled forward traces); the registry's own dict, read
     # per call.
     stock_functions = mask_functions()
