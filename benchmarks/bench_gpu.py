@@ -705,6 +705,9 @@ def all_cases() -> list[Case]:
         trainer("llama1b", provider, "fp32-bf16")
     trainer("llama8b_lora", "ours_packing", "bf16", estimate=75)
     trainer("llama8b_lora", "trl_packing_sdpa", "bf16", estimate=75)
+    for provider in ("ours_packing_liger", "trl_packing_liger"):
+        trainer("llama1b", provider, "bf16")
+    trainer("llama8b_lora", "ours_packing_liger", "bf16", estimate=75)
     for precision in PRECISIONS:
         trainer("llama1b", "ours_padding_free", precision)
         trainer("llama1b", "trl_padded", precision)

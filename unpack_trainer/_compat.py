@@ -232,8 +232,8 @@ def mask_functions() -> dict[str, Callable[..., Any]]:
 
 def skip_packed_sequence_detection(skip: Callable[[], bool]) -> Callable[[], None] | None:
     """Have transformers' ``masking_utils.find_packed_sequence_indices`` return ``None`` (no packed rows seen) while
-    ``skip()`` is true, calling it as before otherwise; returns the function that puts the original back, or ``None``
-    where this transformers has no such function.
+    ``skip()`` is true outside a trace, calling it as before otherwise; returns the function that puts the original
+    back, or ``None`` where this transformers has no such function.
 
     ``create_causal_mask`` and its siblings call it when ``position_ids`` come without an ``attention_mask``; outside a
     trace it reads ``(mask[:, -1] == 0).all()`` back from the device, a host sync per forward on a GPU. The packed
@@ -250,7 +250,8 @@ def skip_packed_sequence_detection(skip: Callable[[], bool]) -> Callable[[], Non
 
     @functools.wraps(original)
     def find_packed_sequence_indices(position_ids: Any) -> Any:
-        return None if skip() else original(position_ids)
+        # (under a trace the original reads no value back either, and skip() reads tables no guard should be built on)
+        return None if not is_tracing() and skip() else original(position_ids)
 
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 

@@ -41,7 +41,9 @@ def test_mask_function_calls_its_fallback():
     calls = []
     state = state_of()
     function = make_mask_function(
-        "sdpa", [weakref.ref(state)], fallback=lambda *args, **kwargs: calls.append(kwargs) or "fallback mask"
+        "sdpa",
+        {id(state.config): (weakref.ref(state),)},
+        fallback=lambda *args, **kwargs: calls.append(kwargs) or "fallback mask",
     )
     config = types.SimpleNamespace()
     assert function(config=config) == "fallback mask" and calls == [{"config": config}]
@@ -49,7 +51,7 @@ def test_mask_function_calls_its_fallback():
 
 def test_mask_function_calls_the_original_outside_a_packed_forward(original_mask):
     state = state_of()
-    function = make_mask_function("unpack_test_original", [weakref.ref(state)])
+    function = make_mask_function("unpack_test_original", {id(state.config): (weakref.ref(state),)})
     assert function.original_implementation == "unpack_test_original"
     config = types.SimpleNamespace()
     assert function(1, 2, config=config, flag=True) == "original mask"
@@ -58,7 +60,7 @@ def test_mask_function_calls_the_original_outside_a_packed_forward(original_mask
 
 def test_mask_function_builds_no_mask_inside_a_packed_forward(original_mask):
     state = state_of()
-    function = make_mask_function("unpack_test_original", [weakref.ref(state)])
+    function = make_mask_function("unpack_test_original", {id(state.config): (weakref.ref(state),)})
     state.running = info_of([3, 2])
     assert function(config=state.config) is None
     assert function() is None  # no config: any decoder's packed forward
@@ -80,7 +82,8 @@ def test_mask_function_gives_the_decoders_placeholder(original_mask):
     state.mask_placeholder = torch.zeros((1, 1, 1, 1), dtype=torch.bool)
     state.running = info_of([2, 2])
     assert (
-        make_mask_function("unpack_test_original", [weakref.ref(state)])(config=state.config) is state.mask_placeholder
+        make_mask_function("unpack_test_original", {id(state.config): (weakref.ref(state),)})(config=state.config)
+        is state.mask_placeholder
     )
 
 
@@ -94,7 +97,7 @@ def test_a_copy_of_a_state_is_not_inside_the_forward():
 
 def test_mask_function_of_an_implementation_without_masks():
     assert "unpack_test_no_mask" not in ALL_MASK_ATTENTION_FUNCTIONS
-    assert make_mask_function("unpack_test_no_mask", [])(config=types.SimpleNamespace()) is None
+    assert make_mask_function("unpack_test_no_mask", {})(config=types.SimpleNamespace()) is None
 
 
 def test_mask_function_reaches_transformers_sdpa_mask():
@@ -111,7 +114,7 @@ def test_mask_function_reaches_transformers_sdpa_mask():
     }
     expected = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**options)
     state = state_of(config)
-    got = make_mask_function("sdpa", [weakref.ref(state)])(**options)
+    got = make_mask_function("sdpa", {id(state.config): (weakref.ref(state),)})(**options)
     assert got is not None and torch.equal(got, expected)
 
 
@@ -150,3 +153,63 @@ def test_a_packed_forward_skips_transformers_packed_sequence_detection(monkeypat
         restarted = model(input_ids=ids, position_ids=restart_positions(lengths).unsqueeze(0), use_cache=False).logits
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(restarted, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_garbage_collection_never_shrinks_what_a_trace_reads(tiny_model):
+    """A patched model dropped in a reference cycle is collected whenever the garbage collector runs, which may be in
+    the middle of ``torch.compile`` or ``torch.export`` of another patched model: between the trace, which read the
+    routing table through the mask function, and the guards dynamo builds from the same paths afterwards. The
+    finalizer pruned the table then, and the guard building failed with an ``IndexError`` (CI's oldest releases,
+    ``test_export_of_a_patched_model``). Now the mask function reads only the entry of its own config, and the
+    collector removes an entry only when no decoder of that config is left; route / release_route prune the rest."""
+    import gc
+
+    from unpack_trainer.models import patch_model, routing, unpatch_model
+
+    model = patch_model(tiny_model("llama", attn_implementation="sdpa", vocab_size=64))
+    shared = patch_model(type(model)(model.config))  # the same config: the entry a trace of `model` reads
+    alone = patch_model(tiny_model("llama", attn_implementation="sdpa", vocab_size=64))  # a config of its own
+    table = routing._routed_states["sdpa"]
+    entry, own = table[id(model.config)], id(alone.config)
+    assert len(entry) == 2 and own in table
+    for dropped in (shared, alone):
+        dropped.cycle = [dropped]  # collected only by the garbage collector, not when the last name goes
+    alive = [weakref.ref(shared), weakref.ref(alone)]
+    del shared, alone, dropped
+    gc.collect()
+    assert all(known() is None for known in alive)
+    assert table[id(model.config)] is entry and own not in table
+    unpatch_model(model)
+    assert id(model.config) not in table
+
+
+def test_a_model_collected_before_the_guards_of_an_export_are_built(monkeypatch, tiny_model):
+    """The same in a real trace: the garbage collector runs after ``torch.export`` (strict: dynamo) traced the forward
+    and before its guards are built, and collects a dropped patched model sharing the traced model's config."""
+    import gc
+
+    from torch._dynamo import guards
+
+    from unpack_trainer.models import patch_model, unpatch_model
+
+    model = patch_model(tiny_model("llama", attn_implementation="sdpa", vocab_size=64))
+    dropped = patch_model(type(model)(model.config))
+    dropped.cycle = [dropped]
+    alive = weakref.ref(dropped)
+    del dropped
+    build_guards = guards.CheckFunctionManager.__init__
+
+    def collect_then_build(self, *args, **kwargs):
+        gc.collect()
+        return build_guards(self, *args, **kwargs)
+
+    monkeypatch.setattr(guards.CheckFunctionManager, "__init__", collect_then_build)
+    ids, mask = torch.randint(3, 64, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+    exported = torch.export.export(model, args=(), kwargs=inputs, strict=True)
+    monkeypatch.undo()
+    assert alive() is None
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(**inputs).logits, model(**inputs).logits)
+    unpatch_model(model)

@@ -4,8 +4,9 @@
 to before.
 
 The mapping is the interfaces' per-instance one (``interface[name] = function``), so the class-wide registry stays as
-transformers and the user left it; it is restored when the last decoder using it is unpatched or collected. So a
-patched model's ``config._attn_implementation`` reads what a stock one reads.
+transformers and the user left it; it is restored when the last decoder using it is unpatched or collected (where the
+user registered another function under the name since, theirs stays). So a patched model's
+``config._attn_implementation`` reads what a stock one reads.
 
 Which forward is packed: the registered attention function reads the ``packed_seq_info`` keyword each layer hands it
 (:mod:`unpack_trainer.models.state`); the mask function, called with fixed arguments, finds the packed forward
@@ -36,11 +37,17 @@ from unpack_trainer.patches.attention.dispatch import packed_attention_forward, 
 
 __all__ = ["make_attention_function", "make_mask_function", "release_route", "route"]
 
-# implementation name -> the states of the live patched decoders routed under it (weakly: a state may reach its model,
-# through what a fix keeps for its undo, and a module-level table must not keep a dropped model alive), and what the
-# routing replaced.
-_routed_states: dict[str, list[weakref.ref[DecoderState]]] = {}
-_replaced: dict[str, tuple[Any, Any]] = {}
+# implementation name -> id of a decoder's config -> weak references to the states of the live patched decoders routed
+# under that name with that config (weakly: a state may reach its model, through what a fix keeps for its undo, and a
+# module-level table must not keep a dropped model alive). The mask function reads the entry of the config it is called
+# with, so a trace of one model's forward reads nothing of another's.
+#
+# A trace of a compiled or exported forward reads these entries, and dynamo builds its guards from the same paths after
+# the trace; an entry that shrank in between (a collection finalizing a dead model mid-trace) fails the guard building.
+# So the garbage collector never shrinks an entry: a collected decoder removes its config's entry only when no decoder
+# of it is left (then no trace can be reading it), and route / release_route prune the rest.
+_routed_states: dict[str, dict[int, tuple[weakref.ref[DecoderState], ...]]] = {}
+_replaced: dict[str, tuple[tuple[Any, Any], tuple[Any, Any]]] = {}
 # While any implementation is routed: what puts transformers' packed-sequence detector back.
 _detector_restore: list[Callable[[], None] | None] = []
 
@@ -50,8 +57,9 @@ def _packed_forward_running() -> bool:
     the placeholder whatever transformers detected)."""
     return any(
         state is not None and state.attention_info() is not None
-        for states in _routed_states.values()
-        for state in (known() for known in states)
+        for table in _routed_states.values()
+        for known_states in table.values()
+        for state in (known() for known in known_states)
     )
 
 
@@ -62,42 +70,54 @@ def route(implementation: str, decoder: torch.nn.Module, state: DecoderState) ->
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    states = _routed_states.setdefault(implementation, [])
+    table = _routed_states.setdefault(implementation, {})
     if not _replaced and not _detector_restore:
         _detector_restore.append(skip_packed_sequence_detection(_packed_forward_running))
     if implementation not in _replaced:
         previous_attention = locally_registered(ALL_ATTENTION_FUNCTIONS, implementation)
         previous_mask = locally_registered(ALL_MASK_ATTENTION_FUNCTIONS, implementation)
-        ALL_ATTENTION_FUNCTIONS[implementation] = make_attention_function(implementation, fallback=previous_attention)
+        attention = make_attention_function(implementation, fallback=previous_attention)
+        ALL_ATTENTION_FUNCTIONS[implementation] = attention
+        mask = None
         if implementation in mask_functions():
             # (transformers builds no mask at all for a name missing there, packed or not)
-            ALL_MASK_ATTENTION_FUNCTIONS[implementation] = make_mask_function(
-                implementation, states, fallback=previous_mask
-            )
-        _replaced[implementation] = (previous_attention, previous_mask)
-    if not any(known() is state for known in states):
+            mask = make_mask_function(implementation, table, fallback=previous_mask)
+            ALL_MASK_ATTENTION_FUNCTIONS[implementation] = mask
+        _replaced[implementation] = ((previous_attention, attention), (previous_mask, mask))
+    known_states = table.get(id(state.config), ())
+    if not any(known() is state for known in known_states):
         known = weakref.ref(state)
-        states.append(known)
+        table[id(state.config)] = (*known_states, known)
         # A patched model that is garbage collected without unpatch_model releases the routing too.
-        weakref.finalize(decoder, release_route, implementation, known)
+        weakref.finalize(decoder, release_route, implementation, known, collected=True)
 
 
-def release_route(implementation: str, state: DecoderState | weakref.ref[DecoderState]) -> None:
+def release_route(
+    implementation: str, state: DecoderState | weakref.ref[DecoderState], *, collected: bool = False
+) -> None:
     """Drop ``state`` (or a weak reference to it) from the users of ``implementation``'s routing, and any user
-    collected since; restore the interfaces once none is left."""
+    collected since; restore the interfaces once none is left. ``collected``: called by the garbage collector, which
+    only drops an entry with no decoder left (see ``_routed_states``)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    states = _routed_states.get(implementation, [])
-    states[:] = [known for known in states if known is not state and known() not in (None, state)]
-    if states or implementation not in _replaced:
+    table = _routed_states.get(implementation, {})
+    for key, known_states in list(table.items()):
+        kept = tuple(known for known in known_states if known is not state and known() not in (None, state))
+        if not kept:
+            del table[key]
+        elif len(kept) < len(known_states) and not collected:
+            table[key] = kept
+    if table or implementation not in _replaced:
         return
-    for interface, previous in zip(
+    for interface, (previous, registered) in zip(
         (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS), _replaced.pop(implementation)
     ):
+        if registered is None or locally_registered(interface, implementation) is not registered:
+            continue  # registered by someone else since: theirs stays
         if previous is not None:
             interface[implementation] = previous
-        elif getattr(locally_registered(interface, implementation), "original_implementation", None) is not None:
+        else:
             del interface[implementation]
     if not _replaced and _detector_restore:
         restore = _detector_restore.pop()
@@ -107,12 +127,13 @@ def release_route(implementation: str, state: DecoderState | weakref.ref[Decoder
 
 def make_mask_function(
     original_implementation: str,
-    states: list[weakref.ref[DecoderState]],
+    states: dict[int, tuple[weakref.ref[DecoderState], ...]],
     *,
     fallback: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """An ``AttentionMaskInterface`` function: inside a packed forward of one of the decoders of ``states`` (weak
-    references to their states; the one whose ``config`` it is called with; without a config, any), that decoder's
+    references to their states by the id of their config; the one whose ``config`` it is called with; without a
+    config, any), that decoder's
     mask placeholder (``None``: no mask); else the original implementation's mask (``sdpa_mask``, ``eager_mask``,
     ...) called with the same arguments: ``fallback`` when given, else transformers' own function of that name (the
     class-wide registry)."""
@@ -122,7 +143,11 @@ def make_mask_function(
 
     def unpack_mask(*args: Any, **kwargs: Any) -> Any:
         config = kwargs.get("config")
-        for known in reversed(states):
+        if config is None:
+            known_states: tuple[weakref.ref[DecoderState], ...] = sum(states.values(), ())
+        else:
+            known_states = states.get(id(config), ())
+        for known in reversed(known_states):
             state = known()
             if state is not None and (config is None or state.config is config) and state.attention_info() is not None:
                 return state.mask_placeholder
@@ -151,11 +176,6 @@ def _eager_function_of_class(cls: type) -> Callable[..., Any]:
     if function is None:
         from transformers.models.llama.modeling_llama import eager_attention_forward as function
     return function
-
-
-def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
-    """The eager attention function of ``module``'s class (what transformers falls back to for "eager")."""
-    return _eager_function_of_class(type(module))
 
 
 def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
