@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 # regex >= 2025.10.
 WHEELS=(
   "transformers==5.24.0" "trl==1.16.0" "datasets==4.8.5" "peft==0.21.2" "dill==0.4.1" "multiprocess==0.70.19"
-  "regex==2026.11.19" "fla-core==0.6.0" "liger-kernel==0.8.5"
+  "regex==2026.11.19" "fla-core==0.6.0" "liger-kernel==0.8.5" "pillow==13.0.0"
 )
 
 if [[ "${1:-}" == "download" ]]; then

@@ -480,3 +480,49 @@ def test_vision_coverage_is_verified_and_documented():
         assert table == vision_coverage_table(outcomes), (
             "docs/vlm.md's table is stale: run python -m unpack_trainer.models --coverage --vision --write-docs"
         )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The real kernels on a GPU
+# --------------------------------------------------------------------------------------------------------------------
+
+GPU_REL = 3e-2  # bf16 (autocast): the packed kernel and the stock path round differently
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch_varlen", "flash", "flex", "sdpa"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packed_on_the_gpu_kernels_matches_alone(model_type, name, monkeypatch):
+    """On CUDA, under bf16 autocast (TRL's default), each backend's real kernel: packed image+text logits == every
+    sample alone through the stock path, the packed loss == the padded batch's, and the backward runs with finite
+    gradients for the vision tower and the decoder."""
+    device = torch.device("cuda")
+    reason = attention.backend_unavailable_reason(name, device, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    if model_type == "gemma3" and name in ("flash", "torch_varlen"):
+        pytest.skip("image blocks: a varlen kernel hands them over or refuses them (the CPU tests)")
+    monkeypatch.setenv(attention.ENV_BACKEND, name)
+    model = patch_model(_model(model_type, hidden_size=64, head_dim=16).to(device))
+    samples = [_on(sample, device) for sample in _samples(model, model_type)]
+    batch, padded = _on(_packed(samples), device), _on(processed_batch(samples), device)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        alone = [model(**sample).logits[0].float() for sample in samples]
+        packed = model(**batch).logits[0].float()
+    start = 0
+    for index, expected in enumerate(alone):
+        _close(packed[start : start + len(expected)], expected, f"sample {index}", rel=GPU_REL)
+        start += len(expected)
+    model.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        padded_loss = model(**padded).loss
+        packed_loss = model(**batch).loss
+    packed_loss.backward()
+    _close(packed_loss.float(), padded_loss.float(), "loss", rel=GPU_REL)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.startswith(("model.visual", "model.vision")) for n in grads)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def _on(batch: dict, device: torch.device) -> dict:
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
