@@ -254,6 +254,17 @@ class PackedTrainerMixin:
         """The models the packed path patches (the policy; trainers with a reference model add it), unwrapped."""
         return [self.accelerator.unwrap_model(self.model)]
 
+    def _unpack_vision_reason(self, model_config: Any) -> str | None:
+        """Why this trainer keeps vision-language data (a vision-language model, a processor, images) padded, or
+        ``None`` where it packs it (``model_config``: the model's ``PretrainedConfig``, or ``None``); by default from
+        ``unpack_packs_vision``."""
+        if self.unpack_packs_vision:
+            return None
+        return (
+            f"{self.unpack_name} does not pack vision-language data (a vision-language model, a processor or images) "
+            "yet"
+        )
+
     def _unpack_has_metrics(self, given: dict[str, Any]) -> bool:
         """Whether the trainer's arguments ``given`` (by name) compute metrics from evaluation predictions: by default
         a ``compute_metrics`` or ``preprocess_logits_for_metrics`` (evaluation then stays padded, one row per
@@ -328,9 +339,10 @@ class PackedTrainerMixin:
             peft_config = getattr(model, "peft_config", None)
         supported, blocklist = _registry()
         first_example = _first_example(train_dataset)
+        model_config = _model_config(model, args)
         decision = decide(
             args,
-            model_config=_model_config(model, args),
+            model_config=model_config,
             data_collator=data_collator,
             processing_class=processing_class,
             dataset_sample=first_example,
@@ -338,10 +350,7 @@ class PackedTrainerMixin:
             blocklist=blocklist,
             env=env,
             peft_config=peft_config,
-            vision=None
-            if self.unpack_packs_vision
-            else f"{self.unpack_name} does not pack vision-language data (a vision-language model, a processor or "
-            "images) yet",
+            vision=self._unpack_vision_reason(model_config),
             parallelism=parallelism_reason(getattr(args, "parallelism_config", None), env),
         )
         self.unpack_decision = decision

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ def pack_completions(
     *,
     prefix_sharing: bool = True,
     device: torch.device | str | None = None,
+    keys: Sequence[Hashable] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int] | str:
     """The view and the packed row of TRL's batch of prompts and completions, each distinct prompt once.
 
@@ -78,7 +79,9 @@ def pack_completions(
     ``mask_truncated_completions``). Rows whose prompts are equal (the ``G`` completions of a group, wherever they
     are in the batch) share one prompt segment, and each non-empty completion is a branch of it
     (``packed_seq_parents``); a prompt with one completion is one plain sample; with ``prefix_sharing=False`` every
-    row is the plain sample ``[prompt; completion]``. Segments are in the order of their first row. Positions restart
+    row is the plain sample ``[prompt; completion]``. ``keys`` (one per row) is what else two rows must share to share
+    their prompt segment (a vision-language prompt's images: equal token ids, other pixels): rows share one where their
+    prompts and their keys are equal. Segments are in the order of their first row. Positions restart
     at 0 per prompt and continue from it in each completion, as generation numbered them (from the attention mask).
 
     Example (prompts ``[5, 6]`` twice and ``[7]``, completions ``[8]``, ``[9, 10]``, ``[11]``; ``P = C = 2``)::
@@ -118,7 +121,8 @@ def pack_completions(
     groups: dict[Any, list[int]] = {}
     for row in range(rows):
         prompt = rows_list[row][num_prompt - prompt_list[row] : num_prompt]
-        groups.setdefault(tuple(prompt) if prefix_sharing else row, []).append(row)
+        key = (tuple(prompt), None if keys is None else keys[row]) if prefix_sharing else row
+        groups.setdefault(key, []).append(row)
     tokens: list[int] = []
     lengths: list[int] = []
     parents: list[int] = []
@@ -256,10 +260,12 @@ class BranchedTrainerMixin(PackedTrainerMixin):
             return None
         if self._unpack_mixer is not False:
             return self._unpack_mixer
+        from unpack_trainer.models.vision import text_model
         from unpack_trainer.patches.mixers import mixer_kind
 
         self._unpack_mixer = None
-        for module in self.model.modules():
+        decoder = text_model(self.model) or self.model  # a vision-language model: its text decoder (not its tower)
+        for module in decoder.modules():
             if mixer_kind(module) is not None:
                 name = self._unpack_mixer = type(module).__name__
                 log_once(
