@@ -5,6 +5,7 @@ tokens and for uniform lengths with short prompts.
     python benchmarks/bench_grpo.py                          # tiny Llama, 4 prompts x 8 completions, 3 repeats
     python benchmarks/bench_grpo.py --repeats 5 --threads 1  # steadier on a busy machine
     python benchmarks/bench_grpo.py --model smollm2          # SmolLM2-135M-Instruct with LoRA (the `real` extra)
+    python benchmarks/bench_grpo.py --model qwen2_5_vl --threads 1  # image prompts: a small Qwen2.5-VL, 4 prompts x 8
 
 What is timed is the training part of a GRPO step: everything after the completions exist (the reference / old
 policy forwards when the set-up needs them, rewards, advantages, and the policy's forward and backward through TRL's
@@ -25,6 +26,15 @@ completion ``--median-tokens`` long, prompts 10% of the tokens. Random token ids
 (default): tiny Llama (hidden 256, 4 layers, vocab 4096), full fine-tuning; ``--model smollm2``:
 SmolLM2-135M-Instruct (fp32, SDPA) with LoRA (r 16 on every linear layer). TRL's defaults otherwise (``beta=0``,
 ``loss_type="dapo"``, ``num_iterations=1``); ``--beta 0.04`` adds the reference model's forward.
+
+Image prompts (``--model qwen2_5_vl``, scenario ``image:TOKENS``): a small Qwen2.5-VL built from its config (text
+model hidden 256, 4 layers, as ``bench_vlm.py``; its vision tower 2 layers of hidden 32), its processor, one random
+image per prompt of ``TOKENS`` image tokens (default 256: a 448 x 448 image, 1,024 patches, merged 2 x 2) after a short
+question, completions of random text tokens (lognormal, median ``--median-tokens``, default 24 for this model). The
+rollouts come from a ``rollout_func`` as above, the prompt ids being what TRL's processor call makes of each prompt, so
+every provider trains on the same completions. Besides tokens/s and memory: the images the vision tower encoded per
+step and the seconds per step of the log-prob forwards alone (TRL's ``_get_per_token_logps_and_entropies``; the
+policy's backward excluded).
 """
 
 from __future__ import annotations
@@ -44,7 +54,10 @@ from common import environment_line, format_table, quiet_case, run_in_subprocess
 
 PROVIDERS = ("stock", "plain", "shared")
 SCENARIOS = ("lognormal:0.2", "lognormal:0.5", "lognormal:0.8", "uniform:0.1")
-MODELS = ("tiny_llama", "smollm2")
+MODELS = ("tiny_llama", "smollm2", "qwen2_5_vl")
+VLM_SCENARIOS = ("image:256",)
+VLM_TEXT = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=688,
+                num_hidden_layers=4)  # fmt: skip
 
 
 def make_rollouts(num_steps: int, prompts: int, generations: int, kind: str, share: float, median: int, seed: int = 0):
@@ -177,6 +190,109 @@ def run_case(provider: str, scenario: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def run_vlm_case(provider: str, scenario: str, args: argparse.Namespace) -> dict:
+    """Train ``args.steps`` + 1 steps of ``provider`` in this process on image prompts (see the module docstring)."""
+    quiet_case(args.threads)
+    import trl
+    from datasets import Dataset
+    from PIL import Image
+    from trl.data_utils import apply_chat_template
+
+    from unpack_trainer import GRPOConfig, GRPOTrainer
+    from unpack_trainer.models.tiny_vision import FIRST_TEXT_ID, VOCAB, tiny_processor, tiny_vision_model
+
+    image_tokens = int(scenario.split(":")[1])
+    side = int(round((image_tokens * 4) ** 0.5)) * 14  # merged 2 x 2 patches of 14 pixels
+    processor = tiny_processor("qwen2_5_vl")
+    processor.tokenizer.padding_side = "left"
+    processor.image_processor.size = {"shortest_edge": side * side, "longest_edge": side * side}
+    model = tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa", **VLM_TEXT)
+    rng = np.random.default_rng(0)
+    steps = args.steps + 1
+    rows = []
+    for step in range(steps):
+        for group in range(args.prompts):
+            pixels = rng.integers(0, 255, (side, side, 3), dtype=np.uint8)
+            text = f"prompt {step} {group}: what is in the picture?"
+            rows.append({"image": Image.fromarray(pixels), "prompt": [{"role": "user", "content": text}]})
+    completions = {
+        (step, group): [
+            rng.integers(FIRST_TEXT_ID, VOCAB, int(n)).tolist()
+            for n in np.clip(np.rint(rng.lognormal(np.log(args.median_tokens), 0.8, args.generations)), 4, 512)
+        ]
+        for step in range(steps)
+        for group in range(args.prompts)
+    }
+    prompt_ids: dict[str, list[int]] = {}
+
+    def rollout_func(prompts, trainer):
+        """The pre-drawn completions of these prompts, after the prompt ids TRL's processor call makes of them."""
+        ids, completion_ids = [], []
+        for index, prompt in enumerate(prompts):
+            parts = prompt[-1]["content"]
+            text = next(part["text"] for part in parts if part.get("type") == "text")
+            image = next(part["image"] for part in parts if part.get("type") == "image")
+            if text not in prompt_ids:
+                templated = apply_chat_template({"prompt": prompt}, processor)["prompt"]
+                prompt_ids[text] = list(processor(images=[image], text=[templated])["input_ids"][0])
+            step, group = (int(x) for x in text.split(":")[0].split()[1:])
+            ids.append(prompt_ids[text])
+            completion_ids.append(completions[(step, group)][index % args.generations])
+        return {"prompt_ids": ids, "completion_ids": completion_ids, "logprobs": None}
+
+    common = dict(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.prompts * args.generations,
+        num_generations=args.generations, max_steps=steps, max_completion_length=512, beta=args.beta,
+        learning_rate=1e-6, report_to=[], bf16=False, use_cpu=True, save_strategy="no", logging_steps=1000,
+        disable_tqdm=True, shuffle_dataset=False,
+    )  # fmt: skip
+    if provider == "stock":
+        trainer_class, config = trl.GRPOTrainer, trl.GRPOConfig(**common)
+    else:
+        trainer_class, config = GRPOTrainer, GRPOConfig(**common, prefix_sharing=provider == "shared")
+    timer = _StepTimer()
+    trainer = trainer_class(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                            args=config, train_dataset=Dataset.from_list(rows), processing_class=processor,
+                            rollout_func=rollout_func, callbacks=[timer.callback])  # fmt: skip
+    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    encoded, forward_seconds = [], []
+    logps_method = trainer._get_per_token_logps_and_entropies
+
+    def count_images(module, args, kwargs):
+        if forward_seconds and forward_seconds[-1] is None:  # inside a log-prob forward (not the self-check)
+            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+            encoded.append(int(grid.shape[0]))
+
+    def timed_logps(*args, **kwargs):
+        start = time.perf_counter()
+        forward_seconds.append(None)
+        out = logps_method(*args, **kwargs)
+        forward_seconds[-1] = time.perf_counter() - start
+        return out
+
+    trainer._get_per_token_logps_and_entropies = timed_logps
+    model.model.visual.register_forward_pre_hook(count_images, with_kwargs=True)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    trainer.train()
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    seconds = sum(timer.seconds[1:])
+    per_step = len(forward_seconds) // steps
+    tokens = sum(len(prompt_ids[r["prompt"][0]["content"]]) * args.generations for r in rows[args.prompts :])
+    tokens += sum(len(c) for (step, _), cs in completions.items() if step > 0 for c in cs)
+    result = {
+        "tokens_per_s": tokens / seconds,
+        "forward_tokens_per_s": tokens * per_step / sum(forward_seconds[per_step:]),
+        "peak_mib": (rss_after - rss_before) / 1024,
+        "seconds": seconds,
+        "images_per_step": sum(encoded) / steps,
+        "forwards_per_step": per_step,
+        "prompt_tokens": float(np.mean(list(map(len, prompt_ids.values())))),
+    }
+    if provider != "stock":
+        result["forwards"] = trainer.unpack_stats.get("forwards")
+    return result
+
+
 def _generation_seconds(trainer, groups, args: argparse.Namespace) -> float:
     """Seconds of ``model.generate`` sampling the first step's completions (each group's prompt, G samples, the mean
     completion length of the step as the number of new tokens): the generation a real step would run, the same code
@@ -220,7 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), help="lognormal:SHARE or uniform:SHARE")
     parser.add_argument("--model", choices=MODELS, default="tiny_llama")
-    parser.add_argument("--median-tokens", type=int, default=160, help="median completion length")
+    parser.add_argument(
+        "--median-tokens", type=int, default=None, help="median completion length (160; 24 for qwen2_5_vl)"
+    )
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--no-generation", dest="generation", action="store_false", help="skip timing generation")
     parser.add_argument(
@@ -231,9 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", help="also write every round's results to this file")
     args = parser.parse_args(argv)
+    if args.median_tokens is None:
+        args.median_tokens = 24 if args.model == "qwen2_5_vl" else 160
     if args.case:
         provider, scenario = args.case.split("@")
-        print(json.dumps(run_case(provider, scenario, args)))
+        case = run_vlm_case if args.model == "qwen2_5_vl" else run_case
+        print(json.dumps(case(provider, scenario, args)))
+        return
+    if args.model == "qwen2_5_vl":
+        vlm_table(args, argv if argv is not None else sys.argv[1:])
         return
 
     print(environment_line())
@@ -277,6 +401,52 @@ def main(argv: list[str] | None = None) -> None:
         ["scenario", "stock tokens/s", "packed tokens/s", "shared tokens/s", "packed / stock", "shared / stock",
          "shared / packed", "peak MiB stock / packed / shared", "peak shared / stock", "shared forwards packed / TRL's",
          "generation s/step", "stock s/step (training)"],
+        rows,
+    ))  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({f"{p}@{s}": r for (p, s), r in results.items()}, handle, indent=1)
+
+
+def vlm_table(args: argparse.Namespace, argv: list[str]) -> None:
+    """The image-prompt benchmark (``--model qwen2_5_vl``): interleaved rounds, then one table."""
+    print(environment_line())
+    scenarios = args.scenarios if args.scenarios != list(SCENARIOS) else list(VLM_SCENARIOS)
+    results: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for scenario in scenarios:
+            for provider in PROVIDERS[repeat % 3 :] + PROVIDERS[: repeat % 3]:
+                command = [os.path.abspath(__file__), "--case", f"{provider}@{scenario}", *_case_arguments(argv)]
+                results.setdefault((provider, scenario), []).append(run_in_subprocess(command, timeout=3600))
+                print(f"  round {repeat + 1}, {scenario}, {provider}: "
+                      f"{results[(provider, scenario)][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)  # fmt: skip
+    names = {"stock": "trl.GRPOTrainer padded", "plain": "ours, packed (prompt repeated)",
+             "shared": "ours, image prompt shared"}  # fmt: skip
+    rows = []
+    for scenario in scenarios:
+        stock = results[("stock", scenario)]
+        for provider in PROVIDERS:
+            runs = results[(provider, scenario)]
+            forwards = runs[-1].get("forwards") or {}
+            rows.append([
+                f"{scenario.split(':')[1]} image tokens", names[provider],
+                spread([r["tokens_per_s"] for r in runs], ",.0f"),
+                spread([r["tokens_per_s"] / s["tokens_per_s"] for r, s in zip(runs, stock)], ".2f"),
+                spread([r["forward_tokens_per_s"] for r in runs], ",.0f"),
+                spread([r["forward_tokens_per_s"] / s["forward_tokens_per_s"] for r, s in zip(runs, stock)], ".2f"),
+                f"{np.median([r['images_per_step'] for r in runs]):.0f}",
+                f"{np.median([r['peak_mib'] for r in runs]):,.0f}",
+                f"{np.median([r['peak_mib'] / max(s['peak_mib'], 1) for r, s in zip(runs, stock)]):.2f}",
+                f"{forwards.get('packed', 0)} / {forwards.get('padded', 0)}" if provider != "stock" else "-",
+            ])  # fmt: skip
+    prompt_tokens = np.median([r["prompt_tokens"] for r in results[("stock", scenarios[0])]])
+    print()
+    print(f"GRPO training step on image prompts (generation excluded), small Qwen2.5-VL, {args.prompts} prompts x "
+          f"{args.generations} completions (prompt {prompt_tokens:.0f} tokens, median completion {args.median_tokens}), "
+          f"beta {args.beta}, {args.steps} steps x {args.repeats} rounds (median (min-max)):")  # fmt: skip
+    print(format_table(
+        ["scenario", "provider", "step tokens/s", "vs stock", "log-prob forward tokens/s", "vs stock",
+         "images encoded / step", "peak MiB", "memory vs stock", "forwards packed / TRL's"],
         rows,
     ))  # fmt: skip
     if args.json:

@@ -66,7 +66,7 @@ def qwen_path(tmp_path_factory, qwen):
     return str(path)
 
 
-def run_steps(trainer_class, config_class, tmp_path, model, **config) -> dict:
+def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR, **config) -> dict:
     """``max_steps`` (default 1) seeded optimizer steps of ``trainer_class`` on the image prompts: what it logged,
     its gradients, every log-prob call's outputs, its completions, the images its vision tower encoded per call."""
     config = (
@@ -93,7 +93,7 @@ def run_steps(trainer_class, config_class, tmp_path, model, **config) -> dict:
         reward_funcs=count_a,
         args=args,
         train_dataset=image_prompts(),
-        processing_class=PROCESSOR,
+        processing_class=processor,
         callbacks=[recorder],
     )
     calls, completions, encoded = [], [], []

@@ -20,6 +20,7 @@ vision inputs, or not in TRL's layout, runs as TRL runs it (logged once with the
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -218,10 +219,10 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         if problem is not None:
             return problem
         unwrapped = self.accelerator.unwrap_model(model)
-        cache = self.__dict__.setdefault("_unpack_positions", {})
-        if id(unwrapped) not in cache:
-            cache[id(unwrapped)] = sequence_positions_of(unwrapped)
-        positions = cache[id(unwrapped)]
+        cache = self.__dict__.setdefault("_unpack_positions", weakref.WeakKeyDictionary())
+        if unwrapped not in cache:
+            cache[unwrapped] = sequence_positions_of(unwrapped)
+        positions = cache[unwrapped]
         if positions is None:
             return f"{type(unwrapped).__name__} takes no multi-axis positions to number its image prompts with"
         return positions
