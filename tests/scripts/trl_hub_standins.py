@@ -206,11 +206,13 @@ def _is_tokenizer(cls: type) -> bool:
 
 def _image_split(path: str, config_name: str, split: str):
     """One split of the ``zen-image`` / ``zen-multi-image`` configs: drawn shapes with captions, one image per example
-    (``zen-multi-image``: none to two), as conversational language modeling or prompt-completion."""
+    (``zen-multi-image``: none to two), as conversational language modeling, prompt-completion or prompt only (the
+    prompt-completion rows without their completion: GRPO's and RLOO's data)."""
     from unpack_trainer.data.default_vision_data import load_shapes_dataset
 
     split, _, part = split.partition("[")
-    if config_name not in ("conversational_language_modeling", "conversational_prompt_completion"):
+    kinds = ("conversational_language_modeling", "conversational_prompt_completion", "conversational_prompt_only")
+    if config_name not in kinds:
         raise ValueError(f"no stand-in for the {path} config {config_name!r}")
     _, rows = ZEN_SPLITS[split]
     dataset = load_shapes_dataset(
@@ -218,8 +220,10 @@ def _image_split(path: str, config_name: str, split: str):
         seed=0 if split == "train" else 1,
         sizes=(56, 112),
         images_per_example=(0, 2) if path == ZEN_MULTI_IMAGE else (1, 1),
-        prompt_completion=config_name.endswith("prompt_completion"),
+        prompt_completion=config_name != "conversational_language_modeling",
     )
+    if config_name == "conversational_prompt_only":
+        dataset = dataset.remove_columns("completion")
     if part:
         start, _, stop = part.rstrip("]").partition(":")
         dataset = dataset.select(range(len(dataset))[slice(int(start or 0), int(stop) if stop else None)])
