@@ -96,7 +96,7 @@ def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR,
         processing_class=processor,
         callbacks=[recorder],
     )
-    calls, completions, encoded = [], [], []
+    calls, completions, encoded, inputs = [], [], [], []
     logps_method, generate = trainer._get_per_token_logps_and_entropies, trainer._generate
     towers = [trainer.model.model.visual]
     if getattr(trainer, "ref_model", None) is not None:
@@ -110,6 +110,7 @@ def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR,
     handles = [tower.register_forward_pre_hook(count_images, with_kwargs=True) for tower in towers]
 
     def recorded_logps(*args, **kwargs):
+        inputs.append((args, kwargs))
         images.clear()
         logps, entropies, aux = logps_method(*args, **kwargs)
         calls.append((logps.detach().clone(), None if entropies is None else entropies.detach().clone(), aux))
@@ -130,7 +131,7 @@ def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR,
     logs = [{k: v for k, v in entry.items() if k not in TIMINGS} for entry in trainer.state.log_history]
     return {
         "logs": logs, "grads": recorder.grads, "calls": calls, "completions": completions, "trainer": trainer,
-        "encoded": encoded,
+        "encoded": encoded, "inputs": inputs,
     }  # fmt: skip
 
 
@@ -142,14 +143,25 @@ GRPO_CASES = {
     "dr_grpo, num_iterations 2 (old policy forward), masked truncated completions": dict(
         loss_type="dr_grpo", num_iterations=2, max_steps=2, mask_truncated_completions=True, learning_rate=1e-4
     ),
+    # generation every 2 steps: 12 rows generated, 6 per optimizer step (TRL shuffles them, so a step holds parts of
+    # groups, each sharing its prompt and image), the old policy's forward over all 12 rows
+    "bnpo, steps_per_generation 2 (partial groups, chunked forwards), sequence importance sampling": dict(
+        loss_type="bnpo",
+        steps_per_generation=2,
+        per_device_train_batch_size=6,
+        max_steps=2,
+        importance_sampling_level="sequence",
+        learning_rate=1e-4,
+    ),  # fmt: skip
 }
 
 
 def _check(ours: dict, stock: dict) -> dict:
     measured = assert_same_steps(ours, stock)
-    groups = 3  # three image prompts per step
-    assert stock["encoded"] and all(count == groups * 4 for count in stock["encoded"])  # stock: every completion
-    assert ours["encoded"] == [groups] * len(stock["encoded"])  # ours: each group's image once per forward
+    assert stock["encoded"] and len(ours["encoded"]) == len(stock["encoded"])
+    for forward, (count, (logps, _, _)) in enumerate(zip(stock["encoded"], stock["calls"])):
+        assert count == logps.shape[0]  # stock: one image per completion
+        assert ours["encoded"][forward] <= 3 < count  # ours: each group's image once per forward (or chunk)
     return measured
 
 
@@ -162,6 +174,28 @@ def test_one_grpo_step_on_image_prompts_equals_stock(case, tmp_path, qwen, qwen_
     assert ours["trainer"].unpack_decision.packed, ours["trainer"].unpack_decision
     assert ours["trainer"].unpack_selfcheck_branched.ok
     _check(ours, stock)
+
+
+def test_a_forward_packed_in_several_chunks_equals_stock(tmp_path, qwen):
+    """A forward whose packed rows are split into chunks (TRL's ``batch_size`` of 1 row: a chunk holds at most one
+    padded row's tokens, so a group's completions spread over chunks): each chunk carries its own rows' images and
+    positions; the log-probs and entropies equal TRL's for the same inputs."""
+    ours = run_steps(GRPOTrainer, GRPOConfig, tmp_path, qwen)
+    trainer = ours["trainer"]
+    (model, input_ids, attention_mask, logits_to_keep), kwargs = ours["inputs"][0]
+    kwargs = {**kwargs, "batch_size": 1, "compute_entropy": True}
+    chunks = trainer._unpack_chunks(input_ids.cpu(), attention_mask.cpu(), logits_to_keep, 1, fixed=False)
+    assert len(chunks) > 3, chunks  # more chunks than groups
+    with torch.no_grad():
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, input_ids, attention_mask, logits_to_keep, **kwargs
+        )
+        stock_logps, stock_entropies, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, input_ids, attention_mask, logits_to_keep, **kwargs
+        )
+    assert float((logps - stock_logps).abs().max()) <= 1e-5 * float(stock_logps.abs().max())
+    assert float((entropies - stock_entropies).abs().max()) <= 1e-5 * float(stock_entropies.abs().max())
+    assert trainer.unpack_stats["forwards"]["padded"] == 0
 
 
 def test_one_rloo_step_on_image_prompts_equals_stock(tmp_path, qwen_path):
