@@ -231,3 +231,13 @@ def test_images_tell_groups_apart():
     assert rows.pixels == [(0, 4), (4, 8), (8, 12), (12, 16)]
     keys = image_keys(pixel_values, rows, [(7, 8)] * 3 + [(9,)])
     assert keys[0] == keys[2] and len({keys[0], keys[1], keys[3]}) == 3
+
+
+def test_another_familys_vision_inputs_name_the_reason_the_forward_runs_padded():
+    from unpack_trainer.trainers.image_prompts import image_inputs_problem
+
+    pixels, grid = torch.zeros(4, 5), torch.tensor([[1, 2, 2]])
+    assert image_inputs_problem({"pixel_values": pixels, "image_grid_thw": grid, "num_images": [1]}) is None
+    assert "pixel_attention_mask" in image_inputs_problem({"pixel_values": pixels, "pixel_attention_mask": pixels})
+    assert "token_type_ids" in image_inputs_problem({"token_type_ids": torch.zeros(1, 3, dtype=torch.int64)})
+    assert "without image_grid_thw" in image_inputs_problem({"pixel_values": pixels, "num_images": [1]})
