@@ -18,7 +18,7 @@ from typing import Any
 import trl
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.data.preference import DataCollatorForPackedPreference
+from unpack_trainer.data.preference import DataCollatorForPackedPreference, DataCollatorForPackedVisionPreference
 from unpack_trainer.trainers.branched import PackedPairsMixin
 
 __all__ = ["DPOTrainer"]
@@ -34,7 +34,9 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
     """
 
     unpack_unshared = "each pair is packed as [prompt, chosen] and [prompt, rejected]"
+    unpack_packs_vision = True  # image preference pairs: each image once per pair (data.preference)
     unpack_trl_collator = staticmethod(_trl_compat.dpo_padded_collator_class)
+    unpack_trl_vision_collator = staticmethod(_trl_compat.dpo_vision_collator_class)
     _unpack_trl_methods = _trl_compat.DPO_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.DPO_TRAINER_ATTRIBUTES
 
@@ -54,8 +56,17 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
         """``chosen`` + ``rejected`` (an explicit ``prompt`` column, or a prompt implicit in both)."""
         return (("chosen", "rejected"),)
 
-    def _packed_collator(self) -> DataCollatorForPackedPreference:
+    def _packed_collator(self) -> DataCollatorForPackedPreference | DataCollatorForPackedVisionPreference:
         padded = self._padded_collator()
+        if isinstance(padded, self.unpack_trl_vision_collator()):
+            from unpack_trainer.models.vision import sequence_positions_of
+
+            model = self.accelerator.unwrap_model(self.model)
+            return DataCollatorForPackedVisionPreference(
+                view_collator=padded,
+                prefix_sharing=self._unpack_sharing(),
+                positions=sequence_positions_of(_pretrained(model)),
+            )
         return DataCollatorForPackedPreference(
             pad_token_id=padded.pad_token_id,
             max_length=padded.max_length,
@@ -63,3 +74,8 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
             pad_to_multiple_of=padded.pad_to_multiple_of,
             prefix_sharing=self._unpack_sharing(),
         )
+
+
+def _pretrained(model: Any) -> Any:
+    """The ``PreTrainedModel`` of ``model`` (under PEFT, its base model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
