@@ -249,3 +249,31 @@ def test_pack_vision_pairs_shares_each_prompt_and_keeps_each_image_once():
     view["pixel_values"] = torch.arange(16.0).view(8, 2)  # not listed twice: cannot be halved
     with pytest.raises(ValueError, match="does not list every pair's images twice"):
         pack_vision_pairs(view)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava", "gemma3"])
+def test_the_branched_self_check_probes_a_shared_image_prompt(model_type):
+    """``check_uncontaminated(branched=True)`` on a vision-language model also runs a prompt holding an image shared
+    by two completions against each full sequence alone; it fails (the pairs then pack unshared) where the branched
+    row cannot be run exactly: Gemma 3's image blocks, or image positions the collator did not compute."""
+    from unpack_trainer.models import patch_model
+    from unpack_trainer.models.selfcheck import check_uncontaminated
+
+    model = tiny_vision_model(model_type, attn_implementation="sdpa")
+    patch_model(model)
+    report = check_uncontaminated(model, branched=True, lengths=(3, 1, 4), measure_contamination=False)
+    if model_type == "gemma3":
+        assert not report.ok and "Bidirectional spans are not supported on branched samples" in report.failure()
+    else:
+        assert report.ok, report.failure()
+
+
+def test_the_branched_self_check_fails_without_each_sequences_image_positions(monkeypatch):
+    from unpack_trainer.models import patch_model, vision
+    from unpack_trainer.models.selfcheck import check_uncontaminated
+
+    monkeypatch.setattr(vision, "sequence_positions_of", lambda model: None)
+    model = tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa")
+    patch_model(model)
+    report = check_uncontaminated(model, branched=True, lengths=(3, 1, 4), measure_contamination=False)
+    assert not report.ok and "needs each full sequence's positions" in report.failure()
