@@ -8,6 +8,11 @@ loss and every logged metric are TRL's, from TRL's view of the batch); the batch
 ``ref_model``, or the PEFT model with its adapter disabled). ``precompute_ref_log_probs=True`` precomputes with TRL's
 padded batches at ``__init__`` (the packed path is enabled right after TRL's ``__init__``) and through the packed path
 for a dataset passed to ``evaluate`` later.
+
+Image preference pairs on a vision-language model (TRL's ``DataCollatorForVisionPreference`` as the padded collator)
+pack the same way ([`unpack_trainer.data.preference.DataCollatorForPackedVisionPreference`]): TRL's batch is the view,
+each prompt with its image tokens once on the packed row, each image encoded once per pair, every token's multi-axis
+positions read from its full sequence (the model's own ``get_rope_index``).
 """
 
 from __future__ import annotations
