@@ -220,12 +220,10 @@ class BranchedTrainerMixin(PackedTrainerMixin):
         if not self.args.prefix_sharing:
             return False
         if self._unpack_blocks is None:
+            from unpack_trainer.models.discovery import pretrained_model
             from unpack_trainer.models.vision import has_image_blocks
 
-            model = self.accelerator.unwrap_model(self.model)
-            self._unpack_blocks = has_image_blocks(
-                model.get_base_model() if hasattr(model, "get_base_model") else model
-            )
+            self._unpack_blocks = has_image_blocks(pretrained_model(self.accelerator.unwrap_model(self.model)))
             if self._unpack_blocks:
                 log_once(
                     logger,
@@ -288,6 +286,7 @@ class BranchedTrainerMixin(PackedTrainerMixin):
             return None
         if self._unpack_mixer is not False:
             return self._unpack_mixer
+        from unpack_trainer.models.discovery import pretrained_model
         from unpack_trainer.models.vision import text_model
         from unpack_trainer.patches.mixers import mixer_kind
 
@@ -295,7 +294,7 @@ class BranchedTrainerMixin(PackedTrainerMixin):
         model = self.accelerator.unwrap_model(self.model)
         # A vision-language model: its text decoder's mixers (the vision tower's convolutions embed image patches,
         # not a sequence the branches continue)
-        decoder = text_model(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        decoder = text_model(pretrained_model(model))
         for module in (decoder if decoder is not None else model).modules():
             if mixer_kind(module) is not None:
                 name = self._unpack_mixer = type(module).__name__

@@ -64,13 +64,12 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
     def _packed_collator(self) -> DataCollatorForPackedPreference | DataCollatorForPackedVisionPreference:
         padded = self._padded_collator()
         if isinstance(padded, self.unpack_trl_vision_collator()):
+            from unpack_trainer.models.discovery import pretrained_model
             from unpack_trainer.models.vision import sequence_positions_of
 
-            model = self.accelerator.unwrap_model(self.model)
+            model = pretrained_model(self.accelerator.unwrap_model(self.model))
             return DataCollatorForPackedVisionPreference(
-                view_collator=padded,
-                prefix_sharing=self._unpack_sharing(),
-                positions=sequence_positions_of(_pretrained(model)),
+                view_collator=padded, prefix_sharing=self._unpack_sharing(), positions=sequence_positions_of(model)
             )
         return DataCollatorForPackedPreference(
             pad_token_id=padded.pad_token_id,
@@ -79,8 +78,3 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
             pad_to_multiple_of=padded.pad_to_multiple_of,
             prefix_sharing=self._unpack_sharing(),
         )
-
-
-def _pretrained(model: Any) -> Any:
-    """The ``PreTrainedModel`` of ``model`` (under PEFT, its base model)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
