@@ -349,7 +349,7 @@ def pack_vision_pairs(
     out.update(vision)
     out.update({key: to_row(value) for key, value in per_token.items()})
     if positions is not None:
-        full = positions(input_ids, attention_mask.to(input_ids.dtype), {**per_token, **vision_inputs(view)})
+        full = positions(input_ids, attention_mask.to(input_ids.dtype), {**per_token, **_vision_inputs(view)})
         row = to_row(full)
         if not torch.equal(row[:, 0][:, token_index][..., attention_mask], full[..., attention_mask]):
             raise ValueError(
@@ -360,7 +360,7 @@ def pack_vision_pairs(
     return out
 
 
-def vision_inputs(view: dict[str, Any]) -> dict[str, Any]:
+def _vision_inputs(view: dict[str, Any]) -> dict[str, Any]:
     """The tensors of a batch that are neither its view keys nor per-token: the vision tensors, as TRL made them."""
     rows, width = view["input_ids"].shape
     return {
