@@ -393,20 +393,33 @@ _GEMMA4_PROCESSOR: type | None = None
 
 def _image_split(path: str, config_name: str, split: str):
     """One split of the ``zen-image`` / ``zen-multi-image`` configs: drawn shapes with captions, one image per example
-    (``zen-multi-image``: none to two), as conversational language modeling or prompt-completion."""
+    (``zen-multi-image``: none to two), as conversational language modeling, prompt-completion or preference (the
+    caption chosen, another shape's rejected)."""
     from unpack_trainer.data.default_vision_data import load_shapes_dataset
 
     split, _, part = split.partition("[")
-    if config_name not in ("conversational_language_modeling", "conversational_prompt_completion"):
+    kinds = ("conversational_language_modeling", "conversational_prompt_completion", "conversational_preference")
+    if config_name not in kinds:
         raise ValueError(f"no stand-in for the {path} config {config_name!r}")
     _, rows = ZEN_SPLITS[split]
+    preference = config_name == "conversational_preference"
     dataset = load_shapes_dataset(
-        rows,
+        2 * rows if preference else rows,
         seed=0 if split == "train" else 1,
         sizes=(56, 112),
         images_per_example=(0, 2) if path == ZEN_MULTI_IMAGE else (1, 1),
-        prompt_completion=config_name.endswith("prompt_completion"),
+        prompt_completion=config_name.endswith("prompt_completion") or preference,
     )
+    if preference:  # the chosen answer is the example's caption, the rejected one the next example's
+        from datasets import Dataset
+
+        dataset = Dataset.from_list(
+            [
+                {"images": dataset[2 * i]["images"], "prompt": dataset[2 * i]["prompt"],
+                 "chosen": dataset[2 * i]["completion"], "rejected": dataset[2 * i + 1]["completion"]}
+                for i in range(rows)
+            ]
+        )  # fmt: skip
     if part:
         start, _, stop = part.rstrip("]").partition(":")
         dataset = dataset.select(range(len(dataset))[slice(int(start or 0), int(stop) if stop else None)])

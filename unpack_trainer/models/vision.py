@@ -52,6 +52,7 @@ __all__ = [
     "TOKEN_TYPES_KEY",
     "RopeIndex",
     "SamplePositions",
+    "SequencePositions",
     "VisionLanguage",
     "auto_model_class",
     "decoders_problem",
@@ -64,6 +65,7 @@ __all__ = [
     "multimodal_positions",
     "rope_index_of",
     "sample_positions_of",
+    "sequence_positions_of",
     "text_model",
     "vision_problem",
 ]
@@ -311,6 +313,12 @@ class RopeIndex:
         positions, _ = function(input_ids, **kwargs)
         return positions
 
+    def padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """``(3, B, L)`` int64: the multi-axis positions of a padded batch, each row's real tokens
+        (``attention_mask`` ``(B, L)``, 1 on them) as ``get_rope_index`` numbers the row alone; padding as the method
+        leaves it. ``inputs`` as for ``__call__``, in the batch's layout (``(B, L)`` per-token keys)."""
+        return self._call(input_ids, attention_mask, inputs).to(torch.int64)
+
     def __call__(self, input_ids: torch.Tensor, info: PackedSeqInfo, inputs: dict[str, Any]) -> torch.Tensor:
         """``(3, B, T)`` int64: each sample's multi-axis positions, as ``get_rope_index`` gives it alone.
 
@@ -415,6 +423,37 @@ class SamplePositions:
 
     def __call__(self, input_ids: torch.Tensor, info: PackedSeqInfo, inputs: dict[str, Any]) -> torch.Tensor:
         return multimodal_positions(self.rope_index, input_ids, info, inputs, rows=self.rows)
+
+
+class SequencePositions:
+    """Each sequence's multi-axis positions in a padded batch, in the layout the text model takes: what the packed
+    row of a batch with shared prompts reads every token's positions from (a prompt token's from its full sequence,
+    a completion token's continuing its prompt's), so a branch is numbered exactly as its full sequence alone.
+
+    ``(input_ids (B, L), attention_mask (B, L), inputs) -> (rows, B, L)`` int64: the rows of
+    :meth:`RopeIndex.padded` (the model's own ``get_rope_index``), with each sequence's text row (``0, 1, 2, ...``
+    over its real tokens) in front for the 4-row layout. Picklable (a data loader worker can take it) unless the
+    model's method reads its live modules (:attr:`RopeIndex.needs_model`).
+    """
+
+    def __init__(self, rope_index: RopeIndex, rows: int) -> None:
+        self.rope_index = rope_index
+        self.rows = rows
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        multi = self.rope_index.padded(input_ids, attention_mask, inputs)
+        if self.rows == 3:
+            return multi
+        text = (attention_mask.to(torch.int64).cumsum(dim=-1) - 1).clamp(min=0).unsqueeze(0)
+        return torch.cat([text.to(multi.device), multi], dim=0)
+
+
+def sequence_positions_of(model: torch.nn.Module) -> SequencePositions | None:
+    """The :class:`SequencePositions` of ``model`` when its text model takes multi-axis positions, else ``None``."""
+    vision = find_vision_language(model)
+    if vision is None or vision.position_rows == 1:
+        return None
+    return SequencePositions(RopeIndex(vision.module), vision.position_rows)
 
 
 def sample_positions_of(model: torch.nn.Module) -> SamplePositions | None:

@@ -12,7 +12,12 @@ text row (``position_ids[0]``, restarting per sample), else 3 rows ``[t; h; w]``
 layout are used as given, and so are the collator's (``packed_multimodal_position_ids``, computed ahead on the CPU
 with :class:`~unpack_trainer.models.vision.SamplePositions`, so the forward needs no host sync). 3 rows where 4 are
 read, or 2-D positions other than the per-sample ``0, 1, 2, ...``, are refused with a ``ValueError``: each runs
-without an error and contaminates (measured 0.29-0.43 logit error).
+without an error and contaminates (measured 0.29-0.43 logit error). A branched row (prompts shared by their
+completions, :mod:`unpack_trainer.trainers.branched`) numbers every token as its full sequence ``[prompt; branch]``
+alone: with images, from the collator's positions (:class:`~unpack_trainer.models.vision.SequencePositions`, read from
+each full sequence); text only, from the model's own ``get_rope_index`` over the row's branch units
+(:meth:`~unpack_trainer.packed_seq_info.PackedSeqInfo.branch_units`); a branched image row without the collator's
+positions is refused.
 
 Worked example (two samples: 3 text tokens; 2 text + one image of a 2 x 2 grid merged to 1 token + 1 text)::
 
@@ -77,6 +82,14 @@ def _positions(
         )
     inputs = {name: kwargs.get(name) for name in (MM_TOKEN_TYPES_KEY, *ROPE_INDEX_INPUTS)}
     has_images = any(kwargs.get(name) is not None for name in ("image_grid_thw", "video_grid_thw"))
+    if info.is_branched:
+        if has_images:
+            raise ValueError(
+                f"A packed batch of {type(module).__name__} with shared prompts and images needs each full "
+                f"sequence's positions with it (`{MULTIMODAL_POSITIONS_KEY}`, from its collator: "
+                "unpack_trainer.models.vision.SequencePositions); a branch continues its prompt's image positions."
+            )
+        return _branched_positions(rope_index, input_ids, info, inputs, rows)
     if has_images and rope_index.accepts(MM_TOKEN_TYPES_KEY) and inputs[MM_TOKEN_TYPES_KEY] is None:
         raise ValueError(
             f"A packed batch of {type(module).__name__} with images needs `{MM_TOKEN_TYPES_KEY}` (the processor "
@@ -84,6 +97,28 @@ def _positions(
             "to text positions for the image tokens."
         )
     return multimodal_positions(rope_index, input_ids, info, inputs, rows=rows)
+
+
+def _branched_positions(
+    rope_index: RopeIndex, input_ids: torch.Tensor, info: PackedSeqInfo, inputs: dict[str, Any], rows: int
+) -> torch.Tensor:
+    """``(rows, B, T)`` int64: the positions of a branched text batch (shared prompts, no image), every token's as
+    the model's ``get_rope_index`` numbers its full sequence ``[prompt; branch]`` alone. The full sequences are the
+    batch's attention units (:meth:`PackedSeqInfo.branch_units`: each branch with its prompt gathered in front), run
+    through :func:`multimodal_positions` as plain samples; each token reads its positions from the slot that owns
+    it (a prompt token from its first unit)."""
+    unit_info, gather, owner = info.branch_units()
+    device = input_ids.device
+    gather, owner = gather.to(device), owner.to(device)
+    unit_ids = input_ids.reshape(-1).index_select(0, gather).unsqueeze(0)
+    unit_inputs = {
+        name: value.reshape(-1).index_select(0, gather).unsqueeze(0)
+        if isinstance(value, torch.Tensor) and value.shape == input_ids.shape
+        else value
+        for name, value in inputs.items()
+    }
+    positions = multimodal_positions(rope_index, unit_ids, unit_info, unit_inputs, rows=rows)
+    return positions[:, 0].index_select(1, owner).reshape(rows, *input_ids.shape)
 
 
 def _pre_hook(

@@ -139,8 +139,6 @@ def _pre_hook(
     )
     if info is None:
         return args, kwargs
-    if info.is_branched:
-        raise ValueError("Branched packed samples (shared prompts) are not supported on vision-language models.")
     if given is None and (lengths is not None or cu_q is not None):
         cu_k = metadata.get(CU_SEQ_LENS_K_KEY)
         info.check_key_side(None if cu_k is cu_q else cu_k, metadata.get(MAX_LENGTH_K_KEY))
