@@ -4,6 +4,7 @@ without prefix sharing vs packed with prefix sharing, on pairs whose prompts are
     python benchmarks/bench_dpo.py                         # tiny Llama, 8 pairs per batch, 3 repeats
     python benchmarks/bench_dpo.py --repeats 5 --threads 1 # steadier on a busy machine
     python benchmarks/bench_dpo.py --model smollm2         # SmolLM2-135M-Instruct with LoRA (the `real` extra)
+    python benchmarks/bench_dpo.py --model qwen2_5_vl      # image pairs on a small Qwen2.5-VL (below)
 
 Each (provider, prompt share) case runs in its own process: one warm-up step, then ``--steps`` training steps
 (policy forward + backward and the reference model's forward, through the trainers' own ``compute_loss``) on the same
@@ -19,6 +20,15 @@ fine-tuning with a separate reference model. ``--model smollm2``: SmolLM2-135M-I
 extra) with LoRA (r 16 on every linear layer) and the reference = the adapter disabled (``ref_model=None``), the
 usual way to DPO a pretrained model on one device; the token ids stay below 4096 (valid SmolLM2 ids, a word-level
 tokenizer over them), since throughput does not depend on what the tokens say.
+
+Image pairs (``--model qwen2_5_vl``, one case per provider instead of the prompt shares): a small Qwen2.5-VL built from
+its config (text model hidden 256, 4 layers, 8 heads of 32, 4 key/value heads; vision tower 2 layers of 32, patches
+of 14 merged 2 x 2) and a separate reference model, with its processor (character tokenizer); each prompt a drawn shape
+of 224 to 448 pixels a side (64 to 256 image tokens) and a question, the chosen answer its one-line caption, the
+rejected one another shape's (about 40 tokens each). The providers as above: stock TRL (every image encoded twice,
+once per completion, and the prompt's image tokens run twice), ours with the prompt repeated (``prefix_sharing=False``:
+TRL's rows packed, images as TRL encodes them) and ours shared (each image once per pair, each prompt once). Also
+reported: the images the vision towers encode per step (policy and reference).
 """
 
 from __future__ import annotations
@@ -40,7 +50,10 @@ PROVIDERS = ("stock", "plain", "shared")
 SHARES = (0.2, 0.5, 0.8)
 
 
-MODELS = ("tiny_llama", "smollm2")
+MODELS = ("tiny_llama", "smollm2", "qwen2_5_vl")
+VLM_TEXT = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=688,
+                num_hidden_layers=4)  # fmt: skip
+VLM_SIDES = (224, 448)  # image sides in pixels: 64 to 256 image tokens (patches of 14, merged 2 x 2)
 
 
 def make_pairs(num_pairs: int, share: float, seed: int = 0, median: int = 360) -> list[dict[str, list[int]]]:
@@ -82,6 +95,8 @@ def run_case(
     provider: str, share: float, steps: int, batch_size: int, threads: int | None, model_name: str, median: int
 ) -> dict:
     """Train ``steps`` + 1 steps of ``provider`` in this process; tokens/s and the growth of peak RSS (MiB)."""
+    if model_name == "qwen2_5_vl":
+        return run_vlm_case(provider, steps, batch_size, threads)
     quiet_case(threads)
     import trl
     from datasets import Dataset
@@ -134,6 +149,89 @@ def run_case(
     return {"tokens_per_s": tokens / seconds, "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds}
 
 
+def image_pairs(num_pairs: int, seed: int = 0) -> object:
+    """``num_pairs`` image preference pairs: a drawn shape (sides of :data:`VLM_SIDES` pixels) and a question as the
+    prompt, its one-line caption as ``chosen`` and the caption of another drawn shape as ``rejected`` (short answers,
+    about 40 tokens of the character tokenizer, against 64 to 256 image tokens and about 60 of chat template and
+    question in the prompt)."""
+    from datasets import Dataset
+
+    from unpack_trainer.data.default_vision_data import load_shapes_dataset
+
+    rows = load_shapes_dataset(2 * num_pairs, seed=seed, sizes=VLM_SIDES, sentences=(0, 0), prompt_completion=True)
+    pairs = []
+    for index in range(num_pairs):
+        row, other = rows[2 * index], rows[2 * index + 1]
+        pairs.append({"images": row["images"], "prompt": row["prompt"], "chosen": row["completion"],
+                      "rejected": other["completion"]})  # fmt: skip
+    return Dataset.from_list(pairs)
+
+
+def run_vlm_case(provider: str, steps: int, batch_size: int, threads: int | None) -> dict:
+    """The image case of ``provider`` (``--model qwen2_5_vl``): a small Qwen2.5-VL (text model hidden 256, 4 layers;
+    vision tower 2 layers of 32) and a separate reference model, full fine-tuning, fp32, SDPA, with its processor;
+    ``steps`` + 1 steps on :func:`image_pairs`. Real tokens/s (the tokens of ``[p, c]`` and ``[p, r]``, padding left
+    out: the same numerator for every provider), images the vision towers encode per step (policy and reference),
+    the growth of peak RSS (MiB)."""
+    quiet_case(threads)
+    import trl
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+    from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+
+    processor = tiny_processor("qwen2_5_vl")
+    side = {"shortest_edge": VLM_SIDES[0] ** 2, "longest_edge": VLM_SIDES[1] ** 2}
+    processor.image_processor.size = side
+    model = tiny_vision_model("qwen2_5_vl", seed=0, attn_implementation="sdpa", **VLM_TEXT)
+    ref_model = tiny_vision_model("qwen2_5_vl", seed=1, attn_implementation="sdpa", **VLM_TEXT)
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
+                  use_cpu=True, gradient_checkpointing=False, max_length=None)  # fmt: skip
+    if provider == "stock":
+        trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
+    else:
+        trainer_class, args = DPOTrainer, DPOConfig(**common, prefix_sharing=provider == "shared")
+    dataset = image_pairs(batch_size * (steps + 1))
+    trainer = trainer_class(
+        model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=processor
+    )
+    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    images: list[int] = []
+    for pretrained in (model, ref_model):  # the multimodal model runs its vision tower through get_image_features
+        inner = pretrained.base_model
+        encode = inner.get_image_features
+
+        def counting(pixel_values, image_grid_thw=None, *rest, _encode=encode, **kwargs):
+            images.append(0 if image_grid_thw is None else int(image_grid_thw.shape[0]))
+            return _encode(pixel_values, image_grid_thw, *rest, **kwargs)
+
+        inner.get_image_features = counting
+    model = trainer.model
+    model.train()
+    examples = [dataset[i] for i in range(len(dataset))]
+    batches = [
+        trainer._prepare_inputs(trainer.data_collator(examples[i * batch_size : (i + 1) * batch_size]))
+        for i in range(steps + 1)
+    ]
+
+    def step(batch):
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step(batches[0])  # warm-up
+    images.clear()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for batch in batches[1:]:
+        step(batch)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tokens = sum(int(batch["attention_mask"].sum()) for batch in batches[1:])  # TRL's [p, c] and [p, r] rows
+    return {"tokens_per_s": tokens / seconds, "tokens_per_cpu_s": tokens / cpu_seconds,
+            "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds, "images_per_step": sum(images) / steps,
+            "tokens_per_step": tokens / steps}  # fmt: skip
+
+
 def _spread(values, fmt: str) -> str:
     return f"{format(float(np.median(values)), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
@@ -150,7 +248,10 @@ def parse_arguments(description: str, argv: list[str] | None) -> argparse.Namesp
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
     parser.add_argument("--model", choices=MODELS, default="tiny_llama")
     parser.add_argument("--median-tokens", type=int, default=360, help="median |p| + |c| + |r| of a pair")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.model == "qwen2_5_vl":  # one case: the prompt's share is what its image and question make it
+        args.shares = [0.0]
+    return args
 
 
 def run_cases(script: str, args: argparse.Namespace) -> dict[tuple[str, float], list[dict]]:
@@ -203,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     args, results = measure(__file__, __doc__, argv, run_case)
     if results is None:
         return
+    if args.model == "qwen2_5_vl":
+        print_vlm_table(args, results)
+        return
     rows = []
     for share in args.shares:
         stock, plain, shared = (results[(p, share)] for p in PROVIDERS)
@@ -224,6 +328,40 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(
         ["prompt share", "stock tokens/s", "packed tokens/s", "shared tokens/s", "packed / stock",
          "shared / stock", "shared / packed", "peak MiB stock / packed / shared"],
+        rows,
+    ))  # fmt: skip
+
+
+def print_vlm_table(args: argparse.Namespace, results: dict[tuple[str, float], list[dict]]) -> None:
+    """The table of the image case: per provider, real tokens/s, its ratio to stock (paired within a round) and the
+    same ratio per second of the process's CPU time (steadier on a shared machine), seconds per step, images encoded
+    per step (policy and reference) and the growth of peak RSS (medians over the rounds)."""
+    runs = {provider: results[(provider, args.shares[0])] for provider in PROVIDERS}
+    names = {"stock": "trl.DPOTrainer padded", "plain": "ours, packed, prompt repeated (prefix_sharing=False)",
+             "shared": "ours, packed, prompt shared (default)"}  # fmt: skip
+    stock = [r["tokens_per_s"] for r in runs["stock"]]
+    stock_cpu = [r["tokens_per_cpu_s"] for r in runs["stock"]]
+    rows = []
+    for provider in PROVIDERS:
+        tps = [r["tokens_per_s"] for r in runs[provider]]
+        cpu = [r["tokens_per_cpu_s"] for r in runs[provider]]
+        rows.append([
+            names[provider],
+            _spread(tps, ",.0f"),
+            _spread([b / a for a, b in zip(stock, tps)], ".2f"),
+            _spread([b / a for a, b in zip(stock_cpu, cpu)], ".2f"),
+            f"{np.median([r['seconds'] for r in runs[provider]]) / args.steps:.2f}",
+            f"{np.median([r['images_per_step'] for r in runs[provider]]):.0f}",
+            f"{np.median([r['peak_mib'] for r in runs[provider]]):,.0f}",
+        ])  # fmt: skip
+    tokens = np.median([r["tokens_per_step"] for r in runs["stock"]])
+    print()
+    print(f"DPO step on image pairs, small Qwen2.5-VL (text hidden 256, 4 layers), full fine-tuning + reference model, "
+          f"{args.batch_size} pairs per batch ({tokens:,.0f} real tokens per step), images {VLM_SIDES[0]}-"
+          f"{VLM_SIDES[1]} px (64-256 image tokens), {args.steps} steps x {args.repeats} rounds (median (min-max)):")  # fmt: skip
+    print(format_table(
+        ["provider", "real tokens/s", "vs stock", "vs stock, CPU time", "s/step", "images encoded/step",
+         "peak RSS growth MiB"],
         rows,
     ))  # fmt: skip
 

@@ -203,3 +203,14 @@ def reward_padded_collator_class() -> type:
     if collator is None:
         raise _missing("trl.trainer.reward_trainer", "DataCollatorForPreference", "class")
     return collator
+
+
+def dpo_vision_collator_class() -> type:
+    """TRL's padded vision preference collator (``trl.trainer.dpo_trainer.DataCollatorForVisionPreference``): the
+    view of every packed image preference batch, padded evaluation and the padded fallback on image data."""
+    from trl.trainer import dpo_trainer
+
+    collator = getattr(dpo_trainer, "DataCollatorForVisionPreference", None)
+    if collator is None:
+        raise _missing("trl.trainer.dpo_trainer", "DataCollatorForVisionPreference", "class")
+    return collator

@@ -272,7 +272,7 @@ def decide(
         env: environment variables (defaults to ``os.environ``).
         peft_config: the ``peft_config`` passed to the trainer, or the model's (``PeftModel.peft_config``), or
             ``None``; prompt learning blocks packing.
-        vision: ``None`` when the trainer packs vision-language data (SFT), else why it does not: a vision-language
+        vision: ``None`` when the trainer packs vision-language data (SFT, DPO), else why it does not: a vision-language
             model, a processor or image data then block packing with it.
         parallelism: [`parallelism_reason`] of the run's parallelism config, or ``None``.
 

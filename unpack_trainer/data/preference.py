@@ -32,15 +32,28 @@ code reads exactly the per-token values of its padded batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.data.data_collator import DataCollatorMixin
 
-from unpack_trainer.packed_seq_info import TOKEN_INDEX_KEY, VIEW_INDEX_KEY, branched_row
+from unpack_trainer.packed_seq_info import (
+    MULTIMODAL_POSITIONS_KEY,
+    PACKED_INPUT_IDS_KEY,
+    TOKEN_INDEX_KEY,
+    VIEW_INDEX_KEY,
+    branched_row,
+)
 
-__all__ = ["DataCollatorForPackedPreference", "completion_view", "pack_preference_pairs"]
+__all__ = [
+    "DataCollatorForPackedPreference",
+    "DataCollatorForPackedVisionPreference",
+    "completion_view",
+    "pack_preference_pairs",
+    "pack_vision_pairs",
+]
 
 
 def _truncate(ids: list[int], max_length: int | None, mode: str) -> list[int]:
@@ -210,3 +223,179 @@ def completion_view(
         "completion_mask": cut(completion_mask, 0),
         VIEW_INDEX_KEY: cut(token_index, 0),
     }
+
+
+# The keys of TRL's vision preference batch that are not model inputs of the packed row (the view's own layout).
+_VIEW_KEYS = ("input_ids", "attention_mask", "completion_mask")
+
+
+def pack_vision_pairs(
+    view: dict[str, Any],
+    *,
+    prefix_sharing: bool = True,
+    positions: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """The packed row of TRL's padded batch of image preference pairs, each image once per pair.
+
+    ``view`` is what TRL's ``DataCollatorForVisionPreference`` returns for ``N`` pairs: ``input_ids``,
+    ``attention_mask``, ``completion_mask`` ``(2N, L)`` int64 (chosen rows, then rejected rows; each row its prompt,
+    with the prompt's image tokens, then its completion, flushed left and right-padded), the per-token keys of the
+    processor (``mm_token_type_ids``, ``token_type_ids``: ``(2N, L)`` int64) and the vision tensors of its images
+    (``pixel_values``, ``image_grid_thw``, ``pixel_attention_mask``, ...), which TRL computes from every pair's images
+    listed twice (``images * 2``: the vision tensors of the rejected rows repeat those of the chosen rows, along
+    dimension 0, whatever the family's layout).
+
+    With ``prefix_sharing`` each pair is one branched segment ``[p, c, r]`` (``c`` and ``r`` continue ``p``, see
+    [`pack_preference_pairs`]) and every vision tensor is its first half along dimension 0: each image once, in the
+    order of the pairs, which is the order of their image tokens on the row. Without it, the packed row is TRL's rows
+    one after the other (chosen rows, then rejected rows: the order of TRL's images), each a plain sample, and the
+    vision tensors are TRL's. Per-token keys are read into the packed row (``(1, T)`` int64, under their own names).
+
+    Args:
+        view: TRL's vision preference batch (see above).
+        prefix_sharing: share each pair's prompt (its text and image tokens) between its two completions.
+        positions: ``(input_ids (2N, L), attention_mask (2N, L), inputs) -> (rows, 2N, L)`` int64, each row's
+            positions as the model numbers the row alone (``inputs``: the view's per-token keys and vision tensors);
+            for a text model of multi-axis positions (the Qwen2-VL family), see
+            :class:`unpack_trainer.models.vision.SequencePositions`. ``None``: the 1-D positions of the packed row.
+
+    Returns:
+        The packed row of :func:`unpack_trainer.packed_seq_info.branched_row` (``packed_input_ids``,
+        ``packed_position_ids`` ``(1, T)`` int64, ``packed_seq_lengths`` ``(num_seqs,)`` int32, ``packed_seq_parents``
+        ``(num_seqs,)`` int64, ``packed_seq_info``), ``packed_token_index`` ``(2N, L)`` int64 (the packed token of each
+        view token, 0 on padding), the per-token keys ``(1, T)`` int64, the vision tensors, and with ``positions``
+        ``packed_multimodal_position_ids`` ``(rows, 1, T)`` int64: each packed token's positions read from its full
+        sequence (a prompt token from either of its two sequences, which must agree).
+
+    Raises:
+        ValueError: a row is not flushed left, the two rows of a pair do not start with the same prompt, the rejected
+            rows' vision tensors do not repeat the chosen rows', or a prompt's positions depend on its completion.
+
+    Example (one pair; ``p = [5, I, 6]`` with ``I`` an image token, ``c = [7]``, ``r = [8, 9]``; ``(1, 4, 4)`` grid)::
+
+        input_ids        [[5, I, 6, 7, 0], [5, I, 6, 8, 9]]   image_grid_thw [[1, 4, 4], [1, 4, 4]]
+        packed_input_ids [[5, I, 6, 7, 8, 9]]                   image_grid_thw [[1, 4, 4]]
+        packed_seq_lengths [3, 1, 2]   packed_seq_parents [-1, 0, 0]   packed_position_ids [[0, 1, 2, 3, 3, 4]]
+    """
+    input_ids, attention_mask = view["input_ids"], view["attention_mask"].bool()
+    completion_mask = view["completion_mask"].bool()
+    rows, width = input_ids.shape
+    if rows % 2:
+        raise ValueError(f"A preference batch has chosen rows, then rejected rows; got {rows} rows.")
+    num_pairs = rows // 2
+    lengths = attention_mask.sum(dim=1)
+    if not torch.equal(attention_mask, torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)):
+        raise ValueError(
+            "The preference batch's rows are not flushed left (TRL's vision preference collator's layout)."
+        )
+    has_completion = (completion_mask & attention_mask).any(dim=1)
+    prompt_lengths = torch.where(has_completion, completion_mask.int().argmax(dim=1), lengths).tolist()
+    lengths_list, ids = lengths.tolist(), input_ids.tolist()
+    per_token = {
+        key: value
+        for key, value in view.items()
+        if key not in _VIEW_KEYS and isinstance(value, torch.Tensor) and tuple(value.shape) == (rows, width)
+    }
+    if prefix_sharing:
+        examples = []
+        for pair in range(num_pairs):
+            chosen, rejected = pair, num_pairs + pair
+            prompt = prompt_lengths[chosen]
+            same = prompt == prompt_lengths[rejected] and ids[chosen][:prompt] == ids[rejected][:prompt]
+            same = same and all(torch.equal(v[chosen, :prompt], v[rejected, :prompt]) for v in per_token.values())
+            if not same:
+                raise ValueError(
+                    f"Preference pair {pair}: its chosen and rejected sequences do not start with the same prompt "
+                    f"({prompt} and {prompt_lengths[rejected]} prompt tokens), so the prompt cannot be shared."
+                )
+            examples.append(
+                {
+                    "prompt_ids": ids[chosen][:prompt],
+                    "chosen_ids": ids[chosen][prompt : lengths_list[chosen]],
+                    "rejected_ids": ids[rejected][prompt : lengths_list[rejected]],
+                }
+            )
+        packed = pack_preference_pairs(examples, prefix_sharing=True, view_length=width)
+    else:
+        tokens = [token for row in range(rows) for token in ids[row][: lengths_list[row]]]
+        packed = branched_row(tokens, lengths_list, [-1] * rows)
+        starts = torch.cumsum(lengths, dim=0) - lengths
+        token_index = (starts.unsqueeze(1) + torch.arange(width).unsqueeze(0)).masked_fill(~attention_mask, 0)
+        packed[TOKEN_INDEX_KEY] = token_index.to(torch.int64)
+    token_index = packed[TOKEN_INDEX_KEY]
+    total = packed[PACKED_INPUT_IDS_KEY].shape[1]
+    targets = token_index[attention_mask]
+
+    def to_row(value: torch.Tensor) -> torch.Tensor:
+        row = value.new_zeros(value.shape[:-2] + (total,))
+        row[..., targets] = value[..., attention_mask]
+        return row.unsqueeze(-2)
+
+    out: dict[str, Any] = {**packed}
+    vision: dict[str, Any] = {}
+    for key, value in view.items():
+        if key in _VIEW_KEYS or key in per_token:
+            continue
+        if prefix_sharing and isinstance(value, torch.Tensor) and value.dim() > 0:
+            first, second = value[: value.shape[0] // 2], value[value.shape[0] // 2 :]
+            if value.shape[0] % 2 or not torch.equal(first, second):
+                raise ValueError(
+                    f"`{key}` {tuple(value.shape)} of the preference batch does not list every pair's images twice "
+                    "(chosen rows, then rejected rows, as TRL's vision preference collator does), so each image "
+                    "cannot be encoded once per pair."
+                )
+            value = first
+        vision[key] = value
+    out.update(vision)
+    out.update({key: to_row(value) for key, value in per_token.items()})
+    if positions is not None:
+        full = positions(input_ids, attention_mask.to(input_ids.dtype), {**per_token, **_vision_inputs(view)})
+        row = to_row(full)
+        if not torch.equal(row[:, 0][:, token_index][..., attention_mask], full[..., attention_mask]):
+            raise ValueError(
+                "A prompt's positions differ between its chosen and rejected sequences, so it cannot be shared; set "
+                "prefix_sharing=False."
+            )
+        out[MULTIMODAL_POSITIONS_KEY] = row
+    return out
+
+
+def _vision_inputs(view: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of a batch that are neither its view keys nor per-token: the vision tensors, as TRL made them."""
+    rows, width = view["input_ids"].shape
+    return {
+        key: value
+        for key, value in view.items()
+        if key not in _VIEW_KEYS and isinstance(value, torch.Tensor) and tuple(value.shape) != (rows, width)
+    }
+
+
+@dataclass
+class DataCollatorForPackedVisionPreference(DataCollatorMixin):
+    """TRL's vision preference collator plus the packed row the model runs, each image once per pair.
+
+    The view (what TRL's loss reads) is TRL's ``DataCollatorForVisionPreference``'s batch (the processor per batch,
+    chat template, truncation), cut to the completions as for text ([`completion_view`]); the packed row, the vision
+    tensors and the per-token keys the model runs are [`pack_vision_pairs`]'s.
+
+    Args:
+        view_collator (`Callable`):
+            TRL's ``DataCollatorForVisionPreference`` (as TRL's ``__init__`` built it).
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            Each pair one branched segment ``[p, c, r]``, its images once; `False` packs TRL's rows as plain samples,
+            every image twice as TRL encodes it.
+        positions (`Callable` or `None`, *optional*):
+            Each full sequence's positions (multi-axis RoPE, :class:`unpack_trainer.models.vision.SequencePositions`);
+            `None` for a text model of 1-D positions.
+    """
+
+    view_collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    prefix_sharing: bool = True
+    positions: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor] | None = None
+    return_tensors: str = "pt"
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        view = dict(self.view_collator(examples))
+        packed = pack_vision_pairs(view, prefix_sharing=self.prefix_sharing, positions=self.positions)
+        cut = completion_view(view, packed[TOKEN_INDEX_KEY])
+        return {**view, **packed, **cut}

@@ -107,7 +107,8 @@ def check_uncontaminated(
 
     A vision-language model of a known family (:mod:`unpack_trainer.models.tiny_vision`) is also probed with two
     image+text samples packed in one row against each alone (see [`_vision_probe`]): its images, positions and image
-    blocks per sample.
+    blocks per sample; with ``branched=True``, with a prompt holding an image shared by two completions against each
+    full sequence alone (see [`_vision_branched_probe`]).
 
     One forward of one packed batch of two rows does it (see [`_probe_batch`]): the samples in one order and in the
     reverse order, so each end sample is alone in one row and after all the others in the other; and one forward of
@@ -169,24 +170,24 @@ def check_uncontaminated(
         states = states.reshape(-1, states.shape[-1])
         packed, alone = states[packed_index.to(states.device)], states[alone_index.to(states.device)]
         images = None
-        if not branched:
-            try:
-                images = _vision_probe(model, options, device, seed)
-            except Exception as error:  # noqa: BLE001 - any failure of the packed path means "not safe"
-                return ContaminationReport(
-                    False,
-                    float("inf"),
-                    0.0,
-                    0.0,
-                    None,
-                    time.perf_counter() - start,
-                    f"{type(error).__name__}: {error}",
-                )
+        try:
+            probe = _vision_branched_probe if branched else _vision_probe
+            images = probe(model, options, device, seed)
+        except Exception as error:  # noqa: BLE001 - any failure of the packed path means "not safe"
+            return ContaminationReport(
+                False,
+                float("inf"),
+                0.0,
+                0.0,
+                None,
+                time.perf_counter() - start,
+                f"{type(error).__name__}: {error}",
+            )
         contaminated_diff = float("nan")
         if measure_contamination:  # the first row (every compared packed token) as one plain causal sequence
             contaminated = _last_states(model(input_ids=input_ids[:1], **options))[0].float()
             contaminated_diff = float((contaminated[packed_index.to(states.device)] - alone).abs().max())
-        if not branched and images is not None:
+        if images is not None:
             packed, alone = torch.cat([packed, images[0]]), torch.cat([alone, images[1]])
         dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model)
         tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * float(alone.abs().max()) + 1e-5
@@ -238,6 +239,73 @@ def _vision_probe(
     packed = _last_states(model(**on_device(batch), **options))[0].float()
     alone = torch.cat([_last_states(model(**on_device(sample), **options))[0].float() for sample in samples])
     return packed, alone
+
+
+def _vision_branched_probe(
+    model: torch.nn.Module, options: dict[str, object], device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a vision-language model of a family :mod:`unpack_trainer.models.tiny_vision` knows: a prompt of text around
+    one image (as in [`_vision_probe`]) and two completions of random text, packed as a preference pair is
+    ([`unpack_trainer.data.preference.pack_vision_pairs`]: the prompt and its image once, the completions as its
+    branches, positions read from each full sequence), against each full sequence ``[prompt; completion]`` run alone
+    with its image. Returns ``(packed, alone)``: the final hidden state of every packed token (the prompt's and the
+    first completion's against the first sequence, the second completion's against the second), float32
+    ``(tokens, hidden)`` each; ``None`` for any other model (the text probe covers it)."""
+    from unpack_trainer.data.preference import pack_vision_pairs
+    from unpack_trainer.models.discovery import pretrained_model
+    from unpack_trainer.models.tiny_vision import FIRST_TEXT_ID, image_size, vision_sample
+    from unpack_trainer.models.vision import is_vision_language, sequence_positions_of
+
+    if not is_vision_language(model):
+        return None
+    pretrained = pretrained_model(model)
+    config = pretrained.config
+    size = image_size(config.model_type, config)
+    if size is None:
+        return None
+    prompt = vision_sample(config.model_type, config, [2, size, 3], seed=seed)
+    prompt_length = prompt["input_ids"].shape[1]
+    generator = torch.Generator().manual_seed(seed)
+    completions = [torch.randint(FIRST_TEXT_ID, FIRST_TEXT_ID + 16, (1, n), generator=generator) for n in (2, 3)]
+    per_token = [
+        key for key, value in prompt.items() if key != "input_ids" and value.shape == prompt["input_ids"].shape
+    ]
+    vision = {key: value for key, value in prompt.items() if key != "input_ids" and key not in per_token}
+    width = prompt_length + max(c.shape[1] for c in completions)
+    sequences = []
+    for completion in completions:
+        sequence = {"input_ids": torch.cat([prompt["input_ids"], completion], dim=1)}
+        sequence.update({key: torch.cat([prompt[key], torch.zeros_like(completion)], dim=1) for key in per_token})
+        sequences.append(sequence)
+
+    def padded(key: str) -> torch.Tensor:
+        rows = [s[key][0] for s in sequences]
+        return torch.stack([torch.cat([r, r.new_zeros(width - r.numel())]) for r in rows])
+
+    lengths = torch.tensor([s["input_ids"].shape[1] for s in sequences])
+    real = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    view = {key: padded(key) for key in ("input_ids", *per_token)}
+    view["attention_mask"] = real.to(torch.int64)
+    view["completion_mask"] = (real & (torch.arange(width) >= prompt_length)).to(torch.int64)
+    view.update({key: torch.cat([value, value]) for key, value in vision.items()})  # TRL lists each image twice
+    packed = pack_vision_pairs(view, positions=sequence_positions_of(pretrained))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    def on_device(batch: dict[str, Any]) -> dict[str, Any]:
+        return {
+            key: (value.to(device, dtype) if value.is_floating_point() else value.to(device))
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in batch.items()
+        }
+
+    inputs = {key: value for key, value in packed.items() if key not in ("packed_token_index",)}
+    inputs["input_ids"] = inputs.pop("packed_input_ids")
+    inputs["position_ids"] = inputs.pop("packed_position_ids")
+    states = _last_states(model(**on_device(inputs), **options))[0].float()
+    first, second = (_last_states(model(**on_device({**s, **vision}), **options))[0].float() for s in sequences)
+    rejected = completions[1].shape[1]
+    return states, torch.cat([first, second[-rejected:]])
 
 
 def _quant_states(owner: Any) -> list[Any]:

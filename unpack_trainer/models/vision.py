@@ -440,9 +440,7 @@ class SequencePositions:
         self.rope_index = rope_index
         self.rows = rows
 
-    def __call__(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]
-    ) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         multi = self.rope_index.padded(input_ids, attention_mask, inputs)
         if self.rows == 3:
             return multi

@@ -43,6 +43,7 @@ __all__ = ["BranchedTrainerMixin", "PackedPairsMixin", "install_branched_hooks",
 
 logger = logging.getLogger("unpack_trainer")
 
+
 def install_branched_hooks(model: torch.nn.Module) -> None:
     """The fixes a packed batch with shared prompts needs on ``model`` (the decoder's packed view, the compact LM head:
     :mod:`unpack_trainer.models.fixes.packed_view`, :mod:`unpack_trainer.models.fixes.compact_lm_head`); ``model`` is
@@ -195,6 +196,7 @@ class BranchedTrainerMixin(PackedTrainerMixin):
     unpack_selfcheck_branched: ContaminationReport | None = None
     _unpack_sharing_failed: bool = False
     _unpack_mixer: str | None | bool = False  # False: not looked for yet
+    _unpack_blocks: bool | None = None  # None: not looked for yet
 
     def _unpack_probe_branches(self) -> int:
         """How many completions share the prompt of the branched probe (DPO: 2)."""
@@ -207,7 +209,35 @@ class BranchedTrainerMixin(PackedTrainerMixin):
     def _unpack_sharing(self) -> bool:
         """Whether prompts are shared now: ``prefix_sharing``, the branched probe has not failed, and the model has no
         token mixer that carries state ([`_stateful_mixer`])."""
-        return bool(self.args.prefix_sharing) and not self._unpack_sharing_failed and self._stateful_mixer() is None
+        return (
+            bool(self.args.prefix_sharing)
+            and not self._unpack_sharing_failed
+            and self._stateful_mixer() is None
+            and not self._image_blocks()
+        )
+
+    def _image_blocks(self) -> bool:
+        """Whether the model's image tokens attend to each other both ways (Gemma 3's image blocks), logged once
+        when that turns prefix sharing off: the branched attention of a shared prompt applies causal attention
+        only, so such a prompt would lose its image blocks; the completions are packed unshared, each sample with
+        its own blocks (exact)."""
+        if not self.args.prefix_sharing:
+            return False
+        if self._unpack_blocks is None:
+            from unpack_trainer.models.discovery import pretrained_model
+            from unpack_trainer.models.vision import has_image_blocks
+
+            self._unpack_blocks = has_image_blocks(pretrained_model(self.accelerator.unwrap_model(self.model)))
+            if self._unpack_blocks:
+                log_once(
+                    logger,
+                    logging.WARNING,
+                    f"{self.unpack_name}: prefix_sharing is off for this model: its image tokens attend to each other "
+                    "both ways (bidirectional image blocks), which the branched attention of a shared prompt does "
+                    f"not apply; {self.unpack_unshared} (exact, each with its own image blocks). Set "
+                    "prefix_sharing=False to silence this.",
+                )
+        return self._unpack_blocks
 
     def _unpack_models(self) -> list[Any]:
         models = [self.model, getattr(self, "ref_model", None)]
@@ -260,12 +290,16 @@ class BranchedTrainerMixin(PackedTrainerMixin):
             return None
         if self._unpack_mixer is not False:
             return self._unpack_mixer
+        from unpack_trainer.models.discovery import pretrained_model
         from unpack_trainer.models.vision import text_model
         from unpack_trainer.patches.mixers import mixer_kind
 
         self._unpack_mixer = None
-        decoder = text_model(self.model) or self.model  # a vision-language model: its text decoder (not its tower)
-        for module in decoder.modules():
+        model = self.accelerator.unwrap_model(self.model)
+        # A vision-language model: its text decoder's mixers (the vision tower's convolutions embed image patches,
+        # not a sequence the branches continue)
+        decoder = text_model(pretrained_model(model))
+        for module in (decoder if decoder is not None else model).modules():
             if mixer_kind(module) is not None:
                 name = self._unpack_mixer = type(module).__name__
                 log_once(
@@ -286,21 +320,24 @@ class PackedPairsMixin(BranchedTrainerMixin):
     evaluation and the padded fallback) before the core replaces it with the packed one, and a failed branched probe
     rebuilds the packed collator unshared.
 
-    Class attribute ``unpack_trl_collator``: the [`unpack_trainer._trl_compat`] function that returns TRL's padded
-    collator class of the trainer (checked when the collator is kept).
+    Class attributes ``unpack_trl_collator`` and ``unpack_trl_vision_collator``: the [`unpack_trainer._trl_compat`]
+    functions that return TRL's padded collator classes of the trainer, for text and (``None``: none) for image data
+    (checked when the collator is kept).
     """
 
     unpack_trl_collator: Callable[[], type]
+    unpack_trl_vision_collator: Callable[[], type] | None = None
 
     def _padded_collator(self) -> Any:
         collator = getattr(self, "_unpack_padded_collator", None)
         if collator is None:
             collator = self._unpack_padded_collator = self.data_collator  # TRL's, as its __init__ built it
-            expected = type(self).unpack_trl_collator()
+            expected = (type(self).unpack_trl_collator(),)
+            if self.unpack_trl_vision_collator is not None:
+                expected += (type(self).unpack_trl_vision_collator(),)
             if not isinstance(collator, expected):
-                raise TypeError(
-                    f"{self.unpack_name} expected TRL's {expected.__name__}, found {type(collator).__name__}"
-                )
+                names = " or ".join(cls.__name__ for cls in expected)
+                raise TypeError(f"{self.unpack_name} expected TRL's {names}, found {type(collator).__name__}")
         return collator
 
     def _unpack_stop_sharing(self) -> None:

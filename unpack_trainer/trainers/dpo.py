@@ -8,6 +8,11 @@ loss and every logged metric are TRL's, from TRL's view of the batch); the batch
 ``ref_model``, or the PEFT model with its adapter disabled). ``precompute_ref_log_probs=True`` precomputes with TRL's
 padded batches at ``__init__`` (the packed path is enabled right after TRL's ``__init__``) and through the packed path
 for a dataset passed to ``evaluate`` later.
+
+Image preference pairs on a vision-language model (TRL's ``DataCollatorForVisionPreference`` as the padded collator)
+pack the same way ([`unpack_trainer.data.preference.DataCollatorForPackedVisionPreference`]): TRL's batch is the view,
+each prompt with its image tokens once on the packed row, each image encoded once per pair, every token's multi-axis
+positions read from its full sequence (the model's own ``get_rope_index``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 import trl
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.data.preference import DataCollatorForPackedPreference
+from unpack_trainer.data.preference import DataCollatorForPackedPreference, DataCollatorForPackedVisionPreference
 from unpack_trainer.trainers.branched import PackedPairsMixin
 
 __all__ = ["DPOTrainer"]
@@ -34,7 +39,9 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
     """
 
     unpack_unshared = "each pair is packed as [prompt, chosen] and [prompt, rejected]"
+    unpack_packs_vision = True  # image preference pairs: each image once per pair (data.preference)
     unpack_trl_collator = staticmethod(_trl_compat.dpo_padded_collator_class)
+    unpack_trl_vision_collator = staticmethod(_trl_compat.dpo_vision_collator_class)
     _unpack_trl_methods = _trl_compat.DPO_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.DPO_TRAINER_ATTRIBUTES
 
@@ -54,8 +61,16 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
         """``chosen`` + ``rejected`` (an explicit ``prompt`` column, or a prompt implicit in both)."""
         return (("chosen", "rejected"),)
 
-    def _packed_collator(self) -> DataCollatorForPackedPreference:
+    def _packed_collator(self) -> DataCollatorForPackedPreference | DataCollatorForPackedVisionPreference:
         padded = self._padded_collator()
+        if isinstance(padded, self.unpack_trl_vision_collator()):
+            from unpack_trainer.models.discovery import pretrained_model
+            from unpack_trainer.models.vision import sequence_positions_of
+
+            model = pretrained_model(self.accelerator.unwrap_model(self.model))
+            return DataCollatorForPackedVisionPreference(
+                view_collator=padded, prefix_sharing=self._unpack_sharing(), positions=sequence_positions_of(model)
+            )
         return DataCollatorForPackedPreference(
             pad_token_id=padded.pad_token_id,
             max_length=padded.max_length,

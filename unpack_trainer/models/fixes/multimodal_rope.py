@@ -12,7 +12,12 @@ text row (``position_ids[0]``, restarting per sample), else 3 rows ``[t; h; w]``
 layout are used as given, and so are the collator's (``packed_multimodal_position_ids``, computed ahead on the CPU
 with :class:`~unpack_trainer.models.vision.SamplePositions`, so the forward needs no host sync). 3 rows where 4 are
 read, or 2-D positions other than the per-sample ``0, 1, 2, ...``, are refused with a ``ValueError``: each runs
-without an error and contaminates (measured 0.29-0.43 logit error).
+without an error and contaminates (measured 0.29-0.43 logit error). A branched row (prompts shared by their
+completions, :mod:`unpack_trainer.trainers.branched`) numbers every token as its full sequence ``[prompt; branch]``
+alone: with images, from the collator's positions (:class:`~unpack_trainer.models.vision.SequencePositions`, read from
+each full sequence); text only, from the model's own ``get_rope_index`` over the row's branch units
+(:meth:`~unpack_trainer.packed_seq_info.PackedSeqInfo.branch_units`); a branched image row without the collator's
+positions is refused.
 
 Worked example (two samples: 3 text tokens; 2 text + one image of a 2 x 2 grid merged to 1 token + 1 text)::
 
