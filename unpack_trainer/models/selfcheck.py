@@ -201,6 +201,18 @@ def check_uncontaminated(
         snapshot.restore()
 
 
+def _on_model(batch: dict[str, Any], model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
+    """``batch``'s tensors on ``device``, floating-point ones in the model's parameter dtype (pixel values in bf16 for a
+    bf16 model); other values as they are."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {
+        key: (value.to(device, dtype) if value.is_floating_point() else value.to(device))
+        if isinstance(value, torch.Tensor)
+        else value
+        for key, value in batch.items()
+    }
+
+
 def _vision_probe(
     model: torch.nn.Module, options: dict[str, object], device: torch.device, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -224,16 +236,9 @@ def _vision_probe(
         vision_sample(config.model_type, config, segments, seed=seed + index)
         for index, segments in enumerate([[2, size, 3], [1, size, 2]])
     ]
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
     def on_device(batch: dict[str, Any]) -> dict[str, Any]:
-        return {
-            key: (value.to(device, dtype) if value.is_floating_point() else value.to(device))
-            if isinstance(value, torch.Tensor)
-            else value
-            for key, value in batch.items()
-            if key != "labels"
-        }
+        return _on_model({key: value for key, value in batch.items() if key != "labels"}, model, device)
 
     batch = pack_processed(processed_batch(samples), [s["input_ids"].shape[1] for s in samples], use_cache=None)
     packed = _last_states(model(**on_device(batch), **options))[0].float()
@@ -289,15 +294,9 @@ def _vision_branched_probe(
     view["completion_mask"] = (real & (torch.arange(width) >= prompt_length)).to(torch.int64)
     view.update({key: torch.cat([value, value]) for key, value in vision.items()})  # TRL lists each image twice
     packed = pack_vision_pairs(view, positions=sequence_positions_of(pretrained))
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
     def on_device(batch: dict[str, Any]) -> dict[str, Any]:
-        return {
-            key: (value.to(device, dtype) if value.is_floating_point() else value.to(device))
-            if isinstance(value, torch.Tensor)
-            else value
-            for key, value in batch.items()
-        }
+        return _on_model(batch, model, device)
 
     inputs = {key: value for key, value in packed.items() if key not in ("packed_token_index",)}
     inputs["input_ids"] = inputs.pop("packed_input_ids")
