@@ -2,8 +2,8 @@
 processor): one step's loss, every logged metric, the per-pair chosen/rejected log-probs and every gradient, the
 vision tower's included, fp32; each image encoded once per pair and each prompt (its text and image tokens) once on
 the packed row, chosen and rejected as its branches. Qwen2.5-VL (multi-axis RoPE: every branch's positions read from
-its full sequence's ``get_rope_index``) and LLaVA share their prompts; Gemma 3 (bidirectional image blocks) packs
-its pairs unshared, logged with the reason."""
+its full sequence's ``get_rope_index``), LLaVA and Gemma 3 (bidirectional image blocks: the prompt's image tokens
+attend to each other both ways on the shared prompt) share their prompts."""
 
 from __future__ import annotations
 
@@ -172,12 +172,15 @@ def test_lora_with_the_adapter_disabled_reference_equals_stock(tmp_path):
     assert ours["batch"]["packed_seq_parents"].tolist() == SHARED
 
 
-def test_gemma3_image_blocks_pack_unshared_with_the_reason(tmp_path, caplog):
+def test_gemma3_image_pairs_with_image_blocks_equal_stock_each_image_once(tmp_path, caplog):
+    """Gemma 3's image tokens attend to each other both ways: the prompt's image blocks apply on the shared prompt
+    (``bidirectional_spans`` on the branched row), so its pairs are shared like any other family's."""
     with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
         ours = compare(tmp_path, model_type="gemma3")
-    assert "its image tokens attend to each other both ways" in caplog.text
-    assert ours["batch"]["packed_seq_parents"].tolist() == [-1] * (2 * NUM_PAIRS)
-    assert ours["images"] == ours["stock_images"]
+    assert "prefix_sharing is off" not in caplog.text
+    assert ours["batch"]["packed_seq_parents"].tolist() == SHARED
+    assert "token_type_ids" in ours["batch"] and int(ours["batch"]["token_type_ids"].sum()) > 0
+    assert ours["images"] == [NUM_PAIRS] * 3 and ours["stock_images"] == [2 * NUM_PAIRS] * 3
 
 
 def test_without_prefix_sharing_equals_stock(tmp_path):
@@ -255,17 +258,15 @@ def test_pack_vision_pairs_shares_each_prompt_and_keeps_each_image_once():
 def test_the_branched_self_check_probes_a_shared_image_prompt(model_type):
     """``check_uncontaminated(branched=True)`` on a vision-language model also runs a prompt holding an image shared
     by two completions against each full sequence alone; it fails (the pairs then pack unshared) where the branched
-    row cannot be run exactly: Gemma 3's image blocks, or image positions the collator did not compute."""
+    row cannot be run exactly (image positions the collator did not compute: below). Gemma 3's image blocks apply on
+    the shared prompt."""
     from unpack_trainer.models import patch_model
     from unpack_trainer.models.selfcheck import check_uncontaminated
 
     model = tiny_vision_model(model_type, attn_implementation="sdpa")
     patch_model(model)
     report = check_uncontaminated(model, branched=True, lengths=(3, 1, 4), measure_contamination=False)
-    if model_type == "gemma3":
-        assert not report.ok and "Bidirectional spans are not supported on branched samples" in report.failure()
-    else:
-        assert report.ok, report.failure()
+    assert report.ok, report.failure()
 
 
 def test_the_branched_self_check_fails_without_each_sequences_image_positions(monkeypatch):

@@ -142,7 +142,7 @@ def test_plan_is_per_batch():
 
 def test_bidirectional_spans_lie_inside_samples():
     """Spans (tokens attending both ways) are kept on a new object with their per-token ids; a span that is empty,
-    overlaps another or crosses a sample boundary is an error naming it; branched samples take none."""
+    overlaps another or crosses a sample boundary is an error naming it; branched samples keep their parents."""
     info = PackedSeqInfo.from_seq_lengths(torch.tensor([5, 4]), batch_size=1, seq_len=9)
     assert info.with_bidirectional_spans(None) is info and info.bidirectional_spans is None
     spans = info.with_bidirectional_spans(torch.tensor([[1, 3], [5, 9]]))
@@ -152,5 +152,7 @@ def test_bidirectional_spans_lie_inside_samples():
         with pytest.raises(ValueError, match=f"Bidirectional span {index} "):
             info.with_bidirectional_spans(torch.tensor(bad))
     branched = PackedSeqInfo(torch.tensor([2, 1]), batch_size=1, seq_len=3, seq_parents=torch.tensor([-1, 0]))
-    with pytest.raises(ValueError, match="branched"):
-        branched.with_bidirectional_spans(torch.tensor([[0, 2]]))
+    spanned = branched.with_bidirectional_spans(torch.tensor([[0, 2]]))
+    assert spanned.is_branched and spanned.seq_parents.tolist() == [-1, 0]
+    with pytest.raises(ValueError, match="Bidirectional span 0 "):
+        branched.with_bidirectional_spans(torch.tensor([[1, 3]]))  # across the prompt and its branch

@@ -229,6 +229,19 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
     }
 
 
+def _id_runs(ids: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+    """``(num_spans, 2)`` int64 ``[start, end)`` runs of one id ``>= 0`` in ``ids`` (``(N,)`` int64, ``-1`` outside
+    every span), cut at the indices ``cuts`` (``(k,)`` int64: each unit's first token). ``ids [-1, 0, 0, 0, 1]`` cut
+    at ``[0, 2]`` -> ``[[1, 2], [2, 4], [4, 5]]``."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    starts[cuts] = True
+    begin = torch.nonzero(starts).reshape(-1)
+    end = torch.cat([begin[1:], torch.tensor([ids.numel()], dtype=torch.int64)])
+    keep = ids[begin] >= 0
+    return torch.stack([begin[keep], end[keep]], dim=1)
+
+
 def _adopted_cu_seqlens(cu_seqlens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``cu_seqlens`` given with the batch (the collator's ``cu_seq_lens_q``) as a CPU tensor, after checking that it
     is the zero-prefixed cumsum of ``lengths`` ``(num_seqs,)`` int64; ``ValueError`` naming the key otherwise."""
@@ -357,14 +370,19 @@ class PackedSeqInfo:
 
     def with_bidirectional_spans(self, spans: torch.Tensor | None) -> PackedSeqInfo:
         """These samples with the token ranges ``spans`` attending both ways (``bidirectional_spans``): a new object
-        (nothing derived is shared), or ``self`` when ``spans`` is ``None`` or empty.
+        with the same samples and parents (nothing derived is shared), or ``self`` when ``spans`` is ``None`` or empty.
+
+        On a branched row (``seq_parents``) a span lies in a prompt (a sample that others continue) or in one of its
+        branches, like any other sample's: a query still sees what the branched row lets it see (its own sample
+        causally, its prefix in a branch, never a sibling), or any key of its own span. A prompt's span is therefore
+        seen both ways by the prompt's own tokens; every branch sees the whole prompt anyway.
 
         Args:
             spans: ``(num_spans, 2)`` integer ``[start, end)`` ranges, row-major over ``B * T``, ascending and disjoint,
-                each of at least one token and inside one sample.
+                each of at least one token and inside one sample (never across a prompt and its branch).
 
         Raises:
-            ValueError: a span that is empty, overlaps another, or crosses a sample boundary; branched samples.
+            ValueError: a span that is empty, overlaps another, or crosses a sample boundary.
 
         Example::
 
@@ -377,8 +395,6 @@ class PackedSeqInfo:
         spans = torch.as_tensor(spans).detach().to(device="cpu", dtype=torch.int64).reshape(-1, 2)
         if spans.numel() == 0:
             return self
-        if self.is_branched:
-            raise ValueError("Bidirectional spans are not supported on branched samples (shared prefixes).")
         starts, ends = spans[:, 0].contiguous(), spans[:, 1].contiguous()
         cu = self.cu_seqlens.to(torch.int64)
         sample_end = cu[(torch.searchsorted(cu, starts, right=True) - 1).clamp(0, cu.numel() - 2) + 1]
@@ -391,7 +407,11 @@ class PackedSeqInfo:
                 "before it, or crosses a sample boundary; every span must lie inside one sample."
             )
         info = PackedSeqInfo(
-            self.seq_lengths, batch_size=self.batch_size, seq_len=self.seq_len, cu_seqlens=self.cu_seqlens
+            self.seq_lengths,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            seq_parents=self.seq_parents,
+            cu_seqlens=self.cu_seqlens,
         )
         info.bidirectional_spans = spans
         return info
@@ -502,13 +522,15 @@ class PackedSeqInfo:
 
         Returns:
             ``(unit_info, gather, owner)``: ``unit_info`` a plain :class:`PackedSeqInfo` of one row over the
-            ``num_slots`` gathered tokens; ``gather`` ``(num_slots,)`` int64, the token (row-major over ``B * T``)
-            each slot reads; ``owner`` ``(B * T,)`` int64, the slot whose output is each token's output. CPU, built
-            once per batch.
+            ``num_slots`` gathered tokens, with ``bidirectional_spans`` over the slots when these samples have spans
+            (a prefix's span in every unit holding the prefix, a branch's in its own unit); ``gather``
+            ``(num_slots,)`` int64, the token (row-major over ``B * T``) each slot reads; ``owner`` ``(B * T,)``
+            int64, the slot whose output is each token's output. CPU, built once per batch.
 
-        Example (p, c, r of lengths 3, 2, 1 as in the module docstring)::
+        Example (p, c, r of lengths 3, 2, 1 as in the module docstring; a span ``[1, 3)`` in p)::
 
             unit lengths [5, 4]; gather [0, 1, 2, 3, 4, 0, 1, 2, 5]; owner [0, 1, 2, 3, 4, 8]
+            unit spans [[1, 3], [6, 8]]
         """
         return self.plan("branch_units", None, self._build_branch_units)
 
@@ -543,6 +565,10 @@ class PackedSeqInfo:
                 slot += len(tokens)
         gather = torch.cat(pieces)
         unit_info = PackedSeqInfo(torch.tensor(unit_lengths, dtype=torch.int64), batch_size=1, seq_len=slot)
+        if self.bidirectional_spans is not None:  # each span where its tokens sit: a prefix's in each of its units
+            unit_info = unit_info.with_bidirectional_spans(
+                _id_runs(self.bidirectional_ids()[gather], unit_info.cu_seqlens[:-1].to(torch.int64))
+            )
         return unit_info, gather, owner
 
     def branch_spans(self) -> BranchSpans | None:

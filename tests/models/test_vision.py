@@ -7,8 +7,8 @@ packed image+text samples give what each gives alone, family x backend, fp32 on 
 - multi-axis positions (the Qwen2-VL family) from the model's own ``get_rope_index`` per sample, in the forward hook
   or ahead in the collator (:class:`unpack_trainer.models.vision.RopeIndex`); every layout that would contaminate is
   refused with a reason;
-- Gemma 3's bidirectional image blocks on flex / SDPA / eager; a varlen kernel hands them over (logged), or refuses
-  when forced.
+- Gemma 3's bidirectional image blocks on flex / SDPA / eager, on plain rows and on a shared image prompt; a varlen
+  kernel hands them over (logged), or refuses when forced.
 """
 
 from __future__ import annotations
@@ -249,6 +249,21 @@ def test_gemma3_image_blocks_with_a_sliding_window(backend):
     _assert_matches_alone(model, samples, batch)
     if backend[0] != "flex":
         _assert_grads_match_padded(model, samples, batch)
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["causal", "window"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex"], indirect=True)
+def test_gemma3_image_blocks_on_a_shared_prompt(backend, window):
+    """A prompt holding an image shared by two completions (the branched row of a preference pair): the image's
+    tokens see each other both ways on the shared prompt, so every token equals its full sequence run alone (the
+    branched self-check's image probe), on flex / SDPA / eager, with and without a sliding window shorter than the
+    image."""
+    from unpack_trainer.models.selfcheck import check_uncontaminated
+
+    overrides = {} if window is None else {"sliding_window": window}
+    model = patch_model(_model("gemma3", **overrides, **HEAD_DIMS.get(backend[0], {})))
+    report = check_uncontaminated(model, branched=True, lengths=(3, 1, 4), measure_contamination=False)
+    assert report.ok, report.failure()
 
 
 def test_image_blocks_hand_over_from_a_varlen_kernel_or_refuse_it(monkeypatch, caplog, stand_in_kernel):

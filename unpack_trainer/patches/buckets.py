@@ -99,6 +99,8 @@ class Bucket(NamedTuple):
     query_lengths: Tensor | None = None  # (n,) int64 CPU q_u, branch buckets only
     key_lengths: Tensor | None = None  # (n,) int64 CPU k_u >= q_u, branch buckets only
     samples: Tensor | None = None  # (n,) int64 CPU: the sample in each of the bucket's rows (attention plans only)
+    # (n,) int64 CPU: the unit of :meth:`PackedSeqInfo.branch_spans` in each of the bucket's rows (branch plans only)
+    units: Tensor | None = None
 
 
 class BucketPlan(NamedTuple):
@@ -238,7 +240,8 @@ def branch_plan(info: PackedSeqInfo, device: torch.device, *, compiled: bool = F
     Units whose keys are their queries (a prefix with its first branch, a sample without branches) are bucketed as in
     :func:`build_plan` and run causally; the later branches of a prefix (queries = the branch, keys =
     ``[prefix; branch]``) are bucketed by key length and run with a bottom-right causal mask
-    (:func:`~unpack_trainer.patches.attention.bucket_masks.branch_mask`). Planned for ``device`` as
+    (:func:`~unpack_trainer.patches.attention.bucket_masks.branch_mask`). Every bucket names its units
+    (``Bucket.units``), from which the masks of bidirectional spans are read. Planned for ``device`` as
     :func:`attention_plan` (:func:`planning_for`).
     """
     planning = planning_for(device, compiled=compiled)
@@ -273,9 +276,9 @@ def branch_plan(info: PackedSeqInfo, device: torch.device, *, compiled: bool = F
                 key_gathers.append(spans.key_gather[key_index].reshape(-1))
                 key_sizes.append(count * key_length)
                 if branch:
-                    buckets.append(Bucket(length, count, key_length, q_lengths, k_lengths))
+                    buckets.append(Bucket(length, count, key_length, q_lengths, k_lengths, units=members))
                 else:
-                    buckets.append(Bucket(length, count))
+                    buckets.append(Bucket(length, count, units=members))
         return finish_plan(buckets, gathers, scatter, pads, device, key_gathers, key_sizes)
 
     return info.plan("branch_buckets", str(device), build)

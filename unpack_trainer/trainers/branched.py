@@ -196,7 +196,6 @@ class BranchedTrainerMixin(PackedTrainerMixin):
     unpack_selfcheck_branched: ContaminationReport | None = None
     _unpack_sharing_failed: bool = False
     _unpack_mixer: str | None | bool = False  # False: not looked for yet
-    _unpack_blocks: bool | None = None  # None: not looked for yet
 
     def _unpack_probe_branches(self) -> int:
         """How many completions share the prompt of the branched probe (DPO: 2)."""
@@ -209,35 +208,7 @@ class BranchedTrainerMixin(PackedTrainerMixin):
     def _unpack_sharing(self) -> bool:
         """Whether prompts are shared now: ``prefix_sharing``, the branched probe has not failed, and the model has no
         token mixer that carries state ([`_stateful_mixer`])."""
-        return (
-            bool(self.args.prefix_sharing)
-            and not self._unpack_sharing_failed
-            and self._stateful_mixer() is None
-            and not self._image_blocks()
-        )
-
-    def _image_blocks(self) -> bool:
-        """Whether the model's image tokens attend to each other both ways (Gemma 3's image blocks), logged once
-        when that turns prefix sharing off: the branched attention of a shared prompt applies causal attention
-        only, so such a prompt would lose its image blocks; the completions are packed unshared, each sample with
-        its own blocks (exact)."""
-        if not self.args.prefix_sharing:
-            return False
-        if self._unpack_blocks is None:
-            from unpack_trainer.models.discovery import pretrained_model
-            from unpack_trainer.models.vision import has_image_blocks
-
-            self._unpack_blocks = has_image_blocks(pretrained_model(self.accelerator.unwrap_model(self.model)))
-            if self._unpack_blocks:
-                log_once(
-                    logger,
-                    logging.WARNING,
-                    f"{self.unpack_name}: prefix_sharing is off for this model: its image tokens attend to each other "
-                    "both ways (bidirectional image blocks), which the branched attention of a shared prompt does "
-                    f"not apply; {self.unpack_unshared} (exact, each with its own image blocks). Set "
-                    "prefix_sharing=False to silence this.",
-                )
-        return self._unpack_blocks
+        return bool(self.args.prefix_sharing) and not self._unpack_sharing_failed and self._stateful_mixer() is None
 
     def _unpack_models(self) -> list[Any]:
         models = [self.model, getattr(self, "ref_model", None)]

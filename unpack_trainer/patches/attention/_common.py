@@ -148,8 +148,9 @@ def bucket_backend(
 ) -> AttentionBackend:
     """The record of a backend that runs the samples in buckets of similar lengths (SDPA, eager), whose
     ``buckets_forward(q, k, v, info, options, plan)`` runs a bucket plan (:mod:`unpack_trainer.patches.buckets`):
-    ``forward`` on the batch's plan; a branched batch with every query computed once on its branch plan
-    (``None`` for ALiBi or spans that are not contiguous: the caller runs the ``[prefix; branch]`` units); both plans
+    ``forward`` on the batch's plan; a branched batch with every query computed once on its branch plan, bidirectional
+    spans included (``None`` for ALiBi or spans that are not contiguous: the caller runs the ``[prefix; branch]``
+    units); both plans
     made before compiled layers run (``prepare``)."""
 
     def branched_forward(

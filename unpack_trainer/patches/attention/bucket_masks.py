@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.buckets import Bucket
+from unpack_trainer.packed_seq_info import PackedSeqInfo, zero_prefixed_cumsum
+from unpack_trainer.patches.buckets import Bucket, padded_spans
 
 __all__ = [
     "additive_mask",
@@ -30,12 +30,45 @@ def _cached(info: PackedSeqInfo, owner: str, key: tuple, build: Callable[[], Ten
     return build() if torch.compiler.is_compiling() else info.plan(owner, key, build)
 
 
+def _slot_spans(info: PackedSeqInfo, tokens: Tensor, real: Tensor) -> Tensor:
+    """``(n, L)`` int64: the bidirectional span of the token each slot holds (``tokens``, ``(n, L)`` int64 row-major
+    over ``B * T``), ``-1`` outside every span and at padding slots (``real`` False)."""
+    return torch.where(real, info.bidirectional_ids()[tokens], -1)
+
+
+def _same_span(query_spans: Tensor, key_spans: Tensor) -> Tensor:
+    """``(n, 1, L, Lk)`` bool: query slot ``i`` and key slot ``j`` hold tokens of one span (``(n, L)`` and
+    ``(n, Lk)`` int64 span ids, ``-1`` outside every span)."""
+    same = (query_spans.unsqueeze(2) == key_spans.unsqueeze(1)) & (query_spans.unsqueeze(2) >= 0)
+    return same.unsqueeze(1)
+
+
+def _branch_unit_spans(info: PackedSeqInfo, bucket: Bucket) -> Tensor:
+    """``(n, 1, L, Lk)`` bool of a branch bucket with bidirectional spans: query ``i`` of unit ``u`` (its branch's
+    ``i``-th token) and key ``j`` (the ``j``-th token of ``[prefix; branch]``) lie in one span."""
+    spans = info.branch_spans()
+    units = bucket.units
+    queries, real_queries = padded_spans(spans.query_starts[units], bucket.query_lengths, bucket.length)
+    key_starts = zero_prefixed_cumsum(spans.key_lengths)[:-1][units]
+    key_slots, real_keys = padded_spans(key_starts, bucket.key_lengths, bucket.key_length)
+    keys = spans.key_gather[key_slots]
+    return _same_span(_slot_spans(info, queries, real_queries), _slot_spans(info, keys, real_keys))
+
+
 def branch_mask(
     info: PackedSeqInfo, bucket_index: int, bucket: Bucket, sliding_window: int | None, device: torch.device
 ) -> Tensor:
     """``(n, 1, L, Lk)`` bool on ``device`` of a branch bucket, True where query ``i`` of unit ``u`` may see key ``j``:
-    the query sits at position ``p = k_u - q_u + i`` of its keys (bottom-right alignment), so ``j <= p``, ``j < k_u``
-    and, with a window ``w``, ``j > p - w``. A padding query (``i >= q_u``) sees key 0 only (finite, dropped)."""
+    the query sits at position ``p = k_u - q_u + i`` of its keys (bottom-right alignment), so ``j <= p``, ``j < k_u``,
+    or (with bidirectional spans, ``info.bidirectional_spans``) query and key lie in one span of the branch; and with
+    a window ``w``, ``j > p - w``. A padding query (``i >= q_u``) sees key 0 only (finite, dropped).
+
+    Example (a prefix of 2 tokens, a branch of 3 whose last 2 are a span; rows are the branch's queries)::
+
+        1 1 1 0 0
+        1 1 1 1 1
+        1 1 1 1 1
+    """
 
     def build() -> Tensor:
         q_lengths = bucket.query_lengths.view(-1, 1, 1, 1)
@@ -44,6 +77,8 @@ def branch_mask(
         j = torch.arange(bucket.key_length).view(1, 1, 1, -1)
         position = k_lengths - q_lengths + i
         allowed = (j <= position) & (j < k_lengths)
+        if info.bidirectional_spans is not None and bucket.units is not None:
+            allowed = allowed | _branch_unit_spans(info, bucket)
         if sliding_window is not None:
             allowed &= j > position - sliding_window
         padding = (i >= q_lengths) & (j == 0)
@@ -122,10 +157,13 @@ def alibi_bias(
 def bidirectional_mask(
     info: PackedSeqInfo, bucket_index: int, bucket: Bucket, sliding_window: int | None, device: torch.device
 ) -> Tensor | None:
-    """``(n, 1, L, L)`` bool on ``device`` of a bucket of samples with bidirectional spans
-    (``info.bidirectional_spans``), True where query ``i`` may see key ``j`` of its sample: ``j <= i``, or both in the
-    same span; and with a window ``w``, ``j > i - w``. ``None`` when no sample of the bucket has a span (the bucket
-    stays causal). Built on the CPU from the bucket's samples, once per batch, bucket, window and device.
+    """``(n, 1, L, L)`` bool on ``device`` of a causal bucket with bidirectional spans (``info.bidirectional_spans``),
+    True where query ``i`` may see key ``j`` of its row: ``j <= i``, or both in the same span; and with a window
+    ``w``, ``j > i - w``. A row holds a sample (a plain plan's bucket, ``bucket.samples``) or a unit of a branch plan
+    whose keys are its queries (``bucket.units``: a prefix with its first branch, contiguous on the row, or a sample
+    without branches). ``None`` when no row of the bucket holds a span (the bucket stays causal), and for a branch
+    plan's later-branch bucket (:func:`branch_mask` applies its spans). Built on the CPU from the tokens of the
+    bucket's rows, once per batch, plan, bucket, window and device.
 
     Example (one sample of 4 tokens whose tokens 1 and 2 are a span; rows are queries)::
 
@@ -134,28 +172,30 @@ def bidirectional_mask(
         1 1 1 0
         1 1 1 1
     """
-    spans = info.bidirectional_spans
-    if spans is None or bucket.samples is None:
+    if info.bidirectional_spans is None or bucket.key_length or (bucket.samples is None and bucket.units is None):
         return None
+    kind = "samples" if bucket.samples is not None else "units"
 
     def build() -> Tensor | None:
-        ids = info.bidirectional_ids()
-        starts = info.cu_seqlens[:-1].to(torch.int64)[bucket.samples].unsqueeze(1)  # (n, 1)
-        lengths = info.seq_lengths.to(torch.int64)[bucket.samples].unsqueeze(1)
-        steps = torch.arange(bucket.length, dtype=torch.int64).unsqueeze(0)
-        real = steps < lengths
-        block = torch.where(real, ids[torch.where(real, starts + steps, starts)], -1)  # (n, L), -1: causal
+        if bucket.samples is not None:
+            starts = info.cu_seqlens[:-1].to(torch.int64)[bucket.samples]
+            lengths = info.seq_lengths.to(torch.int64)[bucket.samples]
+        else:
+            spans = info.branch_spans()
+            starts, lengths = spans.query_starts[bucket.units], spans.query_lengths[bucket.units]
+        tokens, real = padded_spans(starts, lengths, bucket.length)
+        block = _slot_spans(info, tokens, real)  # (n, L), -1: causal
         if not bool((block >= 0).any()):
             return None
-        i = steps.view(1, -1, 1)
-        j = steps.view(1, 1, -1)
-        same = (block.unsqueeze(2) == block.unsqueeze(1)) & (block.unsqueeze(2) >= 0)
-        allowed = (j <= i) | same
+        steps = torch.arange(bucket.length, dtype=torch.int64)
+        i = steps.view(1, 1, -1, 1)
+        j = steps.view(1, 1, 1, -1)
+        allowed = (j <= i) | _same_span(block, block)
         if sliding_window is not None:
             allowed &= j > i - sliding_window
-        return allowed.unsqueeze(1).to(device, non_blocking=True)
+        return allowed.to(device, non_blocking=True)
 
-    return info.plan("bidirectional_masks", (bucket_index, sliding_window, str(device)), build)
+    return info.plan("bidirectional_masks", (kind, bucket_index, sliding_window, str(device)), build)
 
 
 def bidirectional_additive_mask(
@@ -175,4 +215,5 @@ def bidirectional_additive_mask(
             return None
         return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
 
-    return info.plan("bidirectional_additive_masks", (bucket_index, sliding_window, dtype, str(device)), build)
+    kind = "samples" if bucket.samples is not None else "units"
+    return info.plan("bidirectional_additive_masks", (kind, bucket_index, sliding_window, dtype, str(device)), build)

@@ -192,7 +192,8 @@ def packed_attention_forward(
             ``attention_chunk_size``: chunked attention (llama4), each query sees the keys of its own chunk of that
             many tokens, chunks counted from its sample's start (:meth:`PackedSeqInfo.chunked`; every backend).
             Bidirectional spans on the metadata (``PackedSeqInfo.bidirectional_spans``, Gemma 3's image tokens): the
-            tokens of a span also see each other's later tokens (flex, SDPA and eager; a varlen kernel hands over).
+            tokens of a span also see each other's later tokens, on plain and branched rows (flex, SDPA and eager; a
+            varlen kernel hands over).
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` ``(B, T, num_heads, head_dim_v)`` in the dtype attention
@@ -295,7 +296,9 @@ def _branched(
 
     On the units path the tokens are gathered into the units (a prefix read once per branch; autograd sums the
     prefix's key/value gradients over its branches), the backend runs on one row of ``num_slots`` tokens, and each
-    token's output is read back from its own slot. Shapes as :class:`BackendFunction`: ``(B, num_heads, T,
+    token's output is read back from its own slot. Bidirectional spans (``info.bidirectional_spans``) travel on the
+    units' metadata, over their slots (a prefix's span in every unit holding the prefix), so the backend's plain
+    forward applies them; on the branch plans the masks apply them (flex: its mask function). Shapes as :class:`BackendFunction`: ``(B, num_heads, T,
     head_dim)`` in, ``(B, T, num_heads, head_dim_v)`` out.
     """
     if record.branched_forward is not None:

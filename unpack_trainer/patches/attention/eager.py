@@ -39,7 +39,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     also holds ``exp(sinks[h])``: ``weights = exp(scores - logaddexp(logsumexp(scores), sinks[h]))``, the sink's own
     weight dropped, as gpt_oss's ``eager_attention_forward`` does by concatenating a sink column. Dropout: on the
     weights, only while ``options.module.training``. ALiBi: ``-slopes[h] * (i - j)`` added to the scores.
-    Bidirectional spans (``info.bidirectional_spans``): an ``(n, 1, L, L)`` additive mask on each bucket holding one.
+    Bidirectional spans (``info.bidirectional_spans``): an ``(n, 1, L, L)`` additive mask on each bucket holding one
+    (on a branch plan, the branch buckets' masks hold their spans too).
     """
     return buckets_forward(query, key, value, info, options, attention_plan(info, query.device))
 
@@ -48,8 +49,8 @@ def buckets_forward(
     query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions, plan: BucketPlan
 ) -> Tensor:
     """:func:`forward` on the buckets of ``plan``: a plain plan, or a branch plan (:func:`branch_plan`) whose
-    branch buckets add their bottom-right causal masks as ``(n, 1, L, Lk)`` additive masks (ALiBi never reaches
-    one)."""
+    branch buckets add their bottom-right causal masks as ``(n, 1, L, Lk)`` additive masks, bidirectional spans
+    included (ALiBi never reaches one)."""
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
     scaling, softcap = options.scaling, options.softcap

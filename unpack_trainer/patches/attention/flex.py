@@ -15,7 +15,11 @@ GB at 64k tokens, the likely source of the 44.8 GiB peak measured there on an H2
 ``mask_mod`` (query ``q``, key ``k``, tokens of the padded row)::
 
     (doc[q] == doc[k] and k <= q) or parent[q] == doc[k]        # own sample causally, or the prefix it continues
+    or (block[q] == block[k] and block[q] >= 0)                  # with bidirectional spans: one span, both ways
     and pos[q] - pos[k] < window                                 # with a sliding window
+
+A span lies inside one sample (on a branched row a prompt or one of its branches), so the span term only lets a
+token see the later tokens of its own span; the block tables reach every query's keys up to its span's last token.
 
 ``score_mod``: ``softcap * tanh(score / softcap)``, then ``- slopes[h] * (pos[q] - pos[k])`` (ALiBi). Sinks: the
 output renormalised with flex's log-sum-exp, ``out * exp(lse - logaddexp(lse, sinks[h]))``, as transformers'
@@ -282,8 +286,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     GQA: flex's ``enable_gqa``. Window ``w`` (keys ``i - w < j <= i``, by position): in the mask. Softcap, ALiBi
     (float32 ``(num_heads,)`` slopes): ``score_mod``. Sinks ``(num_heads,)``: the output renormalised by flex's
     log-sum-exp. Bidirectional spans (``info.bidirectional_spans``): in the mask. Dropout: refused. Branched batches
-    (``info.seq_parents``): a branch sees its prefix and itself, never a sibling, every query computed once. No query
-    row is fully masked.
+    (``info.seq_parents``): a branch sees its prefix and itself, never a sibling, every query computed once (with
+    spans: a span of the prefix or of a branch both ways). No query row is fully masked.
 
     Raises:
         NotImplementedError: on the CPU with inputs that need gradients (torch has no flex backward there).

@@ -75,7 +75,8 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     than ``w`` (a shorter one stays ``is_causal``). Dropout: SDPA's ``dropout_p``. Softcap, sinks: refused. No query
     row is fully masked (each sees itself, padded ones included). ALiBi: a float ``(num_heads, L, L)`` mask of the
     per-sample biases (:func:`alibi_bias`) on every bucket. Bidirectional spans (``info.bidirectional_spans``): an
-    ``(n, 1, L, L)`` mask (:func:`bidirectional_mask`) on each bucket that holds one.
+    ``(n, 1, L, L)`` mask (:func:`bidirectional_mask`) on each bucket that holds one (on a branch plan: each causal
+    unit's, read from the tokens of its prefix and first branch; a later branch's span in its :func:`branch_mask`).
     """
     return buckets_forward(query, key, value, info, options, attention_plan(info, query.device))
 
@@ -84,7 +85,8 @@ def buckets_forward(
     query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions, plan: BucketPlan
 ) -> Tensor:
     """:func:`forward` on the buckets of ``plan``: a plain plan, or a branch plan (:func:`branch_plan`) whose
-    branch buckets run with their bottom-right causal masks (windows applied; ALiBi never reaches one)."""
+    branch buckets run with their bottom-right causal masks (windows and bidirectional spans applied; ALiBi never
+    reaches one)."""
     batch_size, num_heads, seq_len, _ = query.shape
     heads_per_kv = num_heads // key.shape[1]
     qs = bucketed(tokens_major(query), plan)
