@@ -13,15 +13,14 @@ RLOO".
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 import trl
 from datasets import Dataset
 from PIL import Image
-from test_grpo_trainer import _Recorder, assert_same_steps
+from test_grpo_trainer import assert_same_steps
+from test_grpo_trainer import run_steps as run_text_steps
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from unpack_trainer.models import tiny
@@ -29,7 +28,6 @@ from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-TIMINGS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time")
 PROCESSOR = tiny_processor("qwen2_5_vl")
 PROCESSOR.tokenizer.padding_side = "left"  # as TRL loads a processor itself: its prompts' per-token inputs left-padded
 
@@ -72,74 +70,43 @@ def vision_tower(model):
     return next(getattr(inner, name) for name in ("visual", "vision_tower", "vision_model") if hasattr(inner, name))
 
 
-def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR, **config) -> dict:
-    """``max_steps`` (default 1) seeded optimizer steps of ``trainer_class`` on the image prompts: what it logged,
-    its gradients, every log-prob call's outputs, its completions, the images its vision tower encoded per call."""
-    config = (
-        dict(
-            per_device_train_batch_size=12,
-            num_generations=4,
-            max_completion_length=8,
-            max_steps=1,
-            learning_rate=1e-2,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            seed=7,
-            save_strategy="no",
-            disable_tqdm=True,
-        )
-        | config
-    )
-    args = config_class(output_dir=str(tmp_path / trainer_class.__name__), **config)
-    recorder = _Recorder()
-    trainer = trainer_class(
-        model=model if isinstance(model, str) else copy.deepcopy(model),
-        reward_funcs=count_a,
-        args=args,
-        train_dataset=image_prompts(),
-        processing_class=processor,
-        callbacks=[recorder],
-    )
-    calls, completions, encoded, inputs = [], [], [], []
-    logps_method, generate = trainer._get_per_token_logps_and_entropies, trainer._generate
-    towers = [vision_tower(trainer.model)]
-    if getattr(trainer, "ref_model", None) is not None:
-        towers.append(vision_tower(trainer.ref_model))
-    images: list[int] = []
+class _VisionWatch:
+    """Around every log-prob call: its inputs, and how many images the vision towers (the policy's and the
+    reference's) encoded in it."""
 
-    def count_images(module, args, kwargs):
+    def __init__(self, trainer) -> None:
+        towers = [vision_tower(trainer.model)]
+        if getattr(trainer, "ref_model", None) is not None:
+            towers.append(vision_tower(trainer.ref_model))
+        self.images: list[int] = []
+        self.results = {"encoded": [], "inputs": []}
+        self.handles = [tower.register_forward_pre_hook(self._count, with_kwargs=True) for tower in towers]
+
+    def _count(self, module, args, kwargs):
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         pixels = kwargs.get("pixel_values", args[0] if args else None)
-        images.append(int(grid.shape[0] if grid is not None else pixels.shape[0]))
+        self.images.append(int(grid.shape[0] if grid is not None else pixels.shape[0]))
 
-    handles = [tower.register_forward_pre_hook(count_images, with_kwargs=True) for tower in towers]
+    def before(self, args, kwargs):
+        self.results["inputs"].append((args, kwargs))
+        self.images.clear()
 
-    def recorded_logps(*args, **kwargs):
-        inputs.append((args, kwargs))
-        images.clear()
-        logps, entropies, aux = logps_method(*args, **kwargs)
-        calls.append((logps.detach().clone(), None if entropies is None else entropies.detach().clone(), aux))
-        encoded.append(sum(images))
-        return logps, entropies, aux
+    def after(self):
+        self.results["encoded"].append(sum(self.images))
 
-    def recorded_generate(prompts):
-        out = generate(prompts)
-        completions.append([list(ids) for ids in out[1]])
-        return out
-
-    trainer._get_per_token_logps_and_entropies, trainer._generate = recorded_logps, recorded_generate
-    try:
-        trainer.train()
-    finally:
-        for handle in handles:
+    def close(self):
+        for handle in self.handles:
             handle.remove()
-    logs = [{k: v for k, v in entry.items() if k not in TIMINGS} for entry in trainer.state.log_history]
-    return {
-        "logs": logs, "grads": recorder.grads, "calls": calls, "completions": completions, "trainer": trainer,
-        "encoded": encoded, "inputs": inputs,
-    }  # fmt: skip
+
+
+def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR, **config) -> dict:
+    """``max_steps`` (default 1) seeded optimizer steps of ``trainer_class`` on the image prompts
+    (:func:`test_grpo_trainer.run_steps`): what it logged, its gradients, every log-prob call's outputs and inputs,
+    its completions, the images its vision tower encoded per call."""
+    defaults = dict(per_device_train_batch_size=12, num_generations=4, max_completion_length=8)
+    return run_text_steps(trainer_class, config_class, tmp_path, model, train_dataset=image_prompts(),
+                          processing_class=processor, reward_funcs=count_a, defaults=defaults, watch=_VisionWatch,
+                          **config)  # fmt: skip
 
 
 GRPO_CASES = {
