@@ -36,15 +36,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment_line, format_table, quiet_case, run_in_subprocess, tiny_llama_config  # noqa: E402
+from common import (  # noqa: E402
+    environment_line,
+    format_table,
+    quiet_case,
+    run_in_subprocess,
+    timed_loss_steps,
+    tiny_llama_config,
+)
 
 PROVIDERS = ("stock", "plain", "shared")
 SHARES = (0.2, 0.5, 0.8)
@@ -125,28 +130,11 @@ def run_case(
         model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra
     )
     assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
-    model = trainer.model
-    model.train()
     pairs = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
-    batches = [
-        trainer._prepare_inputs(trainer.data_collator(pairs[i * batch_size : (i + 1) * batch_size]))
-        for i in range(steps + 1)
-    ]
-
-    def step(batch):
-        loss = trainer.compute_loss(model, batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step(batches[0])  # warm-up
-    start = time.perf_counter()
-    for batch in batches[1:]:
-        step(batch)
-    seconds = time.perf_counter() - start
-    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    timed = timed_loss_steps(trainer, batch_size, pairs, steps)
+    seconds = timed["seconds"]
     tokens = sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs[batch_size:])
-    return {"tokens_per_s": tokens / seconds, "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds}
+    return {"tokens_per_s": tokens / seconds, "peak_mib": timed["peak_mib"], "seconds": seconds}
 
 
 def image_pairs(num_pairs: int, seed: int = 0) -> object:
@@ -205,30 +193,12 @@ def run_vlm_case(provider: str, steps: int, batch_size: int, threads: int | None
             return _encode(pixel_values, image_grid_thw, *rest, **kwargs)
 
         inner.get_image_features = counting
-    model = trainer.model
-    model.train()
     examples = [dataset[i] for i in range(len(dataset))]
-    batches = [
-        trainer._prepare_inputs(trainer.data_collator(examples[i * batch_size : (i + 1) * batch_size]))
-        for i in range(steps + 1)
-    ]
-
-    def step(batch):
-        loss = trainer.compute_loss(model, batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step(batches[0])  # warm-up
-    images.clear()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for batch in batches[1:]:
-        step(batch)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    timed = timed_loss_steps(trainer, batch_size, examples, steps, on_warm_up=images.clear)
+    batches, seconds, cpu_seconds = timed["batches"], timed["seconds"], timed["cpu_seconds"]
     tokens = sum(int(batch["attention_mask"].sum()) for batch in batches[1:])  # TRL's [p, c] and [p, r] rows
     return {"tokens_per_s": tokens / seconds, "tokens_per_cpu_s": tokens / cpu_seconds,
-            "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds, "images_per_step": sum(images) / steps,
+            "peak_mib": timed["peak_mib"], "seconds": seconds, "images_per_step": sum(images) / steps,
             "tokens_per_step": tokens / steps}  # fmt: skip
 
 

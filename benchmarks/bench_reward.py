@@ -28,16 +28,14 @@ with LoRA (``task_type="SEQ_CLS"``, r 16 on every linear layer, the head trained
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dpo import PROVIDERS, _spread, make_pairs, measure, word_tokenizer  # noqa: E402
-from common import format_table, quiet_case, tiny_llama_config  # noqa: E402
+from common import format_table, quiet_case, timed_loss_steps, tiny_llama_config  # noqa: E402
 
 
 def _model(name: str) -> tuple[object, dict]:
@@ -87,29 +85,12 @@ def run_case(
         trainer_class, args = RewardTrainer, RewardConfig(**common, prefix_sharing=provider == "shared")
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra)
     assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
-    model = trainer.model
-    model.train()
     examples = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
-    batches = [
-        trainer._prepare_inputs(trainer.data_collator(examples[i * batch_size : (i + 1) * batch_size]))
-        for i in range(steps + 1)
-    ]
-
-    def step(batch):
-        loss = trainer.compute_loss(model, batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step(batches[0])  # warm-up
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for batch in batches[1:]:
-        step(batch)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    timed = timed_loss_steps(trainer, batch_size, examples, steps)
+    seconds, cpu_seconds = timed["seconds"], timed["cpu_seconds"]
     tokens = sum(len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples[batch_size:])
     return {"tokens_per_s": tokens / seconds, "tokens_per_cpu_s": tokens / cpu_seconds,
-            "peak_mib": (rss_after - rss_before) / 1024, "seconds": seconds}  # fmt: skip
+            "peak_mib": timed["peak_mib"], "seconds": seconds}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -72,6 +73,39 @@ def tiny_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
     return AutoConfig.for_model(model_type, **{**TINY_SIZES, **overrides})
+
+
+def timed_loss_steps(
+    trainer, batch_size: int, examples: list, steps: int, on_warm_up: Callable[[], None] | None = None
+) -> dict:
+    """Time ``steps`` optimizer-free training steps of ``trainer`` (its own ``compute_loss``, then ``backward``) on
+    ``examples`` collated ``batch_size`` at a time by its ``data_collator``, after one warm-up step on the first batch
+    (``on_warm_up`` runs after it, e.g. to reset a counter). Returns ``{"seconds", "cpu_seconds", "peak_mib",
+    "batches"}``: wall and CPU seconds of the timed steps, the growth of the process's peak RSS in MiB over all of
+    them, and the prepared batches (the warm-up batch first)."""
+    model = trainer.model
+    model.train()
+    batches = [
+        trainer._prepare_inputs(trainer.data_collator(examples[i * batch_size : (i + 1) * batch_size]))
+        for i in range(steps + 1)
+    ]
+
+    def step(batch):
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step(batches[0])  # warm-up
+    if on_warm_up is not None:
+        on_warm_up()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for batch in batches[1:]:
+        step(batch)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mib": (rss_after - rss_before) / 1024,
+            "batches": batches}  # fmt: skip
 
 
 def quiet_case(threads: int | None = None) -> None:

@@ -68,14 +68,32 @@ class _Recorder(TrainerCallback):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def run_steps(trainer_class, config_class, tmp_path, model, *, peft_config=None, **config) -> dict:
+def run_steps(
+    trainer_class,
+    config_class,
+    tmp_path,
+    model,
+    *,
+    peft_config=None,
+    train_dataset=None,
+    processing_class=TOKENIZER,
+    reward_funcs=count_a,
+    defaults=None,
+    watch=None,
+    **config,
+) -> dict:
     """``max_steps`` (default 1) optimizer steps of ``trainer_class`` from ``model`` (deep-copied; or a saved model's
-    folder), seeded: what it logged, its gradients, every log-prob call's outputs, its completions, the trainer."""
+    folder), seeded: what it logged, its gradients, every log-prob call's outputs, its completions, the trainer.
+
+    ``train_dataset`` / ``processing_class`` / ``reward_funcs`` default to the text prompts, their tokenizer and
+    [`count_a`], ``defaults`` to this
+    file's config (``config`` overrides either). ``watch(trainer)``, when given, returns an object whose ``before(args,
+    kwargs)`` and ``after()`` run around every log-prob call, whose ``close()`` runs after training and whose
+    ``results`` (a dict) join the returned one."""
+    defaults = defaults or dict(per_device_train_batch_size=6, num_generations=3, max_completion_length=12)
     config = (
-        dict(
-            per_device_train_batch_size=6,
-            num_generations=3,
-            max_completion_length=12,
+        defaults
+        | dict(
             max_steps=1,
             learning_rate=1e-2,
             logging_steps=1,
@@ -92,19 +110,24 @@ def run_steps(trainer_class, config_class, tmp_path, model, *, peft_config=None,
     recorder = _Recorder()
     trainer = trainer_class(
         model=model if isinstance(model, str) else copy.deepcopy(model),
-        reward_funcs=count_a,
+        reward_funcs=reward_funcs,
         args=args,
-        train_dataset=prompts(),
-        processing_class=TOKENIZER,
+        train_dataset=prompts() if train_dataset is None else train_dataset,
+        processing_class=processing_class,
         callbacks=[recorder],
         peft_config=peft_config,
     )
     calls, completions = [], []
     logps_method, generate = trainer._get_per_token_logps_and_entropies, trainer._generate
+    watcher = None if watch is None else watch(trainer)
 
     def recorded_logps(*args, **kwargs):
+        if watcher is not None:
+            watcher.before(args, kwargs)
         logps, entropies, aux = logps_method(*args, **kwargs)
         calls.append((logps.detach().clone(), None if entropies is None else entropies.detach().clone(), aux))
+        if watcher is not None:
+            watcher.after()
         return logps, entropies, aux
 
     def recorded_generate(prompts):
@@ -113,9 +136,14 @@ def run_steps(trainer_class, config_class, tmp_path, model, *, peft_config=None,
         return out
 
     trainer._get_per_token_logps_and_entropies, trainer._generate = recorded_logps, recorded_generate
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if watcher is not None:
+            watcher.close()
     logs = [{k: v for k, v in entry.items() if k not in TIMINGS} for entry in trainer.state.log_history]
-    return {"logs": logs, "grads": recorder.grads, "calls": calls, "completions": completions, "trainer": trainer}
+    results = {"logs": logs, "grads": recorder.grads, "calls": calls, "completions": completions, "trainer": trainer}
+    return results | ({} if watcher is None else watcher.results)
 
 
 def _relative(ours: torch.Tensor, stock: torch.Tensor) -> float:

@@ -13,16 +13,14 @@ RLOO".
 
 from __future__ import annotations
 
-import copy
-import logging
-
 import numpy as np
 import pytest
 import torch
 import trl
 from datasets import Dataset
 from PIL import Image
-from test_grpo_trainer import _Recorder, assert_same_steps
+from test_grpo_trainer import assert_same_steps
+from test_grpo_trainer import run_steps as run_text_steps
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from unpack_trainer.models import tiny
@@ -30,7 +28,6 @@ from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-TIMINGS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time")
 PROCESSOR = tiny_processor("qwen2_5_vl")
 PROCESSOR.tokenizer.padding_side = "left"  # as TRL loads a processor itself: its prompts' per-token inputs left-padded
 
@@ -66,73 +63,50 @@ def qwen_path(tmp_path_factory, qwen):
     return str(path)
 
 
-def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR, **config) -> dict:
-    """``max_steps`` (default 1) seeded optimizer steps of ``trainer_class`` on the image prompts: what it logged,
-    its gradients, every log-prob call's outputs, its completions, the images its vision tower encoded per call."""
-    config = (
-        dict(
-            per_device_train_batch_size=12,
-            num_generations=4,
-            max_completion_length=8,
-            max_steps=1,
-            learning_rate=1e-2,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            seed=7,
-            save_strategy="no",
-            disable_tqdm=True,
-        )
-        | config
-    )
-    args = config_class(output_dir=str(tmp_path / trainer_class.__name__), **config)
-    recorder = _Recorder()
-    trainer = trainer_class(
-        model=model if isinstance(model, str) else copy.deepcopy(model),
-        reward_funcs=count_a,
-        args=args,
-        train_dataset=image_prompts(),
-        processing_class=processor,
-        callbacks=[recorder],
-    )
-    calls, completions, encoded, inputs = [], [], [], []
-    logps_method, generate = trainer._get_per_token_logps_and_entropies, trainer._generate
-    towers = [trainer.model.model.visual]
-    if getattr(trainer, "ref_model", None) is not None:
-        towers.append(trainer.ref_model.model.visual)
-    images: list[int] = []
+def vision_tower(model):
+    """The vision tower of a tiny vision-language model (Qwen2-VL's ``visual``, LLaVA's and Gemma 3's
+    ``vision_tower``, Idefics3's ``vision_model``): each call encodes the images it is handed."""
+    inner = model.model
+    return next(getattr(inner, name) for name in ("visual", "vision_tower", "vision_model") if hasattr(inner, name))
 
-    def count_images(module, args, kwargs):
+
+class _VisionWatch:
+    """Around every log-prob call: its inputs, and how many images the vision towers (the policy's and the
+    reference's) encoded in it."""
+
+    def __init__(self, trainer) -> None:
+        towers = [vision_tower(trainer.model)]
+        if getattr(trainer, "ref_model", None) is not None:
+            towers.append(vision_tower(trainer.ref_model))
+        self.images: list[int] = []
+        self.results = {"encoded": [], "inputs": []}
+        self.handles = [tower.register_forward_pre_hook(self._count, with_kwargs=True) for tower in towers]
+
+    def _count(self, module, args, kwargs):
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        images.append(int(grid.shape[0]))
+        pixels = kwargs.get("pixel_values", args[0] if args else None)
+        self.images.append(int(grid.shape[0] if grid is not None else pixels.shape[0]))
 
-    handles = [tower.register_forward_pre_hook(count_images, with_kwargs=True) for tower in towers]
+    def before(self, args, kwargs):
+        self.results["inputs"].append((args, kwargs))
+        self.images.clear()
 
-    def recorded_logps(*args, **kwargs):
-        inputs.append((args, kwargs))
-        images.clear()
-        logps, entropies, aux = logps_method(*args, **kwargs)
-        calls.append((logps.detach().clone(), None if entropies is None else entropies.detach().clone(), aux))
-        encoded.append(sum(images))
-        return logps, entropies, aux
+    def after(self):
+        self.results["encoded"].append(sum(self.images))
 
-    def recorded_generate(prompts):
-        out = generate(prompts)
-        completions.append([list(ids) for ids in out[1]])
-        return out
-
-    trainer._get_per_token_logps_and_entropies, trainer._generate = recorded_logps, recorded_generate
-    try:
-        trainer.train()
-    finally:
-        for handle in handles:
+    def close(self):
+        for handle in self.handles:
             handle.remove()
-    logs = [{k: v for k, v in entry.items() if k not in TIMINGS} for entry in trainer.state.log_history]
-    return {
-        "logs": logs, "grads": recorder.grads, "calls": calls, "completions": completions, "trainer": trainer,
-        "encoded": encoded, "inputs": inputs,
-    }  # fmt: skip
+
+
+def run_steps(trainer_class, config_class, tmp_path, model, processor=PROCESSOR, **config) -> dict:
+    """``max_steps`` (default 1) seeded optimizer steps of ``trainer_class`` on the image prompts
+    (:func:`test_grpo_trainer.run_steps`): what it logged, its gradients, every log-prob call's outputs and inputs,
+    its completions, the images its vision tower encoded per call."""
+    defaults = dict(per_device_train_batch_size=12, num_generations=4, max_completion_length=8)
+    return run_text_steps(trainer_class, config_class, tmp_path, model, train_dataset=image_prompts(),
+                          processing_class=processor, reward_funcs=count_a, defaults=defaults, watch=_VisionWatch,
+                          **config)  # fmt: skip
 
 
 GRPO_CASES = {
@@ -206,38 +180,67 @@ def test_one_rloo_step_on_image_prompts_equals_stock(tmp_path, qwen_path):
     _check(ours, stock)
 
 
-def test_a_vision_language_model_without_image_grids_trains_stock_with_its_reason(tmp_path, caplog):
-    """GRPO shares image prompts for the Qwen2-VL family (images laid out by ``image_grid_thw``, positions from its
-    ``get_rope_index``); another vision-language model keeps TRL's padded path, logged once with the reason."""
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to=[],
-                      use_cpu=True, bf16=False)  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="unpack_trainer"):
-        trainer = GRPOTrainer(model=tiny_vision_model("llava"), reward_funcs=count_a, args=args,
-                              train_dataset=image_prompts(), processing_class=tiny_processor("llava"))  # fmt: skip
-    assert trainer.unpack_decision.mode == "padded"
-    assert "image_grid_thw" in trainer.unpack_decision.reason
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GRPOTrainer: mode=padded")]
-    assert len(lines) == 1
+# Other families' layouts of TRL's vision inputs (``trainers.image_prompts``): one entry of ``pixel_values`` per image
+# (LLaVA; Gemma 3 with ``token_type_ids`` and bidirectional image blocks inside the shared prompt) and one per row
+# (SmolVLM, with ``pixel_attention_mask``); 1-D positions. The end-of-sequence boost that ends their completions at
+# different lengths with seed 7.
+FAMILIES = {"llava": 2.5, "smolvlm": 2.5, "gemma3": 4.0}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_one_grpo_step_on_another_familys_image_prompts_equals_stock(model_type, tmp_path):
+    processor = tiny_processor(model_type)
+    processor.tokenizer.padding_side = "left"
+    model = tiny_vision_model(model_type, attn_implementation="sdpa")
+    model = tiny.raise_token_logit(model, processor.tokenizer.eos_token_id, FAMILIES[model_type])
+    stock = run_steps(trl.GRPOTrainer, trl.GRPOConfig, tmp_path, model, processor=processor)
+    ours = run_steps(GRPOTrainer, GRPOConfig, tmp_path, model, processor=processor)
+    assert ours["trainer"].unpack_decision.packed, ours["trainer"].unpack_decision
+    assert ours["trainer"].unpack_selfcheck_branched.ok
+    assert ours["trainer"].unpack_stats["forwards"]["padded"] == 0
+    _check(ours, stock)
+
+
+def test_row_slices_read_each_layout_trl_cuts():
+    """Each row's entries in TRL's vision tensors, per layout: grids (Qwen2-VL), one entry per image (LLaVA, with
+    ``image_sizes``), one per row (Idefics3, with ``pixel_attention_mask``), tiles (LFM2-VL)."""
+    from unpack_trainer.trainers.image_prompts import row_slices
+
+    grid = torch.tensor([[1, 2, 2], [1, 2, 4], [1, 2, 2]])
+    qwen = row_slices({"pixel_values": torch.zeros(16, 5), "image_grid_thw": grid, "num_images": [2, 0, 1]}, 3)
+    assert qwen.slices == {"pixel_values": [(0, 12), (12, 12), (12, 16)], "image_grid_thw": [(0, 2), (2, 2), (2, 3)]}
+    llava = row_slices({"pixel_values": torch.zeros(3, 3, 4, 4), "image_sizes": torch.zeros(3, 2),
+                        "num_images": [1, 2, 0]}, 3)  # fmt: skip
+    assert llava.slices["pixel_values"] == llava.slices["image_sizes"] == [(0, 1), (1, 3), (3, 3)]
+    idefics = row_slices({"pixel_values": torch.zeros(2, 3, 3, 4, 4), "pixel_attention_mask": torch.zeros(2, 3, 4, 4),
+                          "num_images": [3, 1]}, 2)  # fmt: skip
+    assert idefics.slices["pixel_values"] == idefics.slices["pixel_attention_mask"] == [(0, 1), (1, 2)]
+    tiles = {"pixel_values": torch.zeros(5, 4), "pixel_attention_mask": torch.zeros(5, 4),
+             "spatial_shapes": torch.zeros(5, 2), "num_images": [1, 1], "num_tiles": [2, 3]}  # fmt: skip
+    assert set(row_slices(tiles, 2).slices) == {"pixel_values", "pixel_attention_mask", "spatial_shapes"}
+    assert row_slices(tiles, 2).slices["spatial_shapes"] == [(0, 2), (2, 5)]
+    assert row_slices({"mm_token_type_ids": torch.zeros(2, 4)}, 2).slices == {}
+
+
+def test_vision_inputs_of_no_known_layout_name_the_reason_the_forward_runs_padded():
+    from unpack_trainer.trainers.image_prompts import row_slices
+
+    grid = torch.tensor([[1, 2, 2]])
+    assert "without num_images" in row_slices({"pixel_values": torch.zeros(4, 5), "image_grid_thw": grid}, 1)
+    assert "video_grid_thw" in row_slices({"video_grid_thw": grid}, 1)
+    wrong = row_slices({"pixel_values": torch.zeros(3, 3, 4, 4), "num_images": [1, 1]}, 2)
+    assert "does not hold [1, 1] entries" in wrong
 
 
 def test_images_tell_groups_apart():
     """Rows with equal prompt token ids but different images are different groups; rows whose images are equal
     share one prompt segment (and one encoding of the image)."""
-    from unpack_trainer.trainers.image_prompts import image_keys, row_images
+    from unpack_trainer.trainers.image_prompts import image_keys, row_slices
 
-    pixel_values = torch.randn(4 * 4, 5)
-    pixel_values[8:12] = pixel_values[0:4]  # rows 0 and 2: the same image
-    rows = row_images(torch.tensor([[1, 2, 2]] * 4), [1, 1, 1, 1])
-    assert rows.pixels == [(0, 4), (4, 8), (8, 12), (12, 16)]
-    keys = image_keys(pixel_values, rows, [(7, 8)] * 3 + [(9,)])
+    vision = {"pixel_values": torch.randn(4 * 4, 5), "image_grid_thw": torch.tensor([[1, 2, 2]] * 4),
+              "num_images": [1, 1, 1, 1]}  # fmt: skip
+    vision["pixel_values"][8:12] = vision["pixel_values"][0:4]  # rows 0 and 2: the same image
+    slices = row_slices(vision, 4)
+    assert slices.slices["pixel_values"] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    keys = image_keys(vision, slices, [(7, 8)] * 3 + [(9,)])
     assert keys[0] == keys[2] and len({keys[0], keys[1], keys[3]}) == 3
-
-
-def test_another_familys_vision_inputs_name_the_reason_the_forward_runs_padded():
-    from unpack_trainer.trainers.image_prompts import image_inputs_problem
-
-    pixels, grid = torch.zeros(4, 5), torch.tensor([[1, 2, 2]])
-    assert image_inputs_problem({"pixel_values": pixels, "image_grid_thw": grid, "num_images": [1]}) is None
-    assert "pixel_attention_mask" in image_inputs_problem({"pixel_values": pixels, "pixel_attention_mask": pixels})
-    assert "token_type_ids" in image_inputs_problem({"token_type_ids": torch.zeros(1, 3, dtype=torch.int64)})
-    assert "without image_grid_thw" in image_inputs_problem({"pixel_values": pixels, "num_images": [1]})

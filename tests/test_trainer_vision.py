@@ -213,28 +213,6 @@ def test_evaluation_on_images_matches_stock(tmp_path):
     assert ours.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_trainers_that_do_not_pack_images_keep_them_padded(tmp_path):
-    """GRPO and RLOO share image prompts for the Qwen2-VL family only (``tests/test_grpo_trainer_vision.py``): another
-    vision-language model (here Gemma 3) keeps TRL's padded path, the decision naming the trainer and why; the same
-    set-up packs under SFT and DPO (``tests/test_dpo_trainer_vision.py``)."""
-    from unpack_trainer import GRPOConfig, GRPOTrainer
-
-    dataset = Dataset.from_list([{"images": [_image(56, 56, i)], "prompt": "what?"} for i in range(4)])
-    trainer = GRPOTrainer(
-        model=tiny_vision_model("gemma3", attn_implementation="sdpa"),
-        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-        args=GRPOConfig(
-            output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, bf16=False,
-            per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
-        ),  # fmt: skip
-        train_dataset=dataset,
-        processing_class=tiny_processor("gemma3"),
-    )
-    assert trainer.unpack_decision.mode == "padded"
-    assert "GRPOTrainer shares image prompts" in trainer.unpack_decision.reason
-    assert "'gemma3' is not one" in trainer.unpack_decision.reason
-
-
 def test_a_streamed_image_dataset_is_flattened_per_batch(tmp_path, caplog):
     """``packing=True`` on an ``IterableDataset`` of images: no lengths ahead, so each batch becomes one packed row
     (logged once with the reason); training runs."""

@@ -10,11 +10,12 @@ prompt + completion)`` batch (left-padded prompts, right-padded completions) bec
 each distinct prompt appears once, followed by its completions as branches ([`pack_completions`]: the ``G``
 completions of a group wherever they sit in the batch, a partial group included), and TRL's fused LM head scores only
 the completion tokens ([`unpack_trainer.trainers.branched.install_compact_lm_head`]); the per-token log-probs and
-entropies come back in TRL's ``(rows, completion)`` layout, zero where TRL's are. On a vision-language model of the
-Qwen2-VL family (images laid out by ``image_grid_thw``, multi-axis positions) an image prompt is shared the same way:
-its images go to the vision tower once per group and every token keeps the positions the model's own
-``get_rope_index`` gives its full sequence ([`unpack_trainer.trainers.image_prompts`]). A batch with another family's
-vision inputs, or not in TRL's layout, runs as TRL runs it (logged once with the reason).
+entropies come back in TRL's ``(rows, completion)`` layout, zero where TRL's are. On a vision-language model an image
+prompt is shared the same way: each group's vision inputs go to the model once, in every layout TRL's forward cuts
+(Qwen2-VL's ``image_grid_thw``, one entry per image as LLaVA's and Gemma 3's, one per row as Idefics3's, tiles), and
+every token keeps the positions its full sequence has alone (a multi-axis text model's from its own
+``get_rope_index``) ([`unpack_trainer.trainers.image_prompts`]). A batch whose vision inputs are of no known layout,
+or not in TRL's layout, runs as TRL runs it (logged once with the reason).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
 from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY, TOKEN_INDEX_KEY, VIEW_INDEX_KEY
 from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions
-from unpack_trainer.trainers.image_prompts import image_inputs_problem, image_keys, pack_image_inputs, row_images
+from unpack_trainer.trainers.image_prompts import PER_TOKEN_INPUTS, image_keys, pack_image_inputs, row_slices
 
 __all__ = ["GRPOTrainer", "PackedCompletionsMixin"]
 
@@ -50,6 +51,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
     """
 
     unpack_packs_in = "step"
+    unpack_packs_vision = True  # image prompts: each group's images once (trainers.image_prompts)
     unpack_unshared = "each completion is packed after its own copy of its prompt"
 
     def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
@@ -63,23 +65,6 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
     def unpack_data_columns(cls, args: Any) -> tuple[tuple[str, ...], ...]:
         """``prompt``."""
         return (("prompt",),)
-
-    def _unpack_vision_reason(self, model_config: Any) -> str | None:
-        """Image prompts are shared for a vision-language model whose text model rotates by several position axes
-        (``mrope_section``: the Qwen2-VL family, images laid out by ``image_grid_thw``); any other keeps TRL's padded
-        batches, with this reason."""
-        if model_config is None or getattr(model_config, "vision_config", None) is None:
-            return None
-        text = model_config.get_text_config()
-        for name in ("rope_parameters", "rope_scaling"):
-            parameters = getattr(text, name, None)
-            if isinstance(parameters, dict) and parameters.get("mrope_section") is not None:
-                return None
-        return (
-            f"{self.unpack_name} shares image prompts for vision-language models whose images are laid out by "
-            f"image_grid_thw with multi-axis positions (the Qwen2-VL family); model type "
-            f"{getattr(model_config, 'model_type', None)!r} is not one"
-        )
 
     def _unpack_probe_branches(self) -> int:
         return int(self.num_generations)
@@ -158,13 +143,6 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         if not self.unpack_decision.packed:
             return stock()
         vision = {name: value for name, value in kwargs.items() if value is not None}
-        positions = None
-        if vision:
-            positions = self._unpack_sequence_positions(model, vision)
-            if isinstance(positions, str):
-                log_once(logger, logging.WARNING, f"{self.unpack_name}: a forward ran TRL's padded batch: {positions}")
-                self._unpack_count_forward("padded")
-                return stock()
         batch_size = batch_size or input_ids.size(0)
         ids, mask = input_ids.detach().cpu(), attention_mask.detach().cpu()  # one copy to the host per forward
         chunks = self._unpack_chunks(ids, mask, logits_to_keep, batch_size, fixed=compute_aux_loss)
@@ -174,6 +152,13 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
             return stock()
         sharing = self._unpack_sharing()
         images = _ImageInputs(vision, ids, mask, logits_to_keep, sharing) if vision else None
+        if images is not None and images.problem is not None:
+            log_once(
+                logger, logging.WARNING, f"{self.unpack_name}: a forward ran TRL's padded batch: {images.problem}"
+            )
+            self._unpack_count_forward("padded")
+            return stock()
+        positions = self._unpack_sequence_positions(model) if images is not None else None
         packed = []
         for start, end in chunks:
             batch = pack_completions(
@@ -210,61 +195,54 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         aux_loss = torch.stack(all_aux_losses).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
 
-    def _unpack_sequence_positions(self, model: Any, vision: dict[str, Any]) -> Any:
-        """The model's :class:`~unpack_trainer.models.vision.SequencePositions` for a forward with the vision inputs
-        ``vision``, or why the forward runs TRL's padded batch (a string)."""
+    def _unpack_sequence_positions(self, model: Any) -> Any:
+        """The model's :class:`~unpack_trainer.models.vision.SequencePositions` (``None`` for a text model of 1-D
+        positions), cached per model."""
         from unpack_trainer.models.vision import sequence_positions_of
 
-        problem = image_inputs_problem(vision)
-        if problem is not None:
-            return problem
         unwrapped = self.accelerator.unwrap_model(model)
         cache = self.__dict__.setdefault("_unpack_positions", weakref.WeakKeyDictionary())
         if unwrapped not in cache:
             cache[unwrapped] = sequence_positions_of(unwrapped)
-        positions = cache[unwrapped]
-        if positions is None:
-            return f"{type(unwrapped).__name__} takes no multi-axis positions to number its image prompts with"
-        return positions
+        return cache[unwrapped]
 
 
 class _ImageInputs:
     """TRL's vision inputs of one log-prob forward (``(R, L)`` rows), laid out per packed chunk
-    ([`unpack_trainer.trainers.image_prompts`])."""
+    ([`unpack_trainer.trainers.image_prompts`]); ``problem`` says why they cannot be (then TRL's batch runs)."""
 
     def __init__(self, vision: dict[str, Any], ids: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,
                  sharing: bool) -> None:  # fmt: skip
-        self.pixel_values = vision.get("pixel_values")
-        grid = vision.get("image_grid_thw")
-        self.grid = None if grid is None else grid.detach().cpu()
-        types = vision.get("mm_token_type_ids")
-        self.types = None if types is None else types.detach().cpu()
-        rows = ids.shape[0]
-        counts = vision.get("num_images") or [0] * rows
-        self.rows = row_images(self.grid if self.grid is not None else torch.zeros(0, 3, dtype=torch.int64), counts)
+        self.per_token = {
+            name: vision[name].detach().cpu() for name in PER_TOKEN_INPUTS if vision.get(name) is not None
+        }
+        self.vision = {name: value for name, value in vision.items() if name not in self.per_token}
+        if self.vision.get("image_grid_thw") is not None:  # read on the host (sizes, get_rope_index)
+            self.vision["image_grid_thw"] = self.vision["image_grid_thw"].detach().cpu()
+        slices = row_slices(self.vision, ids.shape[0])
+        self.problem = slices if isinstance(slices, str) else None
+        self.slices = None if isinstance(slices, str) else slices
         self.ids, self.mask, self.logits_to_keep = ids, mask, logits_to_keep
         self.keys = None
-        if sharing and self.pixel_values is not None:
+        if sharing and self.slices is not None and self.slices.slices:
             num_prompt = ids.shape[1] - logits_to_keep
             lengths = mask[:, :num_prompt].sum(1).tolist()
             prompts = [tuple(row[num_prompt - n : num_prompt]) for row, n in zip(ids.tolist(), lengths)]
-            self.keys = image_keys(self.pixel_values, self.rows, prompts)
+            self.keys = image_keys(self.vision, self.slices, prompts)
 
     def packed(self, batch: dict[str, torch.Tensor], start: int, end: int, positions: Any,
                device: torch.device) -> dict[str, torch.Tensor]:  # fmt: skip
         """``batch`` (rows ``start:end``, on the CPU) with its vision inputs, what the model reads on ``device``."""
-        chunk_rows = type(self.rows)(
-            self.rows.images[start:end], self.rows.pixels[start:end], self.rows.grids[start:end]
-        )
         batch.update(
             pack_image_inputs(
-                batch, self.ids[start:end], self.mask[start:end], self.logits_to_keep, rows=chunk_rows,
-                pixel_values=self.pixel_values, image_grid_thw=self.grid,
-                mm_token_type_ids=None if self.types is None else self.types[start:end], positions=positions,
+                batch, self.ids[start:end], self.mask[start:end], self.logits_to_keep, vision=self.vision,
+                slices=self.slices.rows(start, end),
+                per_token={name: value[start:end] for name, value in self.per_token.items()}, positions=positions,
             )
         )  # fmt: skip
-        for name in ("input_ids", "labels", VIEW_INDEX_KEY, TOKEN_INDEX_KEY, MULTIMODAL_POSITIONS_KEY,
-                     "mm_token_type_ids", "image_grid_thw"):  # fmt: skip
+        model_inputs = ("input_ids", "labels", VIEW_INDEX_KEY, TOKEN_INDEX_KEY, MULTIMODAL_POSITIONS_KEY,
+                        *self.per_token, *self.slices.slices)  # fmt: skip
+        for name in model_inputs:
             if name in batch:
                 batch[name] = batch[name].to(device, non_blocking=True)
         return batch
