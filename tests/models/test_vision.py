@@ -44,7 +44,9 @@ HEAD_DIMS = {"flex": dict(hidden_size=64, head_dim=16)}
 
 def _segments(model_type: str) -> list[list]:
     """Three samples: text around an image, text only, two images of other sizes (where the family's are free)."""
-    wide = (56, 84) if model_type in QWEN else (56, 112) if model_type == "mistral3" else (56, 56)
+    if model_type == "gemma4":  # images of multiples of 48 pixels: 2, 4 and 1 tokens
+        return [[3, (48, 96), 4], [5], [2, (96, 96), 6, (48, 48), 2]]
+    wide = {"mistral3": (56, 112), "llava_next": (28, 56)}.get(model_type, (56, 84) if model_type in QWEN else (56, 56))
     return [[3, (56, 56), 4], [5], [2, wide, 6, (56, 56), 2]]
 
 
@@ -240,15 +242,40 @@ def test_packed_logits_and_gradients_match(model_type, backend):
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager", "flex"], indirect=True)
-def test_gemma3_image_blocks_with_a_sliding_window(backend):
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4"])
+def test_image_blocks_with_a_sliding_window(model_type, backend):
     """A sliding window shorter than the samples and the images: an image's tokens still see each other both ways
-    within the window, as Gemma 3 alone does."""
-    model = patch_model(_model("gemma3", sliding_window=4, **HEAD_DIMS.get(backend[0], {})))
-    samples = _samples(model, "gemma3")
+    within the window, as Gemma 3 and Gemma 4 alone do."""
+    model = patch_model(_model(model_type, sliding_window=3, **HEAD_DIMS.get(backend[0], {})))
+    samples = _samples(model, model_type)
     batch = _packed(samples)
     _assert_matches_alone(model, samples, batch)
     if backend[0] != "flex":
         _assert_grads_match_padded(model, samples, batch)
+
+
+def test_gemma4_image_blocks_follow_its_switch_and_layer_types():
+    """Gemma 4's image tokens attend both ways where its text config's ``use_bidirectional_attention`` is
+    ``"vision"``, on its sliding-window layers only (read from its own mask builder): the fix marks its full-attention
+    layers causal; with ``None`` (its smaller models) no image-blocks fix is installed, and both pack exactly."""
+    from unpack_trainer.models.state import attention_state, decoder_state
+    from unpack_trainer.models.vision import image_block_layer_types
+
+    model = patch_model(_model("gemma4"))
+    assert image_block_layer_types(find_vision_language(model).module) == {"sliding_attention"}
+    text = model.model.language_model
+    assert "image_blocks" in decoder_state(text).fixes
+    marked = {layer.self_attn.layer_type: attention_state(layer.self_attn).image_blocks for layer in text.layers}
+    assert marked == {"sliding_attention": True, "full_attention": False}
+    unpatch_model(model)
+    assert all(attention_state(layer.self_attn) is None for layer in text.layers)
+    model = patch_model(_model("gemma4", use_bidirectional_attention=None))
+    assert find_vision_language(model).image_blocks is None
+    assert "image_blocks" not in decoder_state(model.model.language_model).fixes
+    samples = _samples(model, "gemma4")
+    batch = _packed(samples)
+    _assert_matches_alone(model, samples, batch)
+    _assert_grads_match_padded(model, samples, batch)
 
 
 def test_image_blocks_hand_over_from_a_varlen_kernel_or_refuse_it(monkeypatch, caplog, stand_in_kernel):
@@ -430,11 +457,12 @@ def test_an_unknown_bidirectional_rule_is_refused(monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3", "gemma4"])
 def test_selfcheck_probes_image_rows(model_type, monkeypatch):
     """Unpatched, Qwen2.5-VL's packed image rows are contaminated (its multimodal RoPE runs over the row) and the
-    self-check says so; patched it passes; Gemma 3 patched with its image blocks dropped fails it. Read-only
-    throughout. (Unpatched Gemma 3 may pass: transformers' own dense packed mask can express its image blocks.)"""
+    self-check says so; patched it passes; Gemma 3 and Gemma 4 patched with their image blocks dropped fail it.
+    Read-only throughout. (Unpatched Gemma 3 may pass: transformers' own dense packed mask can express its image
+    blocks.)"""
     from unpack_trainer.models.fixes import image_blocks
     from unpack_trainer.models.selfcheck import check_uncontaminated
 
@@ -446,7 +474,7 @@ def test_selfcheck_probes_image_rows(model_type, monkeypatch):
     patch_model(model)
     report = check_uncontaminated(model)
     assert report.ok, report.summary()
-    if model_type == "gemma3":
+    if model_type in ("gemma3", "gemma4"):
         monkeypatch.setattr(image_blocks, "image_block_spans", lambda *args: None)
         assert not check_uncontaminated(model).ok
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
