@@ -46,7 +46,9 @@ def _segments(model_type: str) -> list[list]:
     """Three samples: text around an image, text only, two images of other sizes (where the family's are free)."""
     if model_type == "gemma4":  # images of multiples of 48 pixels: 2, 4 and 1 tokens
         return [[3, (48, 96), 4], [5], [2, (96, 96), 6, (48, 48), 2]]
-    wide = {"mistral3": (56, 112), "llava_next": (28, 56)}.get(model_type, (56, 84) if model_type in QWEN else (56, 56))
+    wide = {"mistral3": (56, 112), "llava_next": (28, 56)}.get(
+        model_type, (56, 84) if model_type in QWEN else (56, 56)
+    )
     return [[3, (56, 56), 4], [5], [2, wide, 6, (56, 56), 2]]
 
 
