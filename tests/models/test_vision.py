@@ -23,8 +23,10 @@ from unpack_trainer.data.vision import pack_processed
 from unpack_trainer.models import PatchRefused, patch_model, unpatch_model
 from unpack_trainer.models.tiny import loss_and_grads
 from unpack_trainer.models.tiny_vision import (
+    STOCK_SPREAD,
     VISION_FAMILIES,
     family_unavailable_reason,
+    grads_one_by_one,
     processed_batch,
     tiny_vision_model,
     vision_sample,
@@ -35,7 +37,7 @@ from unpack_trainer.patches import attention
 
 REL = 1e-5
 ZERO = 1e-8  # gradients that are zero in exact arithmetic come out as rounding noise
-QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 FAMILIES = list(VISION_FAMILIES)
 BACKENDS = ["sdpa", "eager", "flex", "flash", "torch_varlen"]
 # flex's kernel takes head dims of 16 or more (the tiny text models' are 8; Qwen2-VL's follow the hidden size)
@@ -88,15 +90,24 @@ def _assert_matches_alone(model, samples, batch) -> None:
 
 
 def _assert_grads_match_padded(model, samples, batch) -> None:
+    """Packed loss and every gradient == the padded batch's: within ``REL`` of the tensor's largest entry, or, for a
+    gradient that cancels to a small value (a gated-delta-net layer's ``A_log``), no further from the padded batch's
+    than twice the stock path's own other summation of it (each sample alone, :func:`grads_one_by_one`)."""
     model.train()
     padded_loss, padded_grads = loss_and_grads(model, processed_batch(samples), skip_unused=True)
     packed_loss, packed_grads = loss_and_grads(model, batch, skip_unused=True)
-    model.eval()
     _close(packed_loss, padded_loss, "loss")
     assert packed_grads.keys() == padded_grads.keys()
     assert any(name.startswith(("model.visual", "model.vision")) for name in packed_grads)
+    one_by_one = None
     for name, grad in padded_grads.items():
-        _close(packed_grads[name], grad, f"grad of {name}")
+        try:
+            _close(packed_grads[name], grad, f"grad of {name}")
+        except AssertionError:
+            one_by_one = one_by_one or grads_one_by_one(model, samples, skip_unused=True)
+            stock = STOCK_SPREAD * (one_by_one[name] - grad).abs().max()
+            assert (packed_grads[name] - grad).abs().max() <= stock, f"grad of {name}: beyond {stock:.3e}"
+    model.eval()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -183,7 +194,8 @@ def test_patch_leaves_unpacked_forwards_stock(model_type):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_the_vision_tower_never_sees_the_packing(model_type, monkeypatch):
     """On a packed batch the vision tower's attention gets none of the packing keys and runs stock: the image
-    features equal the unpatched model's."""
+    features equal the unpatched model's of the same images (its forward without the packing keys, which stock
+    transformers also hands its text model: Qwen3.5's gated delta rule refuses them without flash-linear-attention)."""
     model = _model(model_type)
     samples = _samples(model, model_type)
     batch = _packed(samples)
@@ -203,7 +215,7 @@ def test_the_vision_tower_never_sees_the_packing(model_type, monkeypatch):
     features: list[torch.Tensor] = []
     capture = [child.register_forward_hook(lambda m, a, out: features.append(_first_tensor(out))) for child in tower]
     with torch.no_grad():
-        model(**batch)
+        model(**{key: value for key, value in batch.items() if key not in METADATA_KEYS})
         stock_calls = len(seen)
         patch_model(model)
         model(**batch)

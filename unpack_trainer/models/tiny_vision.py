@@ -28,9 +28,11 @@ from unpack_trainer.models.tiny import TINY_SIZES, _quiet
 
 __all__ = [
     "FIRST_TEXT_ID",
+    "STOCK_SPREAD",
     "IMAGE_TOKENS",
     "VISION_FAMILIES",
     "family_unavailable_reason",
+    "grads_one_by_one",
     "image_size",
     "processed_batch",
     "tiny_processor",
@@ -69,6 +71,8 @@ VISION_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "qwen2_5_vl_text",
     "qwen3_vl": "qwen3_vl_text",
     "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
     "gemma3": "gemma3_text",
     "gemma4": "gemma4_text",
     "idefics3": "llama",
@@ -164,6 +168,25 @@ def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
             vision.update(out_hidden_size=width, num_position_embeddings=64, deepstack_visual_indexes=[1])
         if model_type == "qwen3_vl_moe":
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+        return cls(text_config=text, vision_config=vision, **_QWEN_IDS)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        # a gated-delta-net (linear attention) layer, then a full one; multimodal RoPE over the whole head dim
+        text["rope_parameters"] = dict(_mrope(text["head_dim"]), mrope_interleaved=True, partial_rotary_factor=1.0)
+        text.update(
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+        if model_type == "qwen3_5_moe":
+            del text["intermediate_size"]
+            text.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+            )
+        vision = dict(_QWEN_VISION, spatial_merge_size=2, out_hidden_size=text["hidden_size"])
+        vision.update(num_position_embeddings=64)
         return cls(text_config=text, vision_config=vision, **_QWEN_IDS)
     if model_type == "gemma3":
         text.update(sliding_window=text_overrides.get("sliding_window", 512), query_pre_attn_scalar=8)
@@ -514,6 +537,36 @@ def processed_batch(samples: Sequence[dict[str, Any]], *, pad_token_id: int = 0)
     return out
 
 
+# How far a packed gradient may be from the padded batch's where it is past 1e-5 of its largest entry (a gradient that
+# cancels to a small value): a multiple of the stock path's own distance, its gradient summed from each sample alone
+# (grads_one_by_one). A gated-delta-net layer's A_log gradient is within 1.4e-7 of the padded one in float64.
+STOCK_SPREAD = 2.0
+
+
+def grads_one_by_one(model: Any, samples: Sequence[dict[str, Any]], *, skip_unused: bool = False) -> dict[str, Any]:
+    """The gradient of :func:`processed_batch`'s loss (the token mean over all samples) of every trainable parameter,
+    computed from each sample run alone, unpacked (its share ``n_i / N`` of the loss: its predicted tokens over all of
+    them): the stock path's own other summation of the same gradient, what the rounding of a gradient that cancels
+    to a small value (a gated-delta-net layer's ``A_log``) is measured against. The model's gradients are cleared
+    before and after; ``skip_unused`` as :func:`~unpack_trainer.models.tiny.loss_and_grads`."""
+    counts = [sample["input_ids"].shape[1] - 1 for sample in samples]  # each token predicts the next
+    total = sum(counts)
+    model.zero_grad(set_to_none=True)
+    for sample, count in zip(samples, counts):
+        if not count:
+            continue
+        labels = sample["input_ids"].clone()
+        labels[:, 0] = -100
+        (model(**sample, labels=labels).loss * (count / total)).backward()
+    grads = {
+        name: p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad and not (skip_unused and p.grad is None)
+    }
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Processors
 # --------------------------------------------------------------------------------------------------------------------
@@ -532,6 +585,8 @@ _IMAGE_MARKUP = {
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
     "gemma4": "<image_soft_token>",
     "idefics3": "<image>",
@@ -585,7 +640,7 @@ def tiny_processor(model_type: str) -> Any:
     template = _CHAT_TEMPLATE.replace("IMAGE_MARKUP", _IMAGE_MARKUP[model_type])
     tokenizer.chat_template = template
     with _quiet():
-        if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        if model_type.startswith("qwen"):
             return _qwen_processor(model_type, tokenizer, template)
         if model_type == "gemma3":
             from transformers import Gemma3Processor
@@ -648,6 +703,8 @@ def _qwen_processor(model_type: str, tokenizer: Any, template: str) -> Any:
         "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLProcessor"),
         "qwen3_vl": ("qwen3_vl", "Qwen3VLProcessor"),
         "qwen3_vl_moe": ("qwen3_vl", "Qwen3VLProcessor"),
+        "qwen3_5": ("qwen3_vl", "Qwen3VLProcessor"),  # transformers' processor of Qwen3.5 (dense and MoE)
+        "qwen3_5_moe": ("qwen3_vl", "Qwen3VLProcessor"),
     }
     package, name = names[model_type]
     base = getattr(importlib.import_module(f"transformers.models.{package}.processing_{package}"), name)
