@@ -21,7 +21,7 @@ Three model-family fixes (:mod:`unpack_trainer.models.fixes`) put a forward pre-
    collator's (``packed_multimodal_position_ids``, computed ahead on the CPU with :class:`SamplePositions`, so the
    forward needs no host sync); 3 rows where 4 are read, or 2-D positions other than the per-sample ``arange``, are
    refused with a ``ValueError``: each runs without an error and contaminates (measured 0.29-0.43 logit error);
-3. ``image_blocks`` (Gemma 3, :mod:`~unpack_trainer.models.fixes.image_blocks`): image tokens that attend to each other
+3. ``image_blocks`` (Gemma 3, Gemma 4, :mod:`~unpack_trainer.models.fixes.image_blocks`): image tokens that attend to each other
    both ways (``token_type_ids``): each sample's image spans from the model's own
    ``get_block_sequence_ids_for_mask``, cut at sample boundaries, on the
    :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA and eager apply
@@ -73,7 +73,7 @@ __all__ = [
     "without_image_blocks",
 ]
 
-# The keys of a multimodal batch that carry each token's modality (Qwen2-VL's, Gemma 3's).
+# The keys of a multimodal batch that carry each token's modality (Qwen2-VL's and Gemma 4's, Gemma 3's).
 MM_TOKEN_TYPES_KEY = "mm_token_type_ids"
 TOKEN_TYPES_KEY = "token_type_ids"
 # The arguments of ``get_rope_index`` besides the tokens, handed on from the batch where its signature has them.
@@ -239,7 +239,7 @@ def multi_axis_problem(structure: ModelStructure) -> str | None:
 
 def image_block_problem(structure: ModelStructure) -> str | None:
     """A vision-language model some of whose tokens attend both ways by a rule this module does not read (anything
-    but Gemma 3's ``get_block_sequence_ids_for_mask``)."""
+    but Gemma 3's and Gemma 4's ``get_block_sequence_ids_for_mask``)."""
     module = _multimodal_module(structure)
     if module is None or _image_block_function(module) is not None:
         return None
@@ -248,7 +248,7 @@ def image_block_problem(structure: ModelStructure) -> str | None:
         return None
     return (
         f"{type(module).__name__} lets some tokens attend both ways by a rule this package does not read ({rule}); "
-        "only Gemma 3's get_block_sequence_ids_for_mask is applied per sample"
+        "only get_block_sequence_ids_for_mask (Gemma 3's, Gemma 4's) is applied per sample"
     )
 
 
@@ -269,7 +269,8 @@ def vision_problem(model: torch.nn.Module, structure: ModelStructure | None = No
 
 
 def has_image_blocks(model: torch.nn.Module) -> bool:
-    """Whether some tokens of ``model`` (a vision-language model's image tokens, Gemma 3) attend to each other both
+    """Whether some tokens of ``model`` (a vision-language model's image tokens: Gemma 3, Gemma 4 where its config
+    switches them on) attend to each other both
     ways on packed rows (an attention feature the varlen kernels cannot apply). Works on the ``meta`` device."""
     from unpack_trainer.models.discovery import discover
 
