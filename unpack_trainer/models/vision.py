@@ -21,11 +21,11 @@ Three model-family fixes (:mod:`unpack_trainer.models.fixes`) put a forward pre-
    collator's (``packed_multimodal_position_ids``, computed ahead on the CPU with :class:`SamplePositions`, so the
    forward needs no host sync); 3 rows where 4 are read, or 2-D positions other than the per-sample ``arange``, are
    refused with a ``ValueError``: each runs without an error and contaminates (measured 0.29-0.43 logit error);
-3. ``image_blocks`` (Gemma 3, Gemma 4, :mod:`~unpack_trainer.models.fixes.image_blocks`): image tokens that attend to each other
-   both ways (``token_type_ids``): each sample's image spans from the model's own
-   ``get_block_sequence_ids_for_mask``, cut at sample boundaries, on the
-   :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA and eager apply
-   them; the varlen kernels cannot and refuse (:mod:`unpack_trainer.patches.attention`).
+3. ``image_blocks`` (Gemma 3, Gemma 4, :mod:`~unpack_trainer.models.fixes.image_blocks`): image tokens that attend
+   to each other both ways (``token_type_ids``, Gemma 4's ``mm_token_type_ids``; Gemma 4's on its sliding-window
+   layers only): each sample's image spans from the model's own ``get_block_sequence_ids_for_mask``, cut at sample
+   boundaries, on the :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA
+   and eager apply them; the varlen kernels cannot and refuse (:mod:`unpack_trainer.patches.attention`).
 
 Nothing else changes: an unpacked forward (a padded batch, generation) runs exactly as stock. What cannot be made
 exact is refused before any forward (:func:`vision_problem`, read by :mod:`unpack_trainer.models.refusals`): a
@@ -58,9 +58,9 @@ __all__ = [
     "decoders_problem",
     "find_vision_language",
     "has_image_blocks",
-    "image_block_problem",
     "image_block_key",
     "image_block_layer_types",
+    "image_block_problem",
     "image_block_spans",
     "is_vision_language",
     "multi_axis_problem",
