@@ -96,11 +96,11 @@ def test_a_vision_language_model_shows_its_path(capsys):
 def test_an_unverified_vision_language_model_trains_padded(capsys):
     """A vision-language model type the coverage check has not verified patches, but the trainer keeps it padded
     (the decision blocks it): the report says so, not that it packs after the self-check."""
-    assert main(["env", "--model", "llava_next"]) == 0
+    assert main(["env", "--model", "llava_onevision"]) == 0
     out = capsys.readouterr().out
     assert "- verified by the coverage check" in out and ": no (it trains padded)" in out
     assert "- trainer: trains padded: its vision-language model type is not verified" in out
-    assert "- module: LlavaNextModel" in out and "- model-family fixes: vision_language" in out
+    assert "- module: LlavaOnevisionModel" in out and "- model-family fixes: vision_language" in out
 
 
 def test_a_text_model_lists_its_fixes(capsys):

@@ -17,12 +17,12 @@ TRL's ``tests/test_dpo_trainer.py`` and ``tests/test_sft_trainer.py`` load tiny 
   preference set (:func:`unpack_trainer.data.default_preference_data.load_default_preference_dataset`); ``streaming=True``
   gives the iterable version.
 
-- **vision-language models** (:data:`VISION_STANDINS`: Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Idefics3,
-  SmolVLM): the family's tiny model of :mod:`unpack_trainer.models.tiny_vision` (its own character tokenizer with the
-  family's image tokens), and for the processor or tokenizer of that id (or of its folder) the family's tiny
-  processor, built locally (the Qwen ones without the video processor, which needs torchvision); Gemma 4,
-  LLaVA-NeXT and Qwen3.5 (dense and MoE), families ``tiny_vision`` does not build (none is verified for packing),
-  the same way here (:func:`extra_vision_model`, :func:`extra_vision_processor`);
+- **vision-language models** (:data:`VISION_STANDINS`: Gemma 3, Gemma 4, LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL,
+  Qwen3-VL, Qwen3.5 (dense and MoE), Idefics3, SmolVLM): the family's tiny model of
+  :mod:`unpack_trainer.models.tiny_vision` (its own character tokenizer with the family's image tokens), and for the
+  processor or tokenizer of that id (or of its folder) the family's tiny processor, built locally (the Qwen ones
+  without the video processor and Gemma 4's without its audio feature extractor and video processor, which need
+  torchvision);
 - **image data**: the ``zen-image`` language-modeling, prompt-completion, prompt-only and preference configs and
   ``zen-multi-image``'s prompt-completion config, drawn shapes with captions (:mod:`unpack_trainer.data.default_vision_data`; one image
   per example, or none to two), 17 / 3 rows.
@@ -107,7 +107,6 @@ VISION_STANDINS: dict[str, str] = {
     "trl-internal-testing/tiny-Qwen3VLForConditionalGeneration": "qwen3_vl",
     "trl-internal-testing/tiny-Idefics3ForConditionalGeneration": "idefics3",
     "trl-internal-testing/tiny-SmolVLMForConditionalGeneration": "smolvlm",
-    # families outside unpack_trainer.models.tiny_vision (not verified for packing): built here, see _EXTRA_VISION
     "trl-internal-testing/tiny-Gemma4ForConditionalGeneration": "gemma4",
     "trl-internal-testing/tiny-LlavaNextForConditionalGeneration": "llava_next",
     "trl-internal-testing/tiny-Qwen3_5ForConditionalGeneration-NoThink": "qwen3_5",
@@ -136,8 +135,7 @@ def _standin_path(model_id: str) -> str:
     if model_id in VISION_STANDINS:
         from unpack_trainer.models.tiny_vision import tiny_vision_model
 
-        family = VISION_STANDINS[model_id]
-        model = extra_vision_model(family) if family in _EXTRA_VISION else tiny_vision_model(family)
+        model = tiny_vision_model(VISION_STANDINS[model_id])
         staging = Path(tempfile.mkdtemp(dir=_folder))
         model.save_pretrained(staging)
         staging.rename(target)
@@ -185,7 +183,7 @@ def _redirect(original):
         if family is not None and _is_processing(cls):
             from unpack_trainer.models.tiny_vision import tiny_processor
 
-            processor = extra_vision_processor(family) if family in _EXTRA_VISION else tiny_processor(family)
+            processor = tiny_processor(family)
             return processor.tokenizer if _is_tokenizer(cls) else processor
         if isinstance(name, str) and name in VISION_STANDINS:
             pretrained_model_name_or_path = _standin_path(name)
@@ -211,184 +209,6 @@ def _is_tokenizer(cls: type) -> bool:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     return cls is transformers.AutoTokenizer or issubclass(cls, PreTrainedTokenizerBase)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Vision-language families the hub's tests load that unpack_trainer.models.tiny_vision does not build (none of them is
-# in unpack_trainer.models.verified.VERIFIED_VISION_MODEL_TYPES, so our SFTTrainer trains them padded, and says why).
-# Built here as tiny_vision builds its families: its text sizes, character tokenizer, image token ids and chat template,
-# a vision tower of hidden size 32, the family's PIL image processor; no torchvision (no video processor).
-# --------------------------------------------------------------------------------------------------------------------
-
-# family -> its image markup in the chat template (the processor expands it to the image's tokens)
-_EXTRA_VISION: dict[str, str] = {
-    "gemma4": "<image_soft_token>",
-    "llava_next": "<image>",
-    "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
-    "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
-}
-# the Gemma 4 image processor's smallest budget: an image is resized to at most 70 tokens (3 x 3 patches each)
-GEMMA4_SOFT_TOKENS = 70
-
-
-def extra_vision_config(family: str) -> Any:
-    """A tiny config of ``family`` (a key of :data:`_EXTRA_VISION`), sized as ``tiny_vision``'s.
-
-    - ``gemma4``: 2 text layers (sliding, full) of head dim 8 (the full layer's too), per-layer inputs of 8 over the
-      tiny vocabulary; the vision tower 2 layers, patches of 16 pixels pooled 3 x 3; no audio tower.
-    - ``llava_next``: LLaVA's tiny CLIP tower (28-pixel images, 2 x 2 patches + CLS) and a Llama text model, images
-      tiled on the grid pinpoints 28 / 56 pixels a side (the base image and up to 4 tiles).
-    - ``qwen3_5`` / ``qwen3_5_moe``: 2 text layers, a gated-delta-net (linear attention) layer then a full one,
-      multimodal RoPE over the whole head dim of 8; the MoE one 4 experts (2 per token) and a shared expert; Qwen3-VL's
-      tiny vision tower (patches of 14 pixels, merge 2).
-    """
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from unpack_trainer.models.tiny_vision import _ID, _QWEN_IDS, _TEXT, _VISION, LLAVA_IMAGE_SIZE, PATCH, _mrope
-
-    if family not in _EXTRA_VISION:
-        raise ValueError(f"no tiny {family!r} here ({', '.join(_EXTRA_VISION)})")
-    if family not in CONFIG_MAPPING:
-        raise ValueError(f"this transformers has no model type {family!r}")
-    cls = CONFIG_MAPPING[family]
-    text = dict(_TEXT)
-    if family == "gemma4":
-        text.update(
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=512,
-            global_head_dim=text["head_dim"],
-            hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=text["vocab_size"],
-        )
-        vision = dict(_VISION, num_key_value_heads=4, head_dim=8, patch_size=16, pooling_kernel_size=3)
-        vision.update(position_embedding_size=128)  # the patch grid's longest side (33 for an image of 1 x 2)
-        return cls(
-            text_config=text,
-            vision_config=vision,
-            audio_config=None,
-            boi_token_id=_ID["<start_of_image>"],
-            eoi_token_id=_ID["<end_of_image>"],
-            image_token_id=_ID["<image_soft_token>"],
-            video_token_id=_ID["<|video_pad|>"],
-        )
-    if family == "llava_next":
-        vision = dict(_VISION, model_type="clip_vision_model", image_size=LLAVA_IMAGE_SIZE, projection_dim=32)
-        return cls(
-            text_config=dict(text, model_type="llama"),
-            vision_config=vision,
-            image_token_index=_ID["<image>"],
-            image_grid_pinpoints=_llava_next_pinpoints(),
-            image_seq_length=(LLAVA_IMAGE_SIZE // PATCH) ** 2,
-        )  # vision_feature_layer -2 (the default, as LLaVA's): the tower's last layer gets no gradient
-    text.update(
-        rope_parameters=dict(_mrope(text["head_dim"]), mrope_interleaved=True, partial_rotary_factor=1.0),
-        layer_types=["linear_attention", "full_attention"],
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-    )
-    if family == "qwen3_5_moe":
-        del text["intermediate_size"]
-        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    vision = dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH, temporal_patch_size=2,
-        spatial_merge_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=64,
-    )  # fmt: skip
-    return cls(text_config=text, vision_config=vision, **_QWEN_IDS)
-
-
-def _llava_next_pinpoints() -> list[list[int]]:
-    from unpack_trainer.models.tiny_vision import LLAVA_IMAGE_SIZE
-
-    side = LLAVA_IMAGE_SIZE
-    return [[side, side], [side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
-
-
-def extra_vision_model(family: str, *, seed: int = 0) -> Any:
-    """The ``*ForConditionalGeneration`` model of :func:`extra_vision_config`, random weights (``seed``), fp32."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from unpack_trainer.models.tiny import _quiet
-
-    config = extra_vision_config(family)
-    torch.manual_seed(seed)
-    with _quiet():
-        return AutoModelForImageTextToText.from_config(config)
-
-
-def extra_vision_processor(family: str) -> Any:
-    """The processor of ``family`` for :func:`extra_vision_model`, built locally: ``tiny_vision``'s character tokenizer
-    and chat template (the family's image markup), the family's PIL image processor.
-
-    - ``gemma4``: Gemma 4's processor without its audio feature extractor and video processor (a subclass taking the
-      image processor and the tokenizer; the video processor needs torchvision); images resized to at most
-      :data:`GEMMA4_SOFT_TOKENS` tokens, aspect ratio kept.
-    - ``llava_next``: LLaVA-NeXT's processor, images tiled on the model's grid pinpoints.
-    - ``qwen3_5`` / ``qwen3_5_moe``: Qwen3-VL's processor (transformers' processor of both), as ``tiny_vision``'s
-      Qwen3-VL one (no video processor; images 56 to 112 pixels a side).
-    """
-    from unpack_trainer.models.tiny import _quiet
-    from unpack_trainer.models.tiny_vision import (
-        _CHAT_TEMPLATE,
-        LLAVA_IMAGE_SIZE,
-        PATCH,
-        _qwen_processor,
-        vision_tokenizer,
-    )
-
-    if family not in _EXTRA_VISION:
-        raise ValueError(f"no tiny {family!r} processor here ({', '.join(_EXTRA_VISION)})")
-    tokenizer = vision_tokenizer()
-    template = _CHAT_TEMPLATE.replace("IMAGE_MARKUP", _EXTRA_VISION[family])
-    tokenizer.chat_template = template
-    with _quiet():
-        if family in ("qwen3_5", "qwen3_5_moe"):
-            return _qwen_processor("qwen3_vl", tokenizer, template)
-        if family == "llava_next":
-            from transformers import LlavaNextProcessor
-            from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
-
-            side = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
-            pinpoints = _llava_next_pinpoints()
-            images = LlavaNextImageProcessorPil(size=side, crop_size=side, image_grid_pinpoints=pinpoints)
-            return LlavaNextProcessor(
-                images, tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
-                num_additional_image_tokens=1, chat_template=template,
-            )  # fmt: skip
-        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-        images = Gemma4ImageProcessorPil(max_soft_tokens=GEMMA4_SOFT_TOKENS, patch_size=16, pooling_kernel_size=3)
-        return _gemma4_processor_class()(images, tokenizer, chat_template=template)
-
-
-def _gemma4_processor_class() -> type:
-    """``Gemma4Processor`` over an image processor and a tokenizer only (no audio, no video), the image markup of
-    ``tiny_vision``'s Gemma 3 tokens."""
-    from transformers import Gemma4Processor, ProcessorMixin
-
-    from unpack_trainer.models.tiny_vision import _ID
-
-    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **_: Any):
-        self.image_seq_length = GEMMA4_SOFT_TOKENS
-        self.boi_token, self.eoi_token, self.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-        self.image_token_id = _ID[self.image_token]
-        self.video_token, self.video_token_id = "<|video_pad|>", _ID["<|video_pad|>"]
-        self.audio_seq_length, self.audio_ms_per_token = 750, 40
-        self.audio_token = self.audio_token_id = None
-        # not tokens of the vocabulary: Gemma4Processor's input check requires them set, and no audio comes
-        self.boa_token, self.eoa_token = "<start_of_audio>", "<end_of_audio>"
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-    global _GEMMA4_PROCESSOR
-    if _GEMMA4_PROCESSOR is None:
-        _GEMMA4_PROCESSOR = type("Gemma4Processor", (Gemma4Processor,), {"__init__": __init__})
-    return _GEMMA4_PROCESSOR
-
-
-_GEMMA4_PROCESSOR: type | None = None
 
 
 def _image_split(path: str, config_name: str, split: str):

@@ -32,6 +32,7 @@ from unpack_trainer._compat import (
     skip_packed_sequence_detection,
 )
 from unpack_trainer.models.state import DecoderState, attention_state
+from unpack_trainer.models.vision import without_image_blocks
 from unpack_trainer.packed_seq_info import INFO_KEY, OWN_KEYS, SEQ_LENGTHS_KEY, PackedSeqInfo
 from unpack_trainer.patches.attention.dispatch import packed_attention_forward, packed_info_from_kwargs
 
@@ -223,8 +224,10 @@ def make_attention_function(
     ) -> tuple[Tensor, Any]:
         info = _routed_info(module, query, key, kwargs)
         if info is not None:
-            kwargs[INFO_KEY] = info
             state = attention_state(module)
+            if state is not None and not state.image_blocks:
+                info = without_image_blocks(info)
+            kwargs[INFO_KEY] = info
             if state is not None:
                 if kwargs.get("sliding_window") is None and state.sliding_window:
                     kwargs["sliding_window"] = state.sliding_window

@@ -102,12 +102,15 @@ class AttentionState:
         attention_chunk_size: the chunk size of a chunked-attention layer (llama4), or ``None``.
         query_correction: ``(module, query (B, H, T, D), info) -> query`` for a layer that scales its queries by
             positions along the row (llama4's temperature tuning), or ``None``.
+        image_blocks: whether the layer applies the batch's bidirectional spans (a vision-language model's image
+            blocks); ``False`` for a layer whose model keeps it causal (Gemma 4's full-attention layers).
     """
 
     decoder: DecoderState
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     query_correction: Callable[[torch.nn.Module, torch.Tensor, PackedSeqInfo], torch.Tensor] | None = None
+    image_blocks: bool = True
 
 
 def decoder_state(module: torch.nn.Module) -> DecoderState | None:

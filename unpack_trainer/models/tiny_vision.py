@@ -28,9 +28,11 @@ from unpack_trainer.models.tiny import TINY_SIZES, _quiet
 
 __all__ = [
     "FIRST_TEXT_ID",
+    "STOCK_SPREAD",
     "IMAGE_TOKENS",
     "VISION_FAMILIES",
     "family_unavailable_reason",
+    "grads_one_by_one",
     "image_size",
     "processed_batch",
     "tiny_processor",
@@ -69,10 +71,14 @@ VISION_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "qwen2_5_vl_text",
     "qwen3_vl": "qwen3_vl_text",
     "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
     "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
     "idefics3": "llama",
     "smolvlm": "llama",
     "llava": "llama",
+    "llava_next": "llama",
     "mistral3": "mistral",
 }
 
@@ -114,8 +120,14 @@ def _mrope(head_dim: int) -> dict[str, Any]:
 
 
 GEMMA3_IMAGE_SIZE = 56  # 4 x 4 patches, pooled to 4 tokens per image
+GEMMA4_PATCH = 16  # Gemma 4's patches (pixels), pooled 3 x 3 into one token: images of multiples of 48 pixels
+GEMMA4_POOLING = 3
+GEMMA4_SOFT_TOKENS = 70  # the Gemma 4 image processor's smallest budget: an image resized to at most 70 tokens
 IDEFICS3_IMAGE_SIZE = 56  # 4 x 4 patches, pixel shuffle by 2: 4 tokens per image
 LLAVA_IMAGE_SIZE = 28  # 2 x 2 patches + CLS: 4 tokens per image
+# LLaVA-NeXT's anyres tiles: an image is resized to the best of these (height, width) and cut into tiles of
+# LLAVA_IMAGE_SIZE, after a base tile of the whole image (2 to 5 tiles of 4 tokens; a newline token ends each row)
+LLAVA_NEXT_PINPOINTS = ((28, 28), (28, 56), (56, 28), (56, 56))
 
 
 def family_unavailable_reason(model_type: str) -> str | None:
@@ -157,6 +169,25 @@ def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
         if model_type == "qwen3_vl_moe":
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
         return cls(text_config=text, vision_config=vision, **_QWEN_IDS)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        # a gated-delta-net (linear attention) layer, then a full one; multimodal RoPE over the whole head dim
+        text["rope_parameters"] = dict(_mrope(text["head_dim"]), mrope_interleaved=True, partial_rotary_factor=1.0)
+        text.update(
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+        if model_type == "qwen3_5_moe":
+            del text["intermediate_size"]
+            text.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+            )
+        vision = dict(_QWEN_VISION, spatial_merge_size=2, out_hidden_size=text["hidden_size"])
+        vision.update(num_position_embeddings=64)
+        return cls(text_config=text, vision_config=vision, **_QWEN_IDS)
     if model_type == "gemma3":
         text.update(sliding_window=text_overrides.get("sliding_window", 512), query_pre_attn_scalar=8)
         text["layer_types"] = ["sliding_attention", "full_attention"]
@@ -169,6 +200,26 @@ def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
             eoi_token_index=_ID["<end_of_image>"],
             image_token_index=_ID["<image_soft_token>"],
         )
+    if model_type == "gemma4":
+        text.update(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=text_overrides.get("sliding_window", 512),
+            global_head_dim=text["head_dim"],
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=text["vocab_size"],
+        )
+        text.setdefault("use_bidirectional_attention", "vision")  # as Gemma 4's larger models (the small ones: None)
+        vision = dict(_VISION, num_key_value_heads=4, head_dim=8, patch_size=GEMMA4_PATCH)
+        vision.update(pooling_kernel_size=GEMMA4_POOLING, position_embedding_size=128)  # 128: the longest patch row
+        return cls(
+            text_config=text,
+            vision_config=vision,
+            audio_config=None,
+            boi_token_id=_ID["<start_of_image>"],
+            eoi_token_id=_ID["<end_of_image>"],
+            image_token_id=_ID["<image_soft_token>"],
+            video_token_id=_ID["<|video_pad|>"],
+        )
     if model_type in ("idefics3", "smolvlm"):
         vision = dict(_VISION, image_size=IDEFICS3_IMAGE_SIZE)
         return cls(text_config=text, vision_config=vision, scale_factor=2, image_token_id=_ID["<image>"])
@@ -180,6 +231,15 @@ def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
             image_token_index=_ID["<image>"],
             image_seq_length=(LLAVA_IMAGE_SIZE // PATCH) ** 2,
         )  # vision_feature_layer -2 (the default, as the hub's tiny LLaVA): the tower's last layer gets no gradient
+    if model_type == "llava_next":
+        vision = dict(_VISION, model_type="clip_vision_model", image_size=LLAVA_IMAGE_SIZE, projection_dim=32)
+        return cls(
+            text_config=dict(text, model_type="llama"),
+            vision_config=vision,
+            image_token_index=_ID["<image>"],
+            image_grid_pinpoints=[list(point) for point in LLAVA_NEXT_PINPOINTS],
+            image_seq_length=(LLAVA_IMAGE_SIZE // PATCH) ** 2,
+        )  # vision_feature_layer -2 (the default, as LLaVA-NeXT's): the tower's last layer gets no gradient
     if model_type == "mistral3":
         text.update(sliding_window=None)
         vision = dict(_VISION, model_type="pixtral", image_size=112, head_dim=8)
@@ -204,8 +264,9 @@ def tiny_vision_model(
 
 def image_size(model_type: str, config: Any) -> tuple[int, int] | None:
     """The size in pixels of the smallest image the family's model takes, ``(height, width)``: one merged token of
-    a Qwen2-VL-family model, 2 x 2 of a Mistral 3 model; the fixed size of the others (``vision_config.image_size``). ``None`` for a
-    model type that is not one of :data:`VISION_FAMILIES`."""
+    a Qwen2-VL-family model, 2 x 2 of a Mistral 3 model, two pooled tokens of a Gemma 4 model (whose image tokens may
+    attend to each other), one tile of a LLaVA-NeXT model (its base tile and one more); the fixed size of the others
+    (``vision_config.image_size``). ``None`` for a model type that is not one of :data:`VISION_FAMILIES`."""
     vision = config.vision_config
     if model_type.startswith("qwen"):
         side = vision.patch_size * vision.spatial_merge_size
@@ -213,6 +274,9 @@ def image_size(model_type: str, config: Any) -> tuple[int, int] | None:
     if model_type == "mistral3":  # one merged token fails in the model (Pixtral's patch merger): 2 x 2 of them
         side = 2 * vision.patch_size * config.spatial_merge_size
         return side, side
+    if model_type == "gemma4":  # two pooled tokens: one token would hide whether an image's tokens see each other
+        side = vision.patch_size * vision.pooling_kernel_size
+        return side, 2 * side
     if model_type in VISION_FAMILIES:
         return vision.image_size, vision.image_size
     return None
@@ -302,6 +366,19 @@ def vision_sample(
         elif model_type == "llava":
             images.append(torch.randn(3, vision.image_size, vision.image_size, generator=generator))
             add([config.image_token_id] * config.image_seq_length, kind=1)
+        elif model_type == "gemma4":
+            pool = vision.pooling_kernel_size
+            rows, columns = height // patch, width // patch
+            images.append(torch.rand(rows * columns, 3 * patch * patch, generator=generator))
+            grids.append([rows, columns])
+            add([config.boi_token_id])
+            add([config.image_token_id] * (rows // pool) * (columns // pool), kind=1)
+            add([config.eoi_token_id])
+        elif model_type == "llava_next":
+            tiles, tokens = _llava_next_image(config, height, width)
+            images.append(torch.randn(tiles, 3, vision.image_size, vision.image_size, generator=generator))
+            sizes.append([height, width])
+            add([config.image_token_id] * tokens, kind=1)
         elif model_type == "mistral3":
             merge = config.spatial_merge_size
             rows, columns = height // (patch * merge), width // (patch * merge)
@@ -313,7 +390,7 @@ def vision_sample(
         else:
             raise ValueError(family_unavailable_reason(model_type) or model_type)
     sample: dict[str, Any] = {"input_ids": torch.tensor([ids], dtype=torch.int64)}
-    if model_type.startswith("qwen"):
+    if model_type.startswith("qwen") or model_type == "gemma4":
         sample["mm_token_type_ids"] = torch.tensor([types], dtype=torch.int64)
     elif model_type == "gemma3":
         sample["token_type_ids"] = torch.tensor([types], dtype=torch.int64)
@@ -328,9 +405,63 @@ def vision_sample(
     elif model_type == "mistral3":
         sample["pixel_values"] = _padded_stack(images)
         sample["image_sizes"] = torch.tensor(sizes, dtype=torch.int64)
+    elif model_type == "gemma4":
+        sample["pixel_values"], sample["image_position_ids"] = _patch_rows(images, grids)
+    elif model_type == "llava_next":
+        sample["pixel_values"] = _padded_tiles(images)
+        sample["image_sizes"] = torch.tensor(sizes, dtype=torch.int64)
     else:
         sample["pixel_values"] = torch.stack(images)
     return sample
+
+
+def _llava_next_image(config: Any, height: int, width: int) -> tuple[int, int]:
+    """``(tiles, tokens)`` of an image of ``height`` x ``width`` pixels for a LLaVA-NeXT model, from the model's own
+    code: the base tile and the tiles of the best grid pinpoint (``image_size_to_num_patches``); each tile's
+    ``(S / patch)**2`` features (CLS dropped), the tiles' feature grid cut back to the image's aspect ratio
+    (``unpad_image``) with a newline token after each row, after the base tile's."""
+    import torch
+    from transformers.models.llava_next.modeling_llava_next import (
+        get_anyres_image_grid_shape,
+        image_size_to_num_patches,
+        unpad_image,
+    )
+
+    side = config.vision_config.image_size
+    per_tile = side // config.vision_config.patch_size
+    pinpoints = [list(point) for point in config.image_grid_pinpoints]
+    tiles = image_size_to_num_patches([height, width], pinpoints, side)
+    rows, columns = get_anyres_image_grid_shape([height, width], pinpoints, side)
+    grid = unpad_image(torch.empty(1, rows * per_tile, columns * per_tile), [height, width])
+    return tiles, per_tile**2 + grid.shape[1] * (grid.shape[2] + 1)
+
+
+def _patch_rows(images: list[Any], grids: list[list[int]]) -> tuple[Any, Any]:
+    """Gemma 4's batch of images: ``pixel_values`` ``(n, patches_max, 3 * patch**2)`` (each image's patches in
+    row-major order, zero-padded to the most patches) and ``image_position_ids`` ``(n, patches_max, 2)`` int64, each
+    patch's ``(x, y)`` in its image's grid, ``(-1, -1)`` on padding."""
+    import torch
+
+    count = max(image.shape[0] for image in images)
+    pixels = torch.zeros(len(images), count, images[0].shape[1], dtype=images[0].dtype)
+    positions = torch.full((len(images), count, 2), -1, dtype=torch.int64)
+    for index, (image, (rows, columns)) in enumerate(zip(images, grids)):
+        pixels[index, : image.shape[0]] = image
+        y, x = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
+        positions[index, : image.shape[0]] = torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)
+    return pixels, positions
+
+
+def _padded_tiles(images: list[Any]) -> Any:
+    """``(n, tiles_max, C, S, S)``: each image's tiles, zero-padded to the most tiles (LLaVA-NeXT's batch; the model
+    reads each image's own count from its size)."""
+    import torch
+
+    count = max(image.shape[0] for image in images)
+    out = torch.zeros(len(images), count, *images[0].shape[1:], dtype=images[0].dtype)
+    for index, image in enumerate(images):
+        out[index, : image.shape[0]] = image
+    return out
 
 
 def _padded_stack(images: list[Any]) -> Any:
@@ -372,6 +503,20 @@ def processed_batch(samples: Sequence[dict[str, Any]], *, pad_token_id: int = 0)
     if not with_images:
         return out
     first = with_images[0]["pixel_values"]
+    if "image_position_ids" in with_images[0]:  # gemma4: (images, patches, 3 * patch**2), padded to the most patches
+        pixels = [image for sample in with_images for image in sample["pixel_values"]]
+        positions = [ids for sample in with_images for ids in sample["image_position_ids"]]
+        count = max(image.shape[0] for image in pixels)
+        out["pixel_values"] = torch.zeros(len(pixels), count, first.shape[-1], dtype=first.dtype)
+        out["image_position_ids"] = torch.full((len(pixels), count, 2), -1, dtype=torch.int64)
+        for index, (image, ids) in enumerate(zip(pixels, positions)):
+            out["pixel_values"][index, : image.shape[0]] = image
+            out["image_position_ids"][index, : ids.shape[0]] = ids
+        return out
+    if first.dim() == 5 and "image_sizes" in with_images[0]:  # llava_next: (images, tiles, 3, S, S)
+        out["pixel_values"] = _padded_tiles([image for sample in with_images for image in sample["pixel_values"]])
+        out["image_sizes"] = torch.cat([sample["image_sizes"] for sample in with_images])
+        return out
     if first.dim() == 5:
         count = max(sample["pixel_values"].shape[1] if "pixel_values" in sample else 0 for sample in samples)
         pixels = torch.zeros(len(samples), count, *first.shape[2:], dtype=first.dtype)
@@ -392,6 +537,36 @@ def processed_batch(samples: Sequence[dict[str, Any]], *, pad_token_id: int = 0)
     return out
 
 
+# How far a packed gradient may be from the padded batch's where it is past 1e-5 of its largest entry (a gradient that
+# cancels to a small value): a multiple of the stock path's own distance, its gradient summed from each sample alone
+# (grads_one_by_one). A gated-delta-net layer's A_log gradient is within 1.4e-7 of the padded one in float64.
+STOCK_SPREAD = 2.0
+
+
+def grads_one_by_one(model: Any, samples: Sequence[dict[str, Any]], *, skip_unused: bool = False) -> dict[str, Any]:
+    """The gradient of :func:`processed_batch`'s loss (the token mean over all samples) of every trainable parameter,
+    computed from each sample run alone, unpacked (its share ``n_i / N`` of the loss: its predicted tokens over all of
+    them): the stock path's own other summation of the same gradient, what the rounding of a gradient that cancels
+    to a small value (a gated-delta-net layer's ``A_log``) is measured against. The model's gradients are cleared
+    before and after; ``skip_unused`` as :func:`~unpack_trainer.models.tiny.loss_and_grads`."""
+    counts = [sample["input_ids"].shape[1] - 1 for sample in samples]  # each token predicts the next
+    total = sum(counts)
+    model.zero_grad(set_to_none=True)
+    for sample, count in zip(samples, counts):
+        if not count:
+            continue
+        labels = sample["input_ids"].clone()
+        labels[:, 0] = -100
+        (model(**sample, labels=labels).loss * (count / total)).backward()
+    grads = {
+        name: p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad and not (skip_unused and p.grad is None)
+    }
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Processors
 # --------------------------------------------------------------------------------------------------------------------
@@ -410,10 +585,14 @@ _IMAGE_MARKUP = {
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
+    "gemma4": "<image_soft_token>",
     "idefics3": "<image>",
     "smolvlm": "<image>",
     "llava": "<image>",
+    "llava_next": "<image>",
     "mistral3": "[IMG]",
 }
 
@@ -461,7 +640,7 @@ def tiny_processor(model_type: str) -> Any:
     template = _CHAT_TEMPLATE.replace("IMAGE_MARKUP", _IMAGE_MARKUP[model_type])
     tokenizer.chat_template = template
     with _quiet():
-        if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        if model_type.startswith("qwen"):
             return _qwen_processor(model_type, tokenizer, template)
         if model_type == "gemma3":
             from transformers import Gemma3Processor
@@ -475,6 +654,13 @@ def tiny_processor(model_type: str) -> Any:
             return Gemma3Processor(
                 Gemma3ImageProcessorPil(size=size), tokenizer, chat_template=template, image_seq_length=4
             )
+        if model_type == "gemma4":
+            from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+            images = Gemma4ImageProcessorPil(
+                max_soft_tokens=GEMMA4_SOFT_TOKENS, patch_size=GEMMA4_PATCH, pooling_kernel_size=GEMMA4_POOLING
+            )
+            return _gemma4_processor_class()(images, tokenizer, chat_template=template)
         if model_type in ("idefics3", "smolvlm"):
             from transformers import Idefics3Processor
             from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -492,6 +678,17 @@ def tiny_processor(model_type: str) -> Any:
                 images, tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
                 num_additional_image_tokens=1, chat_template=template,
             )  # fmt: skip
+        if model_type == "llava_next":
+            from transformers import LlavaNextProcessor
+            from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+            side = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+            pinpoints = [list(point) for point in LLAVA_NEXT_PINPOINTS]
+            images = LlavaNextImageProcessorPil(size=side, crop_size=side, image_grid_pinpoints=pinpoints)
+            return LlavaNextProcessor(
+                images, tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+                num_additional_image_tokens=1, chat_template=template,
+            )  # fmt: skip
     raise ValueError(f"no tiny processor for {model_type!r} here (Pixtral's processor needs a Mistral tokenizer)")
 
 
@@ -506,6 +703,8 @@ def _qwen_processor(model_type: str, tokenizer: Any, template: str) -> Any:
         "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLProcessor"),
         "qwen3_vl": ("qwen3_vl", "Qwen3VLProcessor"),
         "qwen3_vl_moe": ("qwen3_vl", "Qwen3VLProcessor"),
+        "qwen3_5": ("qwen3_vl", "Qwen3VLProcessor"),  # transformers' processor of Qwen3.5 (dense and MoE)
+        "qwen3_5_moe": ("qwen3_vl", "Qwen3VLProcessor"),
     }
     package, name = names[model_type]
     base = getattr(importlib.import_module(f"transformers.models.{package}.processing_{package}"), name)
@@ -534,3 +733,24 @@ def _image_only_processor_class(base: type) -> type:
 
 
 _PROCESSOR_CLASSES: dict[type, type] = {}
+
+
+def _gemma4_processor_class() -> type:
+    """``Gemma4Processor`` over an image processor and a tokenizer only (no audio feature extractor, no video
+    processor, which needs torchvision), the image markup of the Gemma 3 tokens of :data:`IMAGE_TOKENS`."""
+    from transformers import Gemma4Processor, ProcessorMixin
+
+    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **_: Any):
+        self.image_seq_length = GEMMA4_SOFT_TOKENS
+        self.boi_token, self.eoi_token, self.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+        self.image_token_id = _ID[self.image_token]
+        self.video_token, self.video_token_id = "<|video_pad|>", _ID["<|video_pad|>"]
+        self.audio_seq_length, self.audio_ms_per_token = 750, 40
+        self.audio_token = self.audio_token_id = None
+        # not tokens of the vocabulary: Gemma4Processor's input check requires them set, and no audio comes
+        self.boa_token, self.eoa_token = "<start_of_audio>", "<end_of_audio>"
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return _PROCESSOR_CLASSES.setdefault(
+        Gemma4Processor, type("Gemma4Processor", (Gemma4Processor,), {"__init__": __init__})
+    )

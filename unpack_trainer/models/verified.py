@@ -198,7 +198,21 @@ def verified_model_types(version: str | None = None) -> frozenset[str]:
 # The transformers releases the vision section was generated with (oldest first).
 VERIFIED_VISION_WITH: tuple[str, ...] = ("5.22.0", "5.24.0")
 VERIFIED_VISION_MODEL_TYPES: frozenset[str] = frozenset(
-    {"gemma3", "idefics3", "llava", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm"}
+    {
+        "gemma3",
+        "gemma4",
+        "idefics3",
+        "llava",
+        "llava_next",
+        "mistral3",
+        "qwen2_5_vl",
+        "qwen2_vl",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "smolvlm",
+    }
 )
 
 

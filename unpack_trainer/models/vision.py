@@ -21,11 +21,11 @@ Three model-family fixes (:mod:`unpack_trainer.models.fixes`) put a forward pre-
    collator's (``packed_multimodal_position_ids``, computed ahead on the CPU with :class:`SamplePositions`, so the
    forward needs no host sync); 3 rows where 4 are read, or 2-D positions other than the per-sample ``arange``, are
    refused with a ``ValueError``: each runs without an error and contaminates (measured 0.29-0.43 logit error);
-3. ``image_blocks`` (Gemma 3, :mod:`~unpack_trainer.models.fixes.image_blocks`): image tokens that attend to each other
-   both ways (``token_type_ids``): each sample's image spans from the model's own
-   ``get_block_sequence_ids_for_mask``, cut at sample boundaries, on the
-   :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA and eager apply
-   them; the varlen kernels cannot and refuse (:mod:`unpack_trainer.patches.attention`).
+3. ``image_blocks`` (Gemma 3, Gemma 4, :mod:`~unpack_trainer.models.fixes.image_blocks`): image tokens that attend
+   to each other both ways (``token_type_ids``, Gemma 4's ``mm_token_type_ids``; Gemma 4's on its sliding-window
+   layers only): each sample's image spans from the model's own ``get_block_sequence_ids_for_mask``, cut at sample
+   boundaries, on the :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA
+   and eager apply them; the varlen kernels cannot and refuse (:mod:`unpack_trainer.patches.attention`).
 
 Nothing else changes: an unpacked forward (a padded batch, generation) runs exactly as stock. What cannot be made
 exact is refused before any forward (:func:`vision_problem`, read by :mod:`unpack_trainer.models.refusals`): a
@@ -58,6 +58,8 @@ __all__ = [
     "decoders_problem",
     "find_vision_language",
     "has_image_blocks",
+    "image_block_key",
+    "image_block_layer_types",
     "image_block_problem",
     "image_block_spans",
     "is_vision_language",
@@ -68,9 +70,10 @@ __all__ = [
     "sequence_positions_of",
     "text_model",
     "vision_problem",
+    "without_image_blocks",
 ]
 
-# The keys of a multimodal batch that carry each token's modality (Qwen2-VL's, Gemma 3's).
+# The keys of a multimodal batch that carry each token's modality (Qwen2-VL's and Gemma 4's, Gemma 3's).
 MM_TOKEN_TYPES_KEY = "mm_token_type_ids"
 TOKEN_TYPES_KEY = "token_type_ids"
 # The arguments of ``get_rope_index`` besides the tokens, handed on from the batch where its signature has them.
@@ -86,14 +89,17 @@ class VisionLanguage:
         decoder: the text decoder (the module the patch hooks).
         position_rows: rows of the position ids the text model takes on a packed batch: 1 (plain positions), 4
             (multi-axis RoPE with a text row, ``[text; t; h; w]``) or 3 (multi-axis without one).
-        image_blocks: the model's ``get_block_sequence_ids_for_mask`` (``token_type_ids (B, T) -> (B, T)`` int64,
+        image_blocks: the model's ``get_block_sequence_ids_for_mask`` (``token types (B, T) -> (B, T)`` int64,
             ``-1`` for text, an image's tokens one id) when its image tokens attend both ways, else ``None``.
+        image_block_key: the per-token key of the batch ``image_blocks`` reads (:func:`image_block_key`:
+            ``token_type_ids`` or ``mm_token_type_ids``), ``None`` without image blocks.
     """
 
     module: torch.nn.Module
     decoder: torch.nn.Module
     position_rows: int
     image_blocks: Callable[..., torch.Tensor] | None
+    image_block_key: str | None = None
 
 
 def auto_model_class(config: Any) -> type:
@@ -143,9 +149,56 @@ def _reads_text_row(decoder: torch.nn.Module) -> bool:
 
 
 def _image_block_function(module: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
-    """The model's ``get_block_sequence_ids_for_mask`` (Gemma 3), found among the globals its methods use."""
+    """The model's ``get_block_sequence_ids_for_mask`` (Gemma 3, Gemma 4), found among the globals its methods use."""
     function = class_references(type(module)).get("get_block_sequence_ids_for_mask")
     return function if isinstance(function, types.FunctionType) else None
+
+
+def _image_blocks_switched_off(module: torch.nn.Module) -> bool:
+    """Whether the multimodal model ``module`` reads its blocks' switch from the text config
+    (``use_bidirectional_attention``, Gemma 4: image tokens attend both ways only where it is ``"vision"``) and the
+    config switches them off (Gemma 4's smaller models: ``None``)."""
+    if not mentions(type(module), "use_bidirectional_attention"):
+        return False
+    return getattr(module.config.get_text_config(), "use_bidirectional_attention", None) != "vision"
+
+
+def image_block_key(block_ids: Callable[..., torch.Tensor]) -> str:
+    """The per-token key of the batch the model's ``get_block_sequence_ids_for_mask`` reads: the name of its first
+    parameter (Gemma 3: ``token_type_ids``, Gemma 4: ``mm_token_type_ids``)."""
+    return next(iter(inspect.signature(block_ids).parameters))
+
+
+def image_block_layer_types(module: torch.nn.Module) -> frozenset[str] | None:
+    """The layer types of the text model whose attention applies the image blocks, read from the multimodal model's
+    own mask builder (``create_masks_for_vision_model``: Gemma 3's every layer type, Gemma 4's sliding-window layers
+    only): its masks of a 3-token row whose first two tokens are one image, a layer type applying the blocks where
+    its first token sees the second. ``None`` (every layer) for a model without that builder."""
+    import copy
+
+    from unpack_trainer._compat import set_attention_implementation
+
+    build = class_references(type(module)).get("create_masks_for_vision_model")
+    if not isinstance(build, types.FunctionType):
+        return None
+    config = copy.deepcopy(module.config.get_text_config())
+    set_attention_implementation(config, "sdpa")  # a boolean mask (None where it is causal)
+    inputs = {
+        "config": config,
+        "inputs_embeds": torch.zeros(1, 3, 1),
+        "attention_mask": None,
+        "position_ids": torch.arange(3).unsqueeze(0),
+        "block_sequence_ids": torch.tensor([[0, 0, -1]]),
+        "cache": None,
+        "past_key_values": None,
+    }
+    accepted = inspect.signature(build).parameters
+    masks = build(**{name: value for name, value in inputs.items() if name in accepted})
+    return frozenset(
+        layer_type
+        for layer_type, mask in masks.items()
+        if isinstance(mask, torch.Tensor) and bool(mask.reshape(-1, 3, 3)[0, 0, 1])
+    )
 
 
 def _bidirectional_rule(module: torch.nn.Module) -> str | None:
@@ -186,7 +239,7 @@ def multi_axis_problem(structure: ModelStructure) -> str | None:
 
 def image_block_problem(structure: ModelStructure) -> str | None:
     """A vision-language model some of whose tokens attend both ways by a rule this module does not read (anything
-    but Gemma 3's ``get_block_sequence_ids_for_mask``)."""
+    but Gemma 3's and Gemma 4's ``get_block_sequence_ids_for_mask``)."""
     module = _multimodal_module(structure)
     if module is None or _image_block_function(module) is not None:
         return None
@@ -195,7 +248,7 @@ def image_block_problem(structure: ModelStructure) -> str | None:
         return None
     return (
         f"{type(module).__name__} lets some tokens attend both ways by a rule this package does not read ({rule}); "
-        "only Gemma 3's get_block_sequence_ids_for_mask is applied per sample"
+        "only get_block_sequence_ids_for_mask (Gemma 3's, Gemma 4's) is applied per sample"
     )
 
 
@@ -216,14 +269,15 @@ def vision_problem(model: torch.nn.Module, structure: ModelStructure | None = No
 
 
 def has_image_blocks(model: torch.nn.Module) -> bool:
-    """Whether some tokens of ``model`` (a vision-language model's image tokens, Gemma 3) attend to each other both
+    """Whether some tokens of ``model`` (a vision-language model's image tokens: Gemma 3, Gemma 4 where its config
+    switches them on) attend to each other both
     ways on packed rows (an attention feature the varlen kernels cannot apply). Works on the ``meta`` device."""
     from unpack_trainer.models.discovery import discover
 
     if not is_vision_language(model):
         return False
     module = _multimodal_module(discover(model))
-    return module is not None and _image_block_function(module) is not None
+    return module is not None and _image_block_function(module) is not None and not _image_blocks_switched_off(module)
 
 
 def text_model(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -257,7 +311,8 @@ def find_vision_language(model: torch.nn.Module, structure: ModelStructure | Non
     rows = 1
     if _multi_axis(structure.config):
         rows = 4 if _reads_text_row(decoder) else 3
-    return VisionLanguage(module, decoder, rows, _image_block_function(module))
+    blocks = None if _image_blocks_switched_off(module) else _image_block_function(module)
+    return VisionLanguage(module, decoder, rows, blocks, None if blocks is None else image_block_key(blocks))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -390,9 +445,11 @@ def image_block_spans(
     block_ids: Callable[..., torch.Tensor], token_type_ids: torch.Tensor, info: PackedSeqInfo
 ) -> torch.Tensor | None:
     """The token spans that attend both ways, per sample: the model's own block ids of ``token_type_ids`` ``(B, T)``
-    (``get_block_sequence_ids_for_mask``: ``-1`` for causal tokens, one id per image), as ``(num_spans, 2)`` int64
-    CPU ``[start, end)`` runs of one id, cut at every sample start; ``None`` when there is none."""
-    ids = block_ids(token_type_ids.detach().cpu()).reshape(-1).to(torch.int64)
+    (the batch's key :func:`image_block_key` names; ``get_block_sequence_ids_for_mask``: ``-1`` for causal tokens,
+    one id per image), as ``(num_spans, 2)`` int64 CPU ``[start, end)`` runs of one id, cut at every sample start;
+    ``None`` when there is none."""
+    cpu = {"device": torch.device("cpu")} if "device" in inspect.signature(block_ids).parameters else {}
+    ids = block_ids(token_type_ids.detach().cpu(), **cpu).reshape(-1).to(torch.int64)
     if not bool((ids >= 0).any()):
         return None
     starts = torch.ones_like(ids, dtype=torch.bool)
@@ -402,6 +459,23 @@ def image_block_spans(
     end = torch.cat([begin[1:], torch.tensor([ids.numel()])])
     keep = ids[begin] >= 0
     return torch.stack([begin[keep], end[keep]], dim=1)
+
+
+def without_image_blocks(info: PackedSeqInfo, *, causal: PackedSeqInfo | None = None) -> PackedSeqInfo:
+    """``info``'s samples without their bidirectional spans, for the layers that do not apply the image blocks
+    (Gemma 4's full-attention layers): ``causal`` where given (the image-blocks hook hands the samples it added the
+    spans to, before the decoder runs, so a compiled layer only reads them), else made once; cached on ``info``."""
+    if info.bidirectional_spans is None:
+        return info
+
+    def build() -> PackedSeqInfo:
+        if causal is not None:
+            return causal
+        return PackedSeqInfo(
+            info.seq_lengths, batch_size=info.batch_size, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens
+        )
+
+    return info.plan("without_image_blocks", None, build)
 
 
 def rope_index_of(model: torch.nn.Module) -> RopeIndex | None:

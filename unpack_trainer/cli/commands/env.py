@@ -344,7 +344,7 @@ def _vision_path(built: Any, structure: Any) -> dict[str, str] | None:
     """How the packed rows of a vision-language model are made exact (``None`` for a text model): which module runs
     the vision tower apart from the packing, its positions per sample and its image tokens' attention."""
     from unpack_trainer.models.verified import verified_vision_model_types
-    from unpack_trainer.models.vision import RopeIndex, find_vision_language
+    from unpack_trainer.models.vision import RopeIndex, find_vision_language, image_block_layer_types
 
     vision = find_vision_language(built, structure)
     if vision is None:
@@ -358,11 +358,17 @@ def _vision_path(built: Any, structure: Any) -> dict[str, str] | None:
         4: f"multimodal RoPE [text; t; h; w] per sample, from the model's own get_rope_index (computed in {where})",
     }[vision.position_rows]
     model_type = built.config.model_type
+    layer_types = None  # the layer types applying the image blocks, where not every one does (Gemma 4)
+    if vision.image_blocks is not None:
+        layer_types = image_block_layer_types(vision.module)
+        every = set(getattr(vision.decoder.config, "layer_types", None) or ())
+        layer_types = None if layer_types is None or set(layer_types) >= every else layer_types
     return {
         "module": type(vision.module).__name__,
         "text model": type(vision.decoder).__name__,
         "positions": positions,
         "image tokens": "bidirectional within each image (flex, SDPA and eager; the varlen kernels hand over)"
+        + ("" if layer_types is None else f", on its {', '.join(sorted(layer_types))} layers")
         if vision.image_blocks is not None
         else "causal",
         "data": "images processed per batch by the processor (TRL's vision collator), every image whole in its row "

@@ -1,15 +1,20 @@
-"""Image tokens that attend to each other both ways (Gemma 3), per sample on packed rows.
+"""Image tokens that attend to each other both ways (Gemma 3, Gemma 4), per sample on packed rows.
 
 Gemma 3's multimodal model lets the tokens of one image attend to each other in both directions
 (``token_type_ids`` 1 for image tokens; its ``get_block_sequence_ids_for_mask`` gives every image its own block id
-and the mask an ``or`` of causal and same-block), everything else causally. On a packed row the packed attention
+and the mask an ``or`` of causal and same-block) on every layer, everything else causally; Gemma 4's does the same from
+``mm_token_type_ids`` where its text config's ``use_bidirectional_attention`` is ``"vision"`` (its larger models), on
+its sliding-window layers only (its full-attention layers stay causal). On a packed row the packed attention
 builds no mask, so the blocks travel on the batch's :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` as
 ``bidirectional_spans``: a forward pre-hook on the multimodal model (after
 :mod:`~unpack_trainer.models.fixes.vision_language`'s, which decided the packing) reads the model's own block ids of
-``token_type_ids``, cuts them at every sample start (:func:`unpack_trainer.models.vision.image_block_spans`) and
-replaces the decided metadata by one with those spans, in the decoder's state. Flex, SDPA and eager apply them
-(with a window as Gemma 3's sliding layers do); the varlen kernels cannot and are not chosen (the attention feature
-``bidirectional``).
+the token types its function takes (:func:`unpack_trainer.models.vision.image_block_key`), cuts them at every sample
+start (:func:`unpack_trainer.models.vision.image_block_spans`) and replaces the decided metadata by one with those
+spans, in the decoder's state. Which layers apply them is read from the model's own mask builder
+(:func:`unpack_trainer.models.vision.image_block_layer_types`); the attention modules of the other layers are marked
+(:attr:`~unpack_trainer.models.state.AttentionState.image_blocks`) and get the samples without spans
+(:func:`unpack_trainer.models.vision.without_image_blocks`). Flex, SDPA and eager apply the spans (with a window as
+the sliding layers do); the varlen kernels cannot and are not chosen (the attention feature ``bidirectional``).
 
 Worked example (one row, samples of 5 and 4 tokens, an image of 2 tokens in each)::
 
@@ -26,25 +31,47 @@ import torch
 
 from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.models.fixes.vision_language import carried_info, hook_multimodal_model, unhook_multimodal_model
-from unpack_trainer.models.state import DecoderState
-from unpack_trainer.models.vision import TOKEN_TYPES_KEY, find_vision_language, image_block_spans, is_vision_language
+from unpack_trainer.models.state import DecoderState, attention_state
+from unpack_trainer.models.vision import (
+    find_vision_language,
+    image_block_layer_types,
+    image_block_spans,
+    is_vision_language,
+    without_image_blocks,
+)
 from unpack_trainer.packed_seq_info import INFO_KEY
 
 __all__ = ["FIX"]
 
 
 def _pre_hook(
-    state: DecoderState, block_ids: Callable[..., torch.Tensor], module: torch.nn.Module, args: tuple, kwargs: dict
+    state: DecoderState,
+    block_ids: Callable[..., torch.Tensor],
+    key: str,
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
 ) -> None:
     info = carried_info(state)
-    token_types = kwargs.get(TOKEN_TYPES_KEY)
+    token_types = kwargs.get(key)
     if info is None or token_types is None:
         return
     spanned = info.with_bidirectional_spans(image_block_spans(block_ids, token_types, info))
     if spanned is not info:
+        without_image_blocks(spanned, causal=info)  # what the layers without blocks run: this forward's samples
         state.carried[INFO_KEY] = spanned
         if state.running is info:
             state.running = spanned
+
+
+def _layer_type(module: torch.nn.Module, config: object) -> str | None:
+    """The layer type of the attention module ``module`` (its ``layer_type``, or ``config.layer_types`` at its
+    ``layer_idx``), ``None`` where neither tells."""
+    layer_type = getattr(module, "layer_type", None)
+    if layer_type is not None:
+        return layer_type
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    return types[index] if types is not None and isinstance(index, int) and index < len(types) else None
 
 
 def _applies(site: FixSite) -> str | None:
@@ -56,12 +83,22 @@ def _applies(site: FixSite) -> str | None:
 
 
 def _install(site: FixSite) -> None:
-    block_ids = find_vision_language(site.model).image_blocks
-    hook_multimodal_model(site, "image_blocks", functools.partial(_pre_hook, site.state, block_ids))
+    vision = find_vision_language(site.model)
+    layer_types = image_block_layer_types(vision.module)
+    if layer_types is not None:
+        for attention in site.decoder.attention:
+            if _layer_type(attention, site.module.config) not in layer_types:
+                attention_state(attention).image_blocks = False
+    pre_hook = functools.partial(_pre_hook, site.state, vision.image_blocks, vision.image_block_key)
+    hook_multimodal_model(site, "image_blocks", pre_hook)
 
 
 def _remove(site: FixSite) -> None:
     unhook_multimodal_model(site, "image_blocks")
+    for module in site.module.modules():
+        state = attention_state(module)
+        if state is not None:
+            state.image_blocks = True
 
 
 FIX = Fix("image_blocks", _applies, _install, _remove)

@@ -91,11 +91,10 @@ def unhook_multimodal_model(site: FixSite, name: str) -> None:
 
 @functools.cache
 def _forward_parameters(cls: type) -> tuple[str, ...]:
-    return tuple(
-        p.name
-        for p in inspect.signature(cls.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    )
+    """The names ``cls.forward`` binds positional arguments to, after ``self`` (LLaVA-NeXT's outer model hands
+    ``input_ids`` to its multimodal model positionally)."""
+    parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _wants_attention_weights(module: torch.nn.Module, kwargs: dict) -> bool:
