@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 import trl
+from contaminating_model import DropsPackingMetadata
 from datasets import Dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -151,29 +152,10 @@ def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(
         strict.train()
 
 
-class _DropsPackingMetadata(torch.nn.Module):
-    """A model wrapper that forgets the packing metadata: the packed row then runs as one causal sequence."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.config = inner.config
-
-    def get_input_embeddings(self):
-        return self.inner.get_input_embeddings()
-
-    def get_output_embeddings(self):
-        return self.inner.get_output_embeddings()
-
-    def forward(self, input_ids, **kwargs):
-        packing = set(PACKED_BATCH_KEYS) - {"input_ids", "labels"}
-        return self.inner(input_ids=input_ids, **{k: v for k, v in kwargs.items() if k not in packing})
-
-
 def test_selfcheck_detects_real_contamination(tiny_llama):
     model = tiny_llama()
     assert check_uncontaminated(model).ok
-    report = check_uncontaminated(_DropsPackingMetadata(model))
+    report = check_uncontaminated(DropsPackingMetadata(model))
     assert not report.ok and report.max_abs_diff > 100 * report.tolerance
     assert "a contaminated row would differ by" in report.summary()
 

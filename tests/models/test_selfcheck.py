@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from contaminating_model import DropsPackingMetadata
 from transformers import LlamaForCausalLM
 
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
@@ -266,27 +267,6 @@ def _gpt_oss(dtype=torch.bfloat16):
     return patch_model(model)
 
 
-class _DropsPackingMetadata(torch.nn.Module):
-    """A model wrapper that forgets the packing metadata: each packed row runs as one causal sequence."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.config = inner.config
-
-    def get_input_embeddings(self):
-        return self.inner.get_input_embeddings()
-
-    def get_output_embeddings(self):
-        return self.inner.get_output_embeddings()
-
-    def forward(self, input_ids, **kwargs):
-        from unpack_trainer.packed_seq_info import PACKED_BATCH_KEYS
-
-        packing = set(PACKED_BATCH_KEYS) - {"input_ids", "labels"}
-        return self.inner(input_ids=input_ids, **{k: v for k, v in kwargs.items() if k not in packing})
-
-
 def test_bf16_routing_noise_passes():
     """A bf16 mixture of experts whose routers flip between two summation orders moves a few tokens far beyond the
     tolerance and no packed token; the benchmark's gpt_oss trained padded on an H200 because of it."""
@@ -301,7 +281,7 @@ def test_bf16_routing_noise_passes():
 
 def test_bf16_contamination_fails():
     """The same model with the packing metadata dropped (each row one causal sequence): every packed token moves."""
-    report = check_uncontaminated(_DropsPackingMetadata(_gpt_oss()))
+    report = check_uncontaminated(DropsPackingMetadata(_gpt_oss()))
     assert not report.ok and report.error is None, report.summary()
     assert report.off_tokens == report.compared_tokens == 8
     assert report.max_abs_diff > report.hard_bound

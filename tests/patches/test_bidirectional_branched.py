@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+from flex_block_masks import effective_mask
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention import ENV_BACKEND, packed_attention_forward
@@ -189,20 +190,7 @@ def test_flex_block_mask_with_spans_on_branched_rows_is_exact(layout, window):
     """Full blocks are wholly allowed and partial blocks cover every allowed pair (a span's later keys, a prefix's
     keys) on a branched row; padding is seen by no real token."""
     info = make_info(layout)
-    padded = flex_backend.padded_length(info.total_tokens)
-    mask = flex_backend.block_mask(info, padded, window, torch.device("cpu"))
-    size = flex_backend.BLOCK_SIZE
-    q = torch.arange(padded).view(-1, 1)
-    k = torch.arange(padded).view(1, -1)
-    by_function = mask.mask_mod(torch.tensor(0), torch.tensor(0), q, k)
-    effective = torch.zeros(padded, padded, dtype=torch.bool)
-    for qb in range(padded // size):
-        rows = slice(qb * size, (qb + 1) * size)
-        for kb in mask.full_kv_indices[0, 0, qb, : mask.full_kv_num_blocks[0, 0, qb]].tolist():
-            effective[rows, kb * size : (kb + 1) * size] = True
-        for kb in mask.kv_indices[0, 0, qb, : mask.kv_num_blocks[0, 0, qb]].tolist():
-            cols = slice(kb * size, (kb + 1) * size)
-            effective[rows, cols] = by_function[rows, cols]
+    effective = effective_mask(info, window)
     total = info.total_tokens
     assert torch.equal(effective[:total, :total], reference_mask(info, window))
     assert not effective[:total, total:].any()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flex_block_masks import effective_mask
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention import ENV_BACKEND, REGISTRY, choose_backend, packed_attention_forward
@@ -41,26 +42,6 @@ def reference_mask(info: PackedSeqInfo, window: int | None) -> torch.Tensor:
     if window is not None:
         allowed &= positions.unsqueeze(1) - positions.unsqueeze(0) < window
     return allowed
-
-
-def effective_mask(info: PackedSeqInfo, window: int | None) -> torch.Tensor:
-    """What flex computes with the backend's block mask: full blocks wholly, partial blocks through the mask
-    function, nothing else; ``(N_pad, N_pad)`` bool."""
-    padded = flex_backend.padded_length(info.total_tokens)
-    mask = flex_backend.block_mask(info, padded, window, torch.device("cpu"))
-    size = flex_backend.BLOCK_SIZE
-    q = torch.arange(padded).view(-1, 1)
-    k = torch.arange(padded).view(1, -1)
-    by_function = mask.mask_mod(torch.tensor(0), torch.tensor(0), q, k)
-    result = torch.zeros(padded, padded, dtype=torch.bool)
-    for qb in range(padded // size):
-        rows = slice(qb * size, (qb + 1) * size)
-        for kb in mask.full_kv_indices[0, 0, qb, : mask.full_kv_num_blocks[0, 0, qb]].tolist():
-            result[rows, kb * size : (kb + 1) * size] = True
-        for kb in mask.kv_indices[0, 0, qb, : mask.kv_num_blocks[0, 0, qb]].tolist():
-            cols = slice(kb * size, (kb + 1) * size)
-            result[rows, cols] = by_function[rows, cols]
-    return result
 
 
 def lognormal_lengths(total: int, median: float, seed: int = 0) -> list[int]:

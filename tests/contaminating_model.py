@@ -1,0 +1,30 @@
+"""A model that contaminates on purpose, for the self-check's tests (``tests/test_trainer.py``,
+``tests/models/test_selfcheck.py``). Importable from every test folder: pytest puts ``tests/`` (the folder of the root
+``conftest.py``) on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unpack_trainer.packed_seq_info import PACKED_BATCH_KEYS
+
+
+class DropsPackingMetadata(torch.nn.Module):
+    """A model wrapper that forgets the packing metadata: each packed row then runs as one causal sequence, every
+    sample seeing the ones before it (what contamination is)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids, **kwargs):
+        packing = set(PACKED_BATCH_KEYS) - {"input_ids", "labels"}
+        return self.inner(input_ids=input_ids, **{k: v for k, v in kwargs.items() if k not in packing})
