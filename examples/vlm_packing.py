@@ -17,8 +17,8 @@ number of epochs, on the CPU, in a few minutes:
 It ends with a table: wall-clock, real tokens per second, padding, the final training loss and the loss per token on
 64 held-out examples (computed the same way for both runs), and the packed run's speed-up.
 
-Other families (``--model-type``): gemma3 (image tokens attend both ways within each image), idefics3, smolvlm,
-llava, qwen2_vl, qwen3_vl. ``--quick`` runs two steps of each on 16 small images with the tiny text model (a smoke
+Other families (``--model-type``): gemma3 and gemma4 (image tokens attend both ways within each image), idefics3,
+smolvlm, llava, llava_next (images in tiles), qwen2_vl, qwen3_vl, qwen3_5 (gated-delta-net layers). ``--quick`` runs two steps of each on 16 small images with the tiny text model (a smoke
 test); ``--skip-padded`` only the packed run.
 """
 
@@ -30,7 +30,9 @@ import sys
 import time
 from typing import Any
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "gemma3", "idefics3", "smolvlm", "llava")
+FAMILIES = (
+    "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "idefics3", "smolvlm", "llava", "llava_next",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def small_model(model_type: str, seed: int, quick: bool = False) -> Any:
     """The small model of ``model_type``: the tiny family's vision tower, a text model of hidden 256 and 4 layers
-    (Qwen families; the others, and every family with ``quick``, keep the tiny text model so that their vision
-    projectors fit)."""
+    (Qwen2-VL / Qwen3-VL families; the others, and every family with ``quick``, keep the tiny text model so that their
+    vision projectors and layer types fit)."""
     from unpack_trainer.models.tiny_vision import tiny_vision_model
 
     text = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=688,
-                num_hidden_layers=4) if model_type.startswith("qwen") and not quick else {}  # fmt: skip
+                num_hidden_layers=4) if model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl") and not quick else {}  # fmt: skip
     return tiny_vision_model(model_type, seed=seed, attn_implementation="sdpa", **text)
 
 
