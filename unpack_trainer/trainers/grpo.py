@@ -125,8 +125,11 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's method, on packed rows: ``(per_token_logps (rows, logits_to_keep), entropies or None, aux_loss or
         None)`` as TRL returns them, from ``input_ids`` / ``attention_mask`` ``(rows, L)`` (see the module
-        docstring). TRL's own code runs for a batch with vision inputs (any other keyword argument), or when the
-        trainer is not packing."""
+        docstring); ``kwargs`` are TRL's vision inputs (``pixel_values``, ``image_grid_thw``, ``num_images``,
+        per-token ``mm_token_type_ids`` / ``token_type_ids``, ...), laid out per prompt segment
+        (:mod:`unpack_trainer.trainers.image_prompts`). TRL's own code runs when the trainer is not packing, or for a
+        batch that is not in TRL's layout, whose vision inputs fit no known layout, or that packing would barely
+        shrink (each logged once)."""
 
         def stock() -> Any:
             return super(PackedCompletionsMixin, self)._get_per_token_logps_and_entropies(
