@@ -94,6 +94,7 @@ __all__ = [
     "carried_info",
     "detect_packed",
     "hides_nothing",
+    "id_runs",
     "restart_positions",
     "text_positions",
     "zero_prefixed_cumsum",
@@ -229,10 +230,11 @@ def branched_row(tokens: list[int], seq_lengths: list[int], seq_parents: list[in
     }
 
 
-def _id_runs(ids: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+def id_runs(ids: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
     """``(num_spans, 2)`` int64 ``[start, end)`` runs of one id ``>= 0`` in ``ids`` (``(N,)`` int64, ``-1`` outside
-    every span), cut at the indices ``cuts`` (``(k,)`` int64: each unit's first token). ``ids [-1, 0, 0, 0, 1]`` cut
-    at ``[0, 2]`` -> ``[[1, 2], [2, 4], [4, 5]]``."""
+    every span), cut at the indices ``cuts`` (``(k,)`` int64: each sample's or unit's first token): the
+    ``bidirectional_spans`` of per-token span ids. ``ids [-1, 0, 0, 0, 1]`` cut at ``[0, 2]`` ->
+    ``[[1, 2], [2, 4], [4, 5]]``."""
     starts = torch.ones_like(ids, dtype=torch.bool)
     starts[1:] = ids[1:] != ids[:-1]
     starts[cuts] = True
@@ -567,7 +569,7 @@ class PackedSeqInfo:
         unit_info = PackedSeqInfo(torch.tensor(unit_lengths, dtype=torch.int64), batch_size=1, seq_len=slot)
         if self.bidirectional_spans is not None:  # each span where its tokens sit: a prefix's in each of its units
             unit_info = unit_info.with_bidirectional_spans(
-                _id_runs(self.bidirectional_ids()[gather], unit_info.cu_seqlens[:-1].to(torch.int64))
+                id_runs(self.bidirectional_ids()[gather], unit_info.cu_seqlens[:-1].to(torch.int64))
             )
         return unit_info, gather, owner
 

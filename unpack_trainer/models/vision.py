@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from unpack_trainer.models.discovery import ModelStructure, class_references, mentions, pretrained_model, unwrapped
-from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.packed_seq_info import PackedSeqInfo, id_runs
 
 __all__ = [
     "MM_TOKEN_TYPES_KEY",
@@ -452,13 +452,7 @@ def image_block_spans(
     ids = block_ids(token_type_ids.detach().cpu(), **cpu).reshape(-1).to(torch.int64)
     if not bool((ids >= 0).any()):
         return None
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[1:] = ids[1:] != ids[:-1]
-    starts[info.cu_seqlens[:-1].to(torch.int64)] = True
-    begin = torch.nonzero(starts).reshape(-1)
-    end = torch.cat([begin[1:], torch.tensor([ids.numel()])])
-    keep = ids[begin] >= 0
-    return torch.stack([begin[keep], end[keep]], dim=1)
+    return id_runs(ids, info.cu_seqlens[:-1].to(torch.int64))
 
 
 def without_image_blocks(info: PackedSeqInfo, *, causal: PackedSeqInfo | None = None) -> PackedSeqInfo:
