@@ -156,3 +156,18 @@ def test_bidirectional_spans_lie_inside_samples():
     assert spanned.is_branched and spanned.seq_parents.tolist() == [-1, 0]
     with pytest.raises(ValueError, match="Bidirectional span 0 "):
         branched.with_bidirectional_spans(torch.tensor([[1, 3]]))  # across the prompt and its branch
+
+
+def test_the_samples_without_their_spans_keep_their_branches():
+    """The layers that do not apply image blocks (Gemma 4's full attention) run the samples without their
+    bidirectional spans: on a branched row still branched (each completion continuing its prompt), whether the spans
+    were added to this metadata or it came with them."""
+    branched = PackedSeqInfo.from_seq_lengths(torch.tensor([4, 2, 3]), batch_size=1, seq_len=9)
+    branched = PackedSeqInfo(branched.seq_lengths, batch_size=1, seq_len=9, seq_parents=torch.tensor([-1, 0, 0]))
+    spanned = branched.with_bidirectional_spans(torch.tensor([[1, 3]]))
+    assert spanned.without_bidirectional_spans() is branched  # the samples the spans were added to
+    carried = spanned.with_bidirectional_spans(torch.tensor([[5, 6]]))  # spans on metadata that had some
+    for causal in (spanned.without_bidirectional_spans(), carried.without_bidirectional_spans()):
+        assert causal.bidirectional_spans is None
+        assert causal.is_branched and torch.equal(causal.seq_parents, branched.seq_parents)
+        assert torch.equal(causal.seq_lengths, branched.seq_lengths)

@@ -408,15 +408,29 @@ class PackedSeqInfo:
                 f"Bidirectional span {index} [{int(starts[index])}, {int(ends[index])}) is empty, overlaps the span "
                 "before it, or crosses a sample boundary; every span must lie inside one sample."
             )
-        info = PackedSeqInfo(
+        info = self._same_samples()
+        info.bidirectional_spans = spans
+        if self.bidirectional_spans is None:  # what the layers without the spans run: these samples, as they came
+            info.plan("without_bidirectional_spans", None, lambda: self)
+        return info
+
+    def without_bidirectional_spans(self) -> PackedSeqInfo:
+        """These samples and parents without ``bidirectional_spans``, for the layers that do not apply them (Gemma 4's
+        full-attention layers): ``self`` when it has none; else the metadata the spans were added to
+        (:meth:`with_bidirectional_spans`), or a copy made once. Cached, so a compiled layer only reads it."""
+        if self.bidirectional_spans is None:
+            return self
+        return self.plan("without_bidirectional_spans", None, self._same_samples)
+
+    def _same_samples(self) -> PackedSeqInfo:
+        """A new object of these samples and parents, nothing derived shared, no spans."""
+        return PackedSeqInfo(
             self.seq_lengths,
             batch_size=self.batch_size,
             seq_len=self.seq_len,
             seq_parents=self.seq_parents,
             cu_seqlens=self.cu_seqlens,
         )
-        info.bidirectional_spans = spans
-        return info
 
     def bidirectional_ids(self) -> torch.Tensor:
         """``(B * T,)`` int64 CPU: for each token the index of its bidirectional span, ``-1`` outside every span

@@ -32,7 +32,6 @@ from unpack_trainer._compat import (
     skip_packed_sequence_detection,
 )
 from unpack_trainer.models.state import DecoderState, attention_state
-from unpack_trainer.models.vision import without_image_blocks
 from unpack_trainer.packed_seq_info import INFO_KEY, OWN_KEYS, SEQ_LENGTHS_KEY, PackedSeqInfo
 from unpack_trainer.patches.attention.dispatch import packed_attention_forward, packed_info_from_kwargs
 
@@ -226,7 +225,7 @@ def make_attention_function(
         if info is not None:
             state = attention_state(module)
             if state is not None and not state.image_blocks:
-                info = without_image_blocks(info)
+                info = info.without_bidirectional_spans()
             kwargs[INFO_KEY] = info
             if state is not None:
                 if kwargs.get("sliding_window") is None and state.sliding_window:

@@ -70,7 +70,6 @@ __all__ = [
     "sequence_positions_of",
     "text_model",
     "vision_problem",
-    "without_image_blocks",
 ]
 
 # The keys of a multimodal batch that carry each token's modality (Qwen2-VL's and Gemma 4's, Gemma 3's).
@@ -453,23 +452,6 @@ def image_block_spans(
     if not bool((ids >= 0).any()):
         return None
     return id_runs(ids, info.cu_seqlens[:-1].to(torch.int64))
-
-
-def without_image_blocks(info: PackedSeqInfo, *, causal: PackedSeqInfo | None = None) -> PackedSeqInfo:
-    """``info``'s samples without their bidirectional spans, for the layers that do not apply the image blocks
-    (Gemma 4's full-attention layers): ``causal`` where given (the image-blocks hook hands the samples it added the
-    spans to, before the decoder runs, so a compiled layer only reads them), else made once; cached on ``info``."""
-    if info.bidirectional_spans is None:
-        return info
-
-    def build() -> PackedSeqInfo:
-        if causal is not None:
-            return causal
-        return PackedSeqInfo(
-            info.seq_lengths, batch_size=info.batch_size, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens
-        )
-
-    return info.plan("without_image_blocks", None, build)
 
 
 def rope_index_of(model: torch.nn.Module) -> RopeIndex | None:

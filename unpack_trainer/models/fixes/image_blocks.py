@@ -13,8 +13,9 @@ start (:func:`unpack_trainer.models.vision.image_block_spans`) and replaces the 
 spans, in the decoder's state. Which layers apply them is read from the model's own mask builder
 (:func:`unpack_trainer.models.vision.image_block_layer_types`); the attention modules of the other layers are marked
 (:attr:`~unpack_trainer.models.state.AttentionState.image_blocks`) and get the samples without spans
-(:func:`unpack_trainer.models.vision.without_image_blocks`). Flex, SDPA and eager apply the spans (with a window as
-the sliding layers do); the varlen kernels cannot and are not chosen (the attention feature ``bidirectional``).
+(:meth:`~unpack_trainer.packed_seq_info.PackedSeqInfo.without_bidirectional_spans`). Flex, SDPA and eager apply the
+spans (with a window as the sliding layers do); the varlen kernels cannot and are not chosen (the attention feature
+``bidirectional``).
 
 Worked example (one row, samples of 5 and 4 tokens, an image of 2 tokens in each)::
 
@@ -37,7 +38,6 @@ from unpack_trainer.models.vision import (
     image_block_layer_types,
     image_block_spans,
     is_vision_language,
-    without_image_blocks,
 )
 from unpack_trainer.packed_seq_info import INFO_KEY
 
@@ -58,7 +58,6 @@ def _pre_hook(
         return
     spanned = info.with_bidirectional_spans(image_block_spans(block_ids, token_types, info))
     if spanned is not info:
-        without_image_blocks(spanned, causal=info)  # what the layers without blocks run: this forward's samples
         state.carried[INFO_KEY] = spanned
         if state.running is info:
             state.running = spanned
