@@ -23,10 +23,9 @@ from unpack_trainer.data.vision import pack_processed
 from unpack_trainer.models import PatchRefused, patch_model, unpatch_model
 from unpack_trainer.models.tiny import loss_and_grads
 from unpack_trainer.models.tiny_vision import (
-    STOCK_SPREAD,
     VISION_FAMILIES,
     family_unavailable_reason,
-    grads_one_by_one,
+    gradient_mismatch,
     processed_batch,
     tiny_vision_model,
     vision_sample,
@@ -72,10 +71,15 @@ def _packed(samples, positions=None) -> dict:
     return pack_processed(processed, [s["input_ids"].shape[1] for s in samples], positions=positions)
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = REL) -> None:
+def _problem(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = REL) -> str | None:
     scale = expected.abs().max().clamp_min(1e-12)
     error = (actual - expected).abs().max()
-    assert error <= rel * scale + ZERO, f"{what}: max abs error {error:.3e} > {rel} x {scale:.3e}"
+    return None if error <= rel * scale + ZERO else f"{what}: max abs error {error:.3e} > {rel} x {scale:.3e}"
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = REL) -> None:
+    problem = _problem(actual, expected, what, rel)
+    assert problem is None, problem
 
 
 def _assert_matches_alone(model, samples, batch) -> None:
@@ -92,21 +96,16 @@ def _assert_matches_alone(model, samples, batch) -> None:
 def _assert_grads_match_padded(model, samples, batch) -> None:
     """Packed loss and every gradient == the padded batch's: within ``REL`` of the tensor's largest entry, or, for a
     gradient that cancels to a small value (a gated-delta-net layer's ``A_log``), no further from the padded batch's
-    than twice the stock path's own other summation of it (each sample alone, :func:`grads_one_by_one`)."""
+    than twice the stock path's own other summation of it (each sample alone;
+    :func:`~unpack_trainer.models.tiny_vision.gradient_mismatch`)."""
     model.train()
     padded_loss, padded_grads = loss_and_grads(model, processed_batch(samples), skip_unused=True)
     packed_loss, packed_grads = loss_and_grads(model, batch, skip_unused=True)
     _close(packed_loss, padded_loss, "loss")
     assert packed_grads.keys() == padded_grads.keys()
     assert any(name.startswith(("model.visual", "model.vision")) for name in packed_grads)
-    one_by_one = None
-    for name, grad in padded_grads.items():
-        try:
-            _close(packed_grads[name], grad, f"grad of {name}")
-        except AssertionError:
-            one_by_one = one_by_one or grads_one_by_one(model, samples, skip_unused=True)
-            stock = STOCK_SPREAD * (one_by_one[name] - grad).abs().max()
-            assert (packed_grads[name] - grad).abs().max() <= stock, f"grad of {name}: beyond {stock:.3e}"
+    problem = gradient_mismatch(model, samples, packed_grads, padded_grads, _problem)
+    assert problem is None, problem
     model.eval()
 
 

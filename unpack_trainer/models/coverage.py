@@ -403,8 +403,7 @@ def _verify_vision(model_type: str, implementation: str) -> str | None:
     from unpack_trainer.data.vision import pack_processed
     from unpack_trainer.models import patch_model, unpatch_model
     from unpack_trainer.models.tiny_vision import (
-        STOCK_SPREAD,
-        grads_one_by_one,
+        gradient_mismatch,
         image_size,
         processed_batch,
         tiny_vision_model,
@@ -446,13 +445,11 @@ def _verify_vision(model_type: str, implementation: str) -> str | None:
             return problem
         if packed_grads.keys() != padded_grads.keys():
             return f"{implementation}: packed and padded batches give gradients to different parameters"
-        one_by_one = None
-        for name, grad in padded_grads.items():
-            problem = _close(packed_grads[name], grad, f"{implementation}: gradient of {name}")
-            if problem:  # a gradient that cancels to a small value: within stock's own rounding of it?
-                one_by_one = one_by_one or grads_one_by_one(model, samples, skip_unused=True)
-                if (packed_grads[name] - grad).abs().max() > STOCK_SPREAD * (one_by_one[name] - grad).abs().max():
-                    return f"{problem}, beyond the stock path's own (each sample alone)"
+        problem = gradient_mismatch(
+            model, samples, packed_grads, padded_grads, lambda a, e, what: _close(a, e, f"{implementation}: {what}")
+        )
+        if problem:
+            return problem
     finally:
         unpatch_model(model)
     return None

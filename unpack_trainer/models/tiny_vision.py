@@ -21,7 +21,7 @@ Nothing happens at import time.
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from unpack_trainer.models.tiny import TINY_SIZES, _quiet
@@ -32,6 +32,7 @@ __all__ = [
     "IMAGE_TOKENS",
     "VISION_FAMILIES",
     "family_unavailable_reason",
+    "gradient_mismatch",
     "grads_one_by_one",
     "image_size",
     "processed_batch",
@@ -565,6 +566,29 @@ def grads_one_by_one(model: Any, samples: Sequence[dict[str, Any]], *, skip_unus
     }
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def gradient_mismatch(
+    model: Any,
+    samples: Sequence[dict[str, Any]],
+    packed_grads: dict[str, Any],
+    padded_grads: dict[str, Any],
+    close: Callable[[Any, Any, str], str | None],
+) -> str | None:
+    """The first packed gradient that differs from the padded batch's beyond ``close`` (``(actual, expected, what) ->
+    problem or None``, a bound relative to the tensor's largest entry) and, being one that cancels to a small value,
+    also beyond :data:`STOCK_SPREAD` times the stock path's own distance of it (:func:`grads_one_by_one`, computed
+    only then); ``None`` when every gradient agrees. ``packed_grads`` / ``padded_grads``: by parameter name."""
+    one_by_one = None
+    for name, grad in padded_grads.items():
+        problem = close(packed_grads[name], grad, f"gradient of {name}")
+        if problem is None:
+            continue
+        one_by_one = one_by_one or grads_one_by_one(model, samples, skip_unused=True)
+        stock = STOCK_SPREAD * (one_by_one[name] - grad).abs().max()
+        if (packed_grads[name] - grad).abs().max() > stock:
+            return f"{problem}, beyond {STOCK_SPREAD} x the stock path's own (each sample alone): {float(stock):.3e}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------------------
