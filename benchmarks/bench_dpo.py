@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     environment_line,
     format_table,
+    pair_trainer,
     quiet_case,
     run_in_subprocess,
     timed_loss_steps,
@@ -120,16 +120,9 @@ def run_case(
         for pair in make_pairs(batch_size * (steps + 1), share, median=median)
     ]
     dataset = Dataset.from_list(texts)
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
-                  use_cpu=True, gradient_checkpointing=False, max_length=None)  # fmt: skip
-    if provider == "stock":
-        trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
-    else:
-        trainer_class, args = DPOTrainer, DPOConfig(**common, prefix_sharing=provider == "shared")
-    trainer = trainer_class(
-        model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra
-    )
-    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    trainer = pair_trainer(provider, (trl.DPOTrainer, trl.DPOConfig), (DPOTrainer, DPOConfig), batch_size,
+                           model=model, ref_model=ref_model, train_dataset=dataset, processing_class=tokenizer,
+                           **extra)  # fmt: skip
     pairs = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
     timed = timed_loss_steps(trainer, batch_size, pairs, steps)
     seconds = timed["seconds"]
@@ -172,17 +165,9 @@ def run_vlm_case(provider: str, steps: int, batch_size: int, threads: int | None
     processor.image_processor.size = side
     model = tiny_vision_model("qwen2_5_vl", seed=0, attn_implementation="sdpa", **VLM_TEXT)
     ref_model = tiny_vision_model("qwen2_5_vl", seed=1, attn_implementation="sdpa", **VLM_TEXT)
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
-                  use_cpu=True, gradient_checkpointing=False, max_length=None)  # fmt: skip
-    if provider == "stock":
-        trainer_class, args = trl.DPOTrainer, trl.DPOConfig(**common)
-    else:
-        trainer_class, args = DPOTrainer, DPOConfig(**common, prefix_sharing=provider == "shared")
     dataset = image_pairs(batch_size * (steps + 1))
-    trainer = trainer_class(
-        model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=processor
-    )
-    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    trainer = pair_trainer(provider, (trl.DPOTrainer, trl.DPOConfig), (DPOTrainer, DPOConfig), batch_size,
+                           model=model, ref_model=ref_model, train_dataset=dataset, processing_class=processor)  # fmt: skip
     images: list[int] = []
     for pretrained in (model, ref_model):  # the multimodal model runs its vision tower through get_image_features
         inner = pretrained.base_model

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dpo import PROVIDERS, _spread, make_pairs, measure, word_tokenizer  # noqa: E402
-from common import format_table, quiet_case, timed_loss_steps, tiny_llama_config  # noqa: E402
+from common import format_table, pair_trainer, quiet_case, timed_loss_steps, tiny_llama_config  # noqa: E402
 
 
 def _model(name: str) -> tuple[object, dict]:
@@ -77,14 +76,8 @@ def run_case(
             for p in pairs
         ]  # fmt: skip
     )
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
-                  use_cpu=True, gradient_checkpointing=False, max_length=None)  # fmt: skip
-    if provider == "stock":
-        trainer_class, args = trl.RewardTrainer, trl.RewardConfig(**common)
-    else:
-        trainer_class, args = RewardTrainer, RewardConfig(**common, prefix_sharing=provider == "shared")
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra)
-    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    trainer = pair_trainer(provider, (trl.RewardTrainer, trl.RewardConfig), (RewardTrainer, RewardConfig), batch_size,
+                           model=model, train_dataset=dataset, processing_class=tokenizer, **extra)  # fmt: skip
     examples = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
     timed = timed_loss_steps(trainer, batch_size, examples, steps)
     seconds, cpu_seconds = timed["seconds"], timed["cpu_seconds"]

@@ -11,6 +11,7 @@ import argparse
 import os
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +74,24 @@ def tiny_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
     return AutoConfig.for_model(model_type, **{**TINY_SIZES, **overrides})
+
+
+def pair_trainer(provider: str, stock: tuple, ours: tuple, batch_size: int, **trainer_arguments):
+    """The trainer a pair benchmark (DPO, reward) times for ``provider``: ``"stock"`` builds TRL's ``stock``
+    (``(trainer class, config class)``), ``"plain"`` / ``"shared"`` ours (``ours``) with ``prefix_sharing`` off / on,
+    which must decide to pack; fp32 on the CPU, ``batch_size`` pairs per step, no truncation. ``trainer_arguments``
+    go to the trainer (model, data, processing class, ...)."""
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, report_to=[], bf16=False,
+                  use_cpu=True, gradient_checkpointing=False, max_length=None)  # fmt: skip
+    if provider == "stock":
+        trainer_class, config_class = stock
+        args = config_class(**common)
+    else:
+        trainer_class, config_class = ours
+        args = config_class(**common, prefix_sharing=provider == "shared")
+    trainer = trainer_class(args=args, **trainer_arguments)
+    assert provider == "stock" or trainer.unpack_decision.packed, trainer.unpack_decision.reason
+    return trainer
 
 
 def timed_loss_steps(
