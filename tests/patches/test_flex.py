@@ -168,6 +168,31 @@ def test_flex_forward_equals_eager_on_cpu(layout, feature):
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+def _softcap_runs(softcaps, call=lambda forward, *args, **kwargs: forward(*args, **kwargs)):
+    """``packed_attention_forward`` on flex with each softcap in turn (through ``call``), each output against eager's."""
+    info = make_info([70, 58])
+    q, k, v = random_qkv(info.total_tokens)
+    for softcap in softcaps:
+        options = dict(scaling=0.3, packed_seq_info=info, softcap=softcap)
+        with torch.no_grad():
+            out, _ = call(packed_attention_forward, FakeModule(), q, k, v, None, backend="flex", **options)
+            expected, _ = packed_attention_forward(FakeModule(), q, k, v, None, backend="eager", **options)
+        assert (out - expected).abs().max() <= 1e-5 * expected.abs().max(), softcap
+
+
+def test_flex_takes_one_softcap_after_another():
+    """Two models with different softcaps in one process (Gemma 2's 50.0, a test's 2.5): torch 2.15's dynamo turns a
+    float the score function captures into a symbolic float once it changes between calls, and flex's operator
+    refuses it ("can only be of (Tensor, int, SymInt)") -- in the unfused forward (which compiles the operator) and
+    in a user's ``torch.compile``. The softcap reaches the score function as a tensor."""
+    _softcap_runs([2.5, 3.0, 4.0])
+
+
+def test_flex_under_a_user_compile_takes_one_softcap_after_another():
+    compiled = torch.compile(lambda forward, *args, **kwargs: forward(*args, **kwargs), backend="eager")
+    _softcap_runs([2.5, 3.0, 4.0], call=compiled)
+
+
 def test_flex_on_two_rows():
     """``B`` rows run as one row of ``B * T`` tokens: samples never cross rows, so the result is the same."""
     info = make_info([100, 60, 40, 120, 80], rows=2)

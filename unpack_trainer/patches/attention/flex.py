@@ -239,9 +239,25 @@ def block_mask(info: PackedSeqInfo, padded: int, window: int | None, device: tor
     return info.plan("flex_block_mask", (padded, window, str(device)), build)
 
 
+@functools.cache
+def _cached_scalar(value: float, device: torch.device) -> Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def _scalar(value: float, device: torch.device) -> Tensor:
+    """``value`` as a 0-dim float32 tensor on ``device`` (one per value and device outside a trace; built in the graph
+    inside one). A score function captures its constants as tensors: dynamo turns a captured Python float into a
+    symbolic float once its value changes between calls (two models with different softcaps in one process, in
+    flex's unfused forward -- which compiles flex's operator -- and in a user's ``torch.compile``), and flex's operator
+    refuses symbolic floats ("can only be of (Tensor, int, SymInt)")."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(value, dtype=torch.float32, device=device)
+    return _cached_scalar(float(value), device)
+
+
 def _score_mod(options: CallOptions, pos: Tensor, device: torch.device) -> Callable[..., Tensor] | None:
     """The score function for ``options``: softcap, then ALiBi (``None`` without either)."""
-    softcap = options.softcap
+    softcap = None if options.softcap is None else _scalar(options.softcap, device)
     slopes = None
     if options.alibi_slopes is not None:
         slopes = options.alibi_slopes.to(device=device, dtype=torch.float32)
