@@ -9,7 +9,7 @@ exists, so a GPU loan that ends early keeps everything measured so far.
 
 Cases (``--list`` prints them in the order they run):
 
-1. ``trainer:<model>:<provider>:<precision>[:compile]`` -- pre-tokenized samples with lognormal lengths (median 400,
+1. ``trainer:<model>:<provider>:<precision>[:compile][:no_checkpointing]`` -- pre-tokenized samples with lognormal lengths (median 400,
    at most 4,096), rows of 4,096, one warm-up step then ``--steps`` timed steps, each case in its own process.
    Models: ``llama1b`` (Llama-3.2-1B shapes: hidden 2048, 16 layers, 32 / 8 heads of 64, vocab 128,256),
    ``llama8b_lora`` (Llama-3.1-8B shapes, LoRA r 16 on every linear layer, bf16 weights, one row per step), and one
@@ -21,12 +21,15 @@ Cases (``--list`` prints them in the order they run):
    ``ours_packing_liger_loss`` (the same with ``loss_kernel="liger"``: Liger-Kernel's fused linear cross-entropy),
    ``ours_packing_liger`` / ``trl_packing_liger`` (``use_liger_kernel=True``: Liger's RoPE, RMSNorm, SwiGLU, and in
    TRL its loss), ``ours_padding_free`` (automatic, batch 16). Precisions: ``fp32-bf16`` (fp32 weights, ``bf16=True``: autocast,
-   TRL's default on a GPU) and ``bf16`` (bf16 weights). ``:compile``: ``torch_compile=True``.
+   TRL's default on a GPU) and ``bf16`` (bf16 weights). ``:compile``: ``torch_compile=True``. Activation
+   checkpointing is on, as TRL's ``SFTConfig`` sets it by default (``gradient_checkpointing=True``: every layer's
+   forward runs twice), in every case but ``:no_checkpointing`` (``gradient_checkpointing=False``).
    Columns: real (non-pad) tokens/s, s/step, the first step's seconds (compilation included: flex, ``--compile``),
    host (process CPU) and GPU (kernels in a profiled step) seconds per step, the profiled step's GPU time by kernel
    class (GEMM, attention, loss, optimizer, elementwise and the rest), model FLOP utilisation (6 x parameters per
-   token, 4 x with LoRA's frozen base; MoE: the active parameters), peak GPU memory, ratios against TRL in the same
-   model and precision.
+   token, 4 x with LoRA's frozen base; MoE: the active parameters), hardware FLOP utilisation (the same with the
+   forward recomputed under checkpointing: 2 x parameters more), peak GPU memory, ratios against TRL in the same
+   model, precision and set-up.
 2. ``attention:<provider>:<tokens>`` -- attention alone (fwd + bwd, 32 / 8 heads of 128, bf16, one packed row of
    lognormal samples, median 400) on every packed backend that runs here, torch's flex_attention with
    ``create_block_mask`` per call (what a user of flex writes), SDPA with the dense ``(T, T)`` mask (8k only).
@@ -74,6 +77,8 @@ PROVIDERS = (
     "ours_padding_free",
 )
 PRECISIONS = ("fp32-bf16", "bf16")
+# A trainer case's options after its precision, with their label in the tables.
+OPTIONS = {"compile": "compile", "no_checkpointing": "no checkpointing"}
 # Dense bf16 tensor-core peak (FLOP/s) per device name fragment, for the model FLOP utilisation column.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -247,6 +252,12 @@ def flops_per_token(model: torch.nn.Module, *, lora: bool) -> float:
     return (4.0 if lora else 6.0) * total
 
 
+def recompute_flops_per_token(flops: float, *, lora: bool) -> float:
+    """The FLOPs activation checkpointing adds per token to :func:`flops_per_token`'s ``flops``: one more forward
+    (2 x the parameters, a third of 6 x, half of LoRA's 4 x)."""
+    return flops / (2.0 if lora else 3.0)
+
+
 # --------------------------------------------------------------------------------------------------------- trainer
 
 
@@ -284,9 +295,17 @@ def _build_model(model: str, precision: str, implementation: str, *, cuda: bool,
 
 
 def train_case(
-    model: str, provider: str, precision: str, *, compile: bool, dry_run: bool, steps: int
+    model: str,
+    provider: str,
+    precision: str,
+    *,
+    compile: bool,
+    dry_run: bool,
+    steps: int,
+    checkpointing: bool = True,
 ) -> dict[str, Any]:
-    """One trainer case in this process: ``steps`` timed optimizer steps after one warm-up step."""
+    """One trainer case in this process: ``steps`` timed optimizer steps after one warm-up step. ``checkpointing``:
+    ``gradient_checkpointing`` (TRL's default, on), set explicitly on both sides."""
     import trl
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
@@ -332,6 +351,7 @@ def train_case(
         seed=0,
         torch_compile=compile,
         use_liger_kernel=liger,
+        gradient_checkpointing=checkpointing,
     )
     if provider == "ours_packing_liger_loss":
         arguments["loss_kernel"] = "liger"
@@ -392,12 +412,15 @@ def train_case(
         )
         / 2**30,
         "flops_per_token": flops,
+        "activation_checkpointing": bool(trainer.args.gradient_checkpointing),
     }
     if cuda:
         result.update(_profile_one_step(trainer))
         peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
         if peak is not None:
             result["mfu"] = flops * tokens_per_s / peak
+            hardware = flops + (recompute_flops_per_token(flops, lora=lora) if checkpointing else 0.0)
+            result["hfu"] = hardware * tokens_per_s / peak
     decision = getattr(trainer, "unpack_decision", None)
     if decision is not None:
         result["mode"] = decision.mode
@@ -470,6 +493,7 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
         "GPU s/step",
         "GPU split gemm/attn/loss/optim/other",
         "MFU",
+        "HFU",
         "peak GiB",
         "vs TRL padded",
         "vs TRL packing (SDPA)",
@@ -477,18 +501,18 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
     )
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     for case, result in results.items():
-        _, model, provider, precision, *compiled = case.split(":")
-        groups.setdefault((model, precision, ":".join(compiled)), {})[provider] = result
+        _, model, provider, precision, *options = case.split(":")
+        groups.setdefault((model, precision, ":".join(options)), {})[provider] = result
     rows = []
-    for (model, precision, compiled), by_provider in groups.items():
-        label = precision + (" compile" if compiled else "")
+    for (model, precision, options), by_provider in groups.items():
+        label = " ".join([precision, *(OPTIONS[option] for option in options.split(":") if option)])
         for provider in PROVIDERS:
             if provider not in by_provider:
                 continue
             result = by_provider[provider]
             if "tokens_per_s" not in result:
                 why = result.get("skipped", result.get("error", "-"))
-                rows.append((model, label, provider, why, *["-"] * 10))
+                rows.append((model, label, provider, why, *["-"] * 11))
                 continue
             split = result.get("gpu_split_s")
             split_text = "-"
@@ -497,7 +521,7 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
                     f"{split.get(k, 0.0):.3f}" for k in ("gemm", "attention", "loss", "optimizer", "other")
                 )
             gpu = result.get("gpu_s_per_step")
-            mfu = result.get("mfu")
+            mfu, hfu = result.get("mfu"), result.get("hfu")
             ran = provider
             if provider.startswith("ours") and result.get("mode") not in (None, "pack", "padding_free"):
                 ran = f"{provider} (ran {result['mode']}: {result.get('reason', 'reason not recorded')})"
@@ -513,6 +537,7 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
                     "n/a (CPU)" if gpu is None else gpu,
                     split_text,
                     "-" if mfu is None else f"{100 * mfu:.1f}%",
+                    "-" if hfu is None else f"{100 * hfu:.1f}%",
                     result["peak_gib"],
                     _ratio(result, by_provider.get("trl_padded")),
                     _ratio(result, by_provider.get("trl_packing_sdpa")),
@@ -697,16 +722,27 @@ class Case(NamedTuple):
 
 def all_cases() -> list[Case]:
     """Every case, in priority order: the headline comparison first (ours vs TRL packing on Llama-3.2-1B shapes, both
-    precisions), then the 8B LoRA case, padding-free, flex in training, attention alone, the families, compile,
+    precisions), the goals' candidates without activation checkpointing, then the 8B LoRA case, padding-free, flex in training, attention alone, the families, compile,
     TRL's flex packing (minutes of compilation), RoPE."""
     cases: list[Case] = []
 
-    def trainer(model: str, provider: str, precision: str, compile: bool = False, estimate: float = 45) -> None:
-        cases.append(Case(f"trainer:{model}:{provider}:{precision}" + (":compile" if compile else ""), estimate))
+    def trainer(
+        model: str, provider: str, precision: str, compile: bool = False, estimate: float = 45, ckpt: bool = True
+    ) -> None:
+        options = (":compile" if compile else "") + ("" if ckpt else ":no_checkpointing")
+        cases.append(Case(f"trainer:{model}:{provider}:{precision}{options}", estimate))
 
     for precision in PRECISIONS:
         trainer("llama1b", "ours_packing", precision)
         trainer("llama1b", "trl_packing_sdpa", precision)
+    # The goals' candidates without TRL's default activation checkpointing (the forward is not run twice): the
+    # fastest Llama-1B set-up (model FLOP utilisation) and the 8B LoRA case (tokens/s), each against TRL's.
+    trainer("llama1b", "ours_packing_liger", "bf16", ckpt=False)
+    trainer("llama8b_lora", "ours_packing_liger", "bf16", estimate=75, ckpt=False)
+    trainer("llama8b_lora", "trl_packing_sdpa", "bf16", estimate=75, ckpt=False)
+    for precision in PRECISIONS:
+        trainer("llama1b", "ours_packing", precision, ckpt=False)
+        trainer("llama1b", "trl_packing_sdpa", precision, ckpt=False)
     for provider in ("ours_packing_liger_loss", "ours_packing_liger", "trl_packing_liger"):
         trainer("llama1b", provider, "fp32-bf16")
     trainer("llama8b_lora", "ours_packing", "bf16", estimate=75)
@@ -748,8 +784,19 @@ def select_cases(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
 def _case(name: str, *, dry_run: bool, steps: int) -> dict[str, Any]:
     section, *rest = name.split(":")
     if section == "trainer":
-        model, provider, precision, *compiled = rest
-        return train_case(model, provider, precision, compile=bool(compiled), dry_run=dry_run, steps=steps)
+        model, provider, precision, *options = rest
+        unknown = set(options) - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown option(s) {sorted(unknown)} in case {name!r}; known: {sorted(OPTIONS)}")
+        return train_case(
+            model,
+            provider,
+            precision,
+            compile="compile" in options,
+            checkpointing="no_checkpointing" not in options,
+            dry_run=dry_run,
+            steps=steps,
+        )
     if section == "attention":
         return attention_case(rest[0], int(rest[1]), dry_run=dry_run)
     if section == "rope":

@@ -27,6 +27,7 @@ DRY_RUN_CASES = ",".join(
         "trainer:llama1b:trl_packing_sdpa:fp32-bf16",
         "trainer:llama1b:trl_packing_flex:fp32-bf16",
         "trainer:llama1b:ours_packing:fp32-bf16",
+        "trainer:llama1b:ours_packing:fp32-bf16:no_checkpointing",
         "trainer:llama8b_lora:ours_packing:bf16",
         "trainer:gpt_oss:ours_packing:bf16",
         "attention:packed_torch_varlen:8192",
@@ -46,6 +47,9 @@ def test_dry_run_writes_every_table(tmp_path, bench):
     results = json.loads((tmp_path / "bench_gpu.json").read_text())["cases"]
     ours = results["trainer:llama1b:ours_packing:fp32-bf16"]
     assert ours["tokens_per_s"] > 0 and ours["mode"] == "pack" and ours["first_step_s"] > 0
+    assert ours["activation_checkpointing"] is True  # TRL's default, set explicitly on both sides
+    unchecked = results["trainer:llama1b:ours_packing:fp32-bf16:no_checkpointing"]
+    assert unchecked["tokens_per_s"] > 0 and unchecked["activation_checkpointing"] is False
     assert results["trainer:llama1b:trl_packing_sdpa:fp32-bf16"]["tokens_per_s"] > 0
     assert "no backward on the CPU" in results["trainer:llama1b:trl_packing_flex:fp32-bf16"]["skipped"]
     lora = results["trainer:llama8b_lora:ours_packing:bf16"]
@@ -57,6 +61,18 @@ def test_dry_run_writes_every_table(tmp_path, bench):
     tables = (tmp_path / "bench_gpu.md").read_text()
     for heading in ("### Trainer", "### Attention alone", "### RoPE"):
         assert heading in tables
+    assert "| fp32-bf16 no checkpointing | ours_packing |" in tables
+
+
+def test_unknown_trainer_options_are_named(bench):
+    with pytest.raises(ValueError, match="no_checkpointin"):
+        bench._case("trainer:llama1b:ours_packing:bf16:no_checkpointin", dry_run=True, steps=1)
+
+
+def test_recomputed_forward_flops(bench):
+    """Checkpointing runs the forward once more: 2 x the parameters on top of 6 x (full) or 4 x (LoRA)."""
+    assert bench.recompute_flops_per_token(6.0e9, lora=False) == pytest.approx(2.0e9)
+    assert bench.recompute_flops_per_token(4.0e9, lora=True) == pytest.approx(2.0e9)
 
 
 def test_each_result_is_written_as_it_comes_and_the_budget_skips_what_does_not_fit(tmp_path, bench, monkeypatch):
