@@ -15,7 +15,7 @@ import torch
 import trl
 from datasets import Dataset
 from dpo_steps import one_dpo_step
-from PIL import Image
+from random_images import random_image
 
 from unpack_trainer.configs import DPOConfig
 from unpack_trainer.data.preference import pack_vision_pairs
@@ -28,10 +28,6 @@ NUM_PAIRS = 3
 SHARED = [-1, 0, 0, -1, 3, 3, -1, 6, 6]  # packed_seq_parents: each prompt once, its two completions as branches
 
 
-def _image(height: int, width: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
-
-
 def _pairs(n: int = NUM_PAIRS, seed: int = 0) -> Dataset:
     rng = np.random.default_rng(seed)
     rows = []
@@ -39,7 +35,7 @@ def _pairs(n: int = NUM_PAIRS, seed: int = 0) -> Dataset:
         side = (int(rng.integers(56, 84)), int(rng.integers(56, 84)))
         rows.append(
             {
-                "images": [_image(*side, seed + index)],
+                "images": [random_image(*side, seed + index)],
                 "prompt": [{"role": "user", "content": "describe" + "?" * int(rng.integers(0, 5))}],
                 "chosen": [{"role": "assistant", "content": "a shape " * int(rng.integers(1, 3))}],
                 "rejected": [{"role": "assistant", "content": "no " * int(rng.integers(1, 4))}],

@@ -13,12 +13,11 @@ RLOO".
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import trl
 from datasets import Dataset
-from PIL import Image
+from random_images import random_image
 from test_grpo_trainer import assert_same_steps
 from test_grpo_trainer import run_steps as run_text_steps
 
@@ -32,15 +31,14 @@ PROCESSOR = tiny_processor("qwen2_5_vl")
 PROCESSOR.tokenizer.padding_side = "left"  # as TRL loads a processor itself: its prompts' per-token inputs left-padded
 
 
-def _image(height: int, width: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
-
-
 def image_prompts() -> Dataset:
     """Two prompts of equal text and image size (different pixels) and one longer prompt with a larger image."""
     rows = [("what is it?", 56, 56, 0), ("what is it?", 56, 56, 1), ("describe the picture, please", 84, 112, 2)]
     return Dataset.from_list(
-        [{"image": _image(h, w, seed), "prompt": [{"role": "user", "content": text}]} for text, h, w, seed in rows]
+        [
+            {"image": random_image(h, w, seed), "prompt": [{"role": "user", "content": text}]}
+            for text, h, w, seed in rows
+        ]
     )
 
 

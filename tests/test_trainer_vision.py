@@ -12,7 +12,7 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from PIL import Image
+from random_images import random_image
 
 from unpack_trainer import SFTConfig, SFTTrainer
 from unpack_trainer.data.vision import VISION_ROWS_KEY, DataCollatorForVisionPacking, VisionRows
@@ -21,18 +21,13 @@ from unpack_trainer.models import is_patched, supported_model_types
 from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_config, tiny_vision_model
 
 
-def _image(height: int, width: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
 def _dataset(n: int = 12, seed: int = 0) -> Dataset:
     rng = np.random.default_rng(seed)
     rows = []
     for index in range(n):
         rows.append(
             {
-                "images": [_image(int(rng.integers(56, 112)), int(rng.integers(56, 112)), seed + index)],
+                "images": [random_image(int(rng.integers(56, 112)), int(rng.integers(56, 112)), seed + index)],
                 "messages": [
                     {"role": "user", "content": "describe" + "?" * int(rng.integers(0, 10))},
                     {"role": "assistant", "content": "a shape " * int(rng.integers(1, 5))},

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from PIL import Image
+from random_images import random_image
 
 from unpack_trainer.data.vision import (
     VISION_ROWS_KEY,
@@ -25,11 +25,6 @@ from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
 
 
-def _image(height: int, width: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
 def _examples(n: int = 4, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     out = []
@@ -37,7 +32,7 @@ def _examples(n: int = 4, seed: int = 0) -> list[dict]:
         size = (int(rng.integers(56, 112)), int(rng.integers(56, 112)))
         out.append(
             {
-                "images": [_image(*size, seed + index)],
+                "images": [random_image(*size, seed + index)],
                 "messages": [
                     {"role": "user", "content": "what is this" + "?" * int(rng.integers(0, 6))},
                     {"role": "assistant", "content": "a shape " * int(rng.integers(1, 4))},
