@@ -26,7 +26,9 @@ Cases (``--list`` prints them in the order they run):
    forward runs twice), in every case but ``:no_checkpointing`` (``gradient_checkpointing=False``).
    Columns: real (non-pad) tokens/s, s/step, the first step's seconds (compilation included: flex, ``--compile``),
    host (process CPU) and GPU (kernels in a profiled step) seconds per step, the profiled step's GPU time by kernel
-   class (GEMM, attention, loss, optimizer, elementwise and the rest), model FLOP utilisation (6 x parameters per
+   class (GEMM, attention, loss, optimizer, elementwise and the rest), the GPU's busy share of one more step run as
+   transformers' loop runs it and its idle milliseconds by host phase (fetching and collating the batch; forward and
+   backward; the optimizer), model FLOP utilisation (6 x parameters per
    token, 4 x with LoRA's frozen base; MoE: the active parameters), hardware FLOP utilisation (the same with the
    forward recomputed under checkpointing: 2 x parameters more), peak GPU memory, ratios against TRL in the same
    model, precision and set-up.
@@ -416,6 +418,7 @@ def train_case(
     }
     if cuda:
         result.update(_profile_one_step(trainer))
+        result.update(_profile_idle(trainer))
         peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
         if peak is not None:
             result["mfu"] = flops * tokens_per_s / peak
@@ -473,6 +476,80 @@ def _profile_one_step(trainer: Any) -> dict[str, Any]:
     return {"gpu_s_per_step": sum(split.values()), "gpu_split_s": split, "gpu_top_kernels": top}
 
 
+# The host phases of one training step, in the order transformers' loop runs them.
+PHASES = ("data", "forward_backward", "optimizer")
+
+
+def gpu_idle_by_phase(
+    phases: dict[str, tuple[float, float]], kernels: Sequence[tuple[float, float]]
+) -> dict[str, float]:
+    """Seconds of each host phase during which the GPU ran nothing.
+
+    Args:
+        phases: ``{name: (start, end)}`` host intervals in microseconds, one clock with ``kernels``.
+        kernels: ``(start, end)`` of every GPU kernel / copy in microseconds (overlapping ones allowed: streams).
+
+    Returns:
+        ``{name: idle seconds}``: the phase's length minus the time at least one kernel ran within it (a kernel
+        launched in one phase and running into the next counts as busy time of the next).
+    """
+    merged: list[list[float]] = []
+    for start, end in sorted(kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    idle = {}
+    for name, (start, end) in phases.items():
+        busy = sum(max(0.0, min(end, k_end) - max(start, k_start)) for k_start, k_end in merged)
+        idle[name] = max(0.0, end - start - busy) / 1e6
+    return idle
+
+
+def _profile_idle(trainer: Any) -> dict[str, Any]:
+    """One more training step, the way transformers' loop runs it (the next batch fetched and collated, moved to
+    the device; forward and backward with the loop's nan / inf check of the loss, a host sync; gradient clipping,
+    optimizer and scheduler step, zero_grad), under torch.profiler with the host recorded: the seconds the GPU sat
+    idle in each host phase (:func:`gpu_idle_by_phase`) and its busy share of the step. The host's recording makes
+    its phases slightly longer than unprofiled; a diagnostic of where the GPU waits, not a timing."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model, args = trainer.model, trainer.args
+    cuda = next(model.parameters()).is_cuda
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    iterator = iter(trainer.get_train_dataloader())
+    next(iterator)  # the iterator's start-up is not a step's
+    synchronize()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        with record_function("bench_gpu:data"):
+            batch = trainer._prepare_inputs(next(iterator))
+        with record_function("bench_gpu:forward_backward"):
+            loss = trainer.training_step(model, batch)
+            bool(torch.isnan(loss) or torch.isinf(loss))  # transformers' logging_nan_inf_filter (default on)
+        with record_function("bench_gpu:optimizer"):
+            if args.max_grad_norm and args.max_grad_norm > 0:
+                trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            trainer.optimizer.step()
+            if trainer.lr_scheduler is not None:
+                trainer.lr_scheduler.step()
+            model.zero_grad()
+        synchronize()
+    phases: dict[str, tuple[float, float]] = {}
+    kernels: list[tuple[float, float]] = []
+    for event in prof.events():
+        on_device = "cuda" in str(getattr(event, "device_type", "")).lower()
+        span = (float(event.time_range.start), float(event.time_range.end))
+        if event.name.startswith("bench_gpu:"):
+            if not on_device:
+                phases[event.name.split(":", 1)[1]] = span
+        elif on_device:
+            kernels.append(span)
+    idle = gpu_idle_by_phase(phases, kernels)
+    total = sum(end - start for start, end in phases.values()) / 1e6
+    return {"gpu_idle_s": idle, "gpu_busy": 1.0 - sum(idle.values()) / total if total > 0 else None}
+
+
 def _ratio(result: dict[str, Any], other: dict[str, Any] | None) -> str:
     if not other or "tokens_per_s" not in other or "tokens_per_s" not in result:
         return "-"
@@ -492,6 +569,7 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
         "host s/step",
         "GPU s/step",
         "GPU split gemm/attn/loss/optim/other",
+        "GPU busy (idle ms data/fwd-bwd/optim)",
         "MFU",
         "HFU",
         "peak GiB",
@@ -512,7 +590,7 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
             result = by_provider[provider]
             if "tokens_per_s" not in result:
                 why = result.get("skipped", result.get("error", "-"))
-                rows.append((model, label, provider, why, *["-"] * 11))
+                rows.append((model, label, provider, why, *["-"] * 12))
                 continue
             split = result.get("gpu_split_s")
             split_text = "-"
@@ -522,6 +600,10 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
                 )
             gpu = result.get("gpu_s_per_step")
             mfu, hfu = result.get("mfu"), result.get("hfu")
+            busy, idle = result.get("gpu_busy"), result.get("gpu_idle_s")
+            busy_text = "-"
+            if busy is not None and idle:
+                busy_text = f"{100 * busy:.1f}% (" + " / ".join(f"{1e3 * idle.get(p, 0.0):.1f}" for p in PHASES) + ")"
             ran = provider
             if provider.startswith("ours") and result.get("mode") not in (None, "pack", "padding_free"):
                 ran = f"{provider} (ran {result['mode']}: {result.get('reason', 'reason not recorded')})"
@@ -536,6 +618,7 @@ def trainer_table(results: dict[str, dict[str, Any]]) -> str:
                     result["host_s_per_step"],
                     "n/a (CPU)" if gpu is None else gpu,
                     split_text,
+                    busy_text,
                     "-" if mfu is None else f"{100 * mfu:.1f}%",
                     "-" if hfu is None else f"{100 * hfu:.1f}%",
                     result["peak_gib"],

@@ -69,6 +69,38 @@ def test_unknown_trainer_options_are_named(bench):
         bench._case("trainer:llama1b:ours_packing:bf16:no_checkpointin", dry_run=True, steps=1)
 
 
+def test_gpu_idle_by_phase(bench):
+    """Idle time per host phase: the phase's length minus the union of the kernels running within it (overlapping
+    kernels of two streams counted once; a kernel running on from one phase into the next is the next one's busy
+    time)."""
+    phases = {"data": (0.0, 100.0), "forward_backward": (100.0, 1000.0), "optimizer": (1000.0, 1100.0)}
+    kernels = [(90.0, 400.0), (300.0, 500.0), (600.0, 990.0), (1050.0, 1060.0)]
+    idle = bench.gpu_idle_by_phase(phases, kernels)
+    assert idle == pytest.approx({"data": 90e-6, "forward_backward": 110e-6, "optimizer": 90e-6})
+    assert bench.gpu_idle_by_phase({"data": (0.0, 10.0)}, []) == {"data": pytest.approx(10e-6)}
+
+
+def test_the_idle_profile_finds_each_phase_of_a_step(bench):
+    """The profiled step of ``_profile_idle`` on the CPU (no GPU kernels: idle throughout): each host phase found
+    in the profile, the step run as the loop runs it (the model's gradients cleared after the optimizer step)."""
+    from unpack_trainer import SFTConfig, SFTTrainer
+
+    model = bench._build_model("llama1b", "fp32-bf16", "sdpa", cuda=False, dry_run=True)
+    args = SFTConfig(
+        output_dir="/tmp/bench_gpu_idle_test", report_to="none", use_cpu=True, max_length=128, max_steps=1,
+        per_device_train_batch_size=2, packing=True, save_strategy="no", logging_strategy="no",
+        gradient_checkpointing=False, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = bench._dataset(64, 128, 40, model.config.vocab_size)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=bench._tokenizer())
+    trainer.train()
+    result = bench._profile_idle(trainer)
+    assert set(result["gpu_idle_s"]) == set(bench.PHASES)
+    assert all(seconds > 0 for seconds in result["gpu_idle_s"].values())
+    assert result["gpu_busy"] == pytest.approx(0.0, abs=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_recomputed_forward_flops(bench):
     """Checkpointing runs the forward once more: 2 x the parameters on top of 6 x (full) or 4 x (LoRA)."""
     assert bench.recompute_flops_per_token(6.0e9, lora=False) == pytest.approx(2.0e9)
