@@ -46,6 +46,10 @@ Private names, with what each is for and what would replace it:
 - transformers' ``masking_utils.find_packed_sequence_indices``, replaced while a decoder is routed so that a packed
   forward skips its read-back from the device: :func:`skip_packed_sequence_detection`.
 
+- PEFT's LoRA linear layer internals (``peft.tuners.lora.Linear`` with its own ``forward``; ``lora_variant``,
+  ``lora_dropout``, ``active_adapters``) and its input-cast switch ``cast_input_dtype_enabled`` (what
+  ``peft.helpers.disable_input_dtype_casting`` sets): :func:`plain_lora_linear_layers`.
+
 Optional libraries, found by feature (``None`` where missing, so the caller can give a reason):
 
 - Liger-Kernel's chunked fused linear cross-entropy that returns per-token losses with the gradients of their sum
@@ -89,6 +93,7 @@ __all__ = [
     "missing_name_error",
     "output_cache",
     "output_capturing_flag",
+    "plain_lora_linear_layers",
     "recompile_limit_at_least",
     "remove_hook",
     "set_attention_implementation",
@@ -465,6 +470,36 @@ def recompile_limit_at_least(limit: int) -> contextlib.AbstractContextManager:
         f"runs with torch's own recompile limit (known to work: {KNOWN_TO_WORK}).",
     )
     return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# peft
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def plain_lora_linear_layers(model: Any) -> list[Any]:
+    """The modules of ``model`` that are PEFT LoRA linear layers running PEFT's own ``Linear.forward``, have the
+    input-cast switch ``cast_input_dtype_enabled``, and whose every active adapter is vanilla LoRA (no ``lora_variant``
+    such as DoRA) with no dropout (``nn.Identity``). Empty where PEFT is not installed or has no such layer class."""
+    try:
+        from peft.tuners.lora import Linear
+    except ImportError:
+        return []
+    import torch
+
+    layers = []
+    for module in model.modules():
+        if not isinstance(module, Linear) or type(module).forward is not Linear.forward:
+            continue
+        if not isinstance(getattr(module, "cast_input_dtype_enabled", None), bool):
+            continue
+        variants, dropouts = getattr(module, "lora_variant", None), getattr(module, "lora_dropout", None)
+        active = [name for name in getattr(module, "active_adapters", ()) if name in module.lora_A]
+        if variants is None or dropouts is None or not active:
+            continue
+        if all(name not in variants and isinstance(dropouts[name], torch.nn.Identity) for name in active):
+            layers.append(module)
+    return layers
 
 
 # --------------------------------------------------------------------------------------------------------------------

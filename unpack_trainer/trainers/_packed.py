@@ -69,6 +69,7 @@ from unpack_trainer.decision import (
 )
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
+from unpack_trainer.trainers.lora_casts import lora_input_casts_skipped, plain_lora_layers
 
 logger = logging.getLogger("unpack_trainer")
 
@@ -512,6 +513,19 @@ class PackedTrainerMixin:
             weight = self._count_samples(inputs) if self._unpack_sample_loss else items
             self._unpack_eval_weights.append((loss.detach().float().mean(), weight))
         return output
+
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The parent's step, with LoRA's input casts that are exact round trips under autocast skipped
+        ([`unpack_trainer.trainers.lora_casts`]: bit-identical, two activation-sized copies fewer per LoRA layer
+        and call); as the parent's under ``UNPACK_DISABLE=1``, and in the trainers that generate inside their step
+        (GRPO / RLOO: a hook per LoRA layer and generated token would cost more than it saves there)."""
+        if self._unpack_disabled or self.unpack_packs_in != "collator":
+            return super().training_step(model, inputs, *args, **kwargs)
+        cached = getattr(self, "_unpack_lora_layers", None)
+        if cached is None or cached[0] is not model:
+            cached = self._unpack_lora_layers = (model, plain_lora_layers(model))
+        with lora_input_casts_skipped(cached[1]):
+            return super().training_step(model, inputs, *args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -1,0 +1,127 @@
+"""LoRA's input casts skipped under autocast (unpack_trainer/trainers/lora_casts.py): bit-identical to PEFT's own
+path, fewer copies, nothing left behind, only where exact; and the trainers' step uses it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from unpack_trainer.trainers import lora_casts
+from unpack_trainer.trainers.lora_casts import lora_input_casts_skipped, plain_lora_layers
+
+peft = pytest.importorskip("peft")
+
+
+def lora_model(dtype=torch.bfloat16, **lora):
+    """A tiny Llama in ``dtype`` with LoRA (float32 adapters, PEFT's default) on every linear layer, B non-zero."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    base = AutoModelForCausalLM.from_config(config).to(dtype)
+    options = dict(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(base, peft.LoraConfig(**{**options, **lora}))
+
+
+def step(model, context, *, autocast=True):
+    """Loss, every gradient and the number of dtype copies of one forward + backward inside ``context``."""
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.profiler.profile() as prof, context, amp:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    copies = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, copies
+
+
+def test_bit_identical_to_peft_with_fewer_copies_and_nothing_left_behind():
+    model = lora_model()
+    layers = plain_lora_layers(model)
+    assert len(layers) == 14 and {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    loss, grads, copies = step(model, contextlib.nullcontext())
+    loss_skipped, grads_skipped, copies_skipped = step(model, lora_input_casts_skipped(layers))
+    assert torch.equal(loss, loss_skipped)
+    assert grads.keys() == grads_skipped.keys() and len(grads) == 28
+    assert all(torch.equal(grads[name], grads_skipped[name]) for name in grads)
+    assert copies_skipped < copies  # bf16 -> float32 per layer call, and its backward
+    assert all(layer.cast_input_dtype_enabled is True and not layer._forward_pre_hooks for layer in layers)
+
+
+def test_without_autocast_peft_casts_as_always():
+    """A call without autocast inside the context (a bf16 input, float32 adapters) still casts: without the cast
+    it would be a dtype error."""
+    model = lora_model()
+    loss, grads, _ = step(model, contextlib.nullcontext(), autocast=False)
+    loss_in_context, grads_in_context, _ = step(model, lora_input_casts_skipped(plain_lora_layers(model)), autocast=False)
+    assert torch.equal(loss, loss_in_context)
+    assert all(torch.equal(grads[name], grads_in_context[name]) for name in grads)
+
+
+def test_a_users_own_switch_stays_off():
+    model = lora_model(torch.float32)
+    layer = plain_lora_layers(model)[0]
+    layer.cast_input_dtype_enabled = False
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(module.cast_input_dtype_enabled))
+    with lora_input_casts_skipped([layer]), torch.no_grad():
+        layer(torch.randn(3, layer.in_features))
+    assert seen == [False] and layer.cast_input_dtype_enabled is False
+
+
+def test_only_layers_where_the_skip_is_exact():
+    """Dropout (drawn and rounded per dtype) and variants such as DoRA (their own forward) keep PEFT's casts."""
+    assert plain_lora_layers(lora_model(lora_dropout=0.1)) == []
+    assert plain_lora_layers(lora_model(use_dora=True)) == []
+    assert plain_lora_layers(torch.nn.Linear(2, 2)) == []
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_sft_step_skips_the_casts_exactly(tmp_path, monkeypatch, checkpointing):
+    """One step of our SFTTrainer with LoRA on a bf16 model and ``bf16=True`` (TRL's default on a GPU; autocast on
+    the CPU here), with and without activation checkpointing (the recomputed forward skips as the forward did): the
+    step runs inside the context, and its loss and every LoRA gradient equal the same step with the context off."""
+    from datasets import Dataset
+
+    from unpack_trainer import SFTConfig, SFTTrainer
+    from unpack_trainer.models.tiny import char_tokenizer
+
+    entered, switches = [], []
+    real = lora_casts.lora_input_casts_skipped
+
+    def spy(layers):
+        entered.append(len(layers))
+        for layer in layers:  # after the call: the switch as the call saw it
+            layer.register_forward_hook(lambda module, args, out: switches.append(module.cast_input_dtype_enabled))
+        return real(layers)
+
+    def one_step(context):
+        monkeypatch.setattr("unpack_trainer.trainers._packed.lora_input_casts_skipped", context)
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=100)  # fmt: skip
+        base = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        rows = [{"input_ids": list(range(3, 3 + n))} for n in (7, 12, 5, 9)]
+        args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True, max_steps=1,
+                         per_device_train_batch_size=4, packing=True, max_length=64, learning_rate=0.0,
+                         gradient_checkpointing=checkpointing, save_strategy="no", logging_strategy="no", disable_tqdm=True)  # fmt: skip
+        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+        trainer = SFTTrainer(model=base, args=args, train_dataset=Dataset.from_list(rows),
+                             processing_class=char_tokenizer(), peft_config=lora)  # fmt: skip
+        grads = {}
+        for name, parameter in trainer.model.named_parameters():
+            if parameter.requires_grad:
+                parameter.register_hook(lambda grad, name=name: grads.setdefault(name, grad.clone()))
+        trainer.train()
+        return trainer.state.log_history[-1]["train_loss"], grads
+
+    loss, grads = one_step(spy)
+    assert entered and entered[0] == 14
+    assert switches and not any(switches)  # every LoRA call of the step ran under autocast, its cast skipped
+    loss_stock, grads_stock = one_step(lambda layers: contextlib.nullcontext())
+    assert loss == loss_stock
+    assert grads.keys() == grads_stock.keys() and len(grads) == 28
+    assert all(torch.equal(grads[name], grads_stock[name]) for name in grads)
