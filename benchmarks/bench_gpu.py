@@ -21,7 +21,8 @@ Cases (``--list`` prints them in the order they run):
    ``ours_packing_liger_loss`` (the same with ``loss_kernel="liger"``: Liger-Kernel's fused linear cross-entropy),
    ``ours_packing_liger`` / ``trl_packing_liger`` (``use_liger_kernel=True``: Liger's RoPE, RMSNorm, SwiGLU, and in
    TRL its loss), ``ours_padding_free`` (automatic, batch 16). Precisions: ``fp32-bf16`` (fp32 weights, ``bf16=True``: autocast,
-   TRL's default on a GPU) and ``bf16`` (bf16 weights). ``:compile``: ``torch_compile=True``. Activation
+   TRL's default on a GPU), ``bf16`` (bf16 weights, no autocast) and, for the LoRA case, ``bf16-bf16`` (bf16 weights
+   with ``bf16=True``: TRL's default for a model loaded in bf16). ``:compile``: ``torch_compile=True``. Activation
    checkpointing is on, as TRL's ``SFTConfig`` sets it by default (``gradient_checkpointing=True``: every layer's
    forward runs twice), in every case but ``:no_checkpointing`` (``gradient_checkpointing=False``).
    Columns: real (non-pad) tokens/s, s/step, the first step's seconds (compilation included: flex, ``--compile``),
@@ -79,6 +80,9 @@ PROVIDERS = (
     "ours_padding_free",
 )
 PRECISIONS = ("fp32-bf16", "bf16")
+# Precisions that train under autocast (``bf16=True``); ``bf16-bf16``: bf16 weights with ``bf16=True``, what a model
+# loaded in bf16 gets from TRL's default config (its LoRA adapters stay float32, PEFT's default, computed in bf16).
+AUTOCAST_PRECISIONS = ("fp32-bf16", "bf16-bf16")
 # A trainer case's options after its precision, with their label in the tables.
 OPTIONS = {"compile": "compile", "no_checkpointing": "no checkpointing"}
 # Dense bf16 tensor-core peak (FLOP/s) per device name fragment, for the model FLOP utilisation column.
@@ -285,7 +289,7 @@ def _build_model(model: str, precision: str, implementation: str, *, cuda: bool,
 
     config = model_config(model, dry_run=dry_run)
     config._attn_implementation = implementation
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = torch.float32 if precision == "fp32-bf16" else torch.bfloat16
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype: an 8B model never exists in fp32 first
     try:
@@ -320,7 +324,7 @@ def train_case(
     if "liger" in provider and not cuda:
         return {"skipped": "Liger-Kernel's Triton kernels run on CUDA (on the CPU only under Triton's interpreter)"}
     lora = model.endswith("_lora")
-    if lora and precision != "bf16":
+    if lora and precision not in ("bf16", "bf16-bf16"):
         return {"skipped": "the LoRA case runs bf16 weights only"}
     if provider == "ours_packing_flex":
         os.environ["UNPACK_ATTENTION_BACKEND"] = "flex"
@@ -340,7 +344,7 @@ def train_case(
     arguments = dict(
         output_dir=f"/tmp/bench_gpu/{model}-{provider}",
         report_to="none",
-        bf16=precision == "fp32-bf16",  # autocast on the GPU (on the CPU too in the dry run)
+        bf16=precision in AUTOCAST_PRECISIONS,  # autocast on the GPU (on the CPU too in the dry run)
         use_cpu=not cuda,
         max_length=max_length,
         max_steps=steps + 1,
@@ -821,8 +825,10 @@ def all_cases() -> list[Case]:
     # The goals' candidates without TRL's default activation checkpointing (the forward is not run twice): the
     # fastest Llama-1B set-up (model FLOP utilisation) and the 8B LoRA case (tokens/s), each against TRL's.
     trainer("llama1b", "ours_packing_liger", "bf16", ckpt=False)
-    trainer("llama8b_lora", "ours_packing_liger", "bf16", estimate=75, ckpt=False)
-    trainer("llama8b_lora", "trl_packing_sdpa", "bf16", estimate=75, ckpt=False)
+    trainer("llama8b_lora", "ours_packing_liger", "bf16-bf16", estimate=75, ckpt=False)
+    trainer("llama8b_lora", "trl_packing_sdpa", "bf16-bf16", estimate=75, ckpt=False)
+    trainer("llama8b_lora", "ours_packing_liger", "bf16-bf16", estimate=75)
+    trainer("llama8b_lora", "ours_packing", "bf16-bf16", estimate=75, ckpt=False)
     for precision in PRECISIONS:
         trainer("llama1b", "ours_packing", precision, ckpt=False)
         trainer("llama1b", "trl_packing_sdpa", precision, ckpt=False)

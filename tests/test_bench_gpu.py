@@ -29,6 +29,7 @@ DRY_RUN_CASES = ",".join(
         "trainer:llama1b:ours_packing:fp32-bf16",
         "trainer:llama1b:ours_packing:fp32-bf16:no_checkpointing",
         "trainer:llama8b_lora:ours_packing:bf16",
+        "trainer:llama8b_lora:ours_packing:bf16-bf16:no_checkpointing",
         "trainer:gpt_oss:ours_packing:bf16",
         "attention:packed_torch_varlen:8192",
         "attention:packed_sdpa:*",
@@ -54,6 +55,8 @@ def test_dry_run_writes_every_table(tmp_path, bench):
     assert "no backward on the CPU" in results["trainer:llama1b:trl_packing_flex:fp32-bf16"]["skipped"]
     lora = results["trainer:llama8b_lora:ours_packing:bf16"]
     assert lora["tokens_per_s"] > 0 and lora["flops_per_token"] > 0
+    autocast_lora = results["trainer:llama8b_lora:ours_packing:bf16-bf16:no_checkpointing"]  # TRL's bf16=True
+    assert autocast_lora["tokens_per_s"] > 0 and autocast_lora["activation_checkpointing"] is False
     assert results["trainer:gpt_oss:ours_packing:bf16"]["tokens_per_s"] > 0  # MoE with sinks, on eager
     assert results["attention:packed_sdpa:65536"]["ms"] > 0 and results["attention:packed_flex:8192"]["backward"] is False
     assert "CUDA" in results["attention:packed_torch_varlen:8192"]["skipped"]
