@@ -398,6 +398,20 @@ CUDA_PACKAGES = {
 }
 
 
+def _fla_gated_backward_refusal() -> str | None:
+    """Why flash-linear-attention itself refuses the gated delta rule's backward here, read from its own flags
+    (fla 0.6: on Hopper with Triton >= 3.4 and < 3.7.1, "produces incorrect results for gated chunk_bwd_dqkwg"), or
+    ``None``. An installation's limit, not ours: stock transformers fails the same way on such a machine."""
+    import fla.utils
+
+    flags = [getattr(fla.utils, name, None) for name in ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")]
+    if None in flags or not (flags[0] and flags[1] and not flags[2]):
+        return None
+    import triton
+
+    return f"flash-linear-attention refuses the gated delta rule's backward on Hopper with Triton {triton.__version__}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", list(CUDA_PACKAGES))
 def test_varlen_path_on_cuda_with_the_installed_kernels(model_type, monkeypatch):
@@ -410,6 +424,9 @@ def test_varlen_path_on_cuda_with_the_installed_kernels(model_type, monkeypatch)
     missing = [package for package in CUDA_PACKAGES[model_type] if importlib.util.find_spec(package) is None]
     if missing:
         pytest.skip(f"{model_type}'s varlen kernels need {', '.join(PACKAGES_BY_IMPORT[p] for p in missing)}")
+    refusal = _fla_gated_backward_refusal() if "fla" in CUDA_PACKAGES[model_type] else None
+    if refusal:
+        pytest.skip(refusal)
     model = tiny_model(model_type).eval().cuda()
     for mixer in discover(model).mixers:
         plan = varlen_plan(mixer.module)
