@@ -517,9 +517,10 @@ class PackedTrainerMixin:
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The parent's step, with LoRA's input casts that are exact round trips under autocast skipped
         ([`unpack_trainer.trainers.lora_casts`]: bit-identical, two activation-sized copies fewer per LoRA layer
-        and call); as the parent's under ``UNPACK_DISABLE=1``, and in the trainers that generate inside their step
-        (GRPO / RLOO: a hook per LoRA layer and generated token would cost more than it saves there)."""
-        if self._unpack_disabled or self.unpack_packs_in != "collator":
+        and call); as the parent's under ``UNPACK_DISABLE=1``, in the trainers that generate inside their step
+        (GRPO / RLOO: a hook per LoRA layer and generated token would cost more than it saves there), and under
+        ``torch_compile=True`` (dynamo would inline the per-step hooks into a graph that outlives the step)."""
+        if self._unpack_disabled or self.unpack_packs_in != "collator" or getattr(self.args, "torch_compile", False):
             return super().training_step(model, inputs, *args, **kwargs)
         cached = getattr(self, "_unpack_lora_layers", None)
         if cached is None or cached[0] is not model:
