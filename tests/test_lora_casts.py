@@ -79,16 +79,26 @@ def test_only_layers_where_the_skip_is_exact():
     assert plain_lora_layers(torch.nn.Linear(2, 2)) == []
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_sft_step_skips_the_casts_exactly(tmp_path, monkeypatch, checkpointing):
-    """One step of our SFTTrainer with LoRA on a bf16 model and ``bf16=True`` (TRL's default on a GPU; autocast on
-    the CPU here), with and without activation checkpointing (the recomputed forward skips as the forward did): the
-    step runs inside the context, and its loss and every LoRA gradient equal the same step with the context off."""
+def _dataset(trainer: str):
     from datasets import Dataset
 
-    from unpack_trainer import SFTConfig, SFTTrainer
+    if trainer == "sft":
+        return Dataset.from_list([{"input_ids": list(range(3, 3 + n))} for n in (7, 12, 5, 9)])
+    rows = [("the cat", " sat", " ran away"), ("a dog", " barked", " slept"), ("it", " is", " was not"),
+            ("hello", " world", " there")]  # fmt: skip
+    return Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in rows])
+
+
+@pytest.mark.parametrize(("trainer_name", "checkpointing"), [("sft", False), ("sft", True), ("dpo", True)])
+def test_the_step_skips_the_casts_exactly(tmp_path, monkeypatch, trainer_name, checkpointing):
+    """One step of our SFTTrainer / DPOTrainer (its reference: the same model with the adapter disabled) with LoRA on
+    a bf16 model and ``bf16=True`` (TRL's default on a GPU; autocast on the CPU here), with and without activation
+    checkpointing (the recomputed forward skips as the forward did): the step runs inside the context, and its loss
+    and every LoRA gradient equal the same step with the context off."""
+    from unpack_trainer import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
     from unpack_trainer.models.tiny import char_tokenizer
 
+    trainer_class, config_class = {"sft": (SFTTrainer, SFTConfig), "dpo": (DPOTrainer, DPOConfig)}[trainer_name]
     entered, switches = [], []
     real = lora_casts.lora_input_casts_skipped
 
@@ -102,15 +112,16 @@ def test_the_sft_step_skips_the_casts_exactly(tmp_path, monkeypatch, checkpointi
         monkeypatch.setattr("unpack_trainer.trainers._packed.lora_input_casts_skipped", context)
         torch.manual_seed(0)
         config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=100)  # fmt: skip
+                             num_key_value_heads=2, vocab_size=128)  # fmt: skip
         base = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-        rows = [{"input_ids": list(range(3, 3 + n))} for n in (7, 12, 5, 9)]
-        args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True, max_steps=1,
-                         per_device_train_batch_size=4, packing=True, max_length=64, learning_rate=0.0,
-                         gradient_checkpointing=checkpointing, save_strategy="no", logging_strategy="no", disable_tqdm=True)  # fmt: skip
+        args = config_class(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True, max_steps=1,
+                            per_device_train_batch_size=4, max_length=64, learning_rate=0.0,
+                            gradient_checkpointing=checkpointing, save_strategy="no", logging_strategy="no",
+                            disable_tqdm=True, **({"packing": True} if trainer_name == "sft" else {}))  # fmt: skip
         lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-        trainer = SFTTrainer(model=base, args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=char_tokenizer(), peft_config=lora)  # fmt: skip
+        trainer = trainer_class(model=base, args=args, train_dataset=_dataset(trainer_name),
+                                processing_class=char_tokenizer(), peft_config=lora)  # fmt: skip
+        assert trainer.unpack_decision.packed
         grads = {}
         for name, parameter in trainer.model.named_parameters():
             if parameter.requires_grad:
