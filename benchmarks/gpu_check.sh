@@ -11,11 +11,12 @@
 # Knobs (environment): TESTS_S (seconds for the gpu tests, 0 skips them; default 150), BENCH_S (the benchmark's
 # --budget; default 240, 0 skips it), CASES (bench_gpu.py --cases patterns; default all, in priority order),
 # STEPS (timed steps per trainer case; default 5), WORKERS (pytest-xdist processes for the tests; default 8), TESTS
-# (pytest's paths and options for the gpu tests, split on spaces; default "tests").
+# (pytest's paths and options for the gpu tests, split on spaces; default "tests"), LORA_S (seconds for
+# benchmarks/bench_lora.py on 8 layers of Llama-3.1-8B shapes; default 90, 0 skips it).
 # From a session with the device tool: run `bash benchmarks/gpu_check.sh` with carry [".whl"] and a timeout above
 # TESTS_S + BENCH_S + a minute. Files back from $OUT (plain names): environment.txt, install.log, pytest_gpu.txt
 # (-rs: every skip's reason), junit_gpu.xml, bench_gpu.md / bench_gpu.json (rewritten after each case),
-# bench_gpu.log.
+# bench_gpu.log, bench_lora.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +42,7 @@ BENCH_S="${BENCH_S:-240}"
 CASES="${CASES:-}"
 STEPS="${STEPS:-5}"
 WORKERS="${WORKERS:-8}"
+LORA_S="${LORA_S:-90}"
 read -r -a TEST_ARGS <<< "${TESTS:-tests}"
 mkdir -p "$OUT"
 SITE=/tmp/unpack_site
@@ -74,4 +76,12 @@ if [[ "$BENCH_S" != "0" ]]; then
     --out "$OUT" > "$OUT/bench_gpu.log" 2>&1
   echo "bench_gpu exit $?" >> "$OUT/bench_gpu.log"
   cat "$OUT/bench_gpu.md" 2>/dev/null || tail -n 40 "$OUT/bench_gpu.log"
+fi
+
+# 3. LoRA under autocast, PEFT's casts against ours skipped (8 layers of Llama-3.1-8B shapes, one row of 4,096).
+if [[ "$LORA_S" != "0" ]]; then
+  timeout "$LORA_S" python benchmarks/bench_lora.py --device cuda --hidden 4096 --intermediate 14336 --layers 8 \
+    --vocab 128256 --tokens 4096 --repeats 5 > "$OUT/bench_lora.md" 2>&1
+  echo "bench_lora exit $?" >> "$OUT/bench_lora.md"
+  tail -n 8 "$OUT/bench_lora.md"
 fi
