@@ -70,10 +70,16 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         return int(self.num_generations)
 
     def _unpack_chunks(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int, fixed: bool
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int,
+        fixed: bool,
+        prompts: list[tuple[int, ...]] | None = None,
     ) -> list[tuple[int, int]] | str:
         """Row ranges ``[start, end)`` to pack one at a time, or why TRL's padded batch runs instead (``input_ids``
-        and ``attention_mask`` on the CPU).
+        and ``attention_mask`` on the CPU; ``prompts``: their ``_prompt_ids`` when the caller has them).
 
         ``fixed``: TRL's own chunks of ``batch_size`` rows (the MoE auxiliary loss is TRL's mean over them). Otherwise
         consecutive rows while the packed row stays within the padded tokens of one of TRL's chunks (``batch_size *
@@ -86,12 +92,13 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         prompt_lengths = mask[:, :num_prompt].sum(1).tolist()
         completion_lengths = mask[:, num_prompt:].sum(1).tolist()
         sharing = self._unpack_sharing()
-        ids = input_ids.tolist() if sharing else None
+        if sharing and prompts is None:
+            prompts = _prompt_ids(input_ids, attention_mask, logits_to_keep)
         budget = batch_size * width
         chunks: list[tuple[int, int]] = []
         start, used, seen, total = 0, 0, set(), 0
         for row in range(rows):
-            key = tuple(ids[row][num_prompt - prompt_lengths[row] : num_prompt]) if sharing else None
+            key = prompts[row] if sharing else None
             cost = completion_lengths[row] + (0 if sharing and key in seen else prompt_lengths[row])
             split = row - start == batch_size if fixed else (row > start and used + cost > budget)
             if split:
@@ -148,13 +155,14 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         vision = {name: value for name, value in kwargs.items() if value is not None}
         batch_size = batch_size or input_ids.size(0)
         ids, mask = input_ids.detach().cpu(), attention_mask.detach().cpu()  # one copy to the host per forward
-        chunks = self._unpack_chunks(ids, mask, logits_to_keep, batch_size, fixed=compute_aux_loss)
+        sharing = self._unpack_sharing()
+        prompts = _prompt_ids(ids, mask, logits_to_keep) if sharing else None
+        chunks = self._unpack_chunks(ids, mask, logits_to_keep, batch_size, fixed=compute_aux_loss, prompts=prompts)
         if isinstance(chunks, str):
             log_once(logger, logging.INFO, f"{self.unpack_name}: a forward ran TRL's padded batch: {chunks}")
             self._unpack_count_forward("padded")
             return stock()
-        sharing = self._unpack_sharing()
-        images = _ImageInputs(vision, ids, mask, logits_to_keep, sharing) if vision else None
+        images = _ImageInputs(vision, ids, mask, logits_to_keep, prompts) if vision else None
         if images is not None and images.problem is not None:
             log_once(
                 logger, logging.WARNING, f"{self.unpack_name}: a forward ran TRL's padded batch: {images.problem}"
@@ -210,12 +218,21 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         return cache[unwrapped]
 
 
+def _prompt_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> list[tuple[int, ...]]:
+    """Each row's prompt: its real token ids before the ``logits_to_keep`` completion columns (``(R, L)`` on the CPU,
+    prompts left-padded), one hashable per row (rows of one group have equal ones)."""
+    num_prompt = input_ids.shape[1] - logits_to_keep
+    lengths = attention_mask[:, :num_prompt].sum(1).tolist()
+    return [tuple(row[num_prompt - n :]) for row, n in zip(input_ids[:, :num_prompt].tolist(), lengths)]
+
+
 class _ImageInputs:
     """TRL's vision inputs of one log-prob forward (``(R, L)`` rows), laid out per packed chunk
     ([`unpack_trainer.trainers.image_prompts`]); ``problem`` says why they cannot be (then TRL's batch runs)."""
 
     def __init__(self, vision: dict[str, Any], ids: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,
-                 sharing: bool) -> None:  # fmt: skip
+                 prompts: list[tuple[int, ...]] | None) -> None:  # fmt: skip
+        """``prompts``: each row's ``_prompt_ids`` when prompts are shared, else ``None``."""
         self.per_token = {
             name: vision[name].detach().cpu() for name in PER_TOKEN_INPUTS if vision.get(name) is not None
         }
@@ -227,10 +244,7 @@ class _ImageInputs:
         self.slices = None if isinstance(slices, str) else slices
         self.ids, self.mask, self.logits_to_keep = ids, mask, logits_to_keep
         self.keys = None
-        if sharing and self.slices is not None and self.slices.slices:
-            num_prompt = ids.shape[1] - logits_to_keep
-            lengths = mask[:, :num_prompt].sum(1).tolist()
-            prompts = [tuple(row[num_prompt - n : num_prompt]) for row, n in zip(ids.tolist(), lengths)]
+        if prompts is not None and self.slices is not None and self.slices.slices:
             self.keys = image_keys(self.vision, self.slices, prompts)
 
     def packed(self, batch: dict[str, torch.Tensor], start: int, end: int, positions: Any,
