@@ -181,7 +181,7 @@ def _same_entries(vision: dict[str, Any], slices: RowSlices, pairs: list[tuple[i
                 same = same & equal(vision[name][start:end], vision[name][other_start:other_end])
         results.append(same)
     tensors = [result for result in results if isinstance(result, torch.Tensor)]
-    values = iter(torch.stack([t.cpu() for t in tensors]).tolist() if tensors else [])
+    values = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
     return [bool(next(values)) if isinstance(result, torch.Tensor) else result for result in results]
 
 
