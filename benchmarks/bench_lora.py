@@ -30,6 +30,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import format_table, print_header, spread  # noqa: E402
 
+from unpack_trainer._compat import enable_checkpointing  # noqa: E402
 from unpack_trainer.trainers.lora_casts import lora_input_casts_skipped, plain_lora_layers  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
     model = get_peft_model(model, lora)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
         model.enable_input_require_grads()
     return model.train()
 

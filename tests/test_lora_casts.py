@@ -15,14 +15,20 @@ from unpack_trainer.trainers.lora_casts import lora_input_casts_skipped, plain_l
 peft = pytest.importorskip("peft")
 
 
-def lora_model(dtype=torch.bfloat16, **lora):
-    """A tiny Llama in ``dtype`` with LoRA (float32 adapters, PEFT's default) on every linear layer, B non-zero."""
+LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)  # B non-zero
+
+
+def tiny_llama(dtype=torch.bfloat16, vocab_size=100):
+    """A tiny Llama (2 layers, hidden 64) in ``dtype``, seeded."""
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)  # fmt: skip
-    base = AutoModelForCausalLM.from_config(config).to(dtype)
-    options = dict(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    return peft.get_peft_model(base, peft.LoraConfig(**{**options, **lora}))
+                         num_key_value_heads=2, vocab_size=vocab_size)  # fmt: skip
+    return AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def lora_model(dtype=torch.bfloat16, **lora):
+    """:func:`tiny_llama` with LoRA (float32 adapters, PEFT's default) on every linear layer."""
+    return peft.get_peft_model(tiny_llama(dtype), peft.LoraConfig(**{**LORA, **lora}))
 
 
 def step(model, context, *, autocast=True):
@@ -110,17 +116,13 @@ def test_the_step_skips_the_casts_exactly(tmp_path, monkeypatch, trainer_name, c
 
     def one_step(context):
         monkeypatch.setattr("unpack_trainer.trainers._packed.lora_input_casts_skipped", context)
-        torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=128)  # fmt: skip
-        base = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        base = tiny_llama(vocab_size=128)  # the character tokenizer's 107 ids
         args = config_class(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True, max_steps=1,
                             per_device_train_batch_size=4, max_length=64, learning_rate=0.0,
                             gradient_checkpointing=checkpointing, save_strategy="no", logging_strategy="no",
                             disable_tqdm=True, **({"packing": True} if trainer_name == "sft" else {}))  # fmt: skip
-        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
         trainer = trainer_class(model=base, args=args, train_dataset=_dataset(trainer_name),
-                                processing_class=char_tokenizer(), peft_config=lora)  # fmt: skip
+                                processing_class=char_tokenizer(), peft_config=peft.LoraConfig(**LORA))  # fmt: skip
         assert trainer.unpack_decision.packed
         grads = {}
         for name, parameter in trainer.model.named_parameters():
