@@ -150,8 +150,7 @@ def bucket_backend(
     ``buckets_forward(q, k, v, info, options, plan)`` runs a bucket plan (:mod:`unpack_trainer.patches.buckets`):
     ``forward`` on the batch's plan; a branched batch with every query computed once on its branch plan, bidirectional
     spans included (``None`` for ALiBi or spans that are not contiguous: the caller runs the ``[prefix; branch]``
-    units); both plans
-    made before compiled layers run (``prepare``)."""
+    units); both plans made before compiled layers run (``prepare``)."""
 
     def branched_forward(
         query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions

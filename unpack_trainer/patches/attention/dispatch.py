@@ -298,8 +298,8 @@ def _branched(
     prefix's key/value gradients over its branches), the backend runs on one row of ``num_slots`` tokens, and each
     token's output is read back from its own slot. Bidirectional spans (``info.bidirectional_spans``) travel on the
     units' metadata, over their slots (a prefix's span in every unit holding the prefix), so the backend's plain
-    forward applies them; on the branch plans the masks apply them (flex: its mask function). Shapes as :class:`BackendFunction`: ``(B, num_heads, T,
-    head_dim)`` in, ``(B, T, num_heads, head_dim_v)`` out.
+    forward applies them; on the branch plans the masks apply them (flex: its mask function). Shapes as
+    :class:`BackendFunction`: ``(B, num_heads, T, head_dim)`` in, ``(B, T, num_heads, head_dim_v)`` out.
     """
     if record.branched_forward is not None:
         out = record.branched_forward(query, key, value, info, options)
