@@ -78,6 +78,27 @@ def test_a_users_own_switch_stays_off():
     assert seen == [False] and layer.cast_input_dtype_enabled is False
 
 
+def test_paused_runs_peft_s_path_and_hooks_again_after():
+    """``paused()`` (the online trainers' generation): no hook of ours and the switches as found inside it, the skip
+    back after it; outside the context it does nothing."""
+    model = lora_model()
+    layers = plain_lora_layers(model)
+    x = torch.randn(3, layers[0].in_features, dtype=torch.bfloat16)
+    seen = []
+    layers[0].register_forward_hook(lambda module, args, out: seen.append(module.cast_input_dtype_enabled))
+    skip = lora_input_casts_skipped(layers)
+    with skip.paused():
+        assert not layers[0]._forward_pre_hooks
+    with skip, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layers[0](x)
+        with skip.paused():
+            assert all(layer.cast_input_dtype_enabled is True and not layer._forward_pre_hooks for layer in layers)
+            layers[0](x)
+        layers[0](x)
+    assert seen == [False, True, False]
+    assert all(layer.cast_input_dtype_enabled is True and not layer._forward_pre_hooks for layer in layers)
+
+
 def test_only_layers_where_the_skip_is_exact():
     """Dropout (drawn and rounded per dtype) and variants such as DoRA (their own forward) keep PEFT's casts."""
     assert plain_lora_layers(lora_model(lora_dropout=0.1)) == []
@@ -134,7 +155,77 @@ def test_the_step_skips_the_casts_exactly(tmp_path, monkeypatch, trainer_name, c
     loss, grads = one_step(spy)
     assert entered and entered[0] == 14
     assert switches and not any(switches)  # every LoRA call of the step ran under autocast, its cast skipped
-    loss_stock, grads_stock = one_step(lambda layers: contextlib.nullcontext())
+    loss_stock, grads_stock = one_step(lambda layers: real([]))
+    assert loss == loss_stock
+    assert grads.keys() == grads_stock.keys() and len(grads) == 28
+    assert all(torch.equal(grads[name], grads_stock[name]) for name in grads)
+
+
+def reward_a(completions, **kwargs):
+    """A reward that differs within a group: how many ``a`` a completion holds, minus a length term."""
+    return [float(text.count("a")) - 0.1 * len(text) for text in completions]
+
+
+@pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
+def test_the_online_step_skips_the_casts_and_generation_keeps_peft(tmp_path, monkeypatch, trainer_name):
+    """One step of our GRPOTrainer / RLOOTrainer with LoRA on a bf16 model and ``bf16=True``, generation included
+    (``model.generate`` inside the step): every LoRA call of the log-prob forwards (old policy, reference with the
+    adapter disabled, policy) skips its cast, generation runs PEFT's own path with none of our hooks (as stock:
+    a compiled decode step keeps its graph), and the loss and every LoRA gradient equal the step with no skip."""
+    from datasets import Dataset
+
+    from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from unpack_trainer.models.tiny import char_tokenizer
+
+    trainer_class, config_class = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}[trainer_name]
+    real = lora_casts.lora_input_casts_skipped
+
+    def one_step(context):
+        monkeypatch.setattr("unpack_trainer.trainers._packed.lora_input_casts_skipped", context)
+        args = config_class(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True, max_steps=1,
+                            per_device_train_batch_size=4, num_generations=2, max_completion_length=8, seed=3,
+                            beta=0.1, learning_rate=0.0, save_strategy="no", logging_strategy="no",
+                            disable_tqdm=True)  # fmt: skip
+        prompts = Dataset.from_dict({"prompt": ["the cat", "a dog", "it is", "hello"]})
+        trainer = trainer_class(model=tiny_llama(vocab_size=128), reward_funcs=reward_a, args=args,
+                                train_dataset=prompts, processing_class=char_tokenizer(),
+                                peft_config=peft.LoraConfig(**LORA))  # fmt: skip
+        assert trainer.unpack_decision.packed
+        calls = {"generation": [], "log-probs": []}
+        phase = []  # "log-probs" inside the training step, "generation" inside its generation
+
+        def record(module, args, out):  # after each call: the switch it saw, our hooks on it
+            if phase:
+                calls[phase[-1]].append((module.cast_input_dtype_enabled, len(module._forward_pre_hooks)))
+
+        for layer in plain_lora_layers(trainer.model):
+            layer.register_forward_hook(record)
+
+        def within(method, name):
+            def recorded(*args, **kwargs):
+                phase.append(name)
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    phase.pop()
+
+            return recorded
+
+        trainer.training_step = within(trainer.training_step, "log-probs")  # the self-check's forwards are not
+        trainer._generate = within(trainer._generate, "generation")
+        grads = {}
+        for name, parameter in trainer.model.named_parameters():
+            if parameter.requires_grad:
+                parameter.register_hook(lambda grad, name=name: grads.setdefault(name, grad.clone()))
+        trainer.train()
+        return trainer.state.log_history[-1]["train_loss"], grads, calls
+
+    loss, grads, calls = one_step(real)
+    assert calls["generation"] and calls["generation"] == [(True, 0)] * len(calls["generation"])
+    assert calls["log-probs"] and all(not switch and hooks == 1 for switch, hooks in calls["log-probs"])
+    loss_stock, grads_stock, calls_stock = one_step(lambda layers: real([]))
+    assert len(calls_stock["log-probs"]) == len(calls["log-probs"])
+    assert all(switch for switch, _ in calls_stock["log-probs"])
     assert loss == loss_stock
     assert grads.keys() == grads_stock.keys() and len(grads) == 28
     assert all(torch.equal(grads[name], grads_stock[name]) for name in grads)

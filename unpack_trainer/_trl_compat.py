@@ -55,8 +55,12 @@ DPO_TRAINER_ATTRIBUTES: tuple[str, ...] = ("ref_model", "precompute_ref_logps")
 
 # ``trl.GRPOTrainer`` and ``trl.RLOOTrainer``: the packed path overrides the one method every per-token log-prob
 # forward goes through (policy, old policy, reference), called with TRL 1.16's arguments (checked by name below), and
-# reads the group size and the reference model.
-ONLINE_TRAINER_METHODS: tuple[str, ...] = ("_get_per_token_logps_and_entropies", "_generate_and_score_completions")
+# reads the group size and the reference model; its generation (``_generate``) runs PEFT's own LoRA path.
+ONLINE_TRAINER_METHODS: tuple[str, ...] = (
+    "_get_per_token_logps_and_entropies",
+    "_generate_and_score_completions",
+    "_generate",
+)
 ONLINE_TRAINER_ATTRIBUTES: tuple[str, ...] = ("num_generations", "ref_model")
 ONLINE_LOGPS_PARAMETERS: tuple[str, ...] = (
     "model",

@@ -517,16 +517,27 @@ class PackedTrainerMixin:
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """The parent's step, with LoRA's input casts that are exact round trips under autocast skipped
         ([`unpack_trainer.trainers.lora_casts`]: bit-identical, two activation-sized copies fewer per LoRA layer
-        and call); as the parent's under ``UNPACK_DISABLE=1``, in the trainers that generate inside their step
-        (GRPO / RLOO: a hook per LoRA layer and generated token would cost more than it saves there), and under
-        ``torch_compile=True`` (dynamo would inline the per-step hooks into a graph that outlives the step)."""
-        if self._unpack_disabled or self.unpack_packs_in != "collator" or getattr(self.args, "torch_compile", False):
+        and call; the trainers that generate inside their step, GRPO / RLOO, generate with PEFT's own path:
+        [`_unpack_peft_lora_path`]); as the parent's under ``UNPACK_DISABLE=1`` and under ``torch_compile=True``
+        (dynamo would inline the per-step hooks into a graph that outlives the step)."""
+        if self._unpack_disabled or getattr(self.args, "torch_compile", False):
             return super().training_step(model, inputs, *args, **kwargs)
         cached = getattr(self, "_unpack_lora_layers", None)
         if cached is None or cached[0] is not model:
             cached = self._unpack_lora_layers = (model, plain_lora_layers(model))
-        with lora_input_casts_skipped(cached[1]):
-            return super().training_step(model, inputs, *args, **kwargs)
+        skip = lora_input_casts_skipped(cached[1])
+        with skip:
+            self._unpack_lora_skip = skip
+            try:
+                return super().training_step(model, inputs, *args, **kwargs)
+            finally:
+                self._unpack_lora_skip = None
+
+    def _unpack_peft_lora_path(self) -> contextlib.AbstractContextManager:
+        """Within a training step, a context in which every LoRA layer runs PEFT's own path (the skip of
+        [`training_step`] paused); outside a step, nothing."""
+        skip = getattr(self, "_unpack_lora_skip", None)
+        return contextlib.nullcontext() if skip is None else skip.paused()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:

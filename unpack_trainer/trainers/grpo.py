@@ -113,6 +113,12 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
             return f"the packed rows would hold {total / (rows * width):.0%} of the padded batch's tokens"
         return chunks
 
+    def _generate(self, prompts: list) -> Any:
+        """TRL's generation, with PEFT's own LoRA path (the step's cast skip paused: see
+        [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`])."""
+        with self._unpack_peft_lora_path():
+            return super()._generate(prompts)
+
     def _unpack_count_forward(self, kind: str) -> None:
         """Count a log-prob forward as ``"packed"`` or ``"padded"`` (TRL's batch) in ``unpack_stats["forwards"]``."""
         counts = self.unpack_stats.setdefault("forwards", {"packed": 0, "padded": 0})

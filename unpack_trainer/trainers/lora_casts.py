@@ -12,7 +12,8 @@ tensor is exact in float32, so ``autocast(x.float()) == autocast(x)`` bit for bi
 for the input's device and the input is bf16, fp16 or float32 (float64 would round twice). The layers it touches
 ([`plain_lora_layers`]) are vanilla LoRA linear layers (no DoRA or other variant) with no dropout (dropout on a float32
 and on a bf16 input may draw and round differently). Outside the context, and for a call without autocast inside it,
-PEFT runs as it always does. The trainers enter it around each training step.
+PEFT runs as it always does. The trainers enter it around each training step; those that generate inside their step
+(GRPO, RLOO) pause it while they generate.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from unpack_trainer import _compat
 
-__all__ = ["lora_input_casts_skipped", "plain_lora_layers"]
+__all__ = ["LoraInputCastSkip", "lora_input_casts_skipped", "plain_lora_layers"]
 
 # Input dtypes whose round trip through float32 is exact.
 EXACT_IN_FLOAT32 = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,27 +46,59 @@ def _autocast_covers(x: object) -> bool:
     )
 
 
-@contextlib.contextmanager
-def lora_input_casts_skipped(layers: Sequence[nn.Module]) -> Iterator[None]:
-    """Within the context, each of ``layers`` (from [`plain_lora_layers`]) skips its input cast on a call that runs
-    under autocast with a bf16 / fp16 / float32 input, and casts as PEFT does otherwise; on exit every layer's switch
-    is as it was and no hook is left."""
-    if not layers:
-        yield
-        return
-    saved = [layer.cast_input_dtype_enabled for layer in layers]
+class LoraInputCastSkip:
+    """The skip over ``layers`` as a reusable context manager (what [`lora_input_casts_skipped`] returns): entering
+    hooks each layer, leaving removes the hooks and restores every layer's switch, and [`paused`] runs PEFT's own
+    path inside the context (no hook of ours on any layer)."""
 
-    def skip_when_exact(enabled: bool):  # a user's own switch (off) stays off
-        def before_call(module: nn.Module, args: tuple) -> None:
-            module.cast_input_dtype_enabled = enabled and not (args and _autocast_covers(args[0]))
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        self._saved: list[bool] | None = None  # the switches as the context found them, while hooked
+        self._handles: list = []
 
-        return before_call
+    def _hook(self) -> None:
+        self._saved = [layer.cast_input_dtype_enabled for layer in self.layers]
 
-    handles = [layer.register_forward_pre_hook(skip_when_exact(on)) for layer, on in zip(layers, saved)]
-    try:
-        yield
-    finally:
-        for handle in handles:
+        def skip_when_exact(enabled: bool):  # a user's own switch (off) stays off
+            def before_call(module: nn.Module, args: tuple) -> None:
+                module.cast_input_dtype_enabled = enabled and not (args and _autocast_covers(args[0]))
+
+            return before_call
+
+        pairs = zip(self.layers, self._saved)
+        self._handles = [layer.register_forward_pre_hook(skip_when_exact(on)) for layer, on in pairs]
+
+    def _unhook(self) -> None:
+        for handle in self._handles:
             handle.remove()
-        for layer, value in zip(layers, saved):
+        for layer, value in zip(self.layers, self._saved or ()):
             layer.cast_input_dtype_enabled = value
+        self._handles, self._saved = [], None
+
+    def __enter__(self) -> LoraInputCastSkip:
+        if self.layers:
+            self._hook()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._unhook()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """PEFT's own path for the calls inside (the trainers' generation: a hook per LoRA layer and decoded token,
+        and hooks that come and go would make a compiled decode step recompile); hooked again after."""
+        if self._saved is None:
+            yield
+            return
+        self._unhook()
+        try:
+            yield
+        finally:
+            self._hook()
+
+
+def lora_input_casts_skipped(layers: Sequence[nn.Module]) -> LoraInputCastSkip:
+    """A context manager within which each of ``layers`` (from [`plain_lora_layers`]) skips its input cast on a call
+    that runs under autocast with a bf16 / fp16 / float32 input, and casts as PEFT does otherwise; on exit every
+    layer's switch is as it was and no hook is left. ``with skip.paused():`` inside it runs PEFT's own path."""
+    return LoraInputCastSkip(layers)
