@@ -24,6 +24,7 @@ from test_grpo_trainer import run_steps as run_text_steps
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from unpack_trainer.models import tiny
 from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+from unpack_trainer.trainers.grpo import _prompt_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -161,7 +162,9 @@ def test_a_forward_packed_in_several_chunks_equals_stock(tmp_path, qwen):
     trainer = ours["trainer"]
     (model, input_ids, attention_mask, logits_to_keep), kwargs = ours["inputs"][0]
     kwargs = {**kwargs, "batch_size": 1, "compute_entropy": True}
-    chunks = trainer._unpack_chunks(input_ids.cpu(), attention_mask.cpu(), logits_to_keep, 1, fixed=False)
+    ids, mask = input_ids.cpu(), attention_mask.cpu()
+    prompts = _prompt_ids(ids, mask, logits_to_keep) if trainer._unpack_sharing() else None
+    chunks = trainer._unpack_chunks(ids, mask, logits_to_keep, 1, fixed=False, prompts=prompts)
     assert len(chunks) > 3, chunks  # more chunks than groups
     with torch.no_grad():
         logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(

@@ -76,10 +76,11 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         logits_to_keep: int,
         batch_size: int,
         fixed: bool,
-        prompts: list[tuple[int, ...]] | None = None,
+        prompts: list[tuple[int, ...]] | None,
     ) -> list[tuple[int, int]] | str:
         """Row ranges ``[start, end)`` to pack one at a time, or why TRL's padded batch runs instead (``input_ids``
-        and ``attention_mask`` on the CPU; ``prompts``: their ``_prompt_ids`` when the caller has them).
+        and ``attention_mask`` on the CPU; ``prompts``: each row's [`_prompt_ids`] where the trainer shares prompts,
+        ``None`` where it does not).
 
         ``fixed``: TRL's own chunks of ``batch_size`` rows (the MoE auxiliary loss is TRL's mean over them). Otherwise
         consecutive rows while the packed row stays within the padded tokens of one of TRL's chunks (``batch_size *
@@ -91,9 +92,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         num_prompt = width - logits_to_keep
         prompt_lengths = mask[:, :num_prompt].sum(1).tolist()
         completion_lengths = mask[:, num_prompt:].sum(1).tolist()
-        sharing = self._unpack_sharing()
-        if sharing and prompts is None:
-            prompts = _prompt_ids(input_ids, attention_mask, logits_to_keep)
+        sharing = prompts is not None
         budget = batch_size * width
         chunks: list[tuple[int, int]] = []
         start, used, seen, total = 0, 0, set(), 0
