@@ -43,6 +43,11 @@ Private names, with what each is for and what would replace it:
   :func:`stream_format_type`;
 - ``torch._assert_async``, a check on the device that never waits for it (the fused loss's precondition on the
   gradient it receives): :func:`assert_on_device`;
+- the ``kernels`` package's function modules (transformers 5.25 decorates ``apply_rotary_pos_emb`` and the mixers'
+  sequence kernels with ``use_kernel_forward_from_hub``: the modeling module's global is an ``nn.Module`` whose class
+  ``forward`` closes over the function as ``func``) and the per-layer wrappers ``use_kernelized_func`` keeps
+  (``_kernel_funcs``, each with the hub repository ``kernelize`` chose under ``_kernel_repo``):
+  :func:`hub_kernel_function`, :func:`hub_kernel_chosen`. ``kernels`` has no public accessor for either;
 - transformers' ``masking_utils.find_packed_sequence_indices``, replaced while a decoder is routed so that a packed
   forward skips its read-back from the device: :func:`skip_packed_sequence_detection`.
 
@@ -84,6 +89,8 @@ __all__ = [
     "disable_checkpointing",
     "enable_checkpointing",
     "hook_dicts",
+    "hub_kernel_chosen",
+    "hub_kernel_function",
     "ignore_in_ddp",
     "in_backward",
     "is_tracing",
@@ -105,7 +112,7 @@ __all__ = [
 logger = logging.getLogger("unpack_trainer")
 
 KNOWN_TO_WORK = (
-    "transformers 5.22 to 5.24, torch 2.11 to 2.13 and datasets 4.8.5 to 5.2 (pyproject allows transformers>=5.22,<6, "
+    "transformers 5.22 to 5.25, torch 2.11 to 2.13 and datasets 4.8.5 to 5.2 (pyproject allows transformers>=5.22,<6, "
     "torch>=2.11, datasets>=4.8.5)"
 )
 
@@ -206,6 +213,36 @@ def disable_checkpointing(model: Any) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # transformers: private names
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def hub_kernel_function(obj: Any) -> Callable[..., Any] | None:
+    """The plain function behind a modeling module's global ``obj``: ``obj`` itself where it is a function; where
+    transformers decorated it with ``use_kernel_forward_from_hub`` and the ``kernels`` package is installed
+    (transformers 5.25 and newer: ``apply_rotary_pos_emb`` of Llama and every copy), the ``nn.Module`` instance
+    ``kernels`` made of it (``_create_func_module``: a class whose ``forward`` calls the function it closes over as
+    ``func`` unless a model's ``kernelize`` chose a hub kernel); ``None`` for anything else, or a module of that kind
+    whose function cannot be read (then the caller says it cannot recognise it)."""
+    if inspect.isfunction(obj):
+        return obj
+    if getattr(type(obj), "kernel_layer_name", None) is None:
+        return None
+    forward = getattr(type(obj), "forward", None)
+    if not inspect.isfunction(forward):
+        return None
+    function = inspect.getclosurevars(forward).nonlocals.get("func")
+    return function if inspect.isfunction(function) else None
+
+
+def hub_kernel_chosen(module: Any, name: str) -> str | None:
+    """Where a model's ``kernelize`` (or ``from_pretrained(use_kernels=True)``) chose a hub kernel for the function
+    ``name`` on ``module`` (a layer whose class carries ``use_kernelized_func``: the per-instance ``_kernel_funcs``
+    wrappers, each with the chosen repository under ``_kernel_repo``), that repository in words; ``None`` where the
+    function runs transformers' own code."""
+    wrappers = vars(module).get("_kernel_funcs")
+    wrapper = wrappers.get(name) if isinstance(wrappers, dict) else None
+    repository = vars(wrapper).get("_kernel_repo") if wrapper is not None else None
+    return None if repository is None else str(repository)
+
 
 
 def _class_table(module: str, cls: str) -> Callable[[], Any]:

@@ -285,14 +285,15 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
             else "no causal LM"
         )
         raise CLIError(f"--model {model}: {what} can be built from its config: {one_line(error)}") from None
+    verified_with = VERIFIED_VISION_WITH if getattr(config, "vision_config", None) is not None else VERIFIED_WITH
     report: dict[str, Any] = {
         "model": model,
         "source": source,
         "model_type": getattr(config, "model_type", None),
         "class": type(built).__name__,
         "verified": getattr(config, "model_type", None) in supported_model_types(),
-        "verified_with": "transformers "
-        + " and ".join(VERIFIED_VISION_WITH if getattr(config, "vision_config", None) is not None else VERIFIED_WITH),
+        "verified_with": "transformers " + " and ".join(verified_with),
+        "newer_than_verified": _newer_than_verified(verified_with),
         "attn_implementation": attention_implementation(built.config),
         "device": str(device),
     }
@@ -310,6 +311,7 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         return report
     report.update(patched=True, trainer="packs through the patch (after its self-check on the first batch)")
     report["fixes"] = _fixes(structure)
+    report["rope"] = _rope(structure)
     report["attention"] = _precisions(device, attention_implementation(built.config), attention_features(built))
     report["mixers"] = _mixer_paths(structure, device)
     report["vision"] = _vision_path(built, structure)
@@ -321,23 +323,65 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     return report
 
 
+def _newer_than_verified(verified_with: tuple[str, ...]) -> str | None:
+    """A warning where the installed transformers is newer than every release the coverage table was verified on
+    (``verified_with``, :mod:`unpack_trainer.models.verified`); ``None`` otherwise."""
+    from packaging.version import Version
+
+    installed = metadata.version("transformers")
+    newest = max(verified_with, key=Version)
+    if Version(installed) <= Version(newest):
+        return None
+    return (
+        f"transformers {installed} is newer than the releases this coverage table was verified on (newest "
+        f"{newest}): the model types it lists were not checked on it; the trainer's self-check still guards every "
+        "model on its first batch (python -m unpack_trainer.models --coverage checks them all here)"
+    )
+
+
+def _fix_sites(structure: Any) -> list[Any]:
+    """One :class:`~unpack_trainer.models.fixes.FixSite` per decoder of ``structure``, as the patch builds them."""
+    from unpack_trainer._compat import attention_implementation
+    from unpack_trainer.models.fixes import FixSite
+    from unpack_trainer.models.state import DecoderState
+
+    sites = []
+    for decoder in structure.decoders:
+        implementation = attention_implementation(decoder.module.config) or "eager"
+        state = DecoderState(structure.model_type, implementation, True, True, config=decoder.module.config)
+        sites.append(FixSite(structure.pretrained, decoder.module, state, decoder))
+    return sites
+
+
 def _fixes(structure: Any) -> list[str]:
     """The model-family fixes :func:`unpack_trainer.models.patch_model` installs on the model of ``structure``
     (:data:`unpack_trainer.models.fixes.FIXES`, in order), each one's ``applies`` asked as the patch asks it."""
-    from unpack_trainer._compat import attention_implementation
-    from unpack_trainer.models.fixes import FIXES, FixSite
-    from unpack_trainer.models.state import DecoderState
+    from unpack_trainer.models.fixes import FIXES
 
     names: list[str] = []
-    for index, decoder in enumerate(structure.decoders):
-        implementation = attention_implementation(decoder.module.config) or "eager"
-        state = DecoderState(structure.model_type, implementation, True, True, config=decoder.module.config)
-        site = FixSite(structure.pretrained, decoder.module, state, decoder)
+    for index, site in enumerate(_fix_sites(structure)):
         for fix in FIXES:
             if fix.automatic and (index == 0 or not fix.per_model) and fix.applies(site) is not None:
-                state.fixes.append(fix.name)
-        names += [name for name in state.fixes if name not in names]
+                site.state.fixes.append(fix.name)
+        names += [name for name in site.state.fixes if name not in names]
     return names
+
+
+def _rope(structure: Any) -> str | None:
+    """Whose RoPE the patched model runs: the fused one, or why not (the modeling module's ``apply_rotary_pos_emb``
+    is not Llama's, another library's, a hub kernel the model chose, or one this release cannot read); ``None`` for
+    a model without a module-level ``apply_rotary_pos_emb``."""
+    from unpack_trainer.models.fixes.rope import rope_reasons
+
+    reasons: dict[str, str | None] = {}
+    for site in _fix_sites(structure):
+        reasons.update(rope_reasons(site))
+    if not reasons:
+        return None
+    skipped = [reason for reason in reasons.values() if reason is not None]
+    if not skipped:
+        return "unpack_trainer's fused RoPE (packed positions; a Triton kernel where Triton runs)"
+    return "not fused: " + "; ".join(skipped)
 
 
 def _vision_path(built: Any, structure: Any) -> dict[str, str] | None:
@@ -408,6 +452,8 @@ def format_environment(report: dict[str, Any]) -> str:
         guard = "it trains padded" if model.get("vision") else "the trainer's self-check guards it"
         verified = "yes" if model["verified"] else f"no ({guard})"
         lines.append(f"- verified by the coverage check ({model['verified_with']}): {verified}")
+        if model.get("newer_than_verified"):
+            lines.append(f"- WARNING: {model['newer_than_verified']}")
         lines.append(f"- attention implementation: {model['attn_implementation']}")
         if model["patched"]:
             lines.append("- patch: patched")
@@ -416,6 +462,8 @@ def format_environment(report: dict[str, Any]) -> str:
         lines.append(f"- trainer: {model['trainer']}")
         if model.get("fixes") is not None:
             lines.append(f"- model-family fixes: {', '.join(model['fixes']) or 'none'}")
+        if model.get("rope"):
+            lines.append(f"- RoPE: {model['rope']}")
         if model.get("attention"):
             lines += ["", f"Packed attention backend on {model['device']}:", ""]
             for label, choice in model["attention"].items():

@@ -8,19 +8,33 @@ patched decoder using the replacement is unpatched or collected, unless another 
 (Liger-Kernel's RoPE, applied by ``use_liger_kernel=True`` when training starts, stays; and a function another library
 put there is never replaced: only transformers' own). Installed with ``patch_model(rope=True)`` (the
 default).
+
+Since transformers 5.25 (with its ``kernels`` dependency) ``apply_rotary_pos_emb`` is decorated with
+``use_kernel_forward_from_hub("rotary_pos_emb")``: the module's global is an ``nn.Module`` instance that calls the
+function unless a model's ``kernelize`` chose a hub kernel for it. The function inside is compared as above
+(:func:`unpack_trainer._compat.hub_kernel_function`), the global is replaced and restored the same way, and a model
+whose attention layers run a hub kernel chosen by ``kernelize`` (``from_pretrained(use_kernels=True)``) keeps it. Where
+a modeling module has an ``apply_rotary_pos_emb`` the fix does not replace, :func:`rope_reasons` says why; the reason
+is logged once when the patch is installed (a warning where the function cannot be read at all) and ``unpack-trainer
+env --model`` prints it.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import types
 import weakref
 from typing import Any
 
+from unpack_trainer._compat import hub_kernel_chosen, hub_kernel_function
+from unpack_trainer._logging import log_once
 from unpack_trainer.models.fixes.record import Fix, FixSite
 
-__all__ = ["FIX"]
+__all__ = ["FIX", "rope_reasons"]
+
+logger = logging.getLogger("unpack_trainer.models")
 
 # modeling module name -> its original RoPE function, and the live decoders using the replacement.
 _originals: dict[str, Any] = {}
@@ -39,29 +53,60 @@ def _same_code(a: Any, b: Any) -> bool:
     return key(a) == key(b)
 
 
-def _llama_rope_module(modeling: types.ModuleType) -> bool:
-    """Whether ``modeling`` applies RoPE exactly as Llama does (``apply_rotary_pos_emb`` and ``rotate_half``), with
-    transformers' own function: one another library put there (Liger-Kernel's) is left to run."""
+def _why_not(site: FixSite, name: str) -> tuple[int, str] | None:
+    """Why the RoPE of the modeling module ``name`` is not replaced, with the level to log it at, or ``None`` where it
+    is (or would be). The module has an ``apply_rotary_pos_emb`` (else there is nothing to say: not asked)."""
     from transformers.models.llama import modeling_llama as llama
 
-    function = _originals.get(modeling.__name__, getattr(modeling, "apply_rotary_pos_emb", None))
-    reference = _originals.get(llama.__name__, llama.apply_rotary_pos_emb)  # Llama's own may be replaced now
-    return (
-        getattr(function, "__module__", "").startswith("transformers.")
-        and _same_code(function, reference)
-        and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)
+    modeling = sys.modules[name]
+    current = _originals.get(name, modeling.apply_rotary_pos_emb)  # ours installed: the function it replaced
+    function = hub_kernel_function(current)
+    if function is None:
+        return logging.WARNING, (  # the fused kernel would be lost without a word
+            f"{name}.apply_rotary_pos_emb is a {type(current).__module__}.{type(current).__qualname__} whose function "
+            "this release of unpack_trainer cannot read, so it cannot tell whether it is Llama's RoPE"
+        )
+    if not function.__module__.startswith("transformers."):
+        return logging.INFO, (
+            f"{name}.apply_rotary_pos_emb is {function.__module__}.{function.__qualname__}, another library's: it runs"
+        )
+    reference = hub_kernel_function(_originals.get(llama.__name__, llama.apply_rotary_pos_emb))
+    if not (_same_code(function, reference) and _same_code(getattr(modeling, "rotate_half", None), llama.rotate_half)):
+        return logging.DEBUG, f"{name} applies RoPE otherwise than Llama: its own code runs"
+    chosen = next(
+        (repo for module in site.decoder.attention if (repo := hub_kernel_chosen(module, "apply_rotary_pos_emb"))),
+        None,
     )
+    if chosen is not None:
+        return logging.INFO, f"the model's kernelize chose the hub kernel {chosen} for its RoPE: it runs"
+    return None
+
+
+def rope_reasons(site: FixSite) -> dict[str, str | None]:
+    """For each modeling module of ``site``'s attention layers that defines ``apply_rotary_pos_emb``: why the fused RoPE
+    does not replace it, or ``None`` where it does (or would, once installed)."""
+    names = dict.fromkeys(type(module).__module__ for module in site.decoder.attention)
+    return {
+        name: None if (why := _why_not(site, name)) is None else why[1]
+        for name in names
+        if sys.modules.get(name) is not None and getattr(sys.modules[name], "apply_rotary_pos_emb", None) is not None
+    }
 
 
 def _modeling_modules(site: FixSite) -> list[str]:
-    names = dict.fromkeys(type(module).__module__ for module in site.decoder.attention)
-    return [name for name in names if sys.modules.get(name) is not None and _llama_rope_module(sys.modules[name])]
+    return [name for name, reason in rope_reasons(site).items() if reason is None]
 
 
 def _applies(site: FixSite) -> str | None:
     if not site.state.rope:
         return None
-    modules = _modeling_modules(site)
+    modules = []
+    for name in rope_reasons(site):
+        why = _why_not(site, name)
+        if why is None:
+            modules.append(name)
+        else:
+            log_once(logger, why[0], f"unpack_trainer: the fused RoPE is not applied: {why[1]}.")
     return f"{', '.join(modules)} applies Llama's RoPE" if modules else None
 
 
