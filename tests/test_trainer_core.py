@@ -179,3 +179,55 @@ def test_packing_says_once_that_its_rows_are_padding_free(
     said = [r for r in caplog.records if "padding_free=False has no effect with packing=True" in r.getMessage()]
     assert len(said) == (1 if padding_free is False else 0)
     assert all(r.levelno == logging.WARNING for r in said)
+
+
+# ------------------------------------------------------------------------------------------------ what users see
+
+
+@pytest.fixture
+def transformers_verbosity():
+    """transformers' verbosity put back as found (the Trainer sets it from ``log_level``)."""
+    from transformers.utils import logging as hf_logging
+
+    from unpack_trainer._logging import reset_log_once
+
+    level = hf_logging.get_verbosity()
+    reset_log_once()
+    yield
+    hf_logging.set_verbosity(level)
+    reset_log_once()
+
+
+@pytest.mark.parametrize(("log_level", "expected"), [("passive", logging.WARNING), ("error", logging.INFO)])
+def test_the_decision_line_is_seen_at_the_default_verbosity(
+    tmp_path, sft_args, tiny_llama, tokenizer, prompt_completion, caplog, transformers_verbosity, log_level, expected
+):
+    """Issue 46 item 3: the one line that says what the trainer decided was logged at INFO, which transformers' default
+    verbosity (and Python's, with no logging configured) hides; ``log_level`` above WARNING silences it again."""
+    with caplog.at_level(logging.DEBUG, logger="unpack_trainer"):
+        SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True, log_level=log_level),
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )
+    [line] = [r for r in caplog.records if r.getMessage().startswith("SFTTrainer: mode=pack")]
+    assert line.levelno == expected
+
+
+def test_unpack_disable_announces_itself(
+    tmp_path, sft_args, tiny_llama, tokenizer, prompt_completion, caplog, monkeypatch, transformers_verbosity
+):
+    """Issue 46 item 3: ``UNPACK_DISABLE=1`` left no line in the log (only ``trainer.unpack_decision.reason``)."""
+    monkeypatch.setenv("UNPACK_DISABLE", "1")
+    with caplog.at_level(logging.DEBUG, logger="unpack_trainer"):
+        trainer = SFTTrainer(
+            model=tiny_llama(vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True),
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )
+    assert type(trainer.data_collator).__module__.startswith("trl.")
+    said = [r for r in caplog.records if "UNPACK_DISABLE=1" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "exactly as trl.SFTTrainer" in said[0].getMessage()

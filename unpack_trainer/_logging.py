@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["is_main_process", "log_once", "reset_log_once"]
+__all__ = ["announce_level", "is_main_process", "log_once", "reset_log_once"]
 
 _logged: set[tuple[int, str]] = set()
 
@@ -19,6 +19,17 @@ def is_main_process() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+def announce_level() -> int:
+    """The level of the one line per trainer every user should see (what the trainer decided, or that
+    ``UNPACK_DISABLE`` turned the package off): ``WARNING`` -- shown at transformers' default verbosity, as
+    transformers' and TRL's own notices are, by Python's last-resort handler when no logging is configured -- while
+    transformers' verbosity (the Trainer's ``log_level``, ``TRANSFORMERS_VERBOSITY``, ``set_verbosity_*``) is
+    ``WARNING`` or more verbose; ``INFO`` once the user turned it above ``WARNING`` (``log_level="error"``)."""
+    from transformers.utils import logging as hf_logging
+
+    return logging.WARNING if hf_logging.get_verbosity() <= logging.WARNING else logging.INFO
 
 
 def log_once(logger: logging.Logger, level: int, message: str, *, main_process_only: bool = True) -> None:

@@ -53,7 +53,7 @@ from transformers.trainer_utils import has_length
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._compat import attention_implementation
-from unpack_trainer._logging import log_once
+from unpack_trainer._logging import announce_level, log_once
 from unpack_trainer.configs import convert_config
 from unpack_trainer.data.preparation import TruncationCounts, samples_per_row
 from unpack_trainer.data.sampler import BalancedStepSampler, attention_cost_ratio, row_costs
@@ -377,6 +377,12 @@ class PackedTrainerMixin:
         """After TRL's ``__init__``: check what TRL set, log the notes, enable the per-sample loss and the packed
         path, and log the start line."""
         if self._unpack_disabled:
+            log_once(
+                logger,
+                announce_level(),
+                f"{self.unpack_name}: UNPACK_DISABLE=1: unpack_trainer is off, this trainer runs exactly as "
+                f"trl.{self.unpack_trl_class.__name__} (no packing, no padding-free, no attention patch, no self-check)",
+            )
             return
         _trl_compat.require_attributes(self, _trl_compat.TRAINER_ATTRIBUTES, "transformers.Trainer")
         _trl_compat.require_attributes(self, self._unpack_trl_attributes, f"trl.{self.unpack_trl_class.__name__}")
@@ -601,8 +607,9 @@ class PackedTrainerMixin:
         self._prepare_padded_datasets(self._unpack_raw["train"], self._unpack_raw["eval"])
 
     def _log_start_line(self) -> None:
-        """One line, once, on the main process: the decision, its reason and the training set's statistics. INFO;
-        WARNING when a request (packing / padding-free) was overridden."""
+        """One line, once, on the main process: the decision, its reason and the training set's statistics, at the
+        level a user sees by default (:func:`~unpack_trainer._logging.announce_level`: silenced by ``log_level`` /
+        transformers' verbosity above WARNING); WARNING whenever a request (packing / padding-free) was overridden."""
         decision = self.unpack_decision
         stats = self.unpack_stats
         parts = [f"mode={decision.mode}", f"reason: {decision.reason}"]
@@ -620,7 +627,7 @@ class PackedTrainerMixin:
                 )
         if decision.packed:
             parts.append("the contamination self-check runs when training starts")
-        level = logging.WARNING if decision.overridden_request else logging.INFO
+        level = logging.WARNING if decision.overridden_request else announce_level()
         log_once(logger, level, f"{self.unpack_name}: " + ", ".join(parts))
 
     # ------------------------------------------------------------------------------------------------ step composition
