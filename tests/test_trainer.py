@@ -118,6 +118,36 @@ def test_explicit_padding_free_false_is_kept(tokenizer, tmp_path, prompt_complet
     assert trainer.unpack_selfcheck is None
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_selfcheck_runs_in_the_training_precision(
+    tokenizer, tmp_path, monkeypatch, prompt_completion, sft_args, tiny_llama, bf16
+):
+    """Issue 46 item 5: float32 weights with ``bf16=True`` train under bf16 autocast, but the self-check ran in float32
+    ("exactly as it will run", docs/training.md): it runs under the trainer's autocast and judges by bf16's
+    tolerance."""
+    seen = []
+
+    def spy(model, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        report = check_uncontaminated(model, **kwargs)
+        seen.append(report.dtype)
+        return report
+
+    monkeypatch.setattr(trainer_module, "check_uncontaminated", spy)
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=sft_args(tmp_path, packing=True, bf16=bf16),
+        train_dataset=prompt_completion(),
+        processing_class=tokenizer,
+    )
+    trainer.get_train_dataloader()
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    expected = torch.bfloat16 if bf16 else False
+    assert seen == [expected, torch.bfloat16 if bf16 else torch.float32]
+    assert trainer.unpack_selfcheck.ok and trainer.unpack_decision.mode == "pack"
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(
     tokenizer, tmp_path, monkeypatch, caplog, prompt_completion, sft_args, tiny_llama
 ):

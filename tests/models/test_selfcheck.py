@@ -359,3 +359,22 @@ def test_judge(case):
             assert hard_bound is None
         else:
             assert hard_bound == pytest.approx(0.5 + 1e-5)
+
+
+def test_the_vision_probe_holds_only_ids_the_model_can_embed():
+    """Issue 46 item 5: a Qwen2.5-VL config whose ``vision_end_token_id`` keeps transformers' default (151653) on a
+    small vocabulary: the probe put that id on its rows (``IndexError``: "training padded instead", while stock
+    trains); the processor never emits it, so the probe leaves it out. An image placeholder the model cannot embed is
+    refused with that reason."""
+    from unpack_trainer.models import patch_model, unpatch_model
+    from unpack_trainer.models.tiny_vision import tiny_vision_model
+
+    model = tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa")
+    model.config.vision_end_token_id = 151653
+    patch_model(model)
+    report = check_uncontaminated(model, measure_contamination=False)
+    assert report.ok and report.conclusive, report.summary()
+    model.config.image_token_id = 151655
+    report = check_uncontaminated(model, measure_contamination=False)
+    assert not report.ok and "image_token_id 151655 is outside its text vocabulary of 128 ids" in report.summary()
+    unpatch_model(model)

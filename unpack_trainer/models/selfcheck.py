@@ -302,7 +302,7 @@ def check_uncontaminated(
             unpacked = (packed[:first_tokens] - first).abs().amax(dim=-1)
         if images is not None:
             packed, alone = torch.cat([packed, images[0]]), torch.cat([alone, images[1]])
-        dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model)
+        dtype = outputs.logits.dtype if rtol is not None else _logits_dtype(model, device)
         scale = float(alone.abs().max())
         tolerance = (rtol if rtol is not None else _RTOL.get(dtype, 4e-2)) * scale + 1e-5
         diffs = (packed - alone).abs().amax(dim=-1)
@@ -625,9 +625,19 @@ def _last_states(outputs: object) -> torch.Tensor:
     return state
 
 
-def _logits_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype the model computes in: the output embedding's weight dtype (the input embedding's for a model without
-    one, e.g. a sequence classifier), or its compute dtype when quantized."""
+def _logits_dtype(model: torch.nn.Module, device: torch.device | None = None) -> torch.dtype:
+    """The dtype the model computes in: under autocast on ``device`` (the trainer runs the check in its training
+    precision), the autocast dtype where it is lower than the weights'; else the output embedding's weight dtype (the
+    input embedding's for a model without one, e.g. a sequence classifier), or its compute dtype when quantized."""
+    weights = _weights_dtype(model)
+    if device is not None and torch.is_autocast_enabled(device.type):
+        autocast = torch.get_autocast_dtype(device.type)
+        if autocast.itemsize < weights.itemsize:
+            return autocast
+    return weights
+
+
+def _weights_dtype(model: torch.nn.Module) -> torch.dtype:
     config = getattr(model, "config", None)
     quantization = getattr(config, "quantization_config", None)
     compute = getattr(quantization, "bnb_4bit_compute_dtype", None) if quantization is not None else None

@@ -304,7 +304,10 @@ def vision_sample(
             size, so theirs is ignored).
         seed: the seed of the text tokens and the pixels.
         vocab_size: the text tokens are drawn from ``[FIRST_TEXT_ID, vocab_size)`` (default: the text config's
-            vocabulary), never an image token of the config.
+            vocabulary), never an image token of the config. A marker id of the config outside the vocabulary
+            (``vision_start_token_id``, ``vision_end_token_id``, ``boi_token_id``, ``eoi_token_id``: a config that
+            keeps transformers' default, 151653, on a smaller vocabulary) is left out: the model cannot embed it, so
+            its processor never emits it and the training data cannot hold it.
 
     Returns:
         ``input_ids`` ``(1, L)`` int64; ``mm_token_type_ids`` ``(1, L)`` int64 (qwen: 0 text, 1 image) or
@@ -325,6 +328,12 @@ def vision_sample(
         for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                      "boi_token_id", "eoi_token_id")
     }  # fmt: skip
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is not None and not 0 <= image_token < vocab:
+        raise ValueError(
+            f"the config's image_token_id {image_token} is outside its text vocabulary of {vocab} ids: the model "
+            "cannot embed an image placeholder"
+        )
     ids: list[int] = []
     types: list[int] = []
     images: list[torch.Tensor] = []
@@ -332,6 +341,7 @@ def vision_sample(
     sizes: list[list[int]] = []
 
     def add(tokens: list[int], kind: int = 0) -> None:
+        tokens = [token for token in tokens if 0 <= token < vocab]  # a marker the vocabulary cannot hold: left out
         ids.extend(tokens)
         types.extend([kind] * len(tokens))
 

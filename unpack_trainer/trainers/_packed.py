@@ -560,7 +560,8 @@ class PackedTrainerMixin:
         if self._unpack_checked:
             return
         self._unpack_checked = True
-        report = check_uncontaminated(self.model, measure_contamination=False)
+        with self._unpack_training_precision():
+            report = check_uncontaminated(self.model, measure_contamination=False)
         self.unpack_selfcheck = report
         if report.ok:
             if not report.conclusive:
@@ -572,6 +573,13 @@ class PackedTrainerMixin:
         what = report.failure()
         self._unpack_self_check_failed(f"Contamination self-check failed ({what}); training padded instead")
         self._fall_back_to_padded(f"contamination self-check failed: {what}")
+
+    def _unpack_training_precision(self) -> contextlib.AbstractContextManager:
+        """The precision training runs the model's forward in, for the self-check to run exactly so: accelerate's
+        autocast of this trainer's mixed precision (``bf16=True`` / ``fp16=True`` with float32 weights: the forward
+        computes in bf16 / fp16, and the check judges it by that dtype's tolerance); a no-op without mixed
+        precision."""
+        return self.accelerator.autocast()
 
     def _log_liger_note(self) -> None:
         """With ``use_liger_kernel=True`` (Liger's kernels applied by now): one line on whose RoPE, per-token kernels,

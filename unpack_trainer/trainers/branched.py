@@ -238,7 +238,8 @@ class BranchedTrainerMixin(PackedTrainerMixin):
             return
         branches = self._unpack_probe_branches()
         lengths = (3, *((1, 4, 2)[i % 3] for i in range(max(branches, 2))))
-        report = check_uncontaminated(self.model, branched=True, lengths=lengths, measure_contamination=False)
+        with self._unpack_training_precision():
+            report = check_uncontaminated(self.model, branched=True, lengths=lengths, measure_contamination=False)
         self.unpack_selfcheck_branched = report
         if report.ok:
             log_once(logger, logging.INFO, f"Self-check of shared prompts passed: {report.summary()}")
