@@ -2,10 +2,11 @@
 kernels take ``seq_idx`` / ``cu_seqlens`` runs once on the packed row with them, instead of the padded buckets.
 
 causal-conv1d, flash-linear-attention and mamba-ssm run on CUDA only. On the CPU their entry points are replaced the
-way transformers itself resolves them (``use_kernel_func_from_hub_with_fallback`` finding the package installed) by
-stand-ins: transformers' own torch fallback run on each sample the varlen argument marks (or, to prove that the
-metadata is what keeps samples apart, one that takes the argument and ignores it). With the kernels' device type
-widened to the CPU, that checks on tiny fp32 models:
+way transformers itself resolves them (``use_kernel_func_from_hub_with_fallback`` finding the package installed, and,
+where transformers runs a package only on the device types it lists, the CPU listed for it) by stand-ins:
+transformers' own torch fallback run on each sample the varlen argument marks (or, to prove that the metadata is what
+keeps samples apart, one that takes the argument and ignores it). With the kernels' device type widened to the CPU,
+that checks on tiny fp32 models:
 
 - which path each mixer takes, and the reason logged when it is not the varlen one;
 - packed logits == each sample alone, loss and every gradient == a padded batch (fp32, relative 1e-5);
@@ -16,6 +17,7 @@ The ``gpu``-marked tests run the real kernels (the ``gpu`` extra) on CUDA.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import sys
@@ -110,10 +112,24 @@ def _stand_in(torch_function, varlen, time_dim, *, honour, calls):
     return kernel
 
 
+def run_package_on_cpu(monkeypatch, package):
+    """Where transformers runs an installed kernel package only on the device types it lists for it
+    (``hub_kernels._PACKAGE_SUPPORTED_DEVICES``, transformers 5.25; inputs on any other device take the torch fallback,
+    which refuses ``seq_idx`` / ``cu_seqlens``), list the CPU too, so that a CPU stand-in decorated from now on runs as
+    the real package runs on a GPU. Nothing to do where transformers has no such list (it then runs the package on every
+    device)."""
+    from transformers.integrations import hub_kernels
+
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
+    if isinstance(devices, dict) and package in devices and "cpu" not in devices[package]:
+        monkeypatch.setitem(devices, package, (*devices[package], "cpu"))
+
+
 def install_stand_in_kernels(monkeypatch, model, *, honour=True, only=None):
     """Resolve every sequence kernel of ``model``'s modeling module(s) (those named in ``only``, when given) as
-    transformers would with the package installed, to a CPU stand-in (see :func:`_stand_in`). Returns
-    ``{kernel name: [varlen argument of each call]}``."""
+    transformers would with the package installed, to a CPU stand-in (see :func:`_stand_in`) that runs on the CPU
+    (:func:`run_package_on_cpu`; whether the varlen path is taken there is still up to ``KERNEL_DEVICE_TYPES``).
+    Returns ``{kernel name: [varlen argument of each call]}``."""
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
     calls: dict[str, list] = {}
@@ -125,7 +141,8 @@ def install_stand_in_kernels(monkeypatch, model, *, honour=True, only=None):
                 continue
             if only is not None and entry.hub_name not in only:
                 continue
-            closure = inspect.getclosurevars(value).nonlocals
+            # the fallback wrapper itself, also inside the `kernels` function module transformers 5.25 makes of it
+            closure = inspect.getclosurevars(mixer_kernels._fallback_wrapper(value)).nonlocals
             torch_function, package = closure["torch_function"], closure["package"]
             varlen = "cu_seqlens" if package == "fla" else "seq_idx"
             time_dim = -1 if entry.hub_name == "causal_conv1d_fn" else 1
@@ -134,6 +151,7 @@ def install_stand_in_kernels(monkeypatch, model, *, honour=True, only=None):
             fake = types.ModuleType(package)
             setattr(fake, entry.hub_name, kernel)
             monkeypatch.setitem(sys.modules, package, fake)
+            run_package_on_cpu(monkeypatch, package)  # read when the wrapper is made
             wrapper = use_kernel_func_from_hub_with_fallback(entry.hub_name, package)(torch_function)
             monkeypatch.setattr(module, name, wrapper)
     return calls
@@ -148,11 +166,18 @@ def cpu_kernels(monkeypatch):
 # -- which path --------------------------------------------------------------------------------------------------------
 
 
-def _func_module(func):
-    """What the `kernels` package makes of a function decorated with its ``use_kernel_forward_from_hub`` (0.17): an
-    ``nn.Module`` instance whose class forward calls it."""
+def _func_module(obj):
+    """What the `kernels` package makes of a function decorated with its ``use_kernel_forward_from_hub``: an
+    ``nn.Module`` instance whose class (carrying the layer name) has a forward that calls the function. Where ``obj``
+    already is one (``kernels`` installed, transformers 5.25), a fresh instance of its own class, as
+    ``use_kernelized_func`` keeps one per layer; else one built the way ``kernels`` builds it."""
+    if isinstance(obj, torch.nn.Module):
+        return type(obj)()
+    func = obj  # the name the class's forward closes over, as in `kernels`
 
     class Func(torch.nn.Module):
+        kernel_layer_name = func.__name__
+
         def forward(self, *args, **kwargs):
             return func(*args, **kwargs)
 
@@ -204,6 +229,177 @@ def test_a_kernel_fed_no_metadata_keeps_the_padded_path(monkeypatch):
     (mixer, *_) = discover(model).mixers
     plan = varlen_plan(mixer.module)
     assert plan.reason is not None and "no packing metadata" in plan.reason, plan
+
+
+# -- kernels reached through module-level helpers (transformers 5.25) --------------------------------------------------
+
+# A modeling module written as transformers 5.25 writes them: the mixers call module-level helpers (one decorated
+# with `use_kernel_forward_from_hub`, a `kernels` function module where transformers uses that package) that call the
+# kernel.
+HELPER_MODELING_SOURCE = """
+import torch
+from transformers.integrations import use_kernel_forward_from_hub, use_kernel_func_from_hub_with_fallback
+
+
+@use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", "causal_conv1d")
+def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+    return hidden_states
+
+
+@use_kernel_forward_from_hub("causal_conv1d_forward")
+def conv_forward(hidden_states, weight, **kwargs):
+    return causal_conv1d_fn(hidden_states, weight, **kwargs)
+
+
+def two_hops(hidden_states, weight, **kwargs):
+    return conv_forward(hidden_states, weight, **kwargs)
+
+
+def reads_seq_idx(hidden_states, weight, **kwargs):
+    return causal_conv1d_fn(hidden_states, weight, seq_idx=kwargs.get("seq_idx"))
+
+
+def takes_seq_idx(hidden_states, weight, seq_idx=None, **kwargs):
+    return causal_conv1d_fn(hidden_states, weight, **kwargs)
+
+
+class Mixer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2, 3))
+
+
+class Splat(Mixer):
+    def forward(self, hidden_states, **kwargs):
+        return conv_forward(hidden_states, self.weight, **kwargs)
+
+
+class TwoHops(Mixer):
+    def forward(self, hidden_states, **kwargs):
+        return two_hops(hidden_states, self.weight, **kwargs)
+
+
+class NoSplat(Mixer):
+    def forward(self, hidden_states, **kwargs):
+        return conv_forward(hidden_states, self.weight)
+
+
+class ReadsInHelper(Mixer):
+    def forward(self, hidden_states, **kwargs):
+        return reads_seq_idx(hidden_states, self.weight, **kwargs)
+
+
+class ReadsInHelperNoSplat(Mixer):
+    def forward(self, hidden_states, **kwargs):
+        return reads_seq_idx(hidden_states, self.weight)
+
+
+class HelperTakesIt(Mixer):
+    def forward(self, hidden_states, **kwargs):
+        return takes_seq_idx(hidden_states, self.weight, **kwargs)
+"""
+
+
+@pytest.fixture
+def helper_modeling(monkeypatch, tmp_path):
+    """:data:`HELPER_MODELING_SOURCE` imported as a transformers modeling module, its kernel resolved to an installed
+    causal-conv1d (a CPU stand-in taking ``seq_idx``). Returns ``(module, [seq_idx of each kernel call])``."""
+    calls = []
+
+    def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, activation=None):
+        calls.append(seq_idx)
+        return x
+
+    fake = types.ModuleType("causal_conv1d")
+    fake.causal_conv1d_fn = causal_conv1d_fn
+    monkeypatch.setitem(sys.modules, "causal_conv1d", fake)
+    run_package_on_cpu(monkeypatch, "causal_conv1d")
+    name = "transformers.models.unpack_trainer_helpers.modeling_unpack_trainer_helpers"
+    path = tmp_path / "modeling_unpack_trainer_helpers.py"
+    path.write_text(HELPER_MODELING_SOURCE)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module, calls
+
+
+@pytest.mark.parametrize(
+    ("mixer", "reason"),
+    [
+        ("Splat", None),
+        ("TwoHops", None),
+        ("ReadsInHelper", None),
+        ("NoSplat", "NoSplat.forward (through `conv_forward`) hands `causal_conv1d_fn` no packing metadata"),
+        (
+            "ReadsInHelperNoSplat",
+            "ReadsInHelperNoSplat.forward (through `reads_seq_idx`) passes `seq_idx` to `causal_conv1d_fn` from no "
+            "keyword argument",
+        ),
+        (
+            "HelperTakesIt",
+            "HelperTakesIt.forward (through `takes_seq_idx`) hands `causal_conv1d_fn` no packing metadata",
+        ),
+    ],
+)
+def test_a_kernel_reached_through_module_level_helpers(mixer, reason, helper_modeling):
+    """transformers 5.25's mixers call their kernels inside module-level helpers (LFM2: ``forward`` ->
+    ``causal_conv1d_forward(..., **kwargs)`` -> ``causal_conv1d_fn(..., **kwargs)``). The plan follows them: a forward
+    keyword reaches the kernel only through an unbroken chain of ``**kwargs`` splats (not past a helper that takes it
+    by name), ``kwargs.get("seq_idx")`` inside a helper reads it only at the end of such a chain; and the call does what
+    the plan says: the kernel receives the forward's ``seq_idx`` exactly where the plan hands it one."""
+    module, calls = helper_modeling
+    plan = varlen_plan(getattr(module, mixer)())
+    assert plan.kernels == ("causal_conv1d_fn (causal-conv1d)",)
+    assert plan.reason == reason
+    assert plan.keywords == ((("seq_idx", "seq_idx"),) if reason is None else ())
+    marker = torch.zeros(1, 4, dtype=torch.int32)
+    getattr(module, mixer)()(torch.zeros(1, 2, 4), seq_idx=marker)
+    assert len(calls) == 1 and calls[0] is (marker if reason is None else None)
+
+
+def test_helpers_are_followed_a_few_calls_deep(helper_modeling, monkeypatch):
+    module, _ = helper_modeling
+    monkeypatch.setattr(mixer_kernels, "HELPER_DEPTH", 1)
+    assert varlen_plan(module.Splat()).reason is None
+    assert varlen_plan(module.TwoHops()).reason == "TwoHops calls no kernel with a varlen entry point"
+
+
+def test_the_plan_reads_the_kernel_copies_a_layer_keeps():
+    """With the `kernels` package (transformers 5.25), a layer whose class carries ``use_kernelized_func`` keeps its own
+    copy of each kernel function module (``_kernel_funcs``, an instance of the global's class), its forward sends the
+    calls to the global to that copy, and ``kernelize`` puts a hub kernel on the copy, not on the global. The plan
+    reads the copy: a hub kernel taking ``seq_idx`` there gets it (and the forward's ``seq_idx`` reaches it); a helper
+    whose copy ``kernelize`` replaced runs code the plan cannot read and is not followed."""
+    from transformers.models.lfm2 import modeling_lfm2
+
+    model = tiny_model("lfm2").eval()
+    (mixer, *_) = discover(model).mixers
+    copies = vars(mixer.module).get("_kernel_funcs")
+    if not copies:
+        pytest.skip("transformers keeps no per-layer kernel function copies here (it uses no `kernels` package)")
+
+    def copy_of(function_module):
+        return next(copy for copy in copies.values() if type(copy) is type(function_module))
+
+    assert "causal-conv1d is not installed" in varlen_plan(mixer.module).reason
+    seen = []
+
+    def hub_forward(self, x, weight, bias=None, seq_idx=None, activation=None):
+        seen.append(seq_idx)
+        return x
+
+    conv = copy_of(modeling_lfm2.causal_conv1d_fn)
+    conv.forward = types.MethodType(hub_forward, conv)  # what kernelize does with a hub kernel for it
+    plan = varlen_plan(mixer.module)
+    assert plan.reason is None and plan.keywords == (("seq_idx", "seq_idx"),), plan
+    marker = torch.zeros(1, 5, dtype=torch.int32)
+    with torch.no_grad():
+        mixer.module(torch.randn(1, 5, model.config.hidden_size), seq_idx=marker)
+    assert len(seen) == 1 and seen[0] is marker
+    helper = copy_of(modeling_lfm2.causal_conv1d_forward)
+    helper.forward = types.MethodType(lambda self, conv1d, hidden_states, *args, **kwargs: hidden_states, helper)
+    assert varlen_plan(mixer.module).reason == "Lfm2ShortConv calls no kernel with a varlen entry point"
 
 
 @pytest.mark.parametrize("on_cpu", [True, False])
@@ -329,7 +525,8 @@ def install_fla_convolution(monkeypatch, calls):
     ``cu_seqlens``): transformers' torch convolution run on each sample ``cu_seqlens`` marks; records ``cu_seqlens``."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    torch_conv = inspect.getclosurevars(modeling_qwen3_5.causal_conv1d_fn).nonlocals["torch_function"]
+    wrapper = mixer_kernels._fallback_wrapper(modeling_qwen3_5.causal_conv1d_fn)
+    torch_conv = inspect.getclosurevars(wrapper).nonlocals["torch_function"]
 
     def causal_conv1d(x, weight=None, bias=None, activation=None, cu_seqlens=None, **kwargs):
         calls.append(cu_seqlens)

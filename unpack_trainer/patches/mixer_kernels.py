@@ -3,8 +3,10 @@
 transformers' hybrid and state-space models call their sequence kernels through module-level functions decorated with
 ``use_kernel_func_from_hub_with_fallback`` (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
 ``mamba2_chunk_scan``, ...): each resolves, once at import, to the installed package's kernel (causal-conv1d,
-flash-linear-attention, mamba-ssm; or a hub kernel when the ``kernels`` package is installed) or to transformers' torch
-fallback. The kernels keep the samples of a packed row apart when they are told where each one starts:
+flash-linear-attention, mamba-ssm) or to transformers' torch fallback; from transformers 5.25 it runs the package only
+on the device types the package supports and takes the torch fallback elsewhere (which refuses ``seq_idx`` /
+``cu_seqlens``; :data:`KERNEL_DEVICE_TYPES` keeps the varlen path to CUDA). The kernels keep the samples of a packed
+row apart when they are told where each one starts:
 
 ===========================================  ==========================  =============================================
 kernel (package)                             varlen argument             shape, dtype
@@ -20,15 +22,38 @@ kernel (package)                             varlen argument             shape, 
 and the model's forward hands them on from its own keyword arguments, each family its way: Qwen3.5 / Qwen3-Next /
 OLMo hybrid pass ``cu_seqlens=kwargs.pop("cu_seq_lens_q")`` to the gated delta rule and ``**kwargs`` (hence
 ``seq_idx``) to the convolution; the Mamba2 mixers (Bamba, Granite 4, Nemotron-H, Falcon-H1, Zamba2, Mamba2) and LFM2
-pass ``**kwargs`` to every kernel; Kimi linear passes ``**kwargs`` to ``chunk_kda`` (so ``cu_seqlens`` itself); Zamba
-and the Inkling convolutions pass ``seq_idx=kwargs.get("seq_idx")``; Mamba / Jamba / Falcon-Mamba call
-``selective_scan_fn`` with no metadata at all.
+pass ``**kwargs`` to every kernel; Kimi linear passes ``**kwargs`` to ``chunk_kda`` (so ``cu_seqlens`` itself);
+Mamba / Jamba / Falcon-Mamba call ``selective_scan_fn`` (or the fused ``mamba_inner_fn``) with no metadata at all.
+Up to transformers 5.24 a mixer's methods call the kernels themselves (Zamba and the Inkling convolutions with
+``seq_idx=kwargs.get("seq_idx")``); from 5.25 they call module-level helpers, themselves decorated with
+``use_kernel_forward_from_hub``, which call the kernels with the ``**kwargs`` they receive: e.g. LFM2's
+``causal_conv1d_forward(self.conv, hidden_states, cache, self.layer_idx, **kwargs)`` calls
+``causal_conv1d_fn(..., **kwargs)``, Granite 4's ``mamba2_scan_forward(self, ..., **kwargs)`` calls
+``mamba2_chunk_scan(..., **kwargs)``.
 
 :func:`varlen_plan` reads that from the mixer class (the calls its methods make to such functions, parsed from its
-source) and from the functions themselves (which implementation is installed and which varlen arguments it takes):
-the keywords the mixer's forward must receive for every sequence kernel it calls to get its varlen argument, or why it
-cannot be done. The single-token decode steps (``causal_conv1d_update``, ``selective_state_update``,
+source and followed into the module-level helpers of transformers' modeling code they call, at most
+:data:`HELPER_DEPTH` helpers deep) and from the functions themselves (which implementation is installed and which
+varlen arguments it takes): the keywords the mixer's forward must receive for every sequence kernel it calls to get its
+varlen argument, or why it cannot be done. A forward keyword reaches a kernel inside a helper only through an unbroken
+chain of ``**kwargs`` splats (and not past a helper that takes it as a named parameter): ``seq_idx=kwargs.get(...)``
+inside a helper reads the forward's keyword only then, and a kernel called inside a helper reached without the splat
+gets no packing metadata. The single-token decode steps (``causal_conv1d_update``, ``selective_state_update``,
 ``fused_recurrent_*``) only run with a cache, which packed forwards never have, and are not considered.
+
+What it reads of transformers and ``kernels`` that is not public API, each recognised by its shape (no version checks):
+
+- the closure of the ``use_kernel_func_from_hub_with_fallback`` wrapper (its free variables ``implementation``,
+  ``is_new_implementation``, ``torch_function``, ``func_name``, ``package``): which implementation runs;
+- with the ``kernels`` package installed (transformers 5.25), the ``nn.Module`` instance ``kernels``'
+  ``use_kernel_forward_from_hub`` makes of a decorated function, kernel or helper (``_create_func_module``: its class
+  ``forward`` closes over the function as ``func``; read through :func:`unpack_trainer._compat.hub_kernel_function`),
+  and the ``forward`` ``kernelize`` sets on such an instance when it chose a hub kernel for it (an instance attribute
+  that is not the class's own ``forward``): a kernel so replaced runs that forward, a helper so replaced is not
+  followed;
+- the per-layer copies of those instances ``kernels``' ``use_kernelized_func`` keeps on a mixer (``_kernel_funcs``,
+  each an instance of its global's own class): the mixer's forward dispatches a call to the global to its copy, and
+  ``kernelize`` replaces the copy's forward, not the global's, so the copy is what is read.
 """
 
 from __future__ import annotations
@@ -46,7 +71,10 @@ from typing import Any
 
 import torch
 
+from unpack_trainer._compat import hub_kernel_function
+
 __all__ = [
+    "HELPER_DEPTH",
     "KERNEL_DEVICE_TYPES",
     "REPLACED_WHEN_MISSING",
     "KernelEntry",
@@ -68,6 +96,11 @@ VARLEN_PARAMETERS = ("seq_idx", "cu_seqlens")
 DECODE_STEP_NAMES = re.compile(r"_update$|^fused_recurrent")
 # Package import names whose distribution is named otherwise (as transformers' hub_kernels names them).
 _DISTRIBUTIONS = {"fla": "flash-linear-attention", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}
+# How many calls into module-level helpers of transformers' modeling code the call-site analysis follows from a mixer
+# method (transformers 5.25: ``forward -> mamba2_scan_forward -> mamba2_chunk_scan`` is one helper deep).
+HELPER_DEPTH = 3
+# Where transformers' modeling code lives: the classes and helpers the call-site analysis reads.
+_MODELING = "transformers.models."
 
 
 @dataclass(frozen=True)
@@ -94,18 +127,22 @@ def _parameters(function: Callable[..., Any]) -> set[str]:
         return set()
 
 
+def _kernelized(obj: torch.nn.Module) -> bool:
+    """Whether ``kernels``' ``kernelize`` put a hub kernel layer's forward on the function module ``obj`` (it puts the
+    class's own forward back where it chose none)."""
+    forward = vars(obj).get("forward")
+    return forward is not None and getattr(forward, "__func__", None) is not type(obj).forward
+
+
 def _fallback_wrapper(obj: Any) -> Callable[..., Any] | None:
     """transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper inside ``obj`` (the function itself, or the
     ``nn.Module`` the ``kernels`` package turns it into), or ``None``."""
-    if isinstance(obj, torch.nn.Module):
-        forward = getattr(type(obj), "forward", None)
-        closure = inspect.getclosurevars(forward).nonlocals if inspect.isfunction(forward) else {}
-        obj = closure.get("func")
-    if not inspect.isfunction(obj):
+    function = hub_kernel_function(obj)
+    if function is None:
         return None
-    names = obj.__code__.co_freevars
+    names = function.__code__.co_freevars
     if {"implementation", "is_new_implementation", "torch_function", "func_name", "package"} <= set(names):
-        return obj
+        return function
     return None
 
 
@@ -123,24 +160,55 @@ def kernel_entry(obj: Any) -> KernelEntry | None:
     hub_name, package = closure["func_name"], closure["package"]
     installed = bool(closure["is_new_implementation"])
     implementation = closure["implementation"]
-    forward = vars(obj).get("forward") if isinstance(obj, torch.nn.Module) else None
-    if forward is not None and getattr(forward, "__func__", None) is not type(obj).forward:
-        # kernelize put a hub kernel layer's forward on this instance (it puts the class's own back where it has none)
+    if isinstance(obj, torch.nn.Module) and _kernelized(obj):
         installed, implementation = True, vars(obj)["forward"]
     accepts = tuple(name for name in VARLEN_PARAMETERS if name in _parameters(implementation)) if installed else ()
     return KernelEntry(hub_name, _DISTRIBUTIONS.get(package, package), installed, accepts)
 
 
 @dataclass(frozen=True)
+class _Call:
+    """A call to a global name (``name``) in one function's body: the varlen arguments it passes explicitly
+    (parameter -> the keyword it reads them from, as ``kwargs.get("seq_idx")``; ``None`` where that does not show),
+    the keywords it passes by name, and whether it passes ``**dict``."""
+
+    name: str
+    explicit: tuple[tuple[str, str | None], ...]
+    keywords: tuple[str, ...]
+    splat: bool
+
+
+@dataclass(frozen=True)
 class _CallSite:
-    """A call in a mixer method to a global function (``name``): the varlen arguments it passes explicitly (parameter
-    -> the forward keyword it reads them from, ``None`` where that does not show) and whether it passes ``**dict``."""
+    """A call to a sequence kernel (the global ``name``) reached from the mixer method ``method``, in its own body or
+    inside the module-level helpers ``via`` (outermost first) it calls.
+
+    Attributes:
+        explicit: the varlen arguments the call passes explicitly: parameter -> the forward keyword it reads them
+            from; ``None`` where that does not show (an expression, or the ``kwargs`` of a helper that did not receive
+            the forward's).
+        keywords: the keywords the call passes by name.
+        splat: whether the forward's keyword arguments reach the kernel as ``**kwargs`` (every call on the way splats
+            them, into helpers that take ``**kwargs``).
+        via: the helpers the call is reached through, ``()`` in the method itself.
+        dropped: the forward keywords a helper on the way takes as a named parameter (they go no further).
+        clashing: the keywords passed by name by the calls on the way (this one included) that also splat the
+            forward's keyword arguments: a keyword added to the forward's must be none of them.
+    """
 
     method: str
     name: str
     explicit: tuple[tuple[str, str | None], ...]
     keywords: tuple[str, ...]
     splat: bool
+    via: tuple[str, ...] = ()
+    dropped: frozenset[str] = frozenset()
+    clashing: tuple[str, ...] = ()
+
+    def where(self, cls: type) -> str:
+        """``"Lfm2ShortConv.forward"``, then the helpers the call is reached through."""
+        through = f" (through {' -> '.join(f'`{name}`' for name in self.via)})" if self.via else ""
+        return f"{cls.__name__}.{self.method}{through}"
 
 
 def _keyword_read(node: ast.expr) -> str | None:
@@ -155,31 +223,135 @@ def _keyword_read(node: ast.expr) -> str | None:
 
 
 @functools.cache
-def _call_sites(cls: type) -> tuple[tuple[_CallSite, dict[str, Any]], ...]:
-    """The calls to global functions in the methods ``cls`` defines or inherits from transformers' modeling code, each
-    with the globals of its method (the module's own dict: a global replaced later is seen)."""
-    sites: list[tuple[_CallSite, dict[str, Any]]] = []
+def _calls(function: Callable[..., Any]) -> tuple[_Call, ...]:
+    """The calls to global names in the body of ``function`` (its decorators left out), parsed from its source once;
+    ``()`` where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.decorator_list = []
+    calls = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        explicit = tuple((k.arg, _keyword_read(k.value)) for k in node.keywords if k.arg in VARLEN_PARAMETERS)
+        keywords = tuple(k.arg for k in node.keywords if k.arg is not None)
+        splat = any(k.arg is None for k in node.keywords)
+        calls.append(_Call(node.func.id, explicit, keywords, splat))
+    return tuple(calls)
+
+
+def _from_modeling_code(function: Any) -> bool:
+    return (getattr(function, "__module__", None) or "").startswith(_MODELING)
+
+
+@functools.cache
+def _methods(cls: type) -> tuple[tuple[str, Callable[..., Any]], ...]:
+    """``(name, function)`` of the methods ``cls`` defines or inherits from transformers' modeling code, unwrapped from
+    their decorators (wrappers defined elsewhere, such as the ``__init__`` of ``kernels``' ``use_kernelized_func``,
+    left out)."""
+    methods = []
     for klass in cls.__mro__:
-        if not klass.__module__.startswith("transformers.models."):
+        if not klass.__module__.startswith(_MODELING):
             continue
         for attribute, value in vars(klass).items():
             function = inspect.unwrap(value) if inspect.isfunction(value) else None
-            if function is None:
-                continue
-            try:
-                tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-            except (OSError, TypeError, SyntaxError):
-                continue
-            for node in ast.walk(tree):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-                    continue
-                explicit = tuple(
-                    (k.arg, _keyword_read(k.value)) for k in node.keywords if k.arg in VARLEN_PARAMETERS
-                )
-                keywords = tuple(k.arg for k in node.keywords if k.arg is not None)
-                splat = any(k.arg is None for k in node.keywords)
-                sites.append((_CallSite(attribute, node.func.id, explicit, keywords, splat), function.__globals__))
-    return tuple(sites)
+            if function is not None and _from_modeling_code(function):
+                methods.append((attribute, function))
+    return tuple(methods)
+
+
+def _per_instance(module: torch.nn.Module) -> Callable[[Any], Any]:
+    """``resolve(global) ->`` what a call to a modeling module's global runs inside ``module``'s forward: the copy
+    ``kernels``' ``use_kernelized_func`` keeps of it on ``module`` (``_kernel_funcs``, an instance of the global's own
+    class) where there is one, else the global itself."""
+    wrappers = vars(module).get("_kernel_funcs")
+    copies = {}
+    if isinstance(wrappers, dict):
+        copies = {type(copy): copy for copy in wrappers.values() if isinstance(copy, torch.nn.Module)}
+    return lambda obj: copies.get(type(obj), obj) if isinstance(obj, torch.nn.Module) else obj
+
+
+def _helper(obj: Any) -> Callable[..., Any] | None:
+    """The function of transformers' modeling code a call to ``obj`` (what a modeling module's global runs) runs, when
+    it is a helper to follow: a plain function, or the ``kernels`` function module of one whose forward no
+    ``kernelize`` replaced; ``None`` for a sequence kernel or anything else."""
+    if kernel_entry(obj) is not None or (isinstance(obj, torch.nn.Module) and _kernelized(obj)):
+        return None
+    function = hub_kernel_function(obj)
+    return inspect.unwrap(function) if function is not None and _from_modeling_code(function) else None
+
+
+def _keyword_parameters(function: Callable[..., Any]) -> tuple[frozenset[str], bool] | None:
+    """The parameters of ``function`` a keyword argument binds to by name, and whether it takes ``**kwargs``; ``None``
+    where its signature cannot be read."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    named = frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+@dataclass(frozen=True)
+class _Way:
+    """How a call in a mixer method reaches the function being read: the helpers on the way (``via``), whether the
+    function's ``kwargs`` are the forward's keyword arguments (``carried``), and what :class:`_CallSite` says of them
+    (``dropped``, ``clashing``)."""
+
+    via: tuple[str, ...] = ()
+    carried: bool = True
+    dropped: frozenset[str] = frozenset()
+    clashing: tuple[str, ...] = ()
+
+
+def _walk(
+    function: Callable[..., Any],
+    method: str,
+    way: _Way,
+    resolve: Callable[[Any], Any],
+    found: list[tuple[_CallSite, KernelEntry, dict[str, Any]]],
+) -> None:
+    """Appends to ``found`` every sequence-kernel call in ``function`` (reached from ``method`` by ``way``) and in
+    the helpers it calls, with the kernel's entry and the globals of the function that makes the call (the module's
+    own dict: a global replaced later is seen)."""
+    namespace = function.__globals__
+    for call in _calls(function):
+        obj = resolve(namespace.get(call.name))
+        splat = way.carried and call.splat
+        clashing = way.clashing + (call.keywords if splat else ())
+        entry = kernel_entry(obj)
+        if entry is not None:
+            explicit = tuple(
+                (parameter, key if way.carried and key not in way.dropped else None)
+                for parameter, key in call.explicit
+            )
+            site = _CallSite(method, call.name, explicit, call.keywords, splat, way.via, way.dropped, clashing)
+            found.append((site, entry, namespace))
+            continue
+        helper = _helper(obj) if len(way.via) < HELPER_DEPTH else None
+        if helper is None or helper is function:
+            continue
+        parameters = _keyword_parameters(helper)
+        if parameters is None:
+            continue
+        named, takes_kwargs = parameters
+        inner = _Way((*way.via, call.name), splat and takes_kwargs, way.dropped | named, clashing)
+        _walk(helper, method, inner, resolve, found)
+
+
+def _call_sites(module: torch.nn.Module) -> list[tuple[_CallSite, KernelEntry, dict[str, Any]]]:
+    """The sequence-kernel calls the methods of the mixer ``module`` make, in their bodies and through the
+    module-level helpers of transformers' modeling code they call: each with the entry of what it runs now (the
+    mixer's own copy of the kernel where ``kernels`` keeps one) and the globals of the function that makes it."""
+    found: list[tuple[_CallSite, KernelEntry, dict[str, Any]]] = []
+    resolve = _per_instance(module)
+    for method, function in _methods(type(module)):
+        _walk(function, method, _Way(), resolve, found)
+    return found
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -322,11 +494,12 @@ class VarlenPlan:
 
 def varlen_plan(module: torch.nn.Module) -> VarlenPlan:
     """Whether, and with which forward keywords, the mixer ``module`` runs a packed row through its installed kernels'
-    own varlen support (see the module docstring); read from its class's code and the functions it calls now."""
+    own varlen support (see the module docstring); read from its class's code, the helpers of transformers' modeling
+    code it calls, and the functions those calls run now."""
     cls = type(module)
-    found = [(site, kernel_entry(namespace.get(site.name)), namespace) for site, namespace in _call_sites(cls)]
-    found = [(site, e, namespace) for site, e, namespace in found if e is not None]
-    found = [(site, e, namespace) for site, e, namespace in found if not DECODE_STEP_NAMES.search(e.hub_name)]
+    found = [
+        (site, e, namespace) for site, e, namespace in _call_sites(module) if not DECODE_STEP_NAMES.search(e.hub_name)
+    ]
     calls = [(site, entry) for site, entry, _ in found]
     kernels = tuple(dict.fromkeys(f"{entry.hub_name} ({entry.distribution})" for _, entry in calls))
     if not calls:
@@ -348,25 +521,23 @@ def varlen_plan(module: torch.nn.Module) -> VarlenPlan:
         if not entry.accepts:
             return VarlenPlan((), kernels, f"the installed `{entry.hub_name}` takes neither seq_idx nor cu_seqlens")
         explicit = [(parameter, key) for parameter, key in site.explicit if parameter in entry.accepts]
+        # what a keyword added to the forward's **kwargs reaches, where the call passes none of them itself
+        splatted = next((p for p in entry.accepts if p not in site.keywords and p not in site.dropped), None)
         if explicit:
             parameter, key = explicit[0]
             if key is None:
                 return VarlenPlan(
-                    (), kernels, f"{cls.__name__}.{site.method} passes `{parameter}` to `{entry.hub_name}` from no "
-                    "keyword argument"
+                    (),
+                    kernels,
+                    f"{site.where(cls)} passes `{parameter}` to `{entry.hub_name}` from no keyword argument",
                 )
             keys.setdefault(key, parameter)
-        elif site.splat:
-            parameter = next(p for p in entry.accepts if p not in site.keywords)
-            keys.setdefault(parameter, parameter)
+        elif site.splat and splatted is not None:
+            keys.setdefault(splatted, splatted)
         else:
-            return VarlenPlan(
-                (), kernels, f"{cls.__name__}.{site.method} hands `{entry.hub_name}` no packing metadata"
-            )
-    for site, entry in calls:  # a keyword added to **kwargs must not collide with one the call passes itself
-        clash = [key for key in keys if site.splat and key in site.keywords]
+            return VarlenPlan((), kernels, f"{site.where(cls)} hands `{entry.hub_name}` no packing metadata")
+    for site, entry in calls:  # a keyword added to **kwargs must not collide with one a call on the way passes itself
+        clash = [key for key in keys if key in site.clashing]
         if clash:
-            return VarlenPlan(
-                (), kernels, f"{cls.__name__}.{site.method} passes `{clash[0]}` to `{entry.hub_name}` twice"
-            )
+            return VarlenPlan((), kernels, f"{site.where(cls)} passes `{clash[0]}` to `{entry.hub_name}` twice")
     return VarlenPlan(tuple(keys.items()), kernels, None, tuple(replaced))
