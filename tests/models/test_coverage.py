@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from unpack_trainer.decision import blocked_reason
@@ -92,3 +93,41 @@ def test_refusal_needs_no_forward(monkeypatch):
     monkeypatch.setattr(refusals, "_refusals", {})
     reason = refusal_reason(config)
     assert reason is not None and "MambaMixer" in reason and "across sample boundaries" in reason
+
+
+def test_gradient_spread_rule_still_catches_a_leak(monkeypatch):
+    """A gradient past 1e-5 of its largest entry is held to twice the stock path's own spread of it (how far stock
+    transformers' own other summations land: each sample alone, the padded rows reversed; a tiny CTRL's ReLU at its
+    kink moves a gradient by 0.5% of its largest entry between them). Packed rows whose samples attend to the samples
+    before them still fail it: their gradients move far beyond that spread."""
+    from unpack_trainer.models import patch_model, unpatch_model
+    from unpack_trainer.models.coverage import _close, _samples
+    from unpack_trainer.models.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
+    from unpack_trainer.models.tiny_vision import gradient_mismatch
+    from unpack_trainer.packed_seq_info import PackedSeqInfo
+    from unpack_trainer.patches import attention
+
+    def whole_rows(function):
+        def leak(query, key, value, info, options):
+            rows = PackedSeqInfo.from_seq_lengths(
+                torch.full((info.batch_size,), info.seq_len), batch_size=info.batch_size, seq_len=info.seq_len
+            )
+            return function(query, key, value, rows, options)
+
+        return leak
+
+    model = tiny_model("llama", attn_implementation="eager").eval()
+    samples = _samples()
+    as_inputs = [{"input_ids": sample.unsqueeze(0)} for sample in samples]
+    _, padded = loss_and_grads(model, padded_batch(samples), use_cache=False)
+    patch_model(model)
+    try:
+        _, packed = loss_and_grads(model, packed_batch(samples), use_cache=False)
+        assert gradient_mismatch(model, as_inputs, packed, padded, _close, use_cache=False) is None
+        for name, record in dict(attention.REGISTRY).items():
+            monkeypatch.setitem(attention.REGISTRY, name, record._replace(forward=whole_rows(record.forward)))
+        _, leaked = loss_and_grads(model, packed_batch(samples), use_cache=False)
+        problem = gradient_mismatch(model, as_inputs, leaked, padded, _close, use_cache=False)
+    finally:
+        unpatch_model(model)
+    assert problem is not None and "beyond 2.0 x the stock path's own spread" in problem, problem

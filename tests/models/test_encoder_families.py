@@ -9,8 +9,9 @@ self-attention is causal only when the config says ``is_decoder=True``. On tiny 
 - the self-check passes on the patched model and fails when packed samples see each other (attention over the whole
   row) or when the RoBERTa positions are left as the packed row gives them;
 - ``generate()`` with the cache and a padded batch with ``attention_mask`` are bit-identical with and without the patch;
-  attention weights of a packed row (``output_attentions=True``) are a clear error, since their decoders build the
-  mask without ``position_ids`` and transformers' dense path would attend across samples;
+  attention weights of a packed row (``output_attentions=True``) are a clear error where their decoders build the
+  mask without ``position_ids`` (transformers' dense path would attend across samples), and each sample's own where
+  they hand ``position_ids`` to the mask (transformers 5.25: its packed block mask);
 - loaded as an encoder (``is_decoder=False``: bidirectional self-attention) the model is refused before any forward,
   with the fix in the reason, and the trainer trains it padded.
 """
@@ -21,7 +22,14 @@ import logging
 
 import pytest
 import torch
-from packed_rows import assert_close, assert_packed_equals_alone, assert_same_loss_and_grads, random_samples, two_rows
+from packed_rows import (
+    ROWS,
+    assert_close,
+    assert_packed_equals_alone,
+    assert_same_loss_and_grads,
+    random_samples,
+    two_rows,
+)
 
 from unpack_trainer.models import PatchRefused, RefusalKind, patch_model, refusal_reason, unpatch_model
 from unpack_trainer.models.selfcheck import check_uncontaminated
@@ -174,15 +182,41 @@ def test_generation_with_cache_and_padded_batches_unchanged(model_type):
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
-def test_attention_weights_of_a_packed_row_are_refused(model_type):
-    """Their decoders build the mask without ``position_ids``, so transformers' dense path (where
-    ``output_attentions=True`` goes) would attend across the samples of a packed row: a clear error instead."""
+def test_attention_weights_of_a_packed_row(model_type):
+    """``output_attentions=True`` sends attention down transformers' dense path. Where their decoders build the mask
+    without ``position_ids`` (transformers <= 5.24: ``_create_attention_masks`` takes none) that path would attend
+    across the samples of a packed row: a clear error. Where they hand ``position_ids`` to ``create_causal_mask``
+    (5.25) it builds transformers' packed block mask from them: each sample's logits and block of weights are what
+    it gets alone, and nothing comes from the samples before it in its row."""
+    from unpack_trainer.models.discovery import mask_without_positions
+
     model = patch_model(_decoder(model_type, attn_implementation="eager").eval())
-    batch = two_rows(_samples())
+    samples = _samples()
+    batch = two_rows(samples)
     batch.pop("labels")
-    with torch.no_grad(), pytest.raises(ValueError, match="builds the mask without position_ids"):
-        model(**batch, output_attentions=True)
-    unpatch_model(model)
+    try:
+        if mask_without_positions(type(model.base_model)) is not None:
+            with torch.no_grad(), pytest.raises(ValueError, match="builds the mask without position_ids"):
+                model(**batch, output_attentions=True)
+            return
+        with torch.no_grad():
+            outputs = model(**batch, output_attentions=True)
+            alone = [model(input_ids=s.unsqueeze(0), use_cache=False, output_attentions=True) for s in samples]
+        assert len(outputs.attentions) == model.config.num_hidden_layers
+        index = 0
+        for row, lengths in enumerate(ROWS):
+            start = 0
+            for length in lengths:
+                span = slice(start, start + length)
+                assert_close(outputs.logits[row, span], alone[index].logits[0], f"sample {index} logits")
+                for layer, (packed, own) in enumerate(zip(outputs.attentions, alone[index].attentions)):
+                    assert_close(packed[row, :, span, span], own[0], f"sample {index} weights, layer {layer}")
+                    if start:  # nothing from an earlier sample of its row
+                        assert packed[row, :, span, :start].abs().max() == 0, f"sample {index} attends back"
+                start += length
+                index += 1
+    finally:
+        unpatch_model(model)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])

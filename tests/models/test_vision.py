@@ -95,9 +95,9 @@ def _assert_matches_alone(model, samples, batch) -> None:
 
 def _assert_grads_match_padded(model, samples, batch) -> None:
     """Packed loss and every gradient == the padded batch's: within ``REL`` of the tensor's largest entry, or, for a
-    gradient that cancels to a small value (a gated-delta-net layer's ``A_log``), no further from the padded batch's
-    than twice the stock path's own other summation of it (each sample alone;
-    :func:`~unpack_trainer.models.tiny_vision.gradient_mismatch`)."""
+    gradient that cancels to a small value (a gated-delta-net layer's ``A_log`` and ``dt_bias``), no further from the
+    padded batch's than twice the stock path's own spread of it (its other summations: each sample alone, the padded
+    rows reversed; :func:`~unpack_trainer.models.tiny_vision.gradient_mismatch`)."""
     model.train()
     padded_loss, padded_grads = loss_and_grads(model, processed_batch(samples), skip_unused=True)
     packed_loss, packed_grads = loss_and_grads(model, batch, skip_unused=True)

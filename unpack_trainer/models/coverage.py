@@ -6,8 +6,10 @@ attention chunk smaller than the samples where the config has one) and returns o
 
 - ``"fast"``: :func:`~unpack_trainer.models.patch_model` patches it, and on SDPA and on eager (each the model
   supports) the packed logits equal each sample run alone (fp32, relative 1e-5), the packed loss and every parameter
-  gradient equal a padded batch of the same samples, the packed helper runs in every attention layer, and transformers'
-  mask function is never called for the packed batch (so no ``(T, T)`` mask is built);
+  gradient equal a padded batch of the same samples (a gradient past 1e-5 of its largest entry: within twice the stock
+  path's own spread of it, see :func:`~unpack_trainer.models.tiny_vision.gradient_mismatch`), the packed helper runs
+  in every attention layer, and transformers' mask function is never called for the packed batch (so no ``(T, T)``
+  mask is built);
 - ``"refused"``: ``patch_model`` refuses it with a named reason (:class:`~unpack_trainer.models.PatchRefused`);
   an encoder whose causal-LM class is causal only as a decoder (BERT, RoBERTa, ...: refused by default for its
   bidirectional self-attention) is checked built with ``is_decoder=True`` (:data:`AS_DECODER`) where its config takes
@@ -183,9 +185,13 @@ class _Spies:
 
 
 def _verify(model_type: str, config: Any, implementation: str, attention_layers: int) -> str | None:
-    """Run the fast-path checks on one implementation; the first failure, or ``None``."""
+    """Run the fast-path checks on one implementation; the first failure, or ``None``. A gradient past 1e-5 of its
+    largest entry is held to the stock path's own spread of it
+    (:func:`~unpack_trainer.models.tiny_vision.gradient_mismatch`: a tiny CTRL's feed-forward has a ReLU input within
+    float32 rounding of zero)."""
 
     from unpack_trainer.models import patch_model, unpatch_model
+    from unpack_trainer.models.tiny_vision import gradient_mismatch
 
     model = tiny_model(model_type, config=config, attn_implementation=implementation).eval()
     samples = _samples()
@@ -223,13 +229,16 @@ def _verify(model_type: str, config: Any, implementation: str, attention_layers:
             return problem
         if packed_grads.keys() != padded_grads.keys():
             return f"{implementation}: packed and padded batches give gradients to different parameters"
-        for name, grad in padded_grads.items():
-            problem = _close(packed_grads[name], grad, f"{implementation}: gradient of {name}")
-            if problem:
-                return problem
+        return gradient_mismatch(
+            model,
+            [{"input_ids": sample.unsqueeze(0)} for sample in samples],
+            packed_grads,
+            padded_grads,
+            lambda actual, expected, what: _close(actual, expected, f"{implementation}: {what}"),
+            use_cache=False,
+        )
     finally:
         unpatch_model(model)
-    return None
 
 
 def _supports(config: Any, implementation: str) -> bool:
@@ -462,7 +471,7 @@ def check_vision_type(model_type: str) -> Outcome:
     family takes them) packed in one row: logits == each sample alone, loss and every gradient (the vision tower's
     included) == the padded batch of the same samples (within 1e-5 of each tensor's largest entry, or, for a gradient
     that cancels to a small value, within :data:`~unpack_trainer.models.tiny_vision.STOCK_SPREAD` times the stock
-    path's own distance of it: the gradient summed from each sample alone), and no mask function of the text model
+    path's own spread of it: each sample alone, the padded rows reversed), and no mask function of the text model
     called for the packed batch. ``"skipped"`` where this transformers lacks the family."""
     from unpack_trainer.models.tiny_vision import family_unavailable_reason
 

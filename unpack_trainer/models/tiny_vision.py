@@ -24,7 +24,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from unpack_trainer.models.tiny import TINY_SIZES, _quiet
+from unpack_trainer.models.tiny import TINY_SIZES, _quiet, loss_and_grads
 
 __all__ = [
     "FIRST_TEXT_ID",
@@ -549,17 +549,21 @@ def processed_batch(samples: Sequence[dict[str, Any]], *, pad_token_id: int = 0)
 
 
 # How far a packed gradient may be from the padded batch's where it is past 1e-5 of its largest entry (a gradient that
-# cancels to a small value): a multiple of the stock path's own distance, its gradient summed from each sample alone
-# (grads_one_by_one). A gated-delta-net layer's A_log gradient is within 1.4e-7 of the padded one in float64.
+# cancels to a small value, one through a ReLU at its kink): a multiple of the stock path's own spread, how far its
+# other summations of the gradient land (each sample alone, the padded rows reversed; see gradient_mismatch). In
+# float64 the tiny Qwen3.5 MoE's packed A_log and dt_bias gradients equal the padded ones (its experts on "eager"),
+# and a tiny CTRL's are within 4e-7 of each tensor's largest entry (transformers' loss casts the logits to float32).
 STOCK_SPREAD = 2.0
 
 
-def grads_one_by_one(model: Any, samples: Sequence[dict[str, Any]], *, skip_unused: bool = False) -> dict[str, Any]:
+def grads_one_by_one(
+    model: Any, samples: Sequence[dict[str, Any]], *, skip_unused: bool = False, **forward: Any
+) -> dict[str, Any]:
     """The gradient of :func:`processed_batch`'s loss (the token mean over all samples) of every trainable parameter,
     computed from each sample run alone, unpacked (its share ``n_i / N`` of the loss: its predicted tokens over all of
-    them): the stock path's own other summation of the same gradient, what the rounding of a gradient that cancels
-    to a small value (a gated-delta-net layer's ``A_log``) is measured against. The model's gradients are cleared
-    before and after; ``skip_unused`` as :func:`~unpack_trainer.models.tiny.loss_and_grads`."""
+    them): one of the stock path's own other summations of the same gradient (:func:`gradient_mismatch`). The model's
+    gradients are cleared before and after; ``skip_unused`` and ``forward`` (keyword arguments of every forward) as
+    :func:`~unpack_trainer.models.tiny.loss_and_grads`."""
     counts = [sample["input_ids"].shape[1] - 1 for sample in samples]  # each token predicts the next
     total = sum(counts)
     model.zero_grad(set_to_none=True)
@@ -568,7 +572,7 @@ def grads_one_by_one(model: Any, samples: Sequence[dict[str, Any]], *, skip_unus
             continue
         labels = sample["input_ids"].clone()
         labels[:, 0] = -100
-        (model(**sample, labels=labels).loss * (count / total)).backward()
+        (model(**sample, labels=labels, **forward).loss * (count / total)).backward()
     grads = {
         name: p.grad.detach().clone()
         for name, p in model.named_parameters()
@@ -584,20 +588,39 @@ def gradient_mismatch(
     packed_grads: dict[str, Any],
     padded_grads: dict[str, Any],
     close: Callable[[Any, Any, str], str | None],
+    **forward: Any,
 ) -> str | None:
-    """The first packed gradient that differs from the padded batch's beyond ``close`` (``(actual, expected, what) ->
-    problem or None``, a bound relative to the tensor's largest entry) and, being one that cancels to a small value,
-    also beyond :data:`STOCK_SPREAD` times the stock path's own distance of it (:func:`grads_one_by_one`, computed
-    only then); ``None`` when every gradient agrees. ``packed_grads`` / ``padded_grads``: by parameter name."""
-    one_by_one = None
+    """The first packed gradient that differs from the padded batch's (:func:`processed_batch` of ``samples``) beyond
+    ``close`` (``(actual, expected, what) -> problem or None``, a bound relative to the tensor's largest entry) and
+    also beyond :data:`STOCK_SPREAD` times the stock path's own spread of it; ``None`` when every gradient agrees.
+    ``packed_grads`` / ``padded_grads``: by parameter name; ``forward``: keyword arguments of every stock forward.
+
+    The stock spread of a gradient is how far stock transformers' own other summations of it land from the padded
+    batch's: each sample run alone (:func:`grads_one_by_one`) and the padded batch with its rows in reverse order
+    (computed only once a gradient is beyond ``close``). In fp32 two kinds of gradient move beyond a bound relative to
+    their largest entry on the stock path itself: one that cancels to a small value (a gated-delta-net layer's
+    ``A_log`` and ``dt_bias``: rounded as the larger terms summed into it are, so that reversing the padded rows alone
+    moves it as far), and one through a ReLU whose input lies within rounding of zero for some token (the last bit
+    switches that unit's gradient on or off: the 8192 units of a tiny CTRL's feed-forward). A leak between samples
+    moves a gradient far beyond either, and the logits are compared on their own."""
+    stock_sums: list[dict[str, Any]] | None = None
     for name, grad in padded_grads.items():
         problem = close(packed_grads[name], grad, f"gradient of {name}")
         if problem is None:
             continue
-        one_by_one = one_by_one or grads_one_by_one(model, samples, skip_unused=True)
-        stock = STOCK_SPREAD * (one_by_one[name] - grad).abs().max()
-        if (packed_grads[name] - grad).abs().max() > stock:
-            return f"{problem}, beyond {STOCK_SPREAD} x the stock path's own (each sample alone): {float(stock):.3e}"
+        if stock_sums is None:
+            reversed_rows = processed_batch(list(reversed(samples)))
+            stock_sums = [
+                grads_one_by_one(model, samples, skip_unused=True, **forward),
+                loss_and_grads(model, reversed_rows, skip_unused=True, **forward)[1],
+            ]
+        # a parameter no token reached in a summation (an expert no sample routes to alone) got zero gradient there
+        spread = max(float((other[name] - grad if name in other else grad).abs().max()) for other in stock_sums)
+        if float((packed_grads[name] - grad).abs().max()) > STOCK_SPREAD * spread:
+            return (
+                f"{problem}, beyond {STOCK_SPREAD} x the stock path's own spread (each sample alone, the padded rows "
+                f"reversed): {STOCK_SPREAD * spread:.3e}"
+            )
     return None
 
 
