@@ -17,6 +17,7 @@ import pytest
 import torch
 from packed_rows import ROWS, assert_close, assert_same_loss_and_grads, random_samples, two_rows
 
+from unpack_trainer._compat import hub_kernel_function
 from unpack_trainer.models import patch_model, unpatch_model
 from unpack_trainer.patches import rope as our_rope
 from unpack_trainer.trainers.liger import liger_note, rope_owner
@@ -102,7 +103,7 @@ def test_rope_owner_and_the_note_without_liger(tiny_model):
     assert "RoPE: unpack_trainer's" in note and "no Liger-Kernel module" in note and "TRL's chunked" in note
     unpatch_model(model)
     modeling = importlib.import_module(type(model).__module__)
-    assert modeling.apply_rotary_pos_emb is not our_rope.apply_rotary_pos_emb
+    assert hub_kernel_function(modeling.apply_rotary_pos_emb) is not our_rope.apply_rotary_pos_emb
 
 
 def test_packed_training_with_use_liger_kernel_equals_padded(

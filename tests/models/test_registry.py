@@ -12,6 +12,7 @@ from transformers.models.llama import modeling_llama
 
 import unpack_trainer
 import unpack_trainer.models as models
+from unpack_trainer._compat import hub_kernel_function
 from unpack_trainer.models import (
     PatchRefused,
     RefusalKind,
@@ -165,7 +166,7 @@ def test_patch_is_idempotent_and_undone(llama):
     assert is_patched(model)
     assert model.config._attn_implementation == "sdpa"  # transformers' own name (issue 20 item 12)
     assert len(decoder._forward_pre_hooks) == 1 and len(decoder._forward_hooks) == 1
-    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    assert hub_kernel_function(modeling_llama.apply_rotary_pos_emb) is rope.apply_rotary_pos_emb
     assert unpatch_model(model) is model and unpatch_model(model) is model
     assert not is_patched(model)
     assert model.config._attn_implementation == "sdpa"
@@ -181,7 +182,7 @@ def test_flags_and_repatching(llama):
     assert model.config._attn_implementation == "eager"
     patch_model(model, attention=False)  # other flags: re-patch
     assert model.config._attn_implementation == "eager" and not model.model._forward_pre_hooks
-    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    assert hub_kernel_function(modeling_llama.apply_rotary_pos_emb) is rope.apply_rotary_pos_emb
     unpatch_model(model)
     assert modeling_llama.apply_rotary_pos_emb is original_rope
 
@@ -192,7 +193,7 @@ def test_rope_restored_only_after_the_last_patched_model(llama):
     patch_model(first)
     patch_model(second)
     unpatch_model(first)
-    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    assert hub_kernel_function(modeling_llama.apply_rotary_pos_emb) is rope.apply_rotary_pos_emb
     unpatch_model(second)
     assert modeling_llama.apply_rotary_pos_emb is original_rope
 
@@ -268,7 +269,7 @@ def test_rope_released_when_the_last_patched_model_is_collected(llama):
     original_rope = modeling_llama.apply_rotary_pos_emb
     assert original_rope is not rope.apply_rotary_pos_emb  # no earlier test left a patched model alive
     model = patch_model(llama())
-    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    assert hub_kernel_function(modeling_llama.apply_rotary_pos_emb) is rope.apply_rotary_pos_emb
     del model
     gc.collect()
     assert modeling_llama.apply_rotary_pos_emb is original_rope

@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from unpack_trainer._compat import hub_kernel_function
+
 __all__ = ["liger_note", "rope_owner"]
 
 
@@ -33,7 +35,7 @@ def rope_owner(model: torch.nn.Module) -> str | None:
     function = getattr(modeling, "apply_rotary_pos_emb", None)
     if function is None:
         return None
-    owner = getattr(function, "__module__", "") or ""
+    owner = getattr(hub_kernel_function(function) or function, "__module__", "") or ""  # kernels' module: its function
     if owner.startswith("liger_kernel"):
         return "Liger-Kernel"
     if owner.startswith("unpack_trainer"):

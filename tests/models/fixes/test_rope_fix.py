@@ -24,7 +24,7 @@ from unpack_trainer.patches import rope
 def llama_rope(monkeypatch):
     """Llama's plain RoPE function; the modeling module's global is put back as found after the test."""
     gc.collect()  # patched Llamas of earlier tests give transformers' RoPE back when collected
-    assert modeling_llama.apply_rotary_pos_emb is not rope.apply_rotary_pos_emb
+    assert hub_kernel_function(modeling_llama.apply_rotary_pos_emb) is not rope.apply_rotary_pos_emb
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
     reset_log_once()
     return hub_kernel_function(modeling_llama.apply_rotary_pos_emb)
@@ -48,9 +48,25 @@ def test_a_kernels_function_module_is_replaced_and_given_back(llama_rope, monkey
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", wrapped)
     model = tiny_model("llama", vocab_size=64)
     patch_model(model)
-    assert modeling_llama.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+    assert hub_kernel_function(modeling_llama.apply_rotary_pos_emb) is rope.apply_rotary_pos_emb
     unpatch_model(model)
     assert modeling_llama.apply_rotary_pos_emb is wrapped
+
+
+def test_a_patched_model_with_a_kernels_rope_pickles(llama_rope, monkeypatch, tiny_model):
+    """``kernels`` rebuilds each layer's copy of the RoPE module from the type of the modeling module's global when a
+    model is unpickled: a plain function there (the replacement of 5.24) made a patched model unpicklable."""
+    import pickle
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", _kernels_function_module(llama_rope))
+    model = tiny_model("llama", vocab_size=64).eval()
+    patch_model(model)
+    ids = torch.randint(3, 64, (1, 7))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        again = pickle.loads(pickle.dumps(model))(input_ids=ids).logits
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    unpatch_model(model)
 
 
 def test_a_module_it_cannot_read_is_a_warning_not_silence(llama_rope, monkeypatch, tiny_model, caplog, capsys):

@@ -12,7 +12,9 @@ default).
 Since transformers 5.25 (with its ``kernels`` dependency) ``apply_rotary_pos_emb`` is decorated with
 ``use_kernel_forward_from_hub("rotary_pos_emb")``: the module's global is an ``nn.Module`` instance that calls the
 function unless a model's ``kernelize`` chose a hub kernel for it. The function inside is compared as above
-(:func:`unpack_trainer._compat.hub_kernel_function`), the global is replaced and restored the same way, and a model
+(:func:`unpack_trainer._compat.hub_kernel_function`), the global is replaced by the fused function made into a module
+the same way (``kernels`` rebuilds the layers' copies from the global's type when a model is deep-copied or
+unpickled) and restored as above, and a model
 whose attention layers run a hub kernel chosen by ``kernelize`` (``from_pretrained(use_kernels=True)``) keeps it. Where
 a modeling module has an ``apply_rotary_pos_emb`` the fix does not replace, :func:`rope_reasons` says why; the reason
 is logged once when the patch is installed (a warning where the function cannot be read at all) and ``unpack-trainer
@@ -21,7 +23,9 @@ env --model`` prints it.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import logging
 import sys
 import types
@@ -110,15 +114,34 @@ def _applies(site: FixSite) -> str | None:
     return f"{', '.join(modules)} applies Llama's RoPE" if modules else None
 
 
-def _install(site: FixSite) -> None:
+@functools.cache
+def _fused_function_module() -> Any:
+    """The fused RoPE as the ``kernels`` package makes a function into a module (transformers' own
+    ``use_kernel_forward_from_hub``), for a modeling module whose original is one: ``kernels`` rebuilds the layers'
+    copies of it from the type of the module's global when a model is unpickled or deep-copied, so the replacement
+    must be of that kind too."""
+    from transformers.integrations import use_kernel_forward_from_hub
+
     from unpack_trainer.patches.rope import apply_rotary_pos_emb
 
+    return use_kernel_forward_from_hub("rotary_pos_emb")(apply_rotary_pos_emb)
+
+
+def _replacement(original: Any) -> Any:
+    """What replaces ``original`` (transformers' RoPE of one modeling module): the fused function where it is a
+    function, the fused function module where it is a ``kernels`` function module."""
+    from unpack_trainer.patches.rope import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb if inspect.isfunction(original) else _fused_function_module()
+
+
+def _install(site: FixSite) -> None:
     modules = _modeling_modules(site)
     for name in modules:
         modeling = sys.modules[name]
         if name not in _originals:
             _originals[name] = modeling.apply_rotary_pos_emb
-            modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+            modeling.apply_rotary_pos_emb = _replacement(modeling.apply_rotary_pos_emb)
         _users.setdefault(name, weakref.WeakSet()).add(site.module)
         # A patched model that is garbage collected without unpatch_model releases the RoPE function too.
         weakref.finalize(site.module, _release, name)
@@ -135,7 +158,8 @@ def _release(name: str) -> None:
 
         original = _originals.pop(name)
         modeling = importlib.import_module(name)
-        if modeling.apply_rotary_pos_emb is apply_rotary_pos_emb:  # another library's since (Liger-Kernel's) stays
+        # another library's since (Liger-Kernel's) stays
+        if hub_kernel_function(modeling.apply_rotary_pos_emb) is apply_rotary_pos_emb:
             modeling.apply_rotary_pos_emb = original
 
 
