@@ -212,6 +212,12 @@ def _start_packed_forward(module: torch.nn.Module, state: DecoderState, kwargs: 
             f"attention returns no weights and the model has no exact dense path for packed rows "
             f"({state.no_dense_path}); run the samples unpacked (or padded) to get attention weights."
         )
+    if dense and info.is_branched:
+        raise ValueError(
+            "output_attentions=True with a packed batch of shared prompts (packed_seq_parents) is not supported: "
+            "transformers' dense-mask path, which returns attention weights, cannot give a completion the prompt it "
+            "continues; run each full sequence unpacked (or padded) to get attention weights."
+        )
     if dense:
         # The packed helper returns no weights: transformers' own packed path (a dense block mask from the restarting
         # position_ids, which the metadata filled in) computes the same outputs and returns them.
