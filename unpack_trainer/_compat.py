@@ -47,7 +47,8 @@ Private names, with what each is for and what would replace it:
   sequence kernels with ``use_kernel_forward_from_hub``: the modeling module's global is an ``nn.Module`` whose class
   ``forward`` closes over the function as ``func``) and the per-layer wrappers ``use_kernelized_func`` keeps
   (``_kernel_funcs``, each with the hub repository ``kernelize`` chose under ``_kernel_repo``):
-  :func:`hub_kernel_function`, :func:`hub_kernel_chosen`. ``kernels`` has no public accessor for either;
+  :func:`hub_kernel_function`, :func:`kernel_function_copies`, :func:`hub_kernel_chosen`. ``kernels`` has no
+  public accessor for these;
 - transformers' ``masking_utils.find_packed_sequence_indices``, replaced while a decoder is routed so that a packed
   forward skips its read-back from the device: :func:`skip_packed_sequence_detection`.
 
@@ -92,6 +93,7 @@ __all__ = [
     "hub_kernel_chosen",
     "hub_kernel_function",
     "ignore_in_ddp",
+    "kernel_function_copies",
     "in_backward",
     "is_tracing",
     "liger_linear_cross_entropy",
@@ -233,13 +235,21 @@ def hub_kernel_function(obj: Any) -> Callable[..., Any] | None:
     return function if inspect.isfunction(function) else None
 
 
+def kernel_function_copies(module: Any) -> dict[str, Any]:
+    """The per-layer copies of ``kernels`` function modules a layer keeps when its class carries
+    ``use_kernelized_func`` (``_kernel_funcs``: function name -> an instance of the modeling module's global's class;
+    the layer's forward routes calls of that global to its copy, and ``kernelize`` replaces the copy's ``forward``);
+    ``{}`` for any other layer."""
+    copies = vars(module).get("_kernel_funcs")
+    return copies if isinstance(copies, dict) else {}
+
+
 def hub_kernel_chosen(module: Any, name: str) -> str | None:
     """Where a model's ``kernelize`` (or ``from_pretrained(use_kernels=True)``) chose a hub kernel for the function
     ``name`` on ``module`` (a layer whose class carries ``use_kernelized_func``: the per-instance ``_kernel_funcs``
     wrappers, each with the chosen repository under ``_kernel_repo``), that repository in words; ``None`` where the
     function runs transformers' own code."""
-    wrappers = vars(module).get("_kernel_funcs")
-    wrapper = wrappers.get(name) if isinstance(wrappers, dict) else None
+    wrapper = kernel_function_copies(module).get(name)
     repository = vars(wrapper).get("_kernel_repo") if wrapper is not None else None
     return None if repository is None else str(repository)
 

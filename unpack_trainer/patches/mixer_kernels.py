@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from unpack_trainer._compat import hub_kernel_function
+from unpack_trainer._compat import hub_kernel_function, kernel_function_copies
 
 __all__ = [
     "HELPER_DEPTH",
@@ -268,10 +268,8 @@ def _per_instance(module: torch.nn.Module) -> Callable[[Any], Any]:
     """``resolve(global) ->`` what a call to a modeling module's global runs inside ``module``'s forward: the copy
     ``kernels``' ``use_kernelized_func`` keeps of it on ``module`` (``_kernel_funcs``, an instance of the global's own
     class) where there is one, else the global itself."""
-    wrappers = vars(module).get("_kernel_funcs")
-    copies = {}
-    if isinstance(wrappers, dict):
-        copies = {type(copy): copy for copy in wrappers.values() if isinstance(copy, torch.nn.Module)}
+    wrappers = kernel_function_copies(module)
+    copies = {type(copy): copy for copy in wrappers.values() if isinstance(copy, torch.nn.Module)}
     return lambda obj: copies.get(type(obj), obj) if isinstance(obj, torch.nn.Module) else obj
 
 
