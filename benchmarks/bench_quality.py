@@ -1,10 +1,10 @@
 """Quality of packed training: held-out loss of padded vs packed runs (and packing variants), over several seeds.
 
-    python benchmarks/bench_quality.py                      # the table of docs/quality.md: 15 seeds, 3 arms, 2 processes
+    python benchmarks/bench_quality.py                      # docs/quality.md's arms: 15 seeds, 3 arms, 2 processes
     python benchmarks/bench_quality.py --seeds 0 1 2 --arms padded packed_bfd packed_shuffled
     python benchmarks/bench_quality.py --analyze            # no training: how each arm composes its steps
     python benchmarks/bench_quality.py --quick              # smoke test: 1 seed, 64 samples, 2 arms
-    python benchmarks/bench_quality.py --summarize benchmarks/RESULTS_quality.json  # the table of stored runs
+    python benchmarks/bench_quality.py --summarize benchmarks/RESULTS_quality.json  # stored runs: table, seed noise
 
 Every arm trains the tiny Llama of the main job (``examples/sft_packing.py``: hidden 128, 2 layers, about 0.4M
 parameters, random init) on the embedded instruction data (3,991 trained samples of 10 to 1,629 tokens), for the
@@ -31,8 +31,8 @@ Arms (``--arms``):
 - ``packed_windowed_balanced``: ``packing_order="windowed"``: rows of samples that follow each other in a seeded
   random order (best fit over the last few open rows, the window widening only as far as needed for at most 1% more
   rows than best-fit decreasing), balanced steps.
-- ``packed_window4_balanced``: the same with the window fixed at 4 open rows (``packing_window=4``, the default of
-  the 15-seed table of docs/quality.md).
+- ``packed_window4_balanced``: the same with the window fixed at 4 open rows (``packing_window=4``, the default
+  until the window widened by itself; a row of the 15-seed table of docs/quality.md).
 - ``packed_shuffled_cap``: shuffled rows of at most ``2 x`` the mean samples per row.
 - ``padded_sample``: padded with ``loss_normalization="sample"``.
 - ``padding_free``: the padded arm's random batches flattened into one row (``padding_free=True``): the padded arm's
@@ -326,7 +326,10 @@ def summarize_files(paths: list[Path], arms: list[str], seeds: list[int]) -> str
             if run["arm"] in arms and run["seed"] in seeds:
                 runs[run["arm"], run["seed"]] = Run(**run)
     header = "Runs read from " + "; ".join(sources) + "\n\n"
-    return header + summarize(sorted(runs.values(), key=lambda r: (r.seed, arms.index(r.arm))), arms)
+    ordered = sorted(runs.values(), key=lambda r: (r.seed, arms.index(r.arm)))
+    noise = ", ".join(f"{k} {v:.4f}" for k, v in seed_noise(ordered).items())
+    footer = f"\n\nseed noise (the default packed arm's runs paired with padded's): {noise}" if noise else ""
+    return header + summarize(ordered, arms) + footer
 
 
 def prepared_samples(train_dataset: Any, tokenizer: Any, max_length: int) -> tuple[list[int], list[int]]:
@@ -467,6 +470,21 @@ def seed_noise(runs: list[Run]) -> dict[str, float]:
         out["diff_mean"] = statistics.fmean(diffs)
         out["diff_std"] = statistics.stdev(diffs)
     return out
+
+
+SETTINGS = ("max_length", "rows_per_step", "padded_batch_size", "epochs", "learning_rate", "train_samples", "threads")
+
+
+def run_config(runs: list[Run], options: dict[str, Any]) -> dict[str, Any]:
+    """The ``config`` of a results file: the arms and seeds of the ``runs`` it records (read from the runs, in the
+    order they ran, so that they cannot disagree with them) and the settings they trained with (``options``: the
+    command's arguments; ``padded_batch_size`` as given, ``None`` for the packed arms' mean). The command's modes and
+    output (``--json``, ``--jobs``, ``--quick``...) are not configuration: the file's ``command`` has them."""
+    return {
+        "arms": list(dict.fromkeys(r.arm for r in runs)),
+        "seeds": list(dict.fromkeys(r.seed for r in runs)),
+        **{name: options.get(name) for name in SETTINGS},
+    }
 
 
 def _run_seeds_in_parallel(args: argparse.Namespace, argv: list[str]) -> list[Run]:
@@ -631,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n" + ", ".join(f"{k} {v:.4f}" for k, v in noise.items()))
     payload = {
         "command": command.strip(),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": run_config(runs, vars(args)),
         "padded_batch_size": padded_batch_size,
         "seed_noise": noise,
         "runs": [dataclasses.asdict(r) for r in runs],

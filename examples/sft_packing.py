@@ -4,8 +4,8 @@
 
 With no arguments it fine-tunes a tiny Llama (about 0.4M parameters, built from a config, no download) on the
 instruction dataset shipped with ``unpack_trainer`` (4,000 prompt/completion pairs of 10 to 1,629 tokens), on the
-CPU, in a few minutes. It trains twice, from the same initial weights, on the same samples, for the same number of
-epochs:
+CPU (7.5 minutes on 2 cores shared with other jobs). It trains twice, from the same initial weights, on the same
+samples, for the same number of epochs:
 
 1. **packed**: ``unpack_trainer.SFTTrainer`` with ``packing=True``: samples share rows of ``--max-length`` tokens,
    each attending only to itself, so no compute is spent on padding;
@@ -13,24 +13,26 @@ epochs:
    padded to its longest sample. Its batch size is the average number of samples in a packed row, so both runs take
    about the same number of optimizer steps of about the same number of samples, with the same learning-rate schedule.
 
-It ends with a table (training wall-clock, real tokens per second, final training loss and the loss per token on
-held-out samples, computed the same way for both runs), one line saying whether the packed run's held-out loss is
-within the seed noise that ``benchmarks/bench_quality.py`` measured in this same configuration (within two standard
-deviations over 15 seeds of the packed - padded difference, read from ``benchmarks/RESULTS_quality.json``), and
-a PNG plot of the training loss against wall-clock time (which run is faster) and against samples trained on
-(whether the same samples teach as much). The defaults are the benchmark's configuration: rows of 512 tokens, two
-per optimizer step (about 10 samples), one epoch. With them on a 2-core CPU (torch 2.13, transformers 5.23, TRL
-1.16, seed 0, the machine quiet)::
+It ends with a table (training wall-clock, real tokens per second, final training loss: the mean of the losses logged
+over the last 10% of the steps, and the loss per token on held-out samples, computed the same way for both runs), one
+line saying whether the packed run's held-out loss is within the seed noise that ``benchmarks/bench_quality.py``
+measured in this same configuration (within two standard deviations over 15 seeds of the packed - padded difference
+of the default packing, read from ``benchmarks/RESULTS_quality.json``), and a PNG plot of the training loss against
+wall-clock time (which run is faster) and against samples trained on (whether the same samples teach as much). The
+defaults are the benchmark's configuration: rows of 512 tokens, two per optimizer step (about 10 samples), one epoch.
+With them on a 2-core CPU shared with other jobs (torch 2.13, transformers 5.23, TRL 1.16, seed 0)::
 
     run    | steps | samples/step | train wall-clock (s) | real tokens | padding | real tokens/s | final train loss | held-out loss/token
-    packed |   385 |         10.2 |                 24.0 |     388,980 |    0.0% |        16,232 |            2.610 |               2.550
-    padded |   395 |         10.0 |                 84.1 |     388,980 |   68.8% |         4,625 |            2.640 |               2.493
+    -------+-------+--------------+----------------------+-------------+---------+---------------+------------------+--------------------
+    packed |   383 |         10.3 |                115.1 |     388,980 |    0.0% |         3,378 |            2.585 |               2.514
+    padded |   395 |         10.0 |                284.3 |     388,980 |   68.8% |         1,368 |            2.640 |               2.493
 
-Packing computed no padding where padded batches were 69% padding, and trained on the same tokens 3.5x faster. Over
-15 seeds (``benchmarks/bench_quality.py``) the packed held-out loss is the padded one (2.517 vs 2.510 ± 0.027); seed
-0 is one of the seeds where packing ends higher (+0.057, 1.1 standard deviations of that difference over seeds), and
-the verdict line calls it within the seed noise (it would take more than 2). The computation of a packed row itself is exact (its loss and gradients equal
-those of its samples in a padded batch).
+Packing computed no padding where padded batches were 69% padding, and trained on the same tokens 2.47x faster (3.51x
+on a quiet machine, docs/quality.md). Over 15 seeds (``python benchmarks/bench_quality.py``, docs/quality.md) the
+packed held-out loss is the padded one: 2.508 ± 0.023 against 2.510 ± 0.027, paired difference -0.003 ± 0.040; seed
+0 ends +0.022 (0.5 standard deviations of that difference over seeds), and the verdict line calls it within the seed
+noise (it would take more than 2). The computation of a packed row itself is exact (its loss and gradients equal those
+of its samples in a padded batch).
 
 Your own model and data (a local directory from ``save_pretrained`` and a local file or ``save_to_disk``
 directory with ``prompt``/``completion``, ``messages``, ``text`` or ``input_ids`` columns)::
