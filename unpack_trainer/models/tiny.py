@@ -16,6 +16,7 @@ Nothing happens at import time: transformers, tokenizers and torch are imported 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import string
 from typing import Any
@@ -224,6 +225,13 @@ def _has_attribute(config: Any, name: str) -> bool:
         return True
 
 
+def _read_only(cls: type, name: str) -> bool:
+    """Whether ``name`` is a property of the config class ``cls`` without a setter, derived from other sizes
+    (Falcon's ``head_dim`` since transformers 5.25: ``hidden_size // num_attention_heads``)."""
+    attribute = inspect.getattr_static(cls, name, None)
+    return isinstance(attribute, property) and attribute.fset is None
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """A tiny config of ``model_type``.
 
@@ -243,7 +251,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     with _quiet():
         default = cls()
     present = set(default.to_dict()) | {name for name in TINY_SIZES if _has_attribute(default, name)}
-    values = {name: value for name, value in TINY_SIZES.items() if name in present}
+    values = {name: value for name, value in TINY_SIZES.items() if name in present and not _read_only(cls, name)}
     if "kv_lora_rank" in values:  # multi-head latent attention: as many key/value heads as query heads
         values["num_key_value_heads"] = values.get("num_attention_heads", 4)
     layer_types = getattr(default, "layer_types", None)
