@@ -106,3 +106,18 @@ def test_an_unverified_vision_language_model_trains_padded(capsys):
 def test_a_text_model_lists_its_fixes(capsys):
     assert main(["env", "--model", "bloom"]) == 0
     assert "- model-family fixes: alibi, outer_carry" in capsys.readouterr().out
+
+
+def test_a_transformers_newer_than_the_coverage_table_is_a_warning(capsys, monkeypatch):
+    """Issue 46 item 1: ``env --model`` says when the installed transformers is newer than every release the coverage
+    table was verified on (the fused RoPE went off on 5.25 without a word)."""
+    from unpack_trainer.cli.commands import env
+    from unpack_trainer.models import verified
+
+    installed = metadata.version("transformers")
+    assert env._newer_than_verified((installed,)) is None
+    warning = env._newer_than_verified(("5.0.0",))
+    assert f"transformers {installed} is newer than" in warning and "(newest 5.0.0)" in warning
+    monkeypatch.setattr(verified, "VERIFIED_WITH", ("5.0.0",))
+    code, out, _ = run(capsys, "--model", "llama")
+    assert code == 0 and f"- WARNING: transformers {installed} is newer than" in out
