@@ -1,5 +1,6 @@
 """Two processes with `accelerate launch`: SFT trains every packed row exactly once per epoch, ranks balanced, no
-hang; DPO, GRPO, RLOO and reward models log what stock TRL logs, step by step.
+hang, and an accumulated step of a vision-language model is the mean over every trained token of both ranks; DPO,
+GRPO, RLOO and reward models log what stock TRL logs, step by step.
 
 accelerate's `--cpu` launcher starts several processes only through MPI; torchrun (`--multi_gpu`) starts them on a
 machine without GPUs too, and the processes then use the gloo backend on the CPU.
@@ -7,12 +8,21 @@ machine without GPUs too, and the processes then use the gloo backend on the CPU
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on now: each launch's rendezvous gets its own (two launches on torch's default 29500,
+    as pytest-xdist runs them side by side, fail with EADDRINUSE)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def launch_two_processes(script: str, tmp_path) -> list[dict]:
@@ -27,6 +37,8 @@ def launch_two_processes(script: str, tmp_path) -> list[dict]:
         "2",
         "--num_machines",
         "1",
+        "--main_process_port",
+        str(_free_port()),
         "--mixed_precision",
         "no",
         "--dynamo_backend",
@@ -58,6 +70,22 @@ def test_two_processes_train_every_sample_exactly_once_with_balanced_ranks(tmp_p
     tokens = [sum(r["tokens"]) for r in ranks]
     assert abs(samples[0] - samples[1]) <= 0.15 * sum(samples), samples
     assert abs(tokens[0] - tokens[1]) <= 0.15 * sum(tokens), tokens
+
+
+@pytest.mark.timeout(400)
+def test_two_processes_accumulate_the_mean_over_every_trained_token_of_the_step(tmp_path):
+    """Issue 46 item 2 on 2 processes: packed Qwen2.5-VL (a class that declares ``accepts_loss_kwargs = False``), two
+    micro-batches per rank, rows of 2-4x different trained-token counts: the logged loss and every gradient (after
+    DDP's all-reduce) are the mean over every trained token of the step on both ranks, computed by hand (fp32: loss
+    relative 1e-5, each gradient within 1e-5 of its tensor's largest entry); before, each row's own mean weighed the
+    same (5.2292 against 5.2925, gradients off by 76%)."""
+    ranks = launch_two_processes("ddp_vision_accumulation.py", tmp_path)
+    for rank in ranks:
+        assert rank["world_size"] == 2 and rank["mode"] == "pack" and rank["accepts_loss_kwargs"] is False
+        counts = rank["counts"]
+        assert len(counts) == 4 and max(counts) >= 1.8 * min(counts), counts
+        assert rank["logged"] == pytest.approx(rank["expected"], rel=1e-5), rank
+        assert rank["gradient_error"] <= 1e-5, rank
 
 
 def assert_two_processes_equal_stock(ranks: list[dict]) -> None:

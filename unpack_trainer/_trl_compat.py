@@ -30,13 +30,21 @@ TRAINER_METHODS: tuple[str, ...] = (
     "prediction_step",
 )
 # Attributes transformers' Trainer sets in ``__init__`` or per step that the core reads or writes.
-TRAINER_ATTRIBUTES: tuple[str, ...] = ("loss_is_scaled_for_ga", "label_smoother", "compute_loss_func", "accelerator")
+TRAINER_ATTRIBUTES: tuple[str, ...] = (
+    "loss_is_scaled_for_ga",
+    "label_smoother",
+    "compute_loss_func",
+    "accelerator",
+    "model_accepts_loss_kwargs",  # whether the Trainer counts each step's trained tokens (count_step_tokens)
+)
 
 # ``trl.SFTTrainer``: methods overridden or called with their TRL 1.16 signature, attributes read after ``__init__``.
 SFT_TRAINER_METHODS: tuple[str, ...] = (
     "_prepare_dataset",
     "compute_loss",
     "_set_signature_columns_if_needed",  # rows of image examples packed ahead keep their keys
+    "_get_dataloader",  # image examples read with their dataset's name and index (the vision collator's errors)
+    "_remove_unused_columns",  # ... their unused columns taken off first, as the Trainer does
 )
 SFT_TRAINER_ATTRIBUTES: tuple[str, ...] = (
     "_tokenizer",  # the tokenizer inside the processing class: pad_token_id of the collators
@@ -118,6 +126,29 @@ def evaluation_loop_argument(args: tuple, kwargs: dict[str, Any], name: str) -> 
         raise _missing("transformers.Trainer.evaluation_loop", name, "parameter")
     bound = signature.bind_partial(None, *args, **kwargs).arguments
     return bound[name] if name in bound else signature.parameters[name].default
+
+
+def counts_step_tokens(trainer: Any) -> bool:
+    """Whether transformers' ``Trainer`` counts the trained tokens of every accumulated step for ``trainer``'s loss.
+
+    The ``Trainer`` counts them (``get_batch_samples``: ``labels[..., 1:] != -100`` of every micro-batch of the step,
+    summed over the processes with ``average_tokens_across_devices``), hands the count to ``compute_loss`` as
+    ``num_items_in_batch`` and takes the loss it gets back as already scaled for gradient accumulation (``training_step``
+    does not divide it by the accumulation steps) only where ``trainer.model_accepts_loss_kwargs`` is true (or a
+    ``compute_loss_func`` is set). ``Trainer.__init__`` copies that attribute from the model class's
+    ``accepts_loss_kwargs``, which says whether the model's *own* loss takes ``num_items_in_batch``; otherwise the loss
+    of a step is the mean of its micro-batches' own means."""
+    return bool(trainer.model_accepts_loss_kwargs) or trainer.compute_loss_func is not None
+
+
+def count_step_tokens(trainer: Any) -> None:
+    """Have transformers' ``Trainer`` count the trained tokens of every accumulated step for ``trainer``'s loss and
+    hand them to its ``compute_loss`` as ``num_items_in_batch`` (see :func:`counts_step_tokens`), whatever the model
+    class's ``accepts_loss_kwargs`` says: ``trainer.model_accepts_loss_kwargs`` set on this trainer only (the model
+    class is left alone). Only for a ``compute_loss`` that never hands ``num_items_in_batch`` to the model's own loss
+    (TRL's SFT loss: from its fused LM head's log-probs, or the logits given to ``compute_loss_func`` / the label
+    smoother), since the ``Trainer``'s own ``compute_loss`` would pass it to the model's forward."""
+    trainer.model_accepts_loss_kwargs = True
 
 
 def profiled(method: Any) -> Any:

@@ -93,9 +93,10 @@ class SFTConfig(trl.SFTConfig):
             With `packing=True` and `packing_order="shuffled"`, the most samples one packed row may hold (rows close
             once they reach it, so they may be less full). `None`: no bound.
         loss_normalization (`str`, *optional*, defaults to `"token"`):
-            How the training loss of an optimizer step is averaged. `"token"` (TRL's behavior): the mean over every
-            trained token of the step (all gradient-accumulation micro-batches and processes), so a sample weighs
-            as much as its number of trained tokens. `"sample"`: the mean over the step's samples of each sample's
+            How the training loss of an optimizer step is averaged. `"token"` (TRL's behavior on most models): the
+            mean over every trained token of the step (all gradient-accumulation micro-batches and processes), so a
+            sample weighs as much as its number of trained tokens, on every model (stock TRL averages each
+            micro-batch's own mean on a class that declares `accepts_loss_kwargs = False`, e.g. Qwen2.5-VL). `"sample"`: the mean over the step's samples of each sample's
             mean token loss, so every sample weighs the same whatever its length; a packed row counts each of its
             samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss
             (`eval_loss`: the mean over the evaluation set's samples, each evaluation batch weighed by its samples).
@@ -175,8 +176,8 @@ class SFTConfig(trl.SFTConfig):
     loss_normalization: str = field(
         default="token",
         metadata={
-            "help": "'token': the loss of a step is the mean over its trained tokens (TRL's behavior); 'sample': the "
-            "mean over its samples of each sample's mean token loss (every sample weighs the same).",
+            "help": "'token': the loss of a step is the mean over its trained tokens (TRL's behavior on most models); "
+            "'sample': the mean over its samples of each sample's mean token loss (every sample weighs the same).",
             "choices": ["token", "sample"],
         },
     )

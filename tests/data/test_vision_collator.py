@@ -4,6 +4,8 @@ error naming the sample and the limit), image tokens == image features per row, 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -12,12 +14,14 @@ from random_images import random_image
 
 from unpack_trainer.data.vision import (
     VISION_ROWS_KEY,
+    VISION_SOURCE_KEY,
     DataCollatorForVisionPacking,
     VisionRows,
     image_token_ids,
     pack_processed,
     pack_vision_dataset,
     truncate_processed,
+    with_sources,
 )
 from unpack_trainer.models.tiny_vision import tiny_processor
 from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY
@@ -152,7 +156,8 @@ def test_collator_packs_rows_ahead_and_flat_batches_alike(qwen):
     assert isinstance(rows, VisionRows) and sum(len(r) for r in rows.rows) == 5
     assert sorted(i for r in rows.rows for i in r) == list(range(5))
     item = rows[0]
-    assert set(item) == {VISION_ROWS_KEY, "seq_lengths"}
+    assert set(item) == {VISION_ROWS_KEY, "seq_lengths", VISION_SOURCE_KEY}
+    assert item[VISION_SOURCE_KEY] == [("train", i) for i in rows.rows[0]]
     batch = collator([item])
     flat = collator([dataset[i] for i in rows.rows[0]])
     for key in ("input_ids", "labels", "mm_token_type_ids", "pixel_values", "image_grid_thw", "packed_seq_lengths"):
@@ -177,3 +182,104 @@ def test_other_families_pack_their_processor_outputs(model_type):
     assert torch.equal(batch["pixel_values"], padded["pixel_values"])
     if "token_type_ids" in padded:
         assert batch["token_type_ids"].shape == batch["input_ids"].shape
+
+
+def test_each_example_is_named_by_its_dataset_index(qwen):
+    """Examples read through ``with_sources`` carry ``(dataset, index)``, taken off before the processor sees them: an
+    image that does not fit names the dataset example, not its place in the batch; a stream's example its dataset."""
+    processor, process = qwen
+    seen: list[set] = []
+
+    def recording(examples):
+        seen.extend(set(example) for example in examples)
+        return process(examples)
+
+    dataset = Dataset.from_list(_examples(3))
+    view = with_sources(dataset, "eval")
+    assert len(view) == 3 and view[2][VISION_SOURCE_KEY] == ("eval", 2)
+    collator = DataCollatorForVisionPacking(process=recording, processor=processor, max_length=10)
+    with pytest.raises(ValueError, match=r"^Example 1 of the eval dataset has \d+ tokens, more than max_length=10"):
+        collator([view[1], view[2]])
+    assert seen and not any(VISION_SOURCE_KEY in keys for keys in seen)
+    stream = list(with_sources(dataset.to_iterable_dataset(), "train"))
+    assert [example[VISION_SOURCE_KEY] for example in stream] == [("train", None)] * 3
+    with pytest.raises(ValueError, match=r"^Sample 0 of a batch of the streamed train dataset has \d+ tokens"):
+        collator(stream[:2])
+
+
+def test_an_example_the_processor_refuses_is_named_with_its_images():
+    """A processor's (or TRL's) refusal of one example of a batch (image placeholders vs images) names that example,
+    its dataset and its images, the processor's counts of that example alone after it; at trainer start
+    (``sample_lengths``) the same."""
+    processor = tiny_processor("idefics3")
+    process = trl_sft.DataCollatorForVisionLanguageModeling(processor, max_length=None)
+    good = {"images": [random_image(64, 64, 0)], "text": "<image> describe"}
+    bad = {"images": [random_image(64, 64, 1)], "text": "<image><image> describe"}
+    collator = DataCollatorForVisionPacking(process=process, processor=processor)
+    refusal = (
+        r"could not be processed: The total number of <image> tokens in the prompts should be the same as the number "
+        r"of images passed\. Found (total )?\[?2\]? <image> tokens and \[?1\]? images"
+    )
+    with pytest.raises(ValueError, match=r"^Example 7 of the eval dataset \(1 image\) " + refusal):
+        collator([{**good, VISION_SOURCE_KEY: ("eval", 6)}, {**bad, VISION_SOURCE_KEY: ("eval", 7)}])
+    with pytest.raises(ValueError, match=r"^Sample 1 of the batch \(1 image\) " + refusal):
+        collator([good, bad])
+    with pytest.raises(ValueError, match=r"^Example 1 of the train dataset \(1 image\) " + refusal):
+        collator.sample_lengths(Dataset.from_list([good, bad]))
+
+
+def test_a_processor_stop_iteration_is_an_error_naming_the_example(qwen):
+    """Some transformers releases raise ``StopIteration`` for more image placeholders than images; leaving the
+    collator it would end a data loader's epoch without a word, so it is a ``ValueError`` naming the example."""
+    processor, process = qwen
+
+    def refusing(examples):
+        if any(example.get("refuse") for example in examples):
+            raise StopIteration
+        return process(examples)
+
+    examples = [{**example, "refuse": index == 1} for index, example in enumerate(_examples(2))]
+    collator = DataCollatorForVisionPacking(process=refusing, processor=processor)
+    with pytest.raises(ValueError, match=r"^Example 4 of the train dataset \(1 image\) could not be processed: .*"):
+        collator([{**example, VISION_SOURCE_KEY: ("train", 3 + i)} for i, example in enumerate(examples)])
+
+
+def test_truncated_text_is_counted_per_dataset(qwen, caplog):
+    """Text cut after the last image token is counted per dataset as examples are read, the first cut logged once
+    with its counts; rows packed ahead were counted (and logged, with the totals) when they were packed, not again
+    when they are collated."""
+    processor, process = qwen
+    examples = _examples(4)
+    padded = process([dict(e) for e in examples])
+    lengths = padded["attention_mask"].sum(1).tolist()
+    marked = torch.isin(padded["input_ids"], torch.tensor(sorted(image_token_ids(processor))))
+    last_image = max(int(torch.nonzero(marked[r, :n])[-1, 0]) for r, n in enumerate(lengths))
+    limit = max(last_image + 1, min(lengths))  # the shortest sample whole
+    over, cut = sum(n > limit for n in lengths), sum(max(n - limit, 0) for n in lengths)
+    assert 0 < over < 4
+    collator = DataCollatorForVisionPacking(process=process, processor=processor, max_length=limit)
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        collator([{**e, VISION_SOURCE_KEY: ("train", i)} for i, e in enumerate(examples)])
+        longest = int(np.argmax(lengths))
+        collator([{**examples[longest], VISION_SOURCE_KEY: ("val", 0)}])
+    train, val = collator.truncation_counts("train"), collator.truncation_counts("val")
+    assert (train.read, train.over, train.cut_tokens) == (4, over, cut)
+    assert (val.read, val.over, val.cut_tokens) == (1, 1, lengths[longest] - limit)
+    assert f"val dataset: 1 of the 1 image samples of a batch were longer than max_length={limit}" in caplog.text
+    assert (
+        f"train dataset: {over} of the 4 image samples of a batch were longer than max_length={limit} and were "
+        f"truncated after their last image token (text only; an image is never cut), dropping {cut} tokens"
+    ) in caplog.text
+    assert f"train dataset: {over} of 4 image samples read were longer" in train.summary()
+    caplog.clear()
+    packer = DataCollatorForVisionPacking(process=process, processor=processor, max_length=limit)
+    with caplog.at_level(logging.WARNING, logger="unpack_trainer"):
+        rows = pack_vision_dataset(Dataset.from_list(examples), packer, sum(lengths), seed=0)
+    counts = packer.truncation_counts("train")
+    assert (counts.read, counts.over, counts.cut_tokens) == (4, over, cut)
+    assert (
+        f"train dataset: {over} of 4 image samples are longer than max_length={limit} and were truncated after "
+        f"their last image token (text only; an image is never cut), dropping {cut} tokens"
+    ) in caplog.text
+    packer([rows[i] for i in range(len(rows))])
+    assert (counts.read, counts.over) == (4, over) and packer.truncation_counts("train") is counts

@@ -8,8 +8,14 @@ way; every vision tensor (``pixel_values``, ``image_grid_thw``, ``video_grid_thw
 ``pixel_attention_mask``, ``image_sizes``, ...) keeps the order of the processor's batch, which is the samples' order,
 which is the pack order. An image is never split across rows (a sample is never split) and never cut by truncation:
 a sample whose image tokens do not fit ``max_length`` is an error naming the sample and the limit; only text after
-the last image token is truncated (``keep_start``), and that is counted. Image tokens == image features is checked per
-row where the processor's grids tell the features (Qwen2-VL family).
+the last image token is truncated (``keep_start``), and that is counted per dataset
+(:class:`VisionTruncationCounts`). Image tokens == image features is checked per row where the processor's grids tell
+the features (Qwen2-VL family).
+
+Errors name a sample by its dataset example (``"example 12 of the train dataset"``): each example read through
+:func:`with_sources` carries its dataset's name and its index under :data:`VISION_SOURCE_KEY`, which the collator
+takes off before the processor sees the example; an example the processor refuses (image placeholders vs images, ...)
+is named with its images, the processor's message after it.
 
 Worked example (two samples, Qwen2-VL markup, merge 2: a 56 x 56 image is a 4 x 4 grid, 4 tokens)::
 
@@ -24,6 +30,7 @@ Worked example (two samples, Qwen2-VL markup, merge 2: a 56 x 56 image is a 4 x 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +40,7 @@ import torch
 
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX, packed_metadata
+from unpack_trainer.data.preparation import TruncationCounts
 from unpack_trainer.data.validation import check_positive_int
 from unpack_trainer.packed_seq_info import (
     CU_SEQ_LENS_Q_KEY,
@@ -45,12 +53,15 @@ from unpack_trainer.packed_seq_info import (
 __all__ = [
     "PER_TOKEN_KEYS",
     "VISION_ROWS_KEY",
+    "VISION_SOURCE_KEY",
     "DataCollatorForVisionPacking",
     "VisionRows",
+    "VisionTruncationCounts",
     "image_token_ids",
     "pack_processed",
     "pack_vision_dataset",
     "truncate_processed",
+    "with_sources",
 ]
 
 logger = logging.getLogger("unpack_trainer")
@@ -67,6 +78,9 @@ PER_TOKEN_KEYS: tuple[str, ...] = (
 )
 # The key of a row packed ahead (:class:`VisionRows`): the raw examples of the row, in pack order.
 VISION_ROWS_KEY = "vision_samples"
+# Where an example comes from, for the collator's errors and counts (:func:`with_sources`): ``(dataset name, index)``
+# on an example (index ``None`` for a stream's), a list of them on a row packed ahead; never reaches the processor.
+VISION_SOURCE_KEY = "vision_source"
 
 # ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``: a model's positions per sample (models.vision.RopeIndex).
 PositionFunction = Callable[[torch.Tensor, PackedSeqInfo, dict[str, Any]], torch.Tensor]
@@ -165,7 +179,7 @@ def truncate_processed(
             last = int(torch.nonzero(image)[-1, 0])
             name = names[row] if names is not None else f"sample {row} of the batch"
             raise ValueError(
-                f"{name.capitalize()} has {length} tokens, more than max_length={max_length}, and truncating it would "
+                f"{_capitalized(name)} has {length} tokens, more than max_length={max_length}, and truncating it would "
                 f"cut its image tokens (the last one is token {last}); an image is never cut. Raise max_length to at "
                 f"least {last + 1}, use smaller images (the processor's max_pixels / size), or leave the sample out."
             )
@@ -173,6 +187,78 @@ def truncate_processed(
         counts.tokens += length - max_length
         lengths[row] = max_length
     return lengths, counts
+
+
+def _capitalized(name: str) -> str:
+    """``name`` with its first letter upper case, the rest kept (a dataset's name as it was given)."""
+    return name[:1].upper() + name[1:]
+
+
+def _sample_name(source: Any, position: int) -> str:
+    """How an error names the sample at ``position`` of a batch: by its dataset example where its ``source`` (see
+    :data:`VISION_SOURCE_KEY`) says it, by its place in a batch of its stream, else by its place in the batch."""
+    if source is None:
+        return f"sample {position} of the batch"
+    name, index = source
+    if index is None:
+        return f"sample {position} of a batch of the streamed {name} dataset"
+    return f"example {index} of the {name} dataset"
+
+
+def _images_of(example: dict[str, Any]) -> str:
+    """``"1 image"``, ``"3 images"``, ``"no image"``: what ``example`` gives its processor (``images`` / ``image``)."""
+    images = example.get("images")
+    count = len(images) if isinstance(images, (list, tuple)) else int(example.get("image") is not None)
+    return "no image" if count == 0 else f"{count} image" + ("s" if count > 1 else "")
+
+
+def _refusal(error: Exception) -> str:
+    """What a processor's refusal says: its message; a ``StopIteration`` (which must not leave a collator: a data
+    loader would end its epoch there, silently) said in words."""
+    if isinstance(error, StopIteration):
+        return (
+            "the processor raised StopIteration, as some transformers releases do where the text holds more image "
+            "placeholders than there are images"
+        )
+    return str(error)
+
+
+def _process_one(
+    process: Callable[[list[dict[str, Any]]], dict[str, Any]], example: dict[str, Any], name: str
+) -> dict[str, Any]:
+    """``process([example])`` (on a copy); a ``ValueError`` or ``StopIteration`` it raises (the processor's or TRL's
+    refusal: image placeholders vs images, ...) raised again as a ``ValueError`` naming the example (``name``) and its
+    images, the processor's message after it."""
+    try:
+        return dict(process([dict(example)]))
+    except (ValueError, StopIteration) as error:
+        raise ValueError(
+            f"{_capitalized(name)} ({_images_of(example)}) could not be processed: {_refusal(error)}"
+        ) from error
+
+
+@dataclass
+class VisionTruncationCounts(TruncationCounts):
+    """What ``max_length`` did to one dataset's image samples (``name``: ``"train"``, an evaluation set's name, or
+    ``None`` for batches of no named dataset): ``read`` samples, ``over`` of them longer than ``max_length``, their
+    text after the last image token cut (``cut_tokens`` removed); an image is never cut. The fields of the text path's
+    [`unpack_trainer.data.preparation.TruncationCounts`], filled up front for examples packed ahead, as they are read
+    otherwise."""
+
+    name: str | None
+    max_length: int | None
+    truncation_mode: str = "keep_start"
+    split: bool = False
+
+    def _where(self) -> str:
+        return f"{self.name} dataset" if self.name is not None else "batches of no named dataset"
+
+    def summary(self) -> str:
+        return (
+            f"{self._where()}: {self.over} of {self.read} image samples read were longer than "
+            f"max_length={self.max_length} and were truncated after their last image token (text only; an image is "
+            f"never cut), dropping {self.cut_tokens:,} tokens."
+        )
 
 
 def _check_grids(processed: dict[str, Any], processor: Any, num_image_tokens: int, num_video_tokens: int) -> None:
@@ -290,26 +376,81 @@ def pack_processed(
 
 class VisionRows(torch.utils.data.Dataset):
     """Vision-language samples packed ahead into rows: item ``i`` is ``{"vision_samples": [the raw examples of row i,
-    in pack order], "seq_lengths": [their lengths]}``, the examples read from ``dataset`` when the item is read (the
-    images are decoded and processed by the collator, per batch, as TRL does).
+    in pack order], "seq_lengths": [their lengths], "vision_source": [(name, index) of each]}``, the examples read from
+    ``dataset`` when the item is read (the images are decoded and processed by the collator, per batch, as TRL does).
 
     Args:
         dataset: the raw dataset (``datasets.Dataset`` or any sequence of example dicts).
         rows: each row's example indices, in order.
         lengths: each example's processed length (what the rows were packed from).
+        name: the dataset's name in the collator's errors (``"example 12 of the train dataset"``).
     """
 
-    def __init__(self, dataset: Any, rows: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
+    def __init__(
+        self, dataset: Any, rows: Sequence[Sequence[int]], lengths: Sequence[int], name: str = "train"
+    ) -> None:
         self.dataset = dataset
         self.rows = [list(map(int, row)) for row in rows]
         self.lengths = [int(length) for length in lengths]
+        self.name = name
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.rows[index]
-        return {VISION_ROWS_KEY: [self.dataset[i] for i in row], "seq_lengths": [self.lengths[i] for i in row]}
+        return {
+            VISION_ROWS_KEY: [self.dataset[i] for i in row],
+            "seq_lengths": [self.lengths[i] for i in row],
+            VISION_SOURCE_KEY: [(self.name, i) for i in row],
+        }
+
+
+class _SourcedExamples(torch.utils.data.Dataset):
+    """A map-style dataset read as is, each example with ``(name, index)`` under :data:`VISION_SOURCE_KEY`."""
+
+    def __init__(self, dataset: Any, name: str) -> None:
+        self.dataset = dataset
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.dataset[index], VISION_SOURCE_KEY: (self.name, int(index))}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        # a batch read as the dataset reads one (``datasets.Dataset``: one query for the batch)
+        read = getattr(self.dataset, "__getitems__", None)
+        examples = read(indices) if read is not None else [self.dataset[index] for index in indices]
+        return [{**example, VISION_SOURCE_KEY: (self.name, int(index))} for index, example in zip(indices, examples)]
+
+
+def _stream_source(name: str, example: dict[str, Any]) -> dict[str, Any]:
+    return {VISION_SOURCE_KEY: (name, None)}
+
+
+def with_sources(dataset: Any, name: str) -> Any:
+    """``dataset``'s examples, each with where it comes from under :data:`VISION_SOURCE_KEY`, for the names in the
+    errors and the counts of :class:`DataCollatorForVisionPacking` (which takes the key off before processing)::
+
+        map-style (__len__, __getitem__)   a view, nothing copied: item i is {**dataset[i], key: (name, i)}
+        datasets.IterableDataset           mapped as it is read: (name, None) (a stream has no index)
+        VisionRows, any other dataset      itself (a row's items carry their own sources)
+
+    Args:
+        dataset: the dataset a data loader reads for the collator.
+        name: its name in the errors (``"train"``, ``"eval"``, an evaluation dict's key).
+    """
+    if isinstance(dataset, VisionRows):
+        return dataset
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        return _SourcedExamples(dataset, name)
+    from datasets import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        return dataset.map(functools.partial(_stream_source, name))
+    return dataset
 
 
 @dataclass
@@ -320,7 +461,10 @@ class DataCollatorForVisionPacking:
     Each example is what TRL's vision collator takes (``images`` / ``image`` with ``messages``, ``prompt`` +
     ``completion`` or a text field). The batch's samples are processed together by ``process`` (TRL's
     ``DataCollatorForVisionLanguageModeling`` without truncation: one right-padded processor batch, labels as TRL
-    makes them), truncated image-safely (:func:`truncate_processed`) and packed (:func:`pack_processed`).
+    makes them), truncated image-safely (:func:`truncate_processed`) and packed (:func:`pack_processed`). An example
+    read through :func:`with_sources` is named by its dataset and index in every error; the text cut from examples is
+    counted per dataset (:meth:`truncation_counts`: up front by :meth:`sample_lengths` for rows packed ahead, as they
+    are read for other examples, the first cut of each dataset logged once with its batch's counts).
 
     Args:
         process: ``examples -> processed padded batch`` (``input_ids``, ``attention_mask``, ``labels``, the
@@ -343,32 +487,45 @@ class DataCollatorForVisionPacking:
     pad_to_multiple_of: int | None = None
     seq_info: bool = False
     image_ids: frozenset[int] = field(init=False)
+    truncation: dict[str | None, VisionTruncationCounts] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_length is not None:
             check_positive_int(self.max_length, "max_length")
         self.image_ids = image_token_ids(self.processor)
 
+    def truncation_counts(self, name: str | None) -> VisionTruncationCounts:
+        """The counts of the dataset ``name`` (``None``: examples without a source), created empty when first asked
+        for; the same object as it fills (``trainer.unpack_stats["truncation"]`` holds the training set's)."""
+        if name not in self.truncation:
+            self.truncation[name] = VisionTruncationCounts(name, self.max_length)
+        return self.truncation[name]
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         if not examples:
             raise ValueError("Cannot collate an empty batch.")
         samples: list[dict[str, Any]] = []
+        sources: list[Any] = []  # (dataset name, index) of each sample, or None
+        counted: list[bool] = []  # False: in a row packed ahead, counted when it was packed
         for index, example in enumerate(examples):
             if VISION_ROWS_KEY in example:
-                samples.extend(example[VISION_ROWS_KEY])
+                row = example[VISION_ROWS_KEY]
+                samples.extend(row)
+                sources.extend(example.get(VISION_SOURCE_KEY) or [None] * len(row))
+                counted.extend([False] * len(row))
             elif samples and VISION_ROWS_KEY in examples[0]:
                 raise ValueError(f"Example {index} is not a packed row while example 0 is; mix them in other batches.")
             else:
-                samples.append(example)
-        processed = dict(self.process([dict(sample) for sample in samples]))
-        lengths, counts = truncate_processed(processed, self.max_length, self.image_ids)
-        if counts.samples:
-            log_once(
-                logger,
-                logging.WARNING,
-                f"Vision samples longer than max_length={self.max_length} are truncated after their last image token "
-                "(text only; an image is never cut). Raise max_length to keep their whole text.",
-            )
+                sample = dict(example)
+                sources.append(sample.pop(VISION_SOURCE_KEY, None))
+                samples.append(sample)
+                counted.append(True)
+        names = [_sample_name(source, position) for position, source in enumerate(sources)]
+        processed = self._process(samples, names)
+        full = _row_lengths(processed["attention_mask"])
+        lengths, _ = truncate_processed(processed, self.max_length, self.image_ids, names=names)
+        if self.max_length is not None:
+            self._count_truncation(full, lengths, sources, counted, names)
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         return pack_processed(
             processed,
@@ -381,17 +538,85 @@ class DataCollatorForVisionPacking:
             seq_info=self.seq_info,
         )
 
+    def _process(self, samples: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+        """The batch processed together; where the processor refuses it, the first sample it refuses alone is named
+        (:func:`_process_one`), and a batch that fails only together raises its own error (a ``StopIteration`` as a
+        ``ValueError``: it would end a data loader's epoch)."""
+        if len(samples) == 1:
+            return _process_one(self.process, samples[0], names[0])
+        try:
+            return dict(self.process([dict(sample) for sample in samples]))
+        except (ValueError, StopIteration) as error:
+            for sample, name in zip(samples, names):
+                _process_one(self.process, sample, name)
+            if isinstance(error, StopIteration):
+                raise ValueError(
+                    f"A batch of {len(samples)} samples could not be processed: {_refusal(error)}"
+                ) from error
+            raise
+
+    def _count_truncation(
+        self, full: list[int], lengths: list[int], sources: list[Any], counted: list[bool], names: list[str]
+    ) -> None:
+        """Add a batch's cuts to each dataset's counts (``full`` / ``lengths``: each sample's tokens before / after
+        truncation); the first cut of a dataset is logged once, with its batch's counts and the first sample cut."""
+        batch: dict[str | None, list[int]] = {}  # dataset -> [samples, over, tokens cut, position of the first cut]
+        for position, (before, after) in enumerate(zip(full, lengths)):
+            if not counted[position]:
+                continue
+            source = sources[position]
+            entry = batch.setdefault(source[0] if source is not None else None, [0, 0, 0, -1])
+            entry[0] += 1
+            if before > after:
+                entry[1] += 1
+                entry[2] += before - after
+                if entry[3] < 0:
+                    entry[3] = position
+        for dataset, (samples, over, tokens, first) in batch.items():
+            counts = self.truncation_counts(dataset)
+            first_cut = counts.over == 0 and over > 0
+            counts.read += samples
+            counts.over += over
+            counts.cut_tokens += tokens
+            if first_cut:
+                log_once(
+                    logger,
+                    logging.WARNING,
+                    f"{counts._where()}: {over} of the {samples} image samples of a batch were longer than "
+                    f"max_length={self.max_length} and were truncated after their last image token (text only; an "
+                    f"image is never cut), dropping {tokens:,} tokens (the first: {names[first]}, {full[first]} "
+                    "tokens). Later ones are counted as they are read and their totals logged at the end of training "
+                    "(the training set's are kept in trainer.unpack_stats['truncation']). Raise max_length to keep "
+                    "their whole text.",
+                )
+
     def sample_lengths(self, dataset: Any, *, name: str = "train") -> list[int]:
         """Every example's processed length (truncated as the collator truncates it), one processor call each:
-        what :class:`VisionRows` packs from. An example whose images do not fit ``max_length`` is an error naming
-        it (``"example 12 of the train dataset"``)."""
+        what :class:`VisionRows` packs from. An example whose images do not fit ``max_length``, or that the
+        processor refuses (image placeholders vs images, ...), is an error naming it (``"example 12 of the train
+        dataset"``); the text cut is counted here, up front (:meth:`truncation_counts` of ``name``, replaced), and
+        logged once with the totals."""
         lengths = []
+        counts = VisionTruncationCounts(name, self.max_length)
         for index in range(len(dataset)):
-            processed = dict(self.process([dict(dataset[index])]))
-            (length,), _ = truncate_processed(
-                processed, self.max_length, self.image_ids, names=[f"example {index} of the {name} dataset"]
-            )
+            example_name = f"example {index} of the {name} dataset"
+            processed = _process_one(self.process, dict(dataset[index]), example_name)
+            (length,), cut = truncate_processed(processed, self.max_length, self.image_ids, names=[example_name])
+            counts.read += 1
+            counts.over += cut.samples
+            counts.cut_tokens += cut.tokens
             lengths.append(length)
+        if self.max_length is not None:
+            self.truncation[name] = counts
+            if counts.over:
+                log_once(
+                    logger,
+                    logging.WARNING,
+                    f"{name} dataset: {counts.over} of {counts.read} image samples are longer than "
+                    f"max_length={self.max_length} and were truncated after their last image token (text only; an "
+                    f"image is never cut), dropping {counts.cut_tokens:,} tokens. Raise max_length to keep their "
+                    "whole text.",
+                )
         return lengths
 
 
@@ -431,4 +656,4 @@ def pack_vision_dataset(
         window=window,
         rows_multiple_of=rows_multiple_of,
     )
-    return VisionRows(dataset, rows, lengths)
+    return VisionRows(dataset, rows, lengths, name=name)

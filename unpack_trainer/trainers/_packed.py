@@ -22,6 +22,8 @@ whatever it is), decides ([`_unpack_before_init`]), runs TRL's ``__init__`` with
   nothing, for trainers whose padded and packed batches come from the same prepared data.
 - [`_count_samples`]: the samples with a trained token in one collated batch (``loss_normalization="sample"``).
 - [`_check_sample_loss`]: raise if ``loss_normalization="sample"`` cannot be honoured with this configuration.
+- [`_enable_token_loss`]: make ``loss_normalization="token"`` the mean over every trained token of an accumulated
+  step where the TRL trainer's own loss would not be (default: nothing).
 - [`_unpack_models`]: the models the packed path patches (default: the policy); the fallback unpatches them all.
 
 Class attributes: ``unpack_config_class`` (our config class, e.g. [`unpack_trainer.SFTConfig`]; any other
@@ -188,7 +190,8 @@ class PackedTrainerMixin:
         unpack_decision (`PackingDecision`): what was decided and why (after a failed self-check: ``"padded"``).
         unpack_stats (`dict`): samples, rows, real tokens, packing efficiency and the estimated speedup
             ([`unpack_trainer.data.estimate`]) for the training set; for a streamed training set, the truncation counts
-            (``"truncation"``) as they are read.
+            (``"truncation"``) as they are read (an image dataset's: its text cut after the last image token, up front
+            when packed ahead).
         unpack_selfcheck (`ContaminationReport` or `None`): the self-check's result, once training or evaluation has
             started (``None`` before, and when nothing is packed).
     """
@@ -239,6 +242,11 @@ class PackedTrainerMixin:
 
     def _check_sample_loss(self) -> None:
         """Raise ``ValueError`` if ``loss_normalization="sample"`` is not supported with this configuration."""
+
+    def _enable_token_loss(self) -> None:
+        """With ``loss_normalization="token"`` (not under ``UNPACK_DISABLE=1``): make the loss of an optimizer step the
+        mean over every trained token of the step (all its micro-batches and processes) where the TRL trainer's own
+        loss would not be; by default nothing (the TRL trainer's loss is kept as it is)."""
 
     @classmethod
     def unpack_data_columns(cls, args: Any) -> tuple[tuple[str, ...], ...]:
@@ -683,7 +691,10 @@ class PackedTrainerMixin:
     # ------------------------------------------------------------------------------------------------ loss
 
     def _enable_sample_loss(self) -> None:
+        """``loss_normalization="sample"``: the per-sample loss and its count per step; ``"token"``: the trainer's
+        [`_enable_token_loss`]."""
         if _loss_normalization(self.args) != "sample":
+            self._enable_token_loss()
             return
         self._check_sample_loss()
         self._unpack_sample_loss = True

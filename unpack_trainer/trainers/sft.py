@@ -29,11 +29,19 @@ from unpack_trainer.data.preparation import (
     truncate_dataset,
 )
 from unpack_trainer.data.validation import check_dataset_token_ids
-from unpack_trainer.data.vision import VISION_ROWS_KEY, DataCollatorForVisionPacking, pack_vision_dataset
+from unpack_trainer.data.vision import (
+    VISION_ROWS_KEY,
+    VISION_SOURCE_KEY,
+    DataCollatorForVisionPacking,
+    VisionRows,
+    pack_vision_dataset,
+    with_sources,
+)
+from unpack_trainer.decision import parallelism_reason
 from unpack_trainer.models import install_fix
 from unpack_trainer.models.fixes.liger_loss import LIGER_OUTPUT_MARK
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
-from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
+from unpack_trainer.trainers._packed import PackedTrainerMixin, _ItemCountingCollator, empty_train_dataset_error
 from unpack_trainer.trainers.loss import choose_loss_kernel, head_unsupported_reason, sample_weights
 
 logger = logging.getLogger("unpack_trainer")
@@ -140,6 +148,25 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         install_fix(self.model, "liger_loss")
         self.unpack_loss_kernel = "liger"
 
+    def _enable_token_loss(self) -> None:
+        """``loss_normalization="token"``: TRL's loss of every micro-batch divided by the trained tokens of the whole
+        accumulated step (all its micro-batches, and all processes with ``average_tokens_across_devices``), so the
+        step's loss and gradients are the mean over every trained token of the step, for every model.
+
+        transformers' ``Trainer`` counts the step's tokens for TRL's loss only where the model class declares
+        ``accepts_loss_kwargs`` true ([`_trl_compat.counts_step_tokens`]); the classes that declare it false
+        (Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE, Gemma 4: their own loss does not take the count) got each
+        micro-batch's own mean divided by the accumulation steps, a short row's tokens weighing more than a long one's.
+        TRL's SFT loss never asks the model for its loss, so this trainer has the ``Trainer`` count them
+        ([`_trl_compat.count_step_tokens`]); for the classes already counted nothing changes. Left as TRL's where a
+        subclass scales the loss itself (``loss_is_scaled_for_ga`` set) and under context or sequence parallelism
+        (whose engine computes the loss)."""
+        if _trl_compat.counts_step_tokens(self) or self.loss_is_scaled_for_ga is not None:
+            return
+        if parallelism_reason(getattr(self.accelerator, "parallelism_config", None), {}) is not None:
+            return
+        _trl_compat.count_step_tokens(self)
+
     def _check_sample_loss(self) -> None:
         if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
             raise ValueError(
@@ -156,14 +183,32 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
 
     def _enable_packed_path(self) -> None:
         """The core's, and for an image dataset (TRL's vision collator): the vision packing collator, and with
-        ``packing=True`` the training examples packed ahead into rows ([`unpack_trainer.data.vision`]); then the
-        loss kernel ([`_enable_loss_kernel`])."""
+        ``packing=True`` the training examples packed ahead into rows ([`unpack_trainer.data.vision`]), and its
+        truncation counts ([`_count_vision_truncation`]); then the loss kernel ([`_enable_loss_kernel`])."""
         if self._is_vision_dataset and not self._unpack_user_collator:
             self._unpack_vision_collator = self.data_collator
         super()._enable_packed_path()
-        if self._unpack_vision_collator is not None and self._unpack_mode == "pack":
-            self._pack_vision_training_set()
+        if self._unpack_vision_collator is not None:
+            if self._unpack_mode == "pack":
+                self._pack_vision_training_set()
+            self._count_vision_truncation()
         self._enable_loss_kernel()
+
+    def _count_vision_truncation(self) -> None:
+        """With ``max_length``: ``unpack_stats["truncation"]``, the training set's text cut after the last image token
+        as the vision packing collator counts it (complete here for examples packed ahead, filled as they are read
+        otherwise); counts taken as examples are read (the training set's, every evaluation set's) are logged with
+        their totals at the end of ``train()``, as a streamed text dataset's."""
+        if self.args.max_length is None:
+            return
+        collator = self.data_collator
+        counts = collator.truncation_counts("train")
+        self.unpack_stats["truncation"] = counts
+        if not isinstance(self.train_dataset, VisionRows):
+            self._unpack_counts.append(counts)
+        if self._unpack_eval_flattened and self.eval_dataset is not None:
+            names = list(self.eval_dataset) if isinstance(self.eval_dataset, dict) else ["eval"]
+            self._unpack_counts.extend(collator.truncation_counts(name) for name in names)
 
     def _vision_packing_collator(self) -> DataCollatorForVisionPacking:
         """TRL's vision collator, run without truncation (the packing collator truncates text only, never an
@@ -222,14 +267,40 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         )
 
     def _set_signature_columns_if_needed(self) -> None:
-        """TRL's, and the keys of a row packed ahead from an image dataset (its examples and their lengths), which
-        the Trainer would otherwise take off each item before the collator sees it."""
+        """TRL's, and the keys the vision packing collator reads on an image dataset (where each example comes from;
+        a row packed ahead: its examples and their lengths), which the Trainer would otherwise take off each item
+        before the collator sees it."""
         super()._set_signature_columns_if_needed()
+        keys: tuple[str, ...] = ()
+        if self._unpack_vision_collator is not None:
+            keys = (VISION_SOURCE_KEY,)
         if self._unpack_vision_train is not None:
+            keys = (VISION_ROWS_KEY, SEQ_LENGTHS_COLUMN, VISION_SOURCE_KEY)
+        if keys:
             self._signature_columns = [
                 *self._signature_columns,
-                *(key for key in (VISION_ROWS_KEY, SEQ_LENGTHS_COLUMN) if key not in self._signature_columns),
+                *(key for key in keys if key not in self._signature_columns),
             ]
+
+    def _get_dataloader(self, dataset: Any, description: str, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, and where the vision packing collator reads the batches, each example with its dataset's
+        name (``"train"``, ``"eval"``, an evaluation dict's key, ``"test"``) and its index, for the collator's errors
+        and counts ([`unpack_trainer.data.vision.with_sources`]: a view of the dataset, nothing copied; the collator
+        takes the key off before TRL's processing): unused columns taken off first, as the Trainer does, and the
+        sampler drawn on the dataset the Trainer would have read, so the batches are the same."""
+        collator = self.data_collator
+        if isinstance(collator, _ItemCountingCollator):
+            collator = collator.collator
+        if dataset is None or not isinstance(collator, DataCollatorForVisionPacking):
+            return super()._get_dataloader(dataset, description, *args, **kwargs)
+        name = "train" if kwargs.get("is_training") else kwargs.get("dataloader_key") or description.lower()
+        if isinstance(dataset, Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        sourced = with_sources(dataset, name)
+        sampler_fn = kwargs.get("sampler_fn")
+        if sampler_fn is not None and sourced is not dataset:
+            kwargs["sampler_fn"] = lambda _: sampler_fn(dataset)
+        return super()._get_dataloader(sourced, description, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ data
 
