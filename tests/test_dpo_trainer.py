@@ -1,8 +1,9 @@
 """unpack_trainer.DPOTrainer == trl.DPOTrainer on the same pairs: one step's loss, every logged metric, the
-per-pair chosen/rejected log-probs and every gradient, fp32 relative 1e-5; every loss_type TRL 1.16 offers, lists
-with loss_weights, ld_alpha, use_weighting, every f_divergence_type, label smoothing; llama, qwen3 (window),
-gemma2 (softcap), a MoE with its auxiliary loss; full fine-tuning with a separate reference model, LoRA (reference =
-adapter disabled) and precomputed reference log-probs; prompts shared and not."""
+per-pair chosen/rejected log-probs and every gradient, fp32 relative 1e-5 (gradients of a loss that amplifies
+rounding: ``GRAD_TOLERANCE``); every loss_type TRL 1.16 offers, lists with loss_weights, ld_alpha, use_weighting,
+every f_divergence_type, label smoothing; llama, qwen3 (window), gemma2 (softcap), a MoE with its auxiliary loss;
+full fine-tuning with a separate reference model, LoRA (reference = adapter disabled) and precomputed reference
+log-probs; prompts shared and not."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ MODELS = {
 }
 ATTENTION = {"gemma2": "eager"}
 NUM_PAIRS = 4
+# Gradient bounds of losses that amplify fp32 rounding past REL (measured on a 2-core AVX-512 CPU, torch 2.11 and 2.13
+# alike). forward_kl scores a sequence by 1 - exp(-log ratio): on these pairs one rejected sequence weighs exp(3.94) =
+# 51 times, and the log-probs' rounding (7.5e-8 of the largest, as for every loss) reaches the gradients 165-fold:
+# ours against stock 1.24e-5 (model.norm.weight; prompts unshared 2.46e-5), where the default sigmoid loss gives
+# 8.6e-7 and js_divergence 4.1e-6. The same step in float64 end to end (TRL's fused LM head and the RMSNorm included):
+# 2.43e-14 (sigmoid 1.3e-15): 104 and 109 machine epsilons, rounding of an equal computation. Stock against itself
+# repadded does not show it on that CPU (its log-probs come out bit for bit, floor 3e-7), so the floor cannot.
+GRAD_TOLERANCE = {"forward_kl": 5e-5}
 
 
 def _pairs(n: int = NUM_PAIRS, seed: int = 0, conversational: bool = False) -> Dataset:
@@ -106,7 +115,9 @@ def _close(actual, expected, what: str, scale: float | None = None, tolerance: f
 
 def stock_noise_floor(stock: dict, stock_repadded: dict) -> float:
     """The largest per-tensor relative gradient difference of stock TRL to itself when only its padding width
-    changes: the fp32 rounding floor of a comparison (f-divergence losses amplify it to ~1e-5 on this model)."""
+    changes: the fp32 rounding floor of a comparison where repadding changes stock's rounding (on some CPUs it
+    does not: on a 2-core AVX-512 one, torch 2.11 and 2.13, stock's log-probs come out bit for bit and the floor is
+    3e-7; see ``GRAD_TOLERANCE``)."""
     return max(_error(stock_repadded["grads"][name], grad) for name, grad in stock["grads"].items())
 
 
@@ -122,10 +133,10 @@ def _tied_pairs(step: dict, tolerance: float) -> int:
     return int((margins.abs() <= tolerance).sum())
 
 
-def assert_same_step(ours: dict, stock: dict, floor=None) -> None:
-    """``ours`` == ``stock``: loss, log-probs and metrics within ``REL``; every gradient within ``REL`` relative to
-    its tensor's largest entry, or, where the loss amplifies rounding past that, within twice ``floor()`` (stock's
-    own difference when only its padding width changes, :func:`stock_noise_floor`)."""
+def assert_same_step(ours: dict, stock: dict, floor=None, grad_tolerance: float = REL) -> None:
+    """``ours`` == ``stock``: loss, log-probs and metrics within ``REL``; every gradient within ``grad_tolerance``
+    relative to its tensor's largest entry, or, where the loss amplifies rounding past that, within twice ``floor()``
+    (stock's own difference when only its padding width changes, :func:`stock_noise_floor`)."""
     _close(ours["loss"], stock["loss"], "loss")
     _close(ours["logps"], stock["logps"], "chosen/rejected log-probs")
     assert ours["metrics"].keys() == stock["metrics"].keys()
@@ -142,14 +153,15 @@ def assert_same_step(ours: dict, stock: dict, floor=None) -> None:
             continue
         _close(ours["metrics"][key], value, f"metric {key}", scale)
     assert ours["grads"].keys() == stock["grads"].keys()
-    tolerance = REL
-    if floor is not None and max(_error(ours["grads"][name], grad) for name, grad in stock["grads"].items()) > REL:
-        tolerance = max(REL, 2 * floor())
+    tolerance = grad_tolerance
+    largest = max(_error(ours["grads"][name], grad) for name, grad in stock["grads"].items())
+    if floor is not None and largest > tolerance:
+        tolerance = max(tolerance, 2 * floor())
     for name, grad in stock["grads"].items():
         _close(ours["grads"][name], grad, f"gradient of {name}", tolerance=tolerance)
 
 
-def compare(tmp_path, *, prefix_sharing: bool = True, **kwargs) -> dict:
+def compare(tmp_path, *, prefix_sharing: bool = True, grad_tolerance: float = REL, **kwargs) -> dict:
     stock = one_step(trl.DPOTrainer, trl.DPOConfig, tmp_path / "stock", **kwargs)
     ours = one_step(DPOTrainer, DPOConfig, tmp_path / "ours", prefix_sharing=prefix_sharing, **kwargs)
     assert ours["trainer"].unpack_decision.packed, ours["trainer"].unpack_decision.reason
@@ -159,7 +171,7 @@ def compare(tmp_path, *, prefix_sharing: bool = True, **kwargs) -> dict:
         repadded = one_step(trl.DPOTrainer, trl.DPOConfig, tmp_path / "stock64", pad_to_multiple_of=64, **kwargs)
         return stock_noise_floor(stock, repadded)
 
-    assert_same_step(ours, stock, floor)
+    assert_same_step(ours, stock, floor, grad_tolerance)
     return ours
 
 
@@ -183,7 +195,7 @@ def test_every_loss_type_equals_stock(loss_type, tmp_path):
     ids=["loss_weights", "ld_alpha", "use_weighting", "forward_kl", "js_divergence", "alpha_divergence", "smoothing"],
 )
 def test_loss_options_equal_stock(config, tmp_path):
-    compare(tmp_path, **config)
+    compare(tmp_path, grad_tolerance=GRAD_TOLERANCE.get(config.get("f_divergence_type"), REL), **config)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "qwen3_moe"])

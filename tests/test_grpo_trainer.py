@@ -5,7 +5,9 @@ entropy, every gradient), the decision and its fallbacks, and the packed layout 
 A step generates with a tiny random model whose end-of-sequence logit is raised so that completions end at different
 lengths (right padding), from prompts of different lengths (left padding); 6 completions per step, 3 per prompt (two
 groups per batch, interleaved by TRL's shuffle before the loss). Bounds: fp32, relative to the largest entry of what is
-compared (``RTOL``); the measured floor is in docs/grpo.md, "Tests".
+compared (``RTOL``); after the first optimizer step, twice stock's own difference when only its padding width changes
+([`stock_floor`]) where that is larger; a logged loss that cancels, ``LOSS_RTOL`` (the ``vespo`` and ``bnpo`` cases
+in float64 end to end agree within 1e-14). The measured floor is in docs/grpo.md, "Tests".
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def run_steps(
         callbacks=[recorder],
         peft_config=peft_config,
     )
-    calls, completions = [], []
+    calls, call_steps, completions = [], [], []
     logps_method, generate = trainer._get_per_token_logps_and_entropies, trainer._generate
     watcher = None if watch is None else watch(trainer)
 
@@ -126,6 +128,7 @@ def run_steps(
             watcher.before(args, kwargs)
         logps, entropies, aux = logps_method(*args, **kwargs)
         calls.append((logps.detach().clone(), None if entropies is None else entropies.detach().clone(), aux))
+        call_steps.append(trainer.state.global_step)  # optimizer steps taken before this call
         if watcher is not None:
             watcher.after()
         return logps, entropies, aux
@@ -142,7 +145,8 @@ def run_steps(
         if watcher is not None:
             watcher.close()
     logs = [{k: v for k, v in entry.items() if k not in TIMINGS} for entry in trainer.state.log_history]
-    results = {"logs": logs, "grads": recorder.grads, "calls": calls, "completions": completions, "trainer": trainer}
+    results = {"logs": logs, "grads": recorder.grads, "calls": calls, "call_steps": call_steps,
+               "completions": completions, "trainer": trainer}  # fmt: skip
     return results | ({} if watcher is None else watcher.results)
 
 
@@ -164,46 +168,92 @@ def _grad_differences(ours: dict, stock: dict) -> list[float]:
     return differences
 
 
-def stock_floor(trainer_class, config_class, tmp_path, model, stock: dict, **config) -> list[float]:
-    """Stock's own gradient differences, per step, when only its padding width changes (``pad_to_multiple_of=16``):
-    the rounding a later step amplifies (after the first optimizer step the runs start from weights that differ by
-    rounding, and losses such as SAPO's soft gates amplify that past 1e-5)."""
+def _call_differences(ours: dict, stock: dict) -> list[dict[str, float]]:
+    """Per log-prob call: the [`_relative`] difference of its per-token log-probs, entropies and MoE auxiliary loss
+    (those the call returned), ours against stock. Columns beyond stock's completion width (a repadded run's right
+    padding, zero) are left out."""
+    differences = []
+    for (logps, entropies, aux), (stock_logps, stock_entropies, stock_aux) in zip(ours["calls"], stock["calls"]):
+        width = stock_logps.shape[-1]
+        difference = {"logps": _relative(logps[..., :width], stock_logps)}
+        if entropies is not None and stock_entropies is not None:
+            difference["entropies"] = _relative(entropies[..., :width], stock_entropies)
+        if aux is not None and stock_aux is not None:
+            difference["aux"] = _relative(aux.detach(), stock_aux.detach())
+        differences.append(difference)
+    return differences
+
+
+def _log_differences(ours: dict, stock: dict) -> list[dict[str, float]]:
+    """Per logged entry: each numeric value's relative difference, ours against stock."""
+    return [
+        {key: abs(ours_entry[key] - value) / max(abs(value), 1e-30) for key, value in stock_entry.items()}
+        for ours_entry, stock_entry in zip(ours["logs"], stock["logs"])
+    ]
+
+
+def stock_floor(trainer_class, config_class, tmp_path, model, stock: dict, **config) -> dict:
+    """Stock's own differences when only its padding width changes (``pad_to_multiple_of=16``): the rounding a later
+    step amplifies (after the first optimizer step the runs start from weights that differ by rounding: Adam's first
+    update, ``lr * g / |g|``, turns a rounding difference in a near-zero gradient entry into one of up to ``2 * lr`` in
+    the weight, and losses such as SAPO's soft gates amplify that past 1e-5). ``grads``: per optimizer step
+    ([`_grad_differences`]); ``calls``: per log-prob call ([`_call_differences`]); ``logs``: per logged entry
+    ([`_log_differences`])."""
     repadded = run_steps(trainer_class, config_class, tmp_path, model, pad_to_multiple_of=16, **config)
     assert repadded["completions"] == stock["completions"]
-    return _grad_differences(repadded, stock)
+    assert len(repadded["calls"]) == len(stock["calls"]) and len(repadded["logs"]) == len(stock["logs"])
+    return {
+        "grads": _grad_differences(repadded, stock),
+        "calls": _call_differences(repadded, stock),
+        "logs": _log_differences(repadded, stock),
+    }
 
 
-def assert_same_steps(ours: dict, stock: dict, rtol: float = RTOL, floor: list[float] | None = None) -> dict:
+def assert_same_steps(ours: dict, stock: dict, rtol: float = RTOL, floor: dict | None = None,
+                      loss_rtol: float | None = None) -> dict:  # fmt: skip
     """Ours == stock: completions, every logged value, every log-prob call (per-token log-probs, entropies, MoE
-    auxiliary loss), every gradient of every step; every log-prob forward of ours packed. A gradient is within
-    ``rtol`` of its step's largest entry, or, after the first step, within twice ``floor`` (stock's own difference
-    when its padding width changes, see [`stock_floor`]). Returns the largest relative differences measured."""
+    auxiliary loss), every gradient of every step; every log-prob forward of ours packed. A value is within ``rtol``
+    (a logged value: of itself; a call's output or a gradient: of its largest entry), or, where it comes after the
+    first optimizer step, within twice ``floor`` (stock's own difference when its padding width changes, see
+    [`stock_floor`]). ``loss_rtol``, where given, bounds the logged ``loss`` and ``train_loss`` instead of ``rtol``
+    (a loss that cancels: see ``LOSS_RTOL``). Returns the largest relative differences measured."""
     assert ours["completions"] == stock["completions"]  # generation untouched: the same seed, the same samples
     lengths = {len(ids) for batch in stock["completions"] for ids in batch}
     assert len(lengths) > 1, lengths  # completions of different lengths: the padded batch has right padding
+
+    def bound(after_first_step: bool, floor_value: float, base: float = rtol) -> float:
+        return max(base, 2 * floor_value) if after_first_step and floor is not None else base
+
     assert len(ours["logs"]) == len(stock["logs"])
-    for ours_entry, stock_entry in zip(ours["logs"], stock["logs"]):
+    for index, (ours_entry, stock_entry) in enumerate(zip(ours["logs"], stock["logs"])):
         assert ours_entry.keys() == stock_entry.keys()
         for key, value in stock_entry.items():
-            assert ours_entry[key] == pytest.approx(value, rel=rtol, abs=1e-6), (key, ours_entry[key], value)
+            base = loss_rtol if loss_rtol is not None and key in ("loss", "train_loss") else rtol
+            later = stock_entry.get("step", 1) > 1  # transformers logs the optimizer steps taken so far
+            tolerance = bound(later, floor["logs"][index][key] if floor is not None else 0.0, base)
+            assert ours_entry[key] == pytest.approx(value, rel=tolerance, abs=1e-6), (key, ours_entry[key], value)
     measured = {"logps": 0.0, "grads": 0.0}
     assert len(ours["calls"]) == len(stock["calls"])
-    for (logps, entropies, aux), (stock_logps, stock_entropies, stock_aux) in zip(ours["calls"], stock["calls"]):
+    for index, ((logps, entropies, aux), (stock_logps, stock_entropies, stock_aux)) in enumerate(
+        zip(ours["calls"], stock["calls"])
+    ):
         assert logps.shape == stock_logps.shape
-        measured["logps"] = max(measured["logps"], _relative(logps, stock_logps))
         assert torch.equal(logps == 0, stock_logps == 0)  # zero exactly where TRL's are (masked completion tokens)
         assert (entropies is None) == (stock_entropies is None) and (aux is None) == (stock_aux is None)
-        if entropies is not None:
-            assert _relative(entropies, stock_entropies) <= rtol
-        if aux is not None:
-            assert _relative(aux.detach(), stock_aux.detach()) <= rtol
-    assert measured["logps"] <= rtol, measured
+        later = stock["call_steps"][index] > 0  # a call after the first optimizer step
+        for kind, difference in _call_differences(
+            {"calls": [(logps, entropies, aux)]}, {"calls": [(stock_logps, stock_entropies, stock_aux)]}
+        )[0].items():
+            tolerance = bound(later, floor["calls"][index][kind] if floor is not None else 0.0)
+            if kind == "logps":
+                measured["logps"] = max(measured["logps"], difference)
+            assert difference <= tolerance, (index, kind, difference, tolerance)
     assert len(ours["grads"]) == len(stock["grads"]) and stock["grads"]
     assert all(grads.keys() == stock_grads.keys() for grads, stock_grads in zip(ours["grads"], stock["grads"]))
     for step, diff in enumerate(_grad_differences(ours, stock)):
-        bound = rtol if step == 0 or floor is None else max(rtol, 2 * floor[step])
+        tolerance = bound(step > 0, floor["grads"][step] if floor is not None else 0.0)
         measured["grads"] = max(measured["grads"], diff)
-        assert diff <= bound, (step, diff, bound)
+        assert diff <= tolerance, (step, diff, tolerance)
     forwards = ours["trainer"].unpack_stats.get("forwards", {})
     assert forwards.get("packed", 0) == len(ours["calls"]) and not forwards.get("padded"), forwards
     return measured
@@ -246,6 +296,16 @@ GRPO_CASES = {
 }
 
 
+# A logged loss that cancels, bounded by more than RTOL (measured on a 2-core AVX-512 CPU; torch 2.11 and 2.13 alike).
+# VESPO with num_iterations 2: the first step weighs each sequence by phi(w), w = exp(sum of its new - old log-probs),
+# phi - 1 = -/+ log w near w = 1. Stock's old-policy forward and the step's run the same padded rows, so w == 1
+# exactly; ours packs the rows in the order TRL shuffled them into between the two, so the sums differ by fp32
+# rounding (|log w| <= 1.9e-6) and the loss, per-sequence terms of mean-zero advantages (their absolute values sum to
+# 3.70 for a loss of -0.4036), moves by 4.35e-6 (those terms predict 4.4e-6): rel 1.08e-5. The same comparison in
+# float64 end to end (TRL's fused LM head and the RMSNorm included): 9.5e-15.
+LOSS_RTOL = {"vespo": 5e-5}
+
+
 @pytest.mark.parametrize("case", list(GRPO_CASES))
 def test_one_grpo_step_equals_stock(case, tmp_path, llama, llama_path):
     config = GRPO_CASES[case]
@@ -258,7 +318,7 @@ def test_one_grpo_step_equals_stock(case, tmp_path, llama, llama_path):
         if len(stock["grads"]) > 1
         else None
     )
-    assert_same_steps(ours, stock, floor=floor)
+    assert_same_steps(ours, stock, floor=floor, loss_rtol=LOSS_RTOL.get(case))
 
 
 def test_grpo_with_lora_and_the_adapter_disabled_reference_equals_stock(tmp_path, llama):
