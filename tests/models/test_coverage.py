@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from unpack_trainer.decision import blocked_reason
@@ -100,21 +99,12 @@ def test_gradient_spread_rule_still_catches_a_leak(monkeypatch):
     transformers' own other summations land: each sample alone, the padded rows reversed; a tiny CTRL's ReLU at its
     kink moves a gradient by 0.5% of its largest entry between them). Packed rows whose samples attend to the samples
     before them still fail it: their gradients move far beyond that spread."""
+    from contaminating_model import leak_every_backend
+
     from unpack_trainer.models import patch_model, unpatch_model
     from unpack_trainer.models.coverage import _close, _samples
     from unpack_trainer.models.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
     from unpack_trainer.models.tiny_vision import gradient_mismatch
-    from unpack_trainer.packed_seq_info import PackedSeqInfo
-    from unpack_trainer.patches import attention
-
-    def whole_rows(function):
-        def leak(query, key, value, info, options):
-            rows = PackedSeqInfo.from_seq_lengths(
-                torch.full((info.batch_size,), info.seq_len), batch_size=info.batch_size, seq_len=info.seq_len
-            )
-            return function(query, key, value, rows, options)
-
-        return leak
 
     model = tiny_model("llama", attn_implementation="eager").eval()
     samples = _samples()
@@ -124,8 +114,7 @@ def test_gradient_spread_rule_still_catches_a_leak(monkeypatch):
     try:
         _, packed = loss_and_grads(model, packed_batch(samples), use_cache=False)
         assert gradient_mismatch(model, as_inputs, packed, padded, _close, use_cache=False) is None
-        for name, record in dict(attention.REGISTRY).items():
-            monkeypatch.setitem(attention.REGISTRY, name, record._replace(forward=whole_rows(record.forward)))
+        leak_every_backend(monkeypatch)
         _, leaked = loss_and_grads(model, packed_batch(samples), use_cache=False)
         problem = gradient_mismatch(model, as_inputs, leaked, padded, _close, use_cache=False)
     finally:

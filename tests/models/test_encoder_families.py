@@ -22,6 +22,7 @@ import logging
 
 import pytest
 import torch
+from contaminating_model import leak_every_backend
 from packed_rows import (
     ROWS,
     assert_close,
@@ -35,7 +36,6 @@ from unpack_trainer.models import PatchRefused, RefusalKind, patch_model, refusa
 from unpack_trainer.models.selfcheck import check_uncontaminated
 from unpack_trainer.models.tiny import loss_and_grads, padded_batch, tiny_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches import attention as attention_module
 
 # BERT-style embeddings (positions from 0) and RoBERTa-style ones (positions from padding_idx + 1), the latter with
 # the pre-layer-norm and the language-adapter (xmod) variants.
@@ -114,22 +114,6 @@ def test_sample_positions_by_hand():
     assert own_position_embeddings(_decoder("bert").bert) == []  # BERT counts from 0 with a buffer: nothing to do
 
 
-def _leaking_backends(monkeypatch):
-    """Every packed attention backend handed one sample per row: samples attend to the ones before them."""
-
-    def leak(function):
-        def whole_rows(query, key, value, info, options):
-            rows = PackedSeqInfo.from_seq_lengths(
-                torch.full((info.batch_size,), info.seq_len), batch_size=info.batch_size, seq_len=info.seq_len
-            )
-            return function(query, key, value, rows, options)
-
-        return whole_rows
-
-    for name, record in dict(attention_module.REGISTRY).items():
-        monkeypatch.setitem(attention_module.REGISTRY, name, record._replace(forward=leak(record.forward)))
-
-
 @pytest.mark.parametrize("model_type", ["bert", "roberta", "xmod"])
 def test_selfcheck_passes_and_catches_a_leak(model_type, monkeypatch):
     from unpack_trainer.models.fixes import positions as positions_fix
@@ -140,7 +124,7 @@ def test_selfcheck_passes_and_catches_a_leak(model_type, monkeypatch):
         report = check_uncontaminated(model)
         assert report.ok and report.conclusive, report.summary()
         with monkeypatch.context() as leaking:
-            _leaking_backends(leaking)
+            leak_every_backend(leaking)
             report = check_uncontaminated(model)
             assert not report.ok, f"attention over the whole row passed the self-check: {report.summary()}"
     finally:
