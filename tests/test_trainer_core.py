@@ -186,12 +186,14 @@ def test_packing_says_once_that_its_rows_are_padding_free(
 
 @pytest.fixture
 def transformers_verbosity():
-    """transformers' verbosity put back as found (the Trainer sets it from ``log_level``)."""
+    """transformers' default verbosity (WARNING) for the test, whatever an earlier test of this process left, and the
+    verbosity put back as found after it (the Trainer sets it from ``log_level``)."""
     from transformers.utils import logging as hf_logging
 
     from unpack_trainer._logging import reset_log_once
 
     level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
     reset_log_once()
     yield
     hf_logging.set_verbosity(level)
