@@ -1,6 +1,6 @@
 """A model that contaminates on purpose, for the self-check's tests (``tests/test_trainer.py``,
-``tests/models/test_selfcheck.py``), and attention backends that leak across samples (:func:`leak_every_backend`). Importable from every test folder: pytest puts ``tests/`` (the folder of the root
-``conftest.py``) on ``sys.path``.
+``tests/models/test_selfcheck.py``), and attention backends that leak across samples (:func:`leak_every_backend`).
+Importable from every test folder: pytest puts ``tests/`` (the folder of the root ``conftest.py``) on ``sys.path``.
 """
 
 from __future__ import annotations

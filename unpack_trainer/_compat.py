@@ -93,9 +93,9 @@ __all__ = [
     "hub_kernel_chosen",
     "hub_kernel_function",
     "ignore_in_ddp",
-    "kernel_function_copies",
     "in_backward",
     "is_tracing",
+    "kernel_function_copies",
     "liger_linear_cross_entropy",
     "locally_registered",
     "mask_functions",
@@ -252,7 +252,6 @@ def hub_kernel_chosen(module: Any, name: str) -> str | None:
     wrapper = kernel_function_copies(module).get(name)
     repository = vars(wrapper).get("_kernel_repo") if wrapper is not None else None
     return None if repository is None else str(repository)
-
 
 
 def _class_table(module: str, cls: str) -> Callable[[], Any]:

@@ -133,8 +133,8 @@ def counts_step_tokens(trainer: Any) -> bool:
 
     The ``Trainer`` counts them (``get_batch_samples``: ``labels[..., 1:] != -100`` of every micro-batch of the step,
     summed over the processes with ``average_tokens_across_devices``), hands the count to ``compute_loss`` as
-    ``num_items_in_batch`` and takes the loss it gets back as already scaled for gradient accumulation (``training_step``
-    does not divide it by the accumulation steps) only where ``trainer.model_accepts_loss_kwargs`` is true (or a
+    ``num_items_in_batch`` and takes the loss it gets back as already scaled for gradient accumulation
+    (``training_step`` does not divide it by the accumulation steps) only where ``trainer.model_accepts_loss_kwargs`` is true (or a
     ``compute_loss_func`` is set). ``Trainer.__init__`` copies that attribute from the model class's
     ``accepts_loss_kwargs``, which says whether the model's *own* loss takes ``num_items_in_batch``; otherwise the loss
     of a step is the mean of its micro-batches' own means."""

@@ -96,9 +96,10 @@ class SFTConfig(trl.SFTConfig):
             How the training loss of an optimizer step is averaged. `"token"` (TRL's behavior on most models): the
             mean over every trained token of the step (all gradient-accumulation micro-batches and processes), so a
             sample weighs as much as its number of trained tokens, on every model (stock TRL averages each
-            micro-batch's own mean on a class that declares `accepts_loss_kwargs = False`, e.g. Qwen2.5-VL). `"sample"`: the mean over the step's samples of each sample's
-            mean token loss, so every sample weighs the same whatever its length; a packed row counts each of its
-            samples, a padded or padding-free batch each of its examples. Applies to training and evaluation loss
+            micro-batch's own mean on a class that declares `accepts_loss_kwargs = False`, e.g. Qwen2.5-VL).
+            `"sample"`: the mean over the step's samples of each sample's mean token loss, so every sample weighs the
+            same whatever its length; a packed row counts each of its samples, a padded or padding-free batch each of
+            its examples. Applies to training and evaluation loss
             (`eval_loss`: the mean over the evaluation set's samples, each evaluation batch weighed by its samples).
             Not supported with `loss_type="dft"`, label smoothing or a custom `compute_loss_func`. On the quality
             benchmark's first, 2,000-sample run (docs/quality.md), `"sample"` raised the packed held-out loss per token by 0.12

@@ -179,8 +179,8 @@ def truncate_processed(
             last = int(torch.nonzero(image)[-1, 0])
             name = names[row] if names is not None else f"sample {row} of the batch"
             raise ValueError(
-                f"{_capitalized(name)} has {length} tokens, more than max_length={max_length}, and truncating it would "
-                f"cut its image tokens (the last one is token {last}); an image is never cut. Raise max_length to at "
+                f"{_capitalized(name)} has {length} tokens, more than max_length={max_length}, and truncating it "
+                f"would cut its image tokens (the last one is token {last}); an image is never cut. Raise max_length to at "
                 f"least {last + 1}, use smaller images (the processor's max_pixels / size), or leave the sample out."
             )
         counts.samples += 1

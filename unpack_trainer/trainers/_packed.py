@@ -389,7 +389,8 @@ class PackedTrainerMixin:
                 logger,
                 announce_level(),
                 f"{self.unpack_name}: UNPACK_DISABLE=1: unpack_trainer is off, this trainer runs exactly as "
-                f"trl.{self.unpack_trl_class.__name__} (no packing, no padding-free, no attention patch, no self-check)",
+                f"trl.{self.unpack_trl_class.__name__} (no packing, no padding-free, no attention patch, no "
+                "self-check)",
             )
             return
         _trl_compat.require_attributes(self, _trl_compat.TRAINER_ATTRIBUTES, "transformers.Trainer")

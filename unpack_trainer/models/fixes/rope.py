@@ -14,11 +14,10 @@ Since transformers 5.25 (with its ``kernels`` dependency) ``apply_rotary_pos_emb
 function unless a model's ``kernelize`` chose a hub kernel for it. The function inside is compared as above
 (:func:`unpack_trainer._compat.hub_kernel_function`), the global is replaced by the fused function made into a module
 the same way (``kernels`` rebuilds the layers' copies from the global's type when a model is deep-copied or
-unpickled) and restored as above, and a model
-whose attention layers run a hub kernel chosen by ``kernelize`` (``from_pretrained(use_kernels=True)``) keeps it. Where
-a modeling module has an ``apply_rotary_pos_emb`` the fix does not replace, :func:`rope_reasons` says why; the reason
-is logged once when the patch is installed (a warning where the function cannot be read at all) and ``unpack-trainer
-env --model`` prints it.
+unpickled) and restored as above, and a model whose attention layers run a hub kernel chosen by ``kernelize``
+(``from_pretrained(use_kernels=True)``) keeps it. Where a modeling module has an ``apply_rotary_pos_emb`` the fix does
+not replace, :func:`rope_reasons` says why; the reason is logged once when the patch is installed (a warning where the
+function cannot be read at all) and ``unpack-trainer env --model`` prints it.
 """
 
 from __future__ import annotations
@@ -86,27 +85,32 @@ def _why_not(site: FixSite, name: str) -> tuple[int, str] | None:
     return None
 
 
-def rope_reasons(site: FixSite) -> dict[str, str | None]:
-    """For each modeling module of ``site``'s attention layers that defines ``apply_rotary_pos_emb``: why the fused RoPE
-    does not replace it, or ``None`` where it does (or would, once installed)."""
+def _survey(site: FixSite) -> dict[str, tuple[int, str] | None]:
+    """:func:`_why_not` of each modeling module of ``site``'s attention layers that defines
+    ``apply_rotary_pos_emb``."""
     names = dict.fromkeys(type(module).__module__ for module in site.decoder.attention)
     return {
-        name: None if (why := _why_not(site, name)) is None else why[1]
+        name: _why_not(site, name)
         for name in names
         if sys.modules.get(name) is not None and getattr(sys.modules[name], "apply_rotary_pos_emb", None) is not None
     }
 
 
+def rope_reasons(site: FixSite) -> dict[str, str | None]:
+    """For each modeling module of ``site``'s attention layers that defines ``apply_rotary_pos_emb``: why the fused
+    RoPE does not replace it, or ``None`` where it does (or would, once installed)."""
+    return {name: None if why is None else why[1] for name, why in _survey(site).items()}
+
+
 def _modeling_modules(site: FixSite) -> list[str]:
-    return [name for name, reason in rope_reasons(site).items() if reason is None]
+    return [name for name, why in _survey(site).items() if why is None]
 
 
 def _applies(site: FixSite) -> str | None:
     if not site.state.rope:
         return None
     modules = []
-    for name in rope_reasons(site):
-        why = _why_not(site, name)
+    for name, why in _survey(site).items():
         if why is None:
             modules.append(name)
         else:
