@@ -9,8 +9,8 @@
 | ``padding_free=None`` (not set)          | padding-free (auto, logged)     | padded (info, logged)                    |
 | ``padding_free=None`` + ``UNPACK_DISABLE_AUTO_PADDING_FREE=1`` | padded    | padded                                   |
 | ``padding_free=False``                   | padded (never overridden)       | padded                                   |
-| ``packing=True`` / ``padding_free=True`` with ``cp_size > 1`` or ``sp_size > 1`` | ``ValueError`` at start (the reason) | |
-| ``padding_free=None`` with ``cp_size > 1`` or ``sp_size > 1`` | padded (info, the reason)  |                                          |
+| ``packing=True`` / ``padding_free=True`` with ``cp_size > 1`` (or ``sp_size > 1`` but in SFT) | ``ValueError`` at start (the reason) | |
+| ``padding_free=None`` with ``cp_size > 1`` (or ``sp_size > 1`` but in SFT) | padded (info, the reason)  |                              |
 
 (*) The packer is ``packing_order``'s ([`PACKERS`]): windowed best fit by default, global best fit with
 ``"shuffled"`` or ``"decreasing"``.
@@ -23,11 +23,12 @@ bidirectional self-attention, row-wide position biases); PEFT prompt learning (p
 tuning: virtual tokens or prefix keys are prepended to every row). A model type that is not verified is not blocked
 here: it runs without our patch if the contamination self-check passes on the user's model.
 
-Refused: context or sequence parallelism that splits every row across processes (accelerate's ``ParallelismConfig``
-with ``cp_size > 1`` or ``sp_size > 1``, [`parallelism_reason`]). Neither engine keeps the samples of a packed row
-apart (torch's context parallel drops the mask and runs SDPA with ``is_causal=True``: one causal document across the
-row; DeepSpeed Ulysses splits the row before the model sees it, its boundaries not with it), so a request for packed
-or padding-free rows is an error at start, never a silent causal document across samples.
+Refused: context parallelism (accelerate's ``ParallelismConfig`` with ``cp_size > 1``, [`parallelism_reason`]): torch's
+context parallel drops the mask and runs SDPA with ``is_causal=True``, one causal document across the row, so a request
+for packed or padding-free rows is an error at start. Sequence parallelism (``sp_size > 1``, DeepSpeed Ulysses) packs
+in SFT: the collator builds the whole row's boundaries before the engine cuts the row, and every shard's attention
+reads them ([`unpack_trainer.models.sequence_parallel`] says which models are exact there); the other trainers refuse
+it like context parallelism.
 
 Also decided here, without overriding an explicit request:
 
@@ -136,7 +137,17 @@ def _size(config: Any, name: str, env: Mapping[str, str]) -> int:
         return 1
 
 
-def parallelism_reason(parallelism_config: Any, env: Mapping[str, str] | None = None) -> str | None:
+def sequence_parallel_size(parallelism_config: Any, env: Mapping[str, str] | None = None) -> int:
+    """``sp_size`` of a run under DeepSpeed Ulysses (accelerate's ``ParallelismConfig(sp_size=N,
+    sp_backend="deepspeed")``, or the environment an accelerate launch with one writes; see [`parallelism_reason`]), or
+    1 without sequence parallelism."""
+    env = os.environ if env is None else env
+    return _size(parallelism_config, "sp_size", env)
+
+
+def parallelism_reason(
+    parallelism_config: Any, env: Mapping[str, str] | None = None, *, sequence_parallel: bool = False
+) -> str | None:
     """Why packed or padding-free rows cannot run under this parallelism, or ``None``.
 
     Args:
@@ -144,9 +155,12 @@ def parallelism_reason(parallelism_config: Any, env: Mapping[str, str] | None = 
             accelerator's), or ``None``; then the environment an accelerate launch with a parallelism config writes is
             read (``ACCELERATE_USE_PARALLELISM_CONFIG=true``, ``PARALLELISM_CONFIG_CP_SIZE`` / ``_SP_SIZE``).
         env: environment variables (defaults to ``os.environ``).
+        sequence_parallel: the trainer packs under sequence parallelism (SFT: each row cut into ``sp_size`` shards
+            with the whole row's boundaries carried to every shard's attention); then ``sp_size > 1`` is no reason.
 
-    ``cp_size > 1`` (torch context parallel) and ``sp_size > 1`` (DeepSpeed Ulysses) split every row along the
-    sequence across processes; neither keeps the per-sample boundaries of a packed row (see the module docstring).
+    ``cp_size > 1`` (torch context parallel) splits every row along the sequence and runs SDPA with no mask: refused
+    always. ``sp_size > 1`` (DeepSpeed Ulysses) splits every row too; it is refused for a trainer that does not carry
+    the row's boundaries past the cut.
 
     Example:
         ``ParallelismConfig(cp_size=2)`` -> ``"context parallelism (cp_size=2): it splits every row ..."``; ``ParallelismConfig()`` or
@@ -158,13 +172,13 @@ def parallelism_reason(parallelism_config: Any, env: Mapping[str, str] | None = 
         return (
             f"context parallelism (cp_size={cp_size}): it splits every row across processes and runs SDPA with "
             "is_causal=True and no mask (accelerate's hooks drop it), so the samples of a packed row would attend to "
-            "each other as one causal document"
+            "each other as one causal document; sequence parallelism (sp_size, DeepSpeed Ulysses) packs with SFT"
         )
-    if sp_size > 1:
+    if sp_size > 1 and not sequence_parallel:
         return (
-            f"sequence parallelism (sp_size={sp_size}, DeepSpeed Ulysses): it splits every row across processes before "
-            "the model sees it, and the packed samples' boundaries (packed_seq_lengths) are not split with it, so "
-            "the packed attention cannot keep the samples apart"
+            f"sequence parallelism (sp_size={sp_size}, DeepSpeed Ulysses) in this trainer: its packed rows (shared "
+            "prompts, scored per sample) are not cut into shards with their boundaries carried to every shard's "
+            "attention (SFT's are)"
         )
     return None
 

@@ -300,6 +300,8 @@ class PackedSeqInfo:
             ``B * T``, ascending, disjoint, each inside one sample): the tokens of a span attend to each other both
             ways (an image's tokens in Gemma 3), every other pair causally as usual. With a sliding window ``w`` a key
             ``j`` of query ``i`` is still within ``i - w < j``. See :meth:`with_bidirectional_spans`.
+        sequence_shards: ``N`` when these are the metadata of whole rows a forward sees one of ``N`` equal contiguous
+            shards of (sequence parallelism, :meth:`for_sequence_shards`), else 1.
 
     What a consumer derives from the metadata (device copies, the SDPA buckets, masks, flash-attn chunks, xformers
     biases, the backend choice) is built on first use and cached on the object through :meth:`plan`, one namespace
@@ -362,13 +364,46 @@ class PackedSeqInfo:
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
         self.bidirectional_spans: torch.Tensor | None = None
+        self.sequence_shards = 1
         self._plans: dict[str, dict[Hashable, Any]] = {}
 
     def __repr__(self) -> str:
+        shards = f", sequence_shards={self.sequence_shards}" if self.sequence_shards > 1 else ""
         return (
             f"PackedSeqInfo(num_seqs={self.num_seqs}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
-            f"max_seqlen={self.max_seqlen})"
+            f"max_seqlen={self.max_seqlen}{shards})"
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What is derived is rebuilt on first use: a copy (a pickle through a process group's object gather, as
+        # DeepSpeed's sequence-parallel data loader sends a batch's non-tensors) carries only the samples.
+        return {**self.__dict__, "_plans": {}}
+
+    def for_sequence_shards(self, shards: int) -> PackedSeqInfo:
+        """These samples as the metadata of whole rows that each forward sees one of ``shards`` equal contiguous
+        pieces of (DeepSpeed Ulysses: every rank embeds its piece, and its attention gets the whole row for its
+        share of the heads): a new object with ``sequence_shards = shards``, or ``self`` for ``shards`` 1.
+
+        Raises:
+            ValueError: ``seq_len`` not divisible by ``shards`` (the collator pads a row to a multiple first).
+
+        Example::
+
+            >>> info = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 5]), batch_size=1, seq_len=8)
+            >>> info.for_sequence_shards(2)
+            PackedSeqInfo(num_seqs=2, batch_size=1, seq_len=8, max_seqlen=5, sequence_shards=2)
+        """
+        if shards == 1:
+            return self
+        if shards < 1 or self.seq_len % shards:
+            raise ValueError(
+                f"Rows of {self.seq_len} tokens cannot be cut into {shards} equal sequence-parallel shards; pad each "
+                f"row to a multiple of {shards}."
+            )
+        info = self._same_samples()
+        info.bidirectional_spans = self.bidirectional_spans
+        info.sequence_shards = int(shards)
+        return info
 
     def with_bidirectional_spans(self, spans: torch.Tensor | None) -> PackedSeqInfo:
         """These samples with the token ranges ``spans`` attending both ways (``bidirectional_spans``): a new object
@@ -791,9 +826,13 @@ def detect_packed(
 def carried_info(info: Any, batch_size: int, seq_len: int) -> PackedSeqInfo:
     """``info``, a batch's own :class:`PackedSeqInfo` (its ``packed_seq_info`` key: built with the batch on the host
     by the collator, so that no forward reads the metadata back from the device), checked against the batch's shape
-    ``(batch_size, seq_len)``; ``ValueError`` naming the key otherwise."""
+    ``(batch_size, seq_len)``: the same rows, or, for metadata of whole rows cut into ``info.sequence_shards`` pieces
+    (sequence parallelism), rows of ``seq_len * sequence_shards`` tokens (the forward embeds one piece; its attention
+    gets the whole rows); ``ValueError`` naming the key otherwise."""
     if not isinstance(info, PackedSeqInfo):
         raise ValueError(f"`{INFO_KEY}` must be a PackedSeqInfo or None, got {type(info).__name__}.")
+    if info.sequence_shards > 1 and (info.batch_size, info.seq_len) == (batch_size, seq_len * info.sequence_shards):
+        return info  # one shard of these rows (sequence parallelism): attention gets the whole rows
     if (info.batch_size, info.seq_len) != (batch_size, seq_len):
         raise ValueError(
             f"`{INFO_KEY}` describes {info.batch_size} row(s) of {info.seq_len} tokens but the batch has {batch_size} "

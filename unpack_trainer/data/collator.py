@@ -19,6 +19,7 @@ Worked example, two examples of lengths 3 and 2 (no ``seq_lengths``: each exampl
 
 from __future__ import annotations
 
+import math
 import numbers
 from array import array
 from collections.abc import Sequence
@@ -43,9 +44,13 @@ from unpack_trainer.packed_seq_info import (
     zero_prefixed_cumsum,
 )
 
-__all__ = ["IGNORE_INDEX", "DataCollatorForPacking", "packed_metadata"]
+__all__ = ["IGNORE_INDEX", "SEQUENCE_SHARDED_KEYS", "DataCollatorForPacking", "packed_metadata"]
 
 IGNORE_INDEX = -100
+
+# The tensors of a batch for sequence parallelism: each of shape (B, T), which DeepSpeed's data loader adapter cuts
+# along T (every other tensor it refuses); the row's metadata goes whole, as the `packed_seq_info` object.
+SEQUENCE_SHARDED_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids")
 
 
 def packed_metadata(seq_lengths: torch.Tensor | Sequence[int]) -> dict[str, Any]:
@@ -125,6 +130,14 @@ class DataCollatorForPacking(DataCollatorMixin):
             it instead of reading ``packed_seq_lengths`` / ``cu_seq_lens_*`` back once they are on the GPU, so no
             forward waits for the device. Only for a patched model (an unpatched one would receive a keyword it does
             not know); the trainers set it when they patch.
+        sequence_shards (`int`, *optional*, defaults to `1`):
+            Under sequence parallelism (DeepSpeed Ulysses, ``N`` processes): each row is padded to a multiple of ``N``
+            (the padding a pseudo-sample, as above) and the batch holds only what the engine's data loader can cut
+            along the row or copy whole: ``input_ids``, ``labels``, ``position_ids`` ``(1, T)`` and ``packed_seq_info``,
+            the whole row's metadata marked with the shards
+            ([`~unpack_trainer.packed_seq_info.PackedSeqInfo.for_sequence_shards`]), which every process gets whole.
+            ``packed_seq_lengths`` and transformers' flash keys (1-D, not along the row) are left out. Only for a
+            patched model.
     """
 
     pad_token_id: int
@@ -133,6 +146,7 @@ class DataCollatorForPacking(DataCollatorMixin):
     return_tensors: str = "pt"
     use_cache: bool | None = False
     seq_info: bool = False
+    sequence_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.pad_token_id is None:
@@ -145,6 +159,7 @@ class DataCollatorForPacking(DataCollatorMixin):
                 "pad_to_multiple_of",
                 requirement="positive: an integer >= 1, or None for no padding",
             )
+        check_positive_int(self.sequence_shards, "sequence_shards", requirement="positive: an integer >= 1")
         if self.use_cache not in (None, True, False):
             raise ValueError(f"`use_cache` must be True, False or None, got {self.use_cache!r}.")
         if self.return_tensors != "pt":
@@ -183,17 +198,18 @@ class DataCollatorForPacking(DataCollatorMixin):
         output["input_ids"] = input_tensor
         label_tensor[0, output[CU_SEQ_LENS_Q_KEY][:-1].long()] = IGNORE_INDEX
         output["labels"] = label_tensor
-        batch = {key: output[key] for key in PACKED_BATCH_KEYS}
+        sharded = self.sequence_shards > 1
+        batch = {key: output[key] for key in (SEQUENCE_SHARDED_KEYS if sharded else PACKED_BATCH_KEYS)}
         if self.use_cache is not None:
             batch["use_cache"] = self.use_cache
-        if self.seq_info:
+        if self.seq_info or sharded:
             batch[INFO_KEY] = PackedSeqInfo.from_seq_lengths(
                 output[SEQ_LENGTHS_KEY],
                 batch_size=1,
                 seq_len=input_tensor.shape[1],
                 cu_seqlens=output[CU_SEQ_LENS_Q_KEY],
                 max_seqlen=output[MAX_LENGTH_Q_KEY],
-            )
+            ).for_sequence_shards(self.sequence_shards)
         return batch
 
     def _example_tokens(
@@ -241,8 +257,8 @@ class DataCollatorForPacking(DataCollatorMixin):
         raise ValueError("A token id or label of this batch is not an integer in int64 range.")
 
     def _padding_length(self, total: int) -> int:
-        multiple = self.pad_to_multiple_of
-        return 0 if multiple is None else (-total) % multiple
+        multiple = math.lcm(self.pad_to_multiple_of or 1, self.sequence_shards)
+        return (-total) % multiple
 
 
 def _int64_row(values: list[int]) -> torch.Tensor | None:

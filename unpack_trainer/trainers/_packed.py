@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
 import os
@@ -68,6 +69,7 @@ from unpack_trainer.decision import (
     neftune_note,
     parallelism_reason,
     parallelism_refusal,
+    sequence_parallel_size,
 )
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
@@ -205,6 +207,9 @@ class PackedTrainerMixin:
     # Whether the trainer packs vision-language data (a vision-language model, a processor, images); the decision
     # keeps such a set-up padded, with that reason, where it does not.
     unpack_packs_vision: bool = False
+    # Whether the trainer packs under sequence parallelism (DeepSpeed Ulysses): its collator cuts-ready rows carry the
+    # whole row's boundaries to every shard (SFT); elsewhere `sp_size > 1` is refused like context parallelism.
+    unpack_sequence_parallel: bool = False
     _unpack_trl_methods: tuple[str, ...] = ()  # private methods of the TRL class the subclass relies on
     _unpack_trl_attributes: tuple[str, ...] = ()  # attributes TRL's __init__ sets that the subclass reads
 
@@ -333,6 +338,7 @@ class PackedTrainerMixin:
         self._unpack_counts: list[TruncationCounts] = []
         self._unpack_sample_loss = False
         self._unpack_batches_whole = False
+        self._unpack_sequence_shards = 1
         self._unpack_eval_weights: list[tuple[torch.Tensor, int]] | None = None
         self._unpack_raw = {"train": train_dataset, "eval": eval_dataset}
         if args is not None:
@@ -360,7 +366,9 @@ class PackedTrainerMixin:
             env=env,
             peft_config=peft_config,
             vision=self._unpack_vision_reason(model_config),
-            parallelism=parallelism_reason(getattr(args, "parallelism_config", None), env),
+            parallelism=parallelism_reason(
+                getattr(args, "parallelism_config", None), env, sequence_parallel=self.unpack_sequence_parallel
+            ),
         )
         self.unpack_decision = decision
         self._unpack_args = args
@@ -431,16 +439,64 @@ class PackedTrainerMixin:
     def _refuse_sequence_splitting(self) -> None:
         """The parallelism the accelerator was built with, checked again (an accelerate config file reaches it
         without ``args.parallelism_config``): packed rows it would split are refused (``ValueError``) when asked for,
-        and the automatic choice falls back to padded batches, logged with the reason."""
-        reason = parallelism_reason(getattr(self.accelerator, "parallelism_config", None), {})
+        and the automatic choice falls back to padded batches, logged with the reason. Under sequence parallelism in
+        a trainer that packs there, what the run must hold for its rows to stay exact ([`_sequence_parallel_reason`]),
+        and the shards the collator cuts rows for."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        reason = parallelism_reason(config, {}, sequence_parallel=self.unpack_sequence_parallel)
+        shards = sequence_parallel_size(config, {}) if reason is None else 1
+        if reason is None and shards > 1:
+            reason = self._sequence_parallel_reason(config, shards)
         if reason is None:
+            self._unpack_sequence_shards = shards
+            if shards > 1:
+                self.unpack_decision = dataclasses.replace(
+                    self.unpack_decision,
+                    reason=f"{self.unpack_decision.reason}; sequence parallelism (sp_size={shards}, DeepSpeed "
+                    "Ulysses): each row cut into that many shards, every shard's attention given the whole row's "
+                    "sample boundaries",
+                )
             return
+        self._refuse_or_pad(reason)
+
+    def _refuse_or_pad(self, reason: str) -> None:
+        """``reason`` rules packed rows out: an explicit ``packing=True`` / ``padding_free=True`` is refused
+        (``ValueError``), the automatic padding-free falls back to padded batches, logged with the reason."""
         if getattr(self._unpack_args, "packing", False):
             raise parallelism_refusal("packing=True", reason)
         if explicit_padding_free(self._unpack_args):
             raise parallelism_refusal("padding_free=True", reason)
         log_once(logger, logging.INFO, f"{self.unpack_name}: automatic padding-free off ({reason})")
         self._fall_back_to_padded(f"automatic padding-free off ({reason})")
+
+    def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
+        """Why this run cannot pack exactly under DeepSpeed Ulysses with ``shards`` processes per row, or ``None``
+        (the model itself is checked once patched, [`unpack_trainer.models.sequence_parallel`])."""
+        what = f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses)"
+        if not self.unpack_decision.patch:
+            return (
+                f"{what} with a model type that is not verified: only the patched attention keeps the samples of a "
+                "cut row apart (stock Ulysses runs the row as one causal document)"
+            )
+        if self._unpack_sample_loss:
+            return (
+                f"{what} with loss_normalization='sample': the engine computes the loss, the token mean over the "
+                "sequence-parallel group; use loss_normalization='token'"
+            )
+        if self.args.per_device_train_batch_size != 1:
+            return (
+                f"{what} with per_device_train_batch_size={self.args.per_device_train_batch_size}: each batch is one "
+                "packed row, cut into shards, and Ulysses expects as many rows as that batch size; set "
+                "per_device_train_batch_size=1 (and a longer max_length to fill the row)"
+            )
+        handler = getattr(config, "sp_handler", None)
+        if getattr(handler, "sp_disable_in_eval", True) is False and self.eval_dataset is not None:
+            return (
+                f"{what} with sp_disable_in_eval=False: transformers' Trainer does not cut evaluation batches, so "
+                "every process would take its whole batch for a shard of one row; set "
+                "DeepSpeedSequenceParallelConfig(sp_disable_in_eval=True) (the default) to evaluate each batch whole"
+            )
+        return None
 
     def _enable_packed_path(self) -> None:
         if self.unpack_packs_in == "collator":
@@ -453,7 +509,29 @@ class PackedTrainerMixin:
             for model in self._unpack_models():
                 # torch_compile=True: the packed metadata is planned on the host before the compiled layers.
                 patch_model(model, compiled=bool(getattr(self.args, "torch_compile", False)))
+            if self._unpack_sequence_shards > 1 and self._refuse_model_under_sequence_parallelism():
+                return  # padded now
         self._unpack_checked = False  # the self-check runs right before the first data loader is built
+
+    def _refuse_model_under_sequence_parallelism(self) -> bool:
+        """The patched model under Ulysses ([`unpack_trainer.models.sequence_parallel.sequence_parallel_reason`]):
+        refused (``ValueError``, the model unpatched), or padded for the automatic padding-free (returns ``True``),
+        with the reason; ``False`` where it is exact."""
+        from unpack_trainer.models import unpatch_model
+        from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
+
+        shards = self._unpack_sequence_shards
+        why = sequence_parallel_reason(self.model, shards)
+        if why is None:
+            return False
+        self._unpack_sequence_shards = 1
+        try:
+            self._refuse_or_pad(f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses): {why}")
+        except ValueError:
+            for model in self._unpack_models():
+                unpatch_model(model)
+            raise
+        return True
 
     def get_train_dataloader(self) -> Any:
         self._unpack_check_before_first_batch()

@@ -60,6 +60,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
     """
 
     unpack_packs_vision = True  # image data and vision-language models pack (unpack_trainer.data.vision)
+    unpack_sequence_parallel = True  # packed rows cut by DeepSpeed Ulysses, the whole row's boundaries carried along
     _unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
 
@@ -92,6 +93,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             completion_only_loss=self.completion_only_loss,
             seq_info=self.unpack_decision.patch,  # the patched hook adopts it: no metadata read back from the GPU
+            sequence_shards=self._unpack_sequence_shards,
         )
 
     def _padded_collator(self) -> Any:
@@ -137,6 +139,11 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         reason = None
         if not self.unpack_decision.patch:
             reason = "the model runs without the attention patch, so its packed rows are not marked as such"
+        elif self._unpack_sequence_shards > 1:
+            reason = (
+                "under sequence parallelism the engine computes the loss from labels it shifted before cutting the "
+                "row, which Liger's kernel does not take"
+            )
         elif args.loss_type != "nll" or self._unpack_sample_loss:
             reason = "it needs TRL's token loss (loss_type='nll', loss_normalization='token')"
         elif self.label_smoother is not None or self.compute_loss_func is not None:

@@ -1,0 +1,121 @@
+"""Run by tests/test_sequence_parallel.py under ``torchrun --nproc_per_node 2`` (gloo, CPU): one optimizer step of
+``unpack_trainer.SFTTrainer`` under DeepSpeed Ulysses (``sp_size=2``, through accelerate's ``ParallelismConfig``), as a
+user sets it up, with plain SGD so that the step's update is the learning rate times the gradient.
+
+Usage: ``sp_train.py OUTPUT_DIR MODE`` (``pack``: ``packing=True``; ``padding_free``: ``padding_free=True``); the
+attention backend is ``UNPACK_ATTENTION_BACKEND`` from the environment. Rank 0 writes OUTPUT_DIR/result.json: the
+row the step trained on (its tokens, labels and sample lengths), the logged loss, the trainer's decision and the
+parameters after the step; the test computes the same step from each sample alone in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import deepspeed
+import torch
+from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+from datasets import Dataset
+
+from unpack_trainer import SFTConfig, SFTTrainer
+from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+
+LEARNING_RATE = 0.5
+
+
+def rows(count: int = 24) -> list[dict]:
+    rng = random.Random(0)
+    return [
+        {
+            "prompt": "a" * rng.randint(1, 12),
+            "completion": "".join(rng.choice("bcdefg") for _ in range(rng.randint(4, 30))),
+        }
+        for _ in range(count)
+    ]
+
+
+def model():
+    tokenizer = char_tokenizer()
+    return tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512, attn_implementation="sdpa")
+
+
+def main(output_dir: str, mode: str) -> None:
+    # accelerate sets up DeepSpeed's communication only on an accelerator; on the CPU it is started here, over gloo.
+    deepspeed.init_distributed(dist_backend="gloo")
+    tokenizer = char_tokenizer()
+    args = SFTConfig(
+        output_dir=os.path.join(output_dir, "out"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        max_length=96,
+        # DeepSpeed's data loader adapter gathers every rank's batch with one all_gather, which gloo (unlike NCCL)
+        # only runs on equal shapes: every row padded to the same length (its own pseudo-sample, labels -100).
+        pad_to_multiple_of=96,
+        packing=mode == "pack",
+        padding_free=True if mode == "padding_free" else None,
+        per_device_train_batch_size=1,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        parallelism_config=ParallelismConfig(
+            sp_size=2,
+            sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+        ),
+        deepspeed={
+            "zero_optimization": {"stage": 1},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+        },
+    )
+    trainer = SFTTrainer(model=model(), args=args, train_dataset=Dataset.from_list(rows()), processing_class=tokenizer)
+    batches = []
+    collate = trainer.data_collator
+
+    def recording(examples):
+        batch = collate(examples)
+        batches.append(batch)
+        return batch
+
+    trainer.data_collator = recording
+    trainer.train()
+    # The adapter's first micro-batch is rank 0's first batch, cut in two: the step trained on it.
+    first = batches[0]
+    info = first["packed_seq_info"]
+    if trainer.accelerator.process_index == 0:
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        with open(os.path.join(output_dir, "result.json"), "w") as handle:
+            json.dump(
+                {
+                    "input_ids": first["input_ids"][0].tolist(),
+                    "labels": first["labels"][0].tolist(),
+                    "seq_lengths": info.seq_lengths.tolist(),
+                    "sequence_shards": info.sequence_shards,
+                    "loss": losses[0],
+                    "mode": trainer.unpack_decision.mode,
+                    "reason": trainer.unpack_decision.reason,
+                    "learning_rate": LEARNING_RATE,
+                    "parameters": {n: p.detach().tolist() for n, p in unwrapped.named_parameters()},
+                },
+                handle,
+            )
+    torch.distributed.barrier()
+    os._exit(0)  # gloo's teardown can hang after the work is done (see ddp_train.exit_without_teardown)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

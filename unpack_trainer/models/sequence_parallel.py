@@ -1,0 +1,110 @@
+"""Which patched models keep packed rows exact under sequence parallelism (DeepSpeed Ulysses), and why not the rest.
+
+Under Ulysses (accelerate's ``ParallelismConfig(sp_size=N, sp_backend="deepspeed")``) each of ``N`` processes embeds
+one contiguous shard of every row, and its attention gets, after an all-to-all, the whole row for ``H / N`` of the
+heads. DeepSpeed registers its wrapper under the model's attention implementation name, around what that name maps to:
+on a patched model, the packed attention (:mod:`unpack_trainer.models.routing`), which reads the whole row's
+metadata, built by the collator before the row was cut (``PackedSeqInfo.for_sequence_shards``). So a model is exact
+under Ulysses when every piece that reads the packing on the shard side needs nothing but the shard's own tokens and
+positions (RoPE from the shard's ``position_ids``, a window applied in attention), and its attention has nothing per
+head that Ulysses' head split leaves whole. [`sequence_parallel_reason`] says why a model is not, or ``None``.
+
+What is refused, and why (each is a reason at start, never a silent run):
+
+- token mixers (convolutions, recurrent scans): their state crosses the shard boundary, and no varlen kernel here
+  takes the previous shard's state;
+- attention sinks and ALiBi: one value per head, for all ``H`` heads, where Ulysses hands each process ``H / N``;
+- heads that do not divide by ``N`` (DeepSpeed's own rule: query heads by ``N``, key/value heads by ``N`` or ``N`` by
+  them);
+- the model-family fixes that read the packing on the shard side (positions counted from each sample's start, a
+  vision-language model's image layout, a reward model's last token per sample, shared-prompt views).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unpack_trainer.models.discovery import pretrained_model
+from unpack_trainer.models.patch import attention_features
+from unpack_trainer.models.state import decoder_state
+
+__all__ = ["SHARD_SAFE_FIXES", "sequence_parallel_reason"]
+
+SHARD_SAFE_FIXES: frozenset[str] = frozenset({"rope", "sliding_window"})
+"""The model-family fixes (:data:`unpack_trainer.models.fixes.FIXES`) exact under Ulysses: the fused RoPE reads each
+token's own position (the shard's ``position_ids``); a window is applied by the packed attention, on the whole row."""
+
+# Why each other fix is not exact on a shard (a fix missing here is named as not verified).
+_SHARD_REASONS = {
+    "alibi": "its ALiBi slopes are one per head, for all heads, where Ulysses hands each process a share of the heads",
+    "outer_carry": "its ALiBi slopes are one per head, for all heads, where Ulysses hands each process a share of the "
+    "heads",
+    "positions": "its embeddings number each sample's tokens from the sample's start, which a later shard does not "
+    "hold",
+    "vision_language": "vision-language rows under sequence parallelism are not supported: the image features and "
+    "multi-axis positions are laid out over the whole row, not per shard",
+    "multimodal_rope": "vision-language rows under sequence parallelism are not supported: multi-axis positions are "
+    "laid out over the whole row, not per shard",
+    "image_blocks": "vision-language rows under sequence parallelism are not supported: image blocks are laid out "
+    "over the whole row, not per shard",
+    "classification_head": "a sequence classifier scores each sample's last token, which lies on one shard only",
+    "packed_view": "shared prompts are scored from the whole packed row, which no shard holds",
+    "compact_lm_head": "shared prompts are scored from the whole packed row, which no shard holds",
+    "liger_loss": "Liger-Kernel's fused loss takes unshifted labels, where the engine's loss hands each shard "
+    "pre-shifted ones",
+}
+
+
+def _head_reason(config: Any, shards: int) -> str | None:
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return None  # DeepSpeed reads the same fields and raises its own error
+    if heads % shards:
+        return f"its {heads} attention heads do not divide by sp_size={shards} (Ulysses splits the heads)"
+    if kv_heads % shards and shards % kv_heads:
+        return (
+            f"its {kv_heads} key/value heads and sp_size={shards} do not divide one another (Ulysses splits them, or "
+            "replicates them when there are fewer than sp_size)"
+        )
+    return None
+
+
+def sequence_parallel_reason(model: torch.nn.Module, shards: int) -> str | None:
+    """Why the packed rows of ``model`` (patched) cannot be exact under Ulysses with ``shards`` processes, or ``None``.
+
+    Args:
+        model: the model the trainer patched (a PEFT model or a wrapper of it too).
+        shards: ``sp_size``, the processes each row is cut over.
+
+    Example:
+        a tiny Llama (4 heads, 2 key/value heads) at ``shards=2`` -> ``None``; at ``shards=3`` -> ``"its 4 attention
+        heads do not divide by sp_size=3 (Ulysses splits the heads)"``; a Qwen3.5 (GatedDeltaNet layers) -> ``"token
+        mixers (...) carry state along the row ..."``.
+    """
+    base = pretrained_model(model)
+    reason = _head_reason(base.config.get_text_config(), shards)
+    if reason is not None:
+        return reason
+    if attention_features(model)["sinks"]:
+        return (
+            "its attention sinks are one learned logit per head, for all heads, where Ulysses hands each process a "
+            "share of the heads"
+        )
+    for module in base.modules():
+        state = decoder_state(module)
+        if state is None:
+            continue
+        if state.mixers:
+            names = ", ".join(sorted({type(module.get_submodule(name)).__name__ for name, _ in state.mixers}))
+            return (
+                f"token mixers ({names}) carry state along the row, across the shard boundary, and no varlen kernel "
+                "here takes the previous shard's state"
+            )
+        for name in state.fixes:
+            if name not in SHARD_SAFE_FIXES:
+                why = _SHARD_REASONS.get(name, "it is not verified under sequence parallelism")
+                return f"the model-family fix {name!r}: {why}"
+    return None
