@@ -12,11 +12,12 @@
 # --budget; default 240, 0 skips it), CASES (bench_gpu.py --cases patterns; default all, in priority order),
 # STEPS (timed steps per trainer case; default 5), WORKERS (pytest-xdist processes for the tests; default 8), TESTS
 # (pytest's paths and options for the gpu tests, split on spaces; default "tests"), LORA_S (seconds for
-# benchmarks/bench_lora.py on 8 layers of Llama-3.1-8B shapes; default 90, 0 skips it).
+# benchmarks/bench_lora.py on 8 layers of Llama-3.1-8B shapes; default 90, 0 skips it), SP_S (seconds for
+# benchmarks/bench_sp.py under DeepSpeed Ulysses on every GPU of a machine with two or more; default 180, 0 skips it).
 # From a session with the device tool: run `bash benchmarks/gpu_check.sh` with carry [".whl"] and a timeout above
 # TESTS_S + BENCH_S + a minute. Files back from $OUT (plain names): environment.txt, install.log, pytest_gpu.txt
 # (-rs: every skip's reason), junit_gpu.xml, bench_gpu.md / bench_gpu.json (rewritten after each case),
-# bench_gpu.log, bench_lora.md.
+# bench_gpu.log, bench_lora.md, bench_sp.md (a machine with several GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,7 +33,9 @@ WHEELS=(
 
 if [[ "${1:-}" == "download" ]]; then
   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl "${WHEELS[@]}"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl "${WHEELS[@]}" || exit $?
+  # DeepSpeed ships source only: its wheel is pure python (the ops compile on first use), built here.
+  python -m pip wheel --no-deps -w .whl "deepspeed==0.19.8" "hjson==3.1.0" "ninja==1.13.2" "msgpack==1.2.4"
   exit $?
 fi
 
@@ -43,6 +46,7 @@ CASES="${CASES:-}"
 STEPS="${STEPS:-5}"
 WORKERS="${WORKERS:-8}"
 LORA_S="${LORA_S:-90}"
+SP_S="${SP_S:-180}"
 read -r -a TEST_ARGS <<< "${TESTS:-tests}"
 mkdir -p "$OUT"
 SITE=/tmp/unpack_site
@@ -84,4 +88,16 @@ if [[ "$LORA_S" != "0" ]]; then
     --vocab 128256 --tokens 4096 --repeats 5 > "$OUT/bench_lora.md" 2>&1
   echo "bench_lora exit $?" >> "$OUT/bench_lora.md"
   tail -n 8 "$OUT/bench_lora.md"
+fi
+
+# 4. Sequence parallelism (DeepSpeed Ulysses over NCCL) on every GPU of a machine with two or more: activation memory
+#    and step time per GPU for one packed row, ours against stock Ulysses, at sp = 1, 2, ... up to the GPU count.
+GPUS="$(nvidia-smi -L 2>/dev/null | wc -l)"
+if [[ "$SP_S" != "0" && "$GPUS" -ge 2 ]]; then
+  sizes=(1); size=2
+  while [[ "$size" -le "$GPUS" ]]; do sizes+=("$size"); size=$((size * 2)); done
+  timeout "$SP_S" python benchmarks/bench_sp.py --device cuda --dtype bfloat16 --tokens 32768 --repeats 5 \
+    --sp "${sizes[@]}" --out "$OUT/bench_sp.json" > "$OUT/bench_sp.md" 2>&1
+  echo "bench_sp exit $?" >> "$OUT/bench_sp.md"
+  tail -n 12 "$OUT/bench_sp.md"
 fi

@@ -121,3 +121,16 @@ def test_a_transformers_newer_than_the_coverage_table_is_a_warning(capsys, monke
     monkeypatch.setattr(verified, "VERIFIED_WITH", ("5.0.0",))
     code, out, _ = run(capsys, "--model", "llama")
     assert code == 0 and f"- WARNING: transformers {installed} is newer than" in out
+
+
+def test_the_sequence_parallel_path_is_named(capsys):
+    """Where SFT's packed rows stay exact under DeepSpeed Ulysses, and why not elsewhere (the model is left unpatched)."""
+    code, out, _ = run(capsys, "--model", "llama")
+    assert code == 0
+    assert (
+        "- sequence parallelism (DeepSpeed Ulysses): SFT packs exactly at sp_size 2, 4; refused at 8: its 4 "
+        "attention heads do not divide by sp_size=8" in out
+    )
+    _, out, _ = run(capsys, "--model", "qwen3_next")
+    assert "- sequence parallelism (DeepSpeed Ulysses): refused (token mixers (Qwen3NextGatedDeltaNet)" in out
+    assert "- deepspeed: " in run(capsys)[1]

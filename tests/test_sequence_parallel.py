@@ -236,3 +236,60 @@ def test_one_sft_step_at_sp_2_equals_the_step_from_each_sample_alone(tmp_path, m
         trained = torch.tensor(result["parameters"][name])
         # the update is lr * gradient: compare gradients
         torch.testing.assert_close(trained / lr, value / lr, rtol=0, atol=2e-5, msg=name)
+
+
+def _ulysses(sp_size: int = 2, **handler):
+    """accelerate's sequence-parallel config, its fields only (validating it needs the processes it describes)."""
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+
+    config = ParallelismConfig.__new__(ParallelismConfig)
+    config.cp_size, config.sp_size, config.sp_backend = 1, sp_size, "deepspeed"
+    config.sp_handler = DeepSpeedSequenceParallelConfig(**handler)
+    return config
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"per_device_train_batch_size": 2}, "per_device_train_batch_size=2: each batch is one packed row"),
+        ({"loss_normalization": "sample"}, "loss_normalization='sample'"),
+        ({"handler": {"sp_disable_in_eval": False}}, "sp_disable_in_eval=False"),
+    ],
+)
+def test_a_run_that_cannot_stay_exact_under_ulysses_is_refused_with_its_reason(
+    change, expected, tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama, monkeypatch
+):
+    """What the trainer checks once the accelerator exists (one process here: its parallelism config stubbed)."""
+    from unpack_trainer import SFTTrainer
+
+    handler = change.pop("handler", {})
+    args = sft_args(tmp_path, packing=True, **(dict(per_device_train_batch_size=1) | change))
+    trainer = SFTTrainer(
+        model=tiny_llama(len(tokenizer)),
+        args=args,
+        train_dataset=prompt_completion(),
+        eval_dataset=prompt_completion(4),
+        processing_class=tokenizer,
+    )
+    monkeypatch.setattr(trainer.accelerator.state, "parallelism_config", _ulysses(**handler), raising=False)
+    with pytest.raises(ValueError, match="sequence parallelism") as raised:
+        trainer._refuse_sequence_splitting()
+    assert expected in str(raised.value)
+
+
+def test_a_model_that_cannot_stay_exact_under_ulysses_is_refused_unpatched(
+    tokenizer, tmp_path, prompt_completion, sft_args, tiny_model, monkeypatch
+):
+    from unpack_trainer import SFTTrainer
+    from unpack_trainer.models import is_patched
+
+    trainer = SFTTrainer(
+        model=tiny_model("qwen3_next", vocab_size=len(tokenizer)),
+        args=sft_args(tmp_path, packing=True, per_device_train_batch_size=1),
+        train_dataset=prompt_completion(),
+        processing_class=tokenizer,
+    )
+    trainer._unpack_sequence_shards = 2
+    with pytest.raises(ValueError, match=r"sp_size=2, DeepSpeed Ulysses\): token mixers \(Qwen3NextGatedDeltaNet\)"):
+        trainer._refuse_model_under_sequence_parallelism()
+    assert not is_patched(trainer.model)

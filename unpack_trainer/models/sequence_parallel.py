@@ -85,9 +85,6 @@ def sequence_parallel_reason(model: torch.nn.Module, shards: int) -> str | None:
         mixers (...) carry state along the row ..."``.
     """
     base = pretrained_model(model)
-    reason = _head_reason(base.config.get_text_config(), shards)
-    if reason is not None:
-        return reason
     if attention_features(model)["sinks"]:
         return (
             "its attention sinks are one learned logit per head, for all heads, where Ulysses hands each process a "
@@ -107,4 +104,4 @@ def sequence_parallel_reason(model: torch.nn.Module, shards: int) -> str | None:
             if name not in SHARD_SAFE_FIXES:
                 why = _SHARD_REASONS.get(name, "it is not verified under sequence parallelism")
                 return f"the model-family fix {name!r}: {why}"
-    return None
+    return _head_reason(base.config.get_text_config(), shards)

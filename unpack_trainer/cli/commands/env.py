@@ -44,6 +44,7 @@ OPTIONAL_PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bitsandbytes", ("bitsandbytes",)),
     ("liger-kernel", ("liger-kernel", "liger_kernel")),
     ("kernels", ("kernels",)),
+    ("deepspeed", ("deepspeed",)),
 )
 NOT_INSTALLED = "not installed"
 
@@ -315,12 +316,35 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     report["attention"] = _precisions(device, attention_implementation(built.config), attention_features(built))
     report["mixers"] = _mixer_paths(structure, device)
     report["vision"] = _vision_path(built, structure)
+    report["sequence_parallel"] = _sequence_parallel(built)
     if report["vision"] is not None and not report["verified"]:
         report["trainer"] = (
             "trains padded: its vision-language model type is not verified for packed image rows "
             "(python -m unpack_trainer.models --coverage --vision)"
         )
     return report
+
+
+def _sequence_parallel(built: Any) -> str:
+    """Whether SFT's packed rows of ``built`` stay exact under DeepSpeed Ulysses at sp_size 2, 4 and 8
+    ([`unpack_trainer.models.sequence_parallel.sequence_parallel_reason`], on the model patched for the question and
+    unpatched after)."""
+    from unpack_trainer.models import patch_model, unpatch_model
+    from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
+
+    patch_model(built)
+    try:
+        reasons = {size: sequence_parallel_reason(built, size) for size in (2, 4, 8)}
+    finally:
+        unpatch_model(built)
+    exact = [str(size) for size, reason in reasons.items() if reason is None]
+    refused = {size: reason for size, reason in reasons.items() if reason is not None}
+    if not exact:
+        return f"refused ({reasons[2]})"
+    line = f"SFT packs exactly at sp_size {', '.join(exact)}"
+    if refused:
+        line += "; " + "; ".join(f"refused at {size}: {reason}" for size, reason in refused.items())
+    return line
 
 
 def _newer_than_verified(verified_with: tuple[str, ...]) -> str | None:
@@ -464,6 +488,8 @@ def format_environment(report: dict[str, Any]) -> str:
             lines.append(f"- model-family fixes: {', '.join(model['fixes']) or 'none'}")
         if model.get("rope"):
             lines.append(f"- RoPE: {model['rope']}")
+        if model.get("sequence_parallel"):
+            lines.append(f"- sequence parallelism (DeepSpeed Ulysses): {model['sequence_parallel']}")
         if model.get("attention"):
             lines += ["", f"Packed attention backend on {model['device']}:", ""]
             for label, choice in model["attention"].items():
