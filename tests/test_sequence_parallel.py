@@ -101,12 +101,12 @@ def test_sequence_parallelism_packs_only_in_the_trainers_that_carry_the_rows_bou
     assert "context parallelism" in parallelism_reason(config, {}, sequence_parallel=True)
 
 
-def test_the_dpo_grpo_rloo_and_reward_trainers_refuse_sequence_parallelism():
+def test_sft_and_dpo_pack_under_sequence_parallelism_and_the_other_trainers_refuse_it():
     from unpack_trainer.trainers import TRAINERS
 
     packs = {spec.command: spec.trainer_class().unpack_sequence_parallel for spec in TRAINERS}
-    assert packs["sft"] is True
-    assert not any(packs[name] for name in ("dpo", "grpo", "rloo", "reward"))
+    assert packs["sft"] is True and packs["dpo"] is True
+    assert not any(packs[name] for name in ("grpo", "rloo", "reward"))
 
 
 # ------------------------------------------------------------------------------------ Ulysses' head split, one process
@@ -293,3 +293,48 @@ def test_a_model_that_cannot_stay_exact_under_ulysses_is_refused_unpatched(
     with pytest.raises(ValueError, match=r"sp_size=2, DeepSpeed Ulysses\): token mixers \(Qwen3NextGatedDeltaNet\)"):
         trainer._refuse_model_under_sequence_parallelism()
     assert not is_patched(trainer.model)
+
+
+@DEEPSPEED
+@pytest.mark.timeout(420)
+def test_one_dpo_step_at_sp_2_equals_the_step_in_one_process(tmp_path):
+    """DPO with a reference model, sp_size=2: each process runs its half of the packed row (the prompt once, chosen
+    and rejected as branches), the hidden states gathered for TRL's view; the logged loss and metrics and every
+    parameter update == the same batch's step in one process."""
+    from datasets import Dataset
+
+    from unpack_trainer import DPOTrainer
+
+    result = _torchrun("sp_dpo.py", tmp_path)
+    assert "sequence parallelism (sp_size=2" in result["reason"]
+    sys.path.insert(0, SCRIPTS)
+    try:
+        from sp_dpo import config, models, pairs
+    finally:
+        sys.path.remove(SCRIPTS)
+    batch = torch.load(tmp_path / "batch.pt", weights_only=False)
+    info = batch[INFO_KEY]
+    assert info.sequence_shards == 2 and info.is_branched
+    batch[INFO_KEY] = PackedSeqInfo(info.seq_lengths, batch_size=1, seq_len=info.seq_len, seq_parents=info.seq_parents)
+    tokenizer = char_tokenizer()
+    policy, reference = models(tokenizer)
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=config(str(tmp_path / "one")),
+        train_dataset=Dataset.from_list(pairs()),
+        processing_class=tokenizer,
+    )
+    model = trainer.model.train()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    logged = result["logged"]
+    assert logged["loss"] == pytest.approx(float(loss), rel=1e-5)
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "entropy"):
+        assert logged[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    lr = result["learning_rate"]
+    for name, parameter in model.named_parameters():
+        trained = torch.tensor(result["parameters"][name])
+        expected = (parameter - lr * parameter.grad).detach()
+        torch.testing.assert_close(trained / lr, expected / lr, rtol=0, atol=2e-5, msg=name)

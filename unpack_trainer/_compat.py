@@ -105,6 +105,7 @@ __all__ = [
     "plain_lora_linear_layers",
     "recompile_limit_at_least",
     "remove_hook",
+    "sequence_parallel_group",
     "set_attention_implementation",
     "skip_packed_sequence_detection",
     "stream_format_type",
@@ -565,3 +566,23 @@ def stream_format_type(dataset: Any) -> str | None:
     _private("datasets.IterableDataset._formatting", find)
     formatting = getattr(dataset, "_formatting", None)
     return formatting.format_type if formatting is not None else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# DeepSpeed
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def sequence_parallel_group() -> Any:
+    """The process group of this process's DeepSpeed Ulysses sequence parallelism (set up by
+    ``UlyssesSPAttentionHF.register_with_transformers``, which accelerate calls for ``ParallelismConfig(sp_size=N,
+    sp_backend="deepspeed")``): a ``torch.distributed`` group of ``N`` processes, or ``None`` where DeepSpeed is absent
+    or has set up none."""
+    try:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    except ImportError:
+        return None
+    try:
+        return parallel_state_sp.get_sequence_parallel_group()
+    except AssertionError:  # "sequence parallel group is not initialized"
+        return None

@@ -9,8 +9,8 @@
 | ``padding_free=None`` (not set)          | padding-free (auto, logged)     | padded (info, logged)                    |
 | ``padding_free=None`` + ``UNPACK_DISABLE_AUTO_PADDING_FREE=1`` | padded    | padded                                   |
 | ``padding_free=False``                   | padded (never overridden)       | padded                                   |
-| ``packing=True`` / ``padding_free=True`` with ``cp_size > 1`` (or ``sp_size > 1`` but in SFT) | ``ValueError`` at start (the reason) | |
-| ``padding_free=None`` with ``cp_size > 1`` (or ``sp_size > 1`` but in SFT) | padded (info, the reason)  |                              |
+| ``packing=True`` / ``padding_free=True`` with ``cp_size > 1`` (or ``sp_size > 1`` but in SFT / DPO) | ``ValueError`` at start (the reason) | |
+| ``padding_free=None`` with ``cp_size > 1`` (or ``sp_size > 1`` but in SFT / DPO) | padded (info, the reason) |                       |
 
 (*) The packer is ``packing_order``'s ([`PACKERS`]): windowed best fit by default, global best fit with
 ``"shuffled"`` or ``"decreasing"``.
@@ -26,9 +26,9 @@ here: it runs without our patch if the contamination self-check passes on the us
 Refused: context parallelism (accelerate's ``ParallelismConfig`` with ``cp_size > 1``, [`parallelism_reason`]): torch's
 context parallel drops the mask and runs SDPA with ``is_causal=True``, one causal document across the row, so a request
 for packed or padding-free rows is an error at start. Sequence parallelism (``sp_size > 1``, DeepSpeed Ulysses) packs
-in SFT: the collator builds the whole row's boundaries before the engine cuts the row, and every shard's attention
-reads them ([`unpack_trainer.models.sequence_parallel`] says which models are exact there); the other trainers refuse
-it like context parallelism.
+in SFT and DPO: the collator builds the whole row's boundaries before the engine cuts the row, and every shard's
+attention reads them (``unpack_trainer/models/sequence_parallel.py`` says which models are exact there); the other
+trainers refuse it like context parallelism.
 
 Also decided here, without overriding an explicit request:
 
@@ -155,8 +155,9 @@ def parallelism_reason(
             accelerator's), or ``None``; then the environment an accelerate launch with a parallelism config writes is
             read (``ACCELERATE_USE_PARALLELISM_CONFIG=true``, ``PARALLELISM_CONFIG_CP_SIZE`` / ``_SP_SIZE``).
         env: environment variables (defaults to ``os.environ``).
-        sequence_parallel: the trainer packs under sequence parallelism (SFT: each row cut into ``sp_size`` shards
-            with the whole row's boundaries carried to every shard's attention); then ``sp_size > 1`` is no reason.
+        sequence_parallel: the trainer packs under sequence parallelism (SFT, DPO: each row cut into ``sp_size``
+            shards with the whole row's boundaries carried to every shard's attention); then ``sp_size > 1`` is no
+            reason.
 
     ``cp_size > 1`` (torch context parallel) splits every row along the sequence and runs SDPA with no mask: refused
     always. ``sp_size > 1`` (DeepSpeed Ulysses) splits every row too; it is refused for a trainer that does not carry
@@ -176,9 +177,9 @@ def parallelism_reason(
         )
     if sp_size > 1 and not sequence_parallel:
         return (
-            f"sequence parallelism (sp_size={sp_size}, DeepSpeed Ulysses) in this trainer: its packed rows (shared "
-            "prompts, scored per sample) are not cut into shards with their boundaries carried to every shard's "
-            "attention (SFT's are)"
+            f"sequence parallelism (sp_size={sp_size}, DeepSpeed Ulysses) in this trainer: its packed rows (built "
+            "inside the training step, or scored per sample) are not cut into shards with their boundaries carried "
+            "to every shard's attention (SFT's and DPO's are)"
         )
     return None
 

@@ -86,6 +86,7 @@ __all__ = [
     "SEQ_LENGTHS_COLUMN",
     "SEQ_LENGTHS_KEY",
     "SEQ_PARENTS_KEY",
+    "SHARDED_BATCH_KEY",
     "TOKEN_INDEX_KEY",
     "VIEW_INDEX_KEY",
     "BranchSpans",
@@ -129,6 +130,10 @@ PACKED_POSITION_IDS_KEY = "packed_position_ids"
 TOKEN_INDEX_KEY = "packed_token_index"
 VIEW_INDEX_KEY = "packed_view_index"
 SCORE_ORDER_KEY = "packed_score_order"
+# Under sequence parallelism, a batch with a packed row and a padded view as DeepSpeed's data loader adapter takes it:
+# the row's tokens and positions under ``input_ids`` / ``position_ids`` (cut along the row by the adapter) and the whole
+# batch under this key (a dict the adapter copies whole to every process).
+SHARDED_BATCH_KEY = "packed_sequence_parallel_batch"
 
 # A vision-language batch's multi-axis positions computed ahead by the collator, each sample's own (Qwen2-VL family:
 # (4, B, T) int64 [text; t; h; w]); ``position_ids`` stays (B, T), restarting per sample, as in every packed batch.

@@ -17,7 +17,7 @@ What is refused, and why (each is a reason at start, never a silent run):
 - heads that do not divide by ``N`` (DeepSpeed's own rule: query heads by ``N``, key/value heads by ``N`` or ``N`` by
   them);
 - the model-family fixes that read the packing on the shard side (positions counted from each sample's start, a
-  vision-language model's image layout, a reward model's last token per sample, shared-prompt views).
+  vision-language model's image layout, a reward model's last token per sample).
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ from unpack_trainer.models.state import decoder_state
 
 __all__ = ["SHARD_SAFE_FIXES", "sequence_parallel_reason"]
 
-SHARD_SAFE_FIXES: frozenset[str] = frozenset({"rope", "sliding_window"})
+SHARD_SAFE_FIXES: frozenset[str] = frozenset({"rope", "sliding_window", "packed_view", "compact_lm_head"})
 """The model-family fixes (:data:`unpack_trainer.models.fixes.FIXES`) exact under Ulysses: the fused RoPE reads each
-token's own position (the shard's ``position_ids``); a window is applied by the packed attention, on the whole row."""
+token's own position (the shard's ``position_ids``); a window is applied by the packed attention, on the whole row; a
+prompt-sharing trainer's packed view runs the process's shard and gathers the row's hidden states before the view and
+the compact LM head read them."""
 
 # Why each other fix is not exact on a shard (a fix missing here is named as not verified).
 _SHARD_REASONS = {
@@ -50,8 +52,6 @@ _SHARD_REASONS = {
     "image_blocks": "vision-language rows under sequence parallelism are not supported: image blocks are laid out "
     "over the whole row, not per shard",
     "classification_head": "a sequence classifier scores each sample's last token, which lies on one shard only",
-    "packed_view": "shared prompts are scored from the whole packed row, which no shard holds",
-    "compact_lm_head": "shared prompts are scored from the whole packed row, which no shard holds",
     "liger_loss": "Liger-Kernel's fused loss takes unshifted labels, where the engine's loss hands each shard "
     "pre-shifted ones",
 }

@@ -207,8 +207,9 @@ class PackedTrainerMixin:
     # Whether the trainer packs vision-language data (a vision-language model, a processor, images); the decision
     # keeps such a set-up padded, with that reason, where it does not.
     unpack_packs_vision: bool = False
-    # Whether the trainer packs under sequence parallelism (DeepSpeed Ulysses): its collator cuts-ready rows carry the
-    # whole row's boundaries to every shard (SFT); elsewhere `sp_size > 1` is refused like context parallelism.
+    # Whether the trainer packs under sequence parallelism (DeepSpeed Ulysses): its collator's rows, ready to be cut,
+    # carry the whole row's boundaries to every shard (SFT, DPO); elsewhere `sp_size > 1` is refused like context
+    # parallelism.
     unpack_sequence_parallel: bool = False
     _unpack_trl_methods: tuple[str, ...] = ()  # private methods of the TRL class the subclass relies on
     _unpack_trl_attributes: tuple[str, ...] = ()  # attributes TRL's __init__ sets that the subclass reads

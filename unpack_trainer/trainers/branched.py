@@ -33,6 +33,8 @@ from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import (
+    INFO_KEY,
+    SHARDED_BATCH_KEY,
     TOKEN_INDEX_KEY,
     VIEW_INDEX_KEY,
     branched_row,
@@ -313,8 +315,54 @@ class PackedPairsMixin(BranchedTrainerMixin):
         return collator
 
     def _unpack_stop_sharing(self) -> None:
-        self.data_collator = self._packed_collator()
+        self.data_collator = self._shard_ready(self._packed_collator())
 
     def _enable_packed_path(self) -> None:
         self._padded_collator()  # keep TRL's collator before the core replaces it
         super()._enable_packed_path()
+        if self.unpack_decision.packed:
+            self.data_collator = self._shard_ready(self.data_collator)
+
+    # ------------------------------------------------------------------------------------------------ sequence parallel
+
+    def _shard_ready(self, collator: Any) -> Any:
+        """``collator``, under sequence parallelism (``self._unpack_sequence_shards`` > 1) with its batches made ready
+        for DeepSpeed's adapter ([`unpack_trainer.data.sequence_shards.ShardReadyCollator`])."""
+        if self._unpack_sequence_shards == 1:
+            return collator
+        from unpack_trainer.data.sequence_shards import ShardReadyCollator
+
+        return ShardReadyCollator(collator, self._unpack_sequence_shards)
+
+    def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
+        """The core's reasons, and the reference model's: it runs in evaluation mode, which Ulysses must leave whole
+        (``sp_disable_in_eval=True``, accelerate's default) for the whole row our hook gives it."""
+        handler = getattr(config, "sp_handler", None)
+        if getattr(handler, "sp_disable_in_eval", True) is False:
+            return (
+                f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses) with sp_disable_in_eval=False: the "
+                "reference model and evaluation run each packed row whole; set "
+                "DeepSpeedSequenceParallelConfig(sp_disable_in_eval=True) (the default)"
+            )
+        return super()._sequence_parallel_reason(config, shards)
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """TRL's loss; a batch through DeepSpeed's adapter (``SHARDED_BATCH_KEY``) is read whole (the model's packed
+        view runs this process's shard of the row and gathers the hidden states, [`unpack_trainer.models.fixes.
+        packed_view`]). Every process of the group then computes the same loss from the whole row, and each
+        back-propagates ``1 / N`` of it (the value logged unchanged): the gradient that reaches its own shard through
+        the gather is the loss's own, the LM head's is ``1 / N`` of it on each, and DeepSpeed sums the group's."""
+        whole = inputs.get(SHARDED_BATCH_KEY) if isinstance(inputs, dict) else None
+        if whole is None:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        result = super().compute_loss(model, whole, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not model.training:
+            return result
+        shards = whole[INFO_KEY].sequence_shards
+        loss = result[0] if return_outputs else result
+        loss = loss / shards + (loss - loss / shards).detach()
+        return (loss, *result[1:]) if return_outputs else loss

@@ -40,6 +40,7 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
 
     unpack_unshared = "each pair is packed as [prompt, chosen] and [prompt, rejected]"
     unpack_packs_vision = True  # image preference pairs: each image once per pair (data.preference)
+    unpack_sequence_parallel = True  # the packed row cut by DeepSpeed Ulysses, the hidden states gathered for the view
     unpack_trl_collator = staticmethod(_trl_compat.dpo_padded_collator_class)
     unpack_trl_vision_collator = staticmethod(_trl_compat.dpo_vision_collator_class)
     _unpack_trl_methods = _trl_compat.DPO_TRAINER_METHODS

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from unpack_trainer._compat import remove_hook
+from unpack_trainer._compat import remove_hook, sequence_parallel_group
 from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.models.state import decoder_state
 from unpack_trainer.packed_seq_info import (
+    INFO_KEY,
     PACKED_INPUT_IDS_KEY,
     PACKED_POSITION_IDS_KEY,
     TOKEN_INDEX_KEY,
@@ -35,6 +36,7 @@ class _PackedView:
     def __init__(self) -> None:
         self.index: torch.Tensor | None = None
         self.token_index: torch.Tensor | None = None
+        self.group: Any = None  # the sequence-parallel group whose shards of the row this forward's output gathers
 
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.index = None
@@ -57,13 +59,34 @@ class _PackedView:
         kwargs["input_ids"] = kwargs.pop(PACKED_INPUT_IDS_KEY).to(view_ids.device)
         kwargs["position_ids"] = kwargs.pop(PACKED_POSITION_IDS_KEY).to(view_ids.device)
         kwargs.pop("attention_mask", None)
-        self.index = index
+        self.index, self.group = index, None
+        info = kwargs.get(INFO_KEY)
+        if info is not None and info.sequence_shards > 1 and module.training:
+            self._take_shard(kwargs, info.sequence_shards)
         return args, kwargs
+
+    def _take_shard(self, kwargs: dict, shards: int) -> None:
+        """Under DeepSpeed Ulysses (a training forward: Ulysses leaves an evaluating module whole): this process runs
+        its shard of the row, and [`after`] gathers the shards' hidden states back into the whole row."""
+        group = sequence_parallel_group()
+        if group is None or torch.distributed.get_world_size(group) != shards:
+            raise ValueError(
+                f"A packed row cut for {shards} sequence-parallel processes reached a training forward outside a "
+                "DeepSpeed Ulysses group of that size (accelerate's ParallelismConfig(sp_size=...) sets it up)."
+            )
+        rank = torch.distributed.get_rank(group)
+        size = kwargs["input_ids"].shape[1] // shards
+        for name in ("input_ids", "position_ids"):
+            kwargs[name] = kwargs[name][:, rank * size : (rank + 1) * size]
+        self.group = group
 
     def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         index, self.index = self.index, None
+        group, self.group = self.group, None
         if index is None:
             return output
+        if group is not None:
+            output = _gathered(output, group)
         hidden = output.last_hidden_state
         flat = index.reshape(-1).to(hidden.device)
         output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).view(*index.shape, -1)
@@ -77,6 +100,24 @@ class _PackedView:
         return output
 
 
+def _gathered(output: Any, group: Any) -> Any:
+    """``output`` of one shard of the row with its hidden states ``(1, T / N, H)`` (and router logits ``(T / N, E)``
+    per layer) gathered over the sequence-parallel ``group`` into the whole row's, in rank order (the shards are
+    contiguous). Differentiable: torch's all-gather hands each process the sum over the group of the gradients of its
+    shard; every process computes the same loss from the whole row, so that sum is ``N`` times the loss's gradient,
+    which the trainer divides back (``N`` equal losses, each back-propagated at ``1 / N``)."""
+    from torch.distributed.nn.functional import all_gather
+
+    output.last_hidden_state = torch.cat(all_gather(output.last_hidden_state.contiguous(), group=group), dim=1)
+    router_logits = getattr(output, "router_logits", None)
+    if router_logits is not None:
+        output.router_logits = tuple(
+            layer if layer is None else torch.cat(all_gather(layer.contiguous(), group=group), dim=0)
+            for layer in router_logits
+        )
+    return output
+
+
 def install_packed_view(decoder: torch.nn.Module) -> list[int]:
     """Let ``decoder`` (the model's backbone, e.g. ``LlamaModel``) run packed batches with shared prompts; the ids of
     the hooks installed (:data:`FIX` records them, and its ``remove`` takes them off).
@@ -88,7 +129,9 @@ def install_packed_view(decoder: torch.nn.Module) -> list[int]:
     ``router_logits`` (one ``(T, num_experts)`` per layer) as ``(rows * L, num_experts)`` through
     ``packed_token_index``, so the LM head, the loss and the MoE auxiliary loss (with TRL's ``attention_mask``
     ``(rows, L)``) see the padded batch's values. The hook runs before the packing patch's own hook, which then finds
-    the packing metadata. A forward without ``packed_input_ids`` is untouched.
+    the packing metadata. A forward without ``packed_input_ids`` is untouched. Under sequence parallelism (a row whose
+    ``packed_seq_info`` is cut into ``N`` shards, in a training forward) each process runs its shard and the hidden
+    states of the ``N`` shards are gathered before the view reads them ([`_gathered`]).
     """
     view = _PackedView()
     return [

@@ -1,0 +1,124 @@
+"""Run by tests/test_sequence_parallel.py under ``torchrun --nproc_per_node 2`` (gloo, CPU): one optimizer step of
+``unpack_trainer.DPOTrainer`` under DeepSpeed Ulysses (``sp_size=2``), a reference model beside the policy, plain SGD.
+
+Usage: ``sp_dpo.py OUTPUT_DIR``. Rank 0 writes OUTPUT_DIR/batch.pt (the whole batch the step trained on: the view
+and the packed row, each prompt once with its chosen and rejected completions) and OUTPUT_DIR/result.json (the logged
+loss and metrics, the decision, the policy's parameters after the step); the test computes the same step in one
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import deepspeed
+import torch
+from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+from datasets import Dataset
+
+from unpack_trainer import DPOConfig, DPOTrainer
+from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
+
+LEARNING_RATE = 0.5
+
+
+def pairs(count: int = 8) -> list[dict]:
+    """Pairs of equal lengths (prompt 9, chosen and rejected 12): DeepSpeed's adapter gathers every rank's batch with
+    one all_gather, which gloo runs only on equal shapes."""
+    rng = random.Random(0)
+    return [
+        {
+            "prompt": "".join(rng.choice("ab") for _ in range(9)),
+            "chosen": "".join(rng.choice("bcd") for _ in range(12)),
+            "rejected": "".join(rng.choice("efg") for _ in range(12)),
+        }
+        for _ in range(count)
+    ]
+
+
+def config(output_dir: str, **changes) -> DPOConfig:
+    return DPOConfig(
+        **{
+            "output_dir": os.path.join(output_dir, "out"),
+            "report_to": "none",
+            "use_cpu": True,
+            "bf16": False,
+            "per_device_train_batch_size": 1,
+            "max_steps": 1,
+            "optim": "sgd",
+            "learning_rate": LEARNING_RATE,
+            "lr_scheduler_type": "constant",
+            "weight_decay": 0.0,
+            "max_grad_norm": 0.0,
+            "save_strategy": "no",
+            "logging_steps": 1,
+            "disable_tqdm": True,
+            "seed": 0,
+            "max_length": 64,
+        }
+        | changes
+    )
+
+
+def models(tokenizer) -> tuple:
+    vocab = dict(vocab_size=len(tokenizer), max_position_embeddings=512, attn_implementation="sdpa")
+    return tiny_model("llama", seed=0, **vocab), tiny_model("llama", seed=1, **vocab)
+
+
+def main(output_dir: str) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")  # on the CPU accelerate does not start DeepSpeed's communication
+    tokenizer = char_tokenizer()
+    args = config(
+        output_dir,
+        parallelism_config=ParallelismConfig(
+            sp_size=2,
+            sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+        ),
+        deepspeed={
+            "zero_optimization": {"stage": 1},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+        },
+    )
+    policy, reference = models(tokenizer)
+    trainer = DPOTrainer(
+        model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs()), processing_class=tokenizer
+    )
+    batches = []
+    collate = trainer.data_collator
+
+    def recording(examples):
+        batch = collate(examples)
+        batches.append(batch)
+        return batch
+
+    trainer.data_collator = recording
+    trainer.train()
+    if trainer.accelerator.process_index == 0:
+        torch.save(batches[0][SHARDED_BATCH_KEY], os.path.join(output_dir, "batch.pt"))
+        logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        with open(os.path.join(output_dir, "result.json"), "w") as handle:
+            json.dump(
+                {
+                    "logged": logged,
+                    "mode": trainer.unpack_decision.mode,
+                    "reason": trainer.unpack_decision.reason,
+                    "learning_rate": LEARNING_RATE,
+                    "parameters": {n: p.detach().tolist() for n, p in unwrapped.named_parameters()},
+                },
+                handle,
+            )
+    torch.distributed.barrier()
+    os._exit(0)  # gloo's teardown can hang after the work is done (see ddp_train.exit_without_teardown)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
