@@ -8,17 +8,16 @@ The one reader of the package, used by [`unpack_trainer.data.streaming`] (throug
 - [`file_format`]: a data file's format from its suffix (one suffix table for every reader);
 - [`iter_json_lines`]: the objects of a JSON Lines file with their line numbers; a bad line is a ``ValueError``
   naming the file and the line;
-- [`read_table`] / [`read_splits`]: a file, a glob, a list of files or a ``save_to_disk`` folder as a map-style
-  ``datasets.Dataset`` (one split) / ``DatasetDict`` (every split);
+- [`read_splits`] / [`choose_split`]: a file, a glob, a list of files or a ``save_to_disk`` folder as a
+  ``DatasetDict`` (every split; streamed on request), and the split a command asked for;
 - [`streaming_dataset_reader`]: JSONL / Parquet / Arrow files in batches of row dicts, a few batches in memory at a
   time, with ``state_dict`` / ``load_state_dict`` to resume mid-file.
 
 Example::
 
-    >>> from unpack_trainer import streaming_dataset_reader          # the public name; read_table is the CLI's
-    >>> from unpack_trainer.data.files import read_table
-    >>> train = read_table("data/train.jsonl.gz")                      # doctest: +SKIP
-    >>> held_out = read_table("saved_dataset", split="validation")      # doctest: +SKIP
+    >>> from unpack_trainer import streaming_dataset_reader          # the public name; read_splits is the CLI's
+    >>> from unpack_trainer.data.files import read_splits
+    >>> splits = read_splits("data/train.jsonl.gz")                    # doctest: +SKIP
     >>> for batch in streaming_dataset_reader("data/*.parquet", 512):   # doctest: +SKIP
     ...     texts = [row["text"] for row in batch]
 
@@ -51,7 +50,6 @@ __all__ = [
     "parse_json_line",
     "read_splits",
     "resolve_files",
-    "read_table",
     "streaming_dataset_reader",
 ]
 
@@ -519,22 +517,3 @@ def choose_split(splits: Sequence[str], split: str | None, where: str, *, option
     if split not in splits:
         raise ValueError(f"{where} has no split {split!r}; its splits are {splits}.")
     return split
-
-
-def read_table(path: Paths, *, split: str | None = None):
-    """One split of a local dataset as a map-style ``datasets.Dataset``.
-
-    Args:
-        path: as in [`read_splits`]: a data file (``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` / ``.csv`` /
-            ``.txt``, optionally ``.gz``), a glob pattern or list of such files, or a ``save_to_disk`` folder.
-        split: the split to return; ``None``: ``"train"``, or the only split of a ``DatasetDict``.
-
-    Returns:
-        A ``datasets.Dataset``.
-
-    Example:
-        >>> train = read_table("data/train.jsonl.gz")                  # doctest: +SKIP
-        >>> held_out = read_table("saved", split="validation")          # doctest: +SKIP
-    """
-    splits = read_splits(path)
-    return splits[choose_split(splits, split, str(path))]

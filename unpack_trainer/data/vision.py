@@ -47,6 +47,8 @@ from unpack_trainer.packed_seq_info import (
     INFO_KEY,
     MULTIMODAL_POSITIONS_KEY,
     PACKED_BATCH_KEYS,
+    SEQ_LENGTHS_COLUMN,
+    SEQ_LENGTHS_KEY,
     PackedSeqInfo,
 )
 
@@ -357,7 +359,7 @@ def pack_processed(
     info = None
     if positions is not None or seq_info:
         info = PackedSeqInfo.from_seq_lengths(
-            batch["packed_seq_lengths"],
+            batch[SEQ_LENGTHS_KEY],
             batch_size=1,
             seq_len=sum(lengths) + padding,
             cu_seqlens=batch[CU_SEQ_LENS_Q_KEY],
@@ -401,7 +403,7 @@ class VisionRows(torch.utils.data.Dataset):
         row = self.rows[index]
         return {
             VISION_ROWS_KEY: [self.dataset[i] for i in row],
-            "seq_lengths": [self.lengths[i] for i in row],
+            SEQ_LENGTHS_COLUMN: [self.lengths[i] for i in row],
             VISION_SOURCE_KEY: [(self.name, i) for i in row],
         }
 

@@ -29,7 +29,7 @@ module's :class:`~unpack_trainer.models.state.AttentionState` (``sliding_window`
 Fixes are installed in the order of :data:`FIXES` (one may read what an earlier one installed: ``outer_carry`` follows
 ``alibi``; ``multimodal_rope`` and ``image_blocks`` follow ``vision_language``) and removed in the reverse order.
 
-Adding a fix is one module declaring ``FIX`` and one line in :data:`FIXES`; ``tests/models/test_fixes.py`` checks
+Adding a fix is one module declaring ``FIX`` and one line in :data:`FIXES`; ``tests/models/fixes/test_fixes.py`` checks
 that every module of this package is in the table and that every entry applies to a model it is tested on.
 """
 
