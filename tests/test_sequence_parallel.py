@@ -236,6 +236,36 @@ def test_one_sft_step_at_sp_2_equals_the_step_from_each_sample_alone(tmp_path, m
         trained = torch.tensor(result["parameters"][name])
         # the update is lr * gradient: compare gradients
         torch.testing.assert_close(trained / lr, value / lr, rtol=0, atol=2e-5, msg=name)
+    if mode == "pack":  # evaluation under sp_size=2 (each process its batches whole) == one process's
+        assert result["eval_loss"] == pytest.approx(_one_process_eval_loss(result, tmp_path), rel=1e-5)
+
+
+def _one_process_eval_loss(result: dict, tmp_path) -> float:
+    """``SFTTrainer.evaluate`` in one process, without sequence parallelism, of the model trained at sp_size=2."""
+    from datasets import Dataset
+
+    from unpack_trainer import SFTConfig, SFTTrainer
+
+    sys.path.insert(0, SCRIPTS)
+    try:
+        from sp_train import model as build
+        from sp_train import rows
+    finally:
+        sys.path.remove(SCRIPTS)
+    model = build()
+    model.load_state_dict({name: torch.tensor(value) for name, value in result["parameters"].items()}, strict=False)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "one"), report_to="none", use_cpu=True, bf16=False, max_length=96,
+        pad_to_multiple_of=96, packing=True, per_device_eval_batch_size=8, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows()),
+        eval_dataset=Dataset.from_list(rows(8)),
+        processing_class=char_tokenizer(),
+    )
+    return trainer.evaluate()["eval_loss"]
 
 
 def _ulysses(sp_size: int = 2, **handler):

@@ -81,7 +81,13 @@ def main(output_dir: str, mode: str) -> None:
             "gradient_clipping": "auto",
         },
     )
-    trainer = SFTTrainer(model=model(), args=args, train_dataset=Dataset.from_list(rows()), processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model=model(),
+        args=args,
+        train_dataset=Dataset.from_list(rows()),
+        eval_dataset=Dataset.from_list(rows(8)),
+        processing_class=tokenizer,
+    )
     batches = []
     collate = trainer.data_collator
 
@@ -92,6 +98,9 @@ def main(output_dir: str, mode: str) -> None:
 
     trainer.data_collator = recording
     trainer.train()
+    # Evaluation: Trainer does not cut evaluation batches and Ulysses leaves an evaluating model whole
+    # (sp_disable_in_eval=True, accelerate's default): each process evaluates its own batches whole.
+    evaluation = trainer.evaluate()
     # The adapter's first micro-batch is rank 0's first batch, cut in two: the step trained on it.
     first = batches[0]
     info = first["packed_seq_info"]
@@ -106,6 +115,7 @@ def main(output_dir: str, mode: str) -> None:
                     "seq_lengths": info.seq_lengths.tolist(),
                     "sequence_shards": info.sequence_shards,
                     "loss": losses[0],
+                    "eval_loss": evaluation["eval_loss"],
                     "mode": trainer.unpack_decision.mode,
                     "reason": trainer.unpack_decision.reason,
                     "learning_rate": LEARNING_RATE,
