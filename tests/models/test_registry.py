@@ -55,13 +55,14 @@ def test_no_module_per_architecture():
     """The patch is generic: the package holds one module per responsibility, and what a model family needs beyond
     it lives in ``fixes/`` (one module and one record each, tests/models/fixes/test_fixes.py); vision (what a
     vision-language model is made of, read from its code, and its positions and image blocks per sample from its own
-    get_rope_index / get_block_sequence_ids_for_mask) is found from the structure and serves the vision fixes. Beside
-    the patch: the verified types, the self-check, and the models the package builds (tiny ones of every text and
-    vision family, SmolLM2)."""
+    get_rope_index / get_block_sequence_ids_for_mask) is found from the structure and serves the vision fixes; which
+    patched models stay exact under sequence parallelism is read from the patch's state. Beside the patch: the
+    verified types, the self-check, and the models the package builds (tiny ones of every text and vision family,
+    SmolLM2)."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
     assert modules == {
         "__main__", "coverage", "discovery", "fixes", "mixers", "packed_forward", "patch", "refusals", "routing",
-        "state", "verified", "selfcheck", "tiny", "tiny_vision", "real_model", "vision",
+        "sequence_parallel", "state", "verified", "selfcheck", "tiny", "tiny_vision", "real_model", "vision",
     }  # fmt: skip
 
 
