@@ -230,7 +230,7 @@ def test_one_sft_step_at_sp_2_equals_the_step_from_each_sample_alone(tmp_path, m
     if mode == "pack":
         assert len(result["seq_lengths"]) > 2  # several samples on the row, one across the cut
     loss, expected = _reference_step(result)
-    assert result["loss"] == pytest.approx(loss, rel=1e-5)
+    assert result["logged"]["loss"] == pytest.approx(loss, rel=1e-5)
     lr = result["learning_rate"]
     for name, value in expected.items():
         trained = torch.tensor(result["parameters"][name])

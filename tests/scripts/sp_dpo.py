@@ -9,21 +9,18 @@ process.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
 
 import deepspeed
 import torch
-from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
 from datasets import Dataset
+from sp_train import LEARNING_RATE, finish, ulysses  # this folder is the script's sys.path[0]
 
 from unpack_trainer import DPOConfig, DPOTrainer
 from unpack_trainer.models.tiny import char_tokenizer, tiny_model
 from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
-
-LEARNING_RATE = 0.5
 
 
 def pairs(count: int = 8) -> list[dict]:
@@ -72,21 +69,7 @@ def models(tokenizer) -> tuple:
 def main(output_dir: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # on the CPU accelerate does not start DeepSpeed's communication
     tokenizer = char_tokenizer()
-    args = config(
-        output_dir,
-        parallelism_config=ParallelismConfig(
-            sp_size=2,
-            sp_backend="deepspeed",
-            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
-        ),
-        deepspeed={
-            "zero_optimization": {"stage": 1},
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto",
-            "gradient_clipping": "auto",
-        },
-    )
+    args = config(output_dir, **ulysses())
     policy, reference = models(tokenizer)
     trainer = DPOTrainer(
         model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs()), processing_class=tokenizer
@@ -103,21 +86,7 @@ def main(output_dir: str) -> None:
     trainer.train()
     if trainer.accelerator.process_index == 0:
         torch.save(batches[0][SHARDED_BATCH_KEY], os.path.join(output_dir, "batch.pt"))
-        logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        with open(os.path.join(output_dir, "result.json"), "w") as handle:
-            json.dump(
-                {
-                    "logged": logged,
-                    "mode": trainer.unpack_decision.mode,
-                    "reason": trainer.unpack_decision.reason,
-                    "learning_rate": LEARNING_RATE,
-                    "parameters": {n: p.detach().tolist() for n, p in unwrapped.named_parameters()},
-                },
-                handle,
-            )
-    torch.distributed.barrier()
-    os._exit(0)  # gloo's teardown can hang after the work is done (see ddp_train.exit_without_teardown)
+    finish(trainer, output_dir, {})
 
 
 if __name__ == "__main__":

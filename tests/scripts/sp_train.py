@@ -42,6 +42,43 @@ def model():
     return tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512, attn_implementation="sdpa")
 
 
+def ulysses(sp_size: int = 2) -> dict:
+    """The two config fields of DeepSpeed Ulysses through accelerate, as a user sets them (ZeRO-1)."""
+    return {
+        "parallelism_config": ParallelismConfig(
+            sp_size=sp_size,
+            sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+        ),
+        "deepspeed": {
+            "zero_optimization": {"stage": 1},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+        },
+    }
+
+
+def finish(trainer, output_dir: str, record: dict) -> None:
+    """Rank 0 writes OUTPUT_DIR/result.json: ``record``, the first logged step, the decision and the trained
+    parameters; then every rank leaves (gloo's teardown can hang after the work is done, see
+    ddp_train.exit_without_teardown)."""
+    if trainer.accelerator.process_index == 0:
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        record |= {
+            "logged": next(entry for entry in trainer.state.log_history if "loss" in entry),
+            "mode": trainer.unpack_decision.mode,
+            "reason": trainer.unpack_decision.reason,
+            "learning_rate": LEARNING_RATE,
+            "parameters": {n: p.detach().tolist() for n, p in unwrapped.named_parameters()},
+        }
+        with open(os.path.join(output_dir, "result.json"), "w") as handle:
+            json.dump(record, handle)
+    torch.distributed.barrier()
+    os._exit(0)
+
+
 def main(output_dir: str, mode: str) -> None:
     # accelerate sets up DeepSpeed's communication only on an accelerator; on the CPU it is started here, over gloo.
     deepspeed.init_distributed(dist_backend="gloo")
@@ -68,18 +105,7 @@ def main(output_dir: str, mode: str) -> None:
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
-        parallelism_config=ParallelismConfig(
-            sp_size=2,
-            sp_backend="deepspeed",
-            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
-        ),
-        deepspeed={
-            "zero_optimization": {"stage": 1},
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto",
-            "gradient_clipping": "auto",
-        },
+        **ulysses(),
     )
     trainer = SFTTrainer(
         model=model(),
@@ -104,27 +130,17 @@ def main(output_dir: str, mode: str) -> None:
     # The adapter's first micro-batch is rank 0's first batch, cut in two: the step trained on it.
     first = batches[0]
     info = first["packed_seq_info"]
-    if trainer.accelerator.process_index == 0:
-        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        with open(os.path.join(output_dir, "result.json"), "w") as handle:
-            json.dump(
-                {
-                    "input_ids": first["input_ids"][0].tolist(),
-                    "labels": first["labels"][0].tolist(),
-                    "seq_lengths": info.seq_lengths.tolist(),
-                    "sequence_shards": info.sequence_shards,
-                    "loss": losses[0],
-                    "eval_loss": evaluation["eval_loss"],
-                    "mode": trainer.unpack_decision.mode,
-                    "reason": trainer.unpack_decision.reason,
-                    "learning_rate": LEARNING_RATE,
-                    "parameters": {n: p.detach().tolist() for n, p in unwrapped.named_parameters()},
-                },
-                handle,
-            )
-    torch.distributed.barrier()
-    os._exit(0)  # gloo's teardown can hang after the work is done (see ddp_train.exit_without_teardown)
+    finish(
+        trainer,
+        output_dir,
+        {
+            "input_ids": first["input_ids"][0].tolist(),
+            "labels": first["labels"][0].tolist(),
+            "seq_lengths": info.seq_lengths.tolist(),
+            "sequence_shards": info.sequence_shards,
+            "eval_loss": evaluation["eval_loss"],
+        },
+    )
 
 
 if __name__ == "__main__":
