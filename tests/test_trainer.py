@@ -784,9 +784,9 @@ def test_parallelism_of_the_accelerator_is_checked_again_after_trl_init(
 ):
     """A parallelism config that reaches only the accelerator (an accelerate config file): automatic padding-free
     falls back to padded batches with the reason, an explicit request is refused."""
-    reason = "sequence parallelism (sp_size=2, DeepSpeed Ulysses): it splits every row"
+    reason = "context parallelism (cp_size=2): it splits every row"
     answers = iter([None, reason])  # the config's (before TRL's __init__), then the accelerator's
-    monkeypatch.setattr(trainer_module, "parallelism_reason", lambda *args: next(answers))
+    monkeypatch.setattr(trainer_module, "parallelism_reason", lambda *args, **kwargs: next(answers))
     args = sft_args(tmp_path, **({"padding_free": True} if explicit else {}))
     build = dict(
         model=tiny_llama(vocab_size=len(tokenizer)),
@@ -795,7 +795,7 @@ def test_parallelism_of_the_accelerator_is_checked_again_after_trl_init(
         processing_class=tokenizer,
     )
     if explicit:
-        with pytest.raises(ValueError, match=r"`padding_free=True` is not supported with sequence parallelism"):
+        with pytest.raises(ValueError, match=r"`padding_free=True` is not supported with context parallelism"):
             SFTTrainer(**build)
         return
     with caplog.at_level(logging.INFO, logger="unpack_trainer"):
