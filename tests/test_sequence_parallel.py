@@ -327,15 +327,16 @@ def test_a_model_that_cannot_stay_exact_under_ulysses_is_refused_unpatched(
 
 @DEEPSPEED
 @pytest.mark.timeout(420)
-def test_one_dpo_step_at_sp_2_equals_the_step_in_one_process(tmp_path):
-    """DPO with a reference model, sp_size=2: each process runs its half of the packed row (the prompt once, chosen
-    and rejected as branches), the hidden states gathered for TRL's view; the logged loss and metrics and every
-    parameter update == the same batch's step in one process."""
+@pytest.mark.parametrize("stage", [1, 3])
+def test_one_dpo_step_at_sp_2_equals_the_step_in_one_process(tmp_path, stage):
+    """DPO with a reference model, sp_size=2, ZeRO-1 and ZeRO-3: each process runs its half of the packed row (the
+    prompt once, chosen and rejected as branches), the hidden states gathered for TRL's view; the logged loss and
+    metrics and every parameter update == the same batch's step in one process."""
     from datasets import Dataset
 
     from unpack_trainer import DPOTrainer
 
-    result = _torchrun("sp_dpo.py", tmp_path)
+    result = _torchrun("sp_dpo.py", tmp_path, str(stage))
     assert "sequence parallelism (sp_size=2" in result["reason"]
     sys.path.insert(0, SCRIPTS)
     try:
@@ -348,6 +349,9 @@ def test_one_dpo_step_at_sp_2_equals_the_step_in_one_process(tmp_path):
     batch[INFO_KEY] = PackedSeqInfo(info.seq_lengths, batch_size=1, seq_len=info.seq_len, seq_parents=info.seq_parents)
     tokenizer = char_tokenizer()
     policy, reference = models(tokenizer)
+    initial = torch.load(tmp_path / "initial.pt")  # ZeRO-3 draws a model's weights per partition
+    policy.load_state_dict(initial["policy"], strict=False)
+    reference.load_state_dict(initial["reference"], strict=False)
     trainer = DPOTrainer(
         model=policy,
         ref_model=reference,
@@ -368,3 +372,28 @@ def test_one_dpo_step_at_sp_2_equals_the_step_in_one_process(tmp_path):
         trained = torch.tensor(result["parameters"][name])
         expected = (parameter - lr * parameter.grad).detach()
         torch.testing.assert_close(trained / lr, expected / lr, rtol=0, atol=2e-5, msg=name)
+
+
+def test_dpo_does_not_fall_back_to_padded_pairs_under_ulysses(tokenizer, tmp_path, tiny_model, monkeypatch):
+    """A model refused under Ulysses with DPO's automatic padding-free: TRL's padded pairs cannot go through
+    DeepSpeed's data loader, so the run stops at start with the reason (not in the adapter at the first batch)."""
+    from datasets import Dataset
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+    from unpack_trainer.trainers._packed import PackedTrainerMixin
+
+    pairs = Dataset.from_list([{"prompt": "ab", "chosen": "cd", "rejected": "ef"}] * 4)
+    args = DPOConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=1,
+        max_length=32,
+    )  # fmt: skip
+    real = PackedTrainerMixin._refuse_sequence_splitting
+
+    def under_ulysses(self):
+        monkeypatch.setattr(self.accelerator.state, "parallelism_config", _ulysses(), raising=False)
+        real(self)
+
+    monkeypatch.setattr(PackedTrainerMixin, "_refuse_sequence_splitting", under_ulysses)
+    model, reference = (tiny_model("qwen3_next", vocab_size=len(tokenizer), seed=seed) for seed in (0, 1))
+    with pytest.raises(ValueError, match=r"cannot train padded under sequence parallelism \(sp_size=2\).*token mixers"):
+        DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer)

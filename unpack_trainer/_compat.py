@@ -89,6 +89,7 @@ __all__ = [
     "checkpointing_enabled",
     "disable_checkpointing",
     "enable_checkpointing",
+    "gathered_parameters",
     "hook_dicts",
     "hub_kernel_chosen",
     "hub_kernel_function",
@@ -105,6 +106,7 @@ __all__ = [
     "plain_lora_linear_layers",
     "recompile_limit_at_least",
     "remove_hook",
+    "sequence_parallel_gradients_averaged",
     "sequence_parallel_group",
     "set_attention_implementation",
     "skip_packed_sequence_detection",
@@ -586,3 +588,31 @@ def sequence_parallel_group() -> Any:
         return parallel_state_sp.get_sequence_parallel_group()
     except AssertionError:  # "sequence parallel group is not initialized"
         return None
+
+
+def gathered_parameters(model: Any) -> contextlib.AbstractContextManager:
+    """Under DeepSpeed ZeRO-3 (parameters partitioned across processes, each marked with DeepSpeed's ``ds_id``): a
+    context in which every partitioned parameter of ``model`` holds its whole tensor, read-only (DeepSpeed's
+    ``zero.GatheredParameters`` with ``modifier_rank=None``: nothing is written back), partitioned again on exit; a
+    no-op for any other model."""
+    partitioned = [parameter for parameter in model.parameters() if hasattr(parameter, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+def sequence_parallel_gradients_averaged() -> bool:
+    """Whether DeepSpeed averages the gradients of a sequence-parallel group instead of summing them: ZeRO-3 before
+    deepspeed 0.20.2 (deepspeedai/DeepSpeed#8854 made it sum, as ZeRO-1 and 2 do). Nothing in DeepSpeed says which
+    it does, so this reads the release, as transformers' ``deepspeed_sp_compute_loss`` does for the same question."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return False
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("deepspeed")) < Version("0.20.2")

@@ -1,7 +1,7 @@
 """Run by tests/test_sequence_parallel.py under ``torchrun --nproc_per_node 2`` (gloo, CPU): one optimizer step of
 ``unpack_trainer.DPOTrainer`` under DeepSpeed Ulysses (``sp_size=2``), a reference model beside the policy, plain SGD.
 
-Usage: ``sp_dpo.py OUTPUT_DIR``. Rank 0 writes OUTPUT_DIR/batch.pt (the whole batch the step trained on: the view
+Usage: ``sp_dpo.py OUTPUT_DIR [ZERO_STAGE]`` (default 1). Rank 0 writes OUTPUT_DIR/batch.pt (the whole batch the step trained on: the view
 and the packed row, each prompt once with its chosen and rejected completions) and OUTPUT_DIR/result.json (the logged
 loss and metrics, the decision, the policy's parameters after the step); the test computes the same step in one
 process.
@@ -19,6 +19,7 @@ from datasets import Dataset
 from sp_train import LEARNING_RATE, finish, ulysses  # this folder is the script's sys.path[0]
 
 from unpack_trainer import DPOConfig, DPOTrainer
+from unpack_trainer._compat import gathered_parameters
 from unpack_trainer.models.tiny import char_tokenizer, tiny_model
 from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
 
@@ -66,14 +67,22 @@ def models(tokenizer) -> tuple:
     return tiny_model("llama", seed=0, **vocab), tiny_model("llama", seed=1, **vocab)
 
 
-def main(output_dir: str) -> None:
+def main(output_dir: str, stage: int = 1) -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # on the CPU accelerate does not start DeepSpeed's communication
     tokenizer = char_tokenizer()
-    args = config(output_dir, **ulysses())
+    args = config(output_dir, **ulysses(stage=stage))
     policy, reference = models(tokenizer)
     trainer = DPOTrainer(
         model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs()), processing_class=tokenizer
     )
+    # Under ZeRO-3 the models are built partitioned (their random weights drawn per partition): the test starts the
+    # one-process step from these.
+    initial = {}
+    for name, model in (("policy", policy), ("reference", reference)):
+        with gathered_parameters(model):
+            initial[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if trainer.accelerator.process_index == 0:
+        torch.save(initial, os.path.join(output_dir, "initial.pt"))
     batches = []
     collate = trainer.data_collator
 
@@ -90,4 +99,4 @@ def main(output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:]))

@@ -21,6 +21,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
 from datasets import Dataset
 
 from unpack_trainer import SFTConfig, SFTTrainer
+from unpack_trainer._compat import gathered_parameters
 from unpack_trainer.models.tiny import char_tokenizer, tiny_model
 
 LEARNING_RATE = 0.5
@@ -42,8 +43,8 @@ def model():
     return tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512, attn_implementation="sdpa")
 
 
-def ulysses(sp_size: int = 2) -> dict:
-    """The two config fields of DeepSpeed Ulysses through accelerate, as a user sets them (ZeRO-1)."""
+def ulysses(sp_size: int = 2, stage: int = 1) -> dict:
+    """The two config fields of DeepSpeed Ulysses through accelerate, as a user sets them (ZeRO ``stage``)."""
     return {
         "parallelism_config": ParallelismConfig(
             sp_size=sp_size,
@@ -51,7 +52,7 @@ def ulysses(sp_size: int = 2) -> dict:
             sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
         ),
         "deepspeed": {
-            "zero_optimization": {"stage": 1},
+            "zero_optimization": {"stage": stage},
             "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto",
@@ -64,14 +65,16 @@ def finish(trainer, output_dir: str, record: dict) -> None:
     """Rank 0 writes OUTPUT_DIR/result.json: ``record``, the first logged step, the decision and the trained
     parameters; then every rank leaves (gloo's teardown can hang after the work is done, see
     ddp_train.exit_without_teardown)."""
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    with gathered_parameters(unwrapped):  # ZeRO-3: every process takes part in the gather
+        parameters = {n: p.detach().tolist() for n, p in unwrapped.named_parameters()}
     if trainer.accelerator.process_index == 0:
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         record |= {
             "logged": next(entry for entry in trainer.state.log_history if "loss" in entry),
             "mode": trainer.unpack_decision.mode,
             "reason": trainer.unpack_decision.reason,
             "learning_rate": LEARNING_RATE,
-            "parameters": {n: p.detach().tolist() for n, p in unwrapped.named_parameters()},
+            "parameters": parameters,
         }
         with open(os.path.join(output_dir, "result.json"), "w") as handle:
             json.dump(record, handle)

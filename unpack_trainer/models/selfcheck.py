@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from unpack_trainer._compat import hook_dicts, output_capturing_flag
+from unpack_trainer._compat import gathered_parameters, hook_dicts, output_capturing_flag
 from unpack_trainer.data.collator import packed_metadata
 from unpack_trainer.data.validation import check_lengths
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_KEY, SEQ_PARENTS_KEY, PackedSeqInfo
@@ -245,9 +245,25 @@ def check_uncontaminated(
         measure_contamination: also run the row as one plain causal sequence, to report how large contamination
             would be on this model (one more forward).
 
+    Under DeepSpeed ZeRO-3 the partitioned weights are gathered for the probe (read-only) and partitioned again
+    after it ([`unpack_trainer._compat.gathered_parameters`]).
+
     Returns:
         A [`ContaminationReport`]; ``report.ok`` says whether packing is safe on this model.
     """
+    with gathered_parameters(model):
+        return _probe(model, lengths, branched, seed, rtol, measure_contamination)
+
+
+def _probe(
+    model: torch.nn.Module,
+    lengths: tuple[int, ...],
+    branched: bool,
+    seed: int,
+    rtol: float | None,
+    measure_contamination: bool,
+) -> ContaminationReport:
+    """[`check_uncontaminated`] on a model whose weights are all there."""
     lengths = check_lengths(lengths, "lengths", min_count=3 if branched else 2)
     start = time.perf_counter()
     device = _device(model)

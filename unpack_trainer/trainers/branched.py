@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
+from unpack_trainer._compat import sequence_parallel_gradients_averaged
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX
+from unpack_trainer.decision import sequence_parallel_size
 from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import (
     INFO_KEY,
@@ -325,6 +327,19 @@ class PackedPairsMixin(BranchedTrainerMixin):
 
     # ------------------------------------------------------------------------------------------------ sequence parallel
 
+    def _fall_back_to_padded(self, reason: str = "contamination self-check failed") -> None:
+        """The core's fallback, but under sequence parallelism an error: TRL's padded pairs cannot go through
+        DeepSpeed's data loader adapter (it takes only batches cut along one row), so the run stops at start with the
+        reason instead of failing in the adapter."""
+        shards = sequence_parallel_size(getattr(self.accelerator, "parallelism_config", None), {})
+        if shards > 1:
+            raise ValueError(
+                f"{self.unpack_name} cannot train padded under sequence parallelism (sp_size={shards}): TRL's padded "
+                f"batches do not go through DeepSpeed's sequence-parallel data loader, and the packed rows are off "
+                f"({reason})."
+            )
+        super()._fall_back_to_padded(reason)
+
     def _shard_ready(self, collator: Any) -> Any:
         """``collator``, under sequence parallelism (``self._unpack_sequence_shards`` > 1) with its batches made ready
         for DeepSpeed's adapter ([`unpack_trainer.data.sequence_shards.ShardReadyCollator`])."""
@@ -353,7 +368,8 @@ class PackedPairsMixin(BranchedTrainerMixin):
         view runs this process's shard of the row and gathers the hidden states, [`unpack_trainer.models.fixes.
         packed_view`]). Every process of the group then computes the same loss from the whole row, and each
         back-propagates ``1 / N`` of it (the value logged unchanged): the gradient that reaches its own shard through
-        the gather is the loss's own, the LM head's is ``1 / N`` of it on each, and DeepSpeed sums the group's."""
+        the gather is the loss's own, the LM head's is ``1 / N`` of it on each, and DeepSpeed sums the group's (where
+        DeepSpeed averages them instead, ZeRO-3 before 0.20.2, each back-propagates the whole loss)."""
         whole = inputs.get(SHARDED_BATCH_KEY) if isinstance(inputs, dict) else None
         if whole is None:
             return super().compute_loss(
@@ -361,6 +377,8 @@ class PackedPairsMixin(BranchedTrainerMixin):
             )
         result = super().compute_loss(model, whole, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if not model.training:
+            return result
+        if sequence_parallel_gradients_averaged():  # ZeRO-3 before deepspeed 0.20.2: the average is the 1 / N
             return result
         shards = whole[INFO_KEY].sequence_shards
         loss = result[0] if return_outputs else result
