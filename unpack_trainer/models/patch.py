@@ -71,9 +71,17 @@ def supported_model_types() -> list[str]:
 
 
 def _patch_decoder(
-    model: torch.nn.Module, model_type: str, decoder: Decoder, *, attention: bool, rope: bool, compiled: bool
+    model: torch.nn.Module,
+    model_type: str,
+    decoder: Decoder,
+    *,
+    attention: bool,
+    rope: bool,
+    compiled: bool,
+    features: dict[str, Any],
 ) -> FixSite:
-    """Patch one decoder, its attention modules and token mixers (the fixes follow, for all decoders at once)."""
+    """Patch one decoder, its attention modules and token mixers (the fixes follow, for all decoders at once);
+    ``features``: the model's [`attention_features`], read once for all its decoders."""
     module = decoder.module
     if attention_implementation(module.config) is None:
         # what transformers runs for None, under a name the routing can use
@@ -85,7 +93,7 @@ def _patch_decoder(
         rope,
         config=module.config,
         compiled=compiled,
-        features=attention_features(model),
+        features=features,
     )
     module.__dict__[PATCH_ATTRIBUTE] = state
     for layer in decoder.attention:
@@ -171,8 +179,9 @@ def patch_model(
     for decoder, state in zip(decoders, states):
         if state is not None:
             _unpatch_decoder(structure.pretrained, decoder.module)
+    features = attention_features(model)
     sites = [
-        _patch_decoder(model, model_type, decoder, attention=attention, rope=rope, compiled=compiled)
+        _patch_decoder(model, model_type, decoder, attention=attention, rope=rope, compiled=compiled, features=features)
         for decoder in decoders
     ]
     fixes.install_fixes(sites)
