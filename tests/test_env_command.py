@@ -128,7 +128,7 @@ def test_the_sequence_parallel_path_is_named(capsys):
     code, out, _ = run(capsys, "--model", "llama")
     assert code == 0
     assert (
-        "- sequence parallelism (DeepSpeed Ulysses): SFT packs exactly at sp_size 2, 4; refused at 8: its 4 "
+        "- sequence parallelism (DeepSpeed Ulysses): SFT and DPO pack exactly at sp_size 2, 4; refused at 8: its 4 "
         "attention heads do not divide by sp_size=8" in out
     )
     _, out, _ = run(capsys, "--model", "qwen3_next")

@@ -311,12 +311,11 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         )
         return report
     report.update(patched=True, trainer="packs through the patch (after its self-check on the first batch)")
-    report["fixes"] = _fixes(structure)
+    report["fixes"], report["sequence_parallel"] = _patched(built, structure)
     report["rope"] = _rope(structure)
     report["attention"] = _precisions(device, attention_implementation(built.config), attention_features(built))
     report["mixers"] = _mixer_paths(structure, device)
     report["vision"] = _vision_path(built, structure)
-    report["sequence_parallel"] = _sequence_parallel(built)
     if report["vision"] is not None and not report["verified"]:
         report["trainer"] = (
             "trains padded: its vision-language model type is not verified for packed image rows "
@@ -325,26 +324,31 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     return report
 
 
-def _sequence_parallel(built: Any) -> str:
-    """Whether SFT's packed rows of ``built`` stay exact under DeepSpeed Ulysses at sp_size 2, 4 and 8
-    ([`unpack_trainer.models.sequence_parallel.sequence_parallel_reason`], on the model patched for the question and
-    unpatched after)."""
+def _patched(built: Any, structure: Any) -> tuple[list[str], str]:
+    """What :func:`unpack_trainer.models.patch_model` does with ``built``, read from the model it patched (and then
+    unpatched): the model-family fixes it installed (:data:`unpack_trainer.models.fixes.FIXES`, in order), and whether
+    SFT's packed rows stay exact under DeepSpeed Ulysses at sp_size 2, 4 and 8
+    ([`unpack_trainer.models.sequence_parallel.sequence_parallel_reason`])."""
     from unpack_trainer.models import patch_model, unpatch_model
     from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
+    from unpack_trainer.models.state import decoder_state
 
     patch_model(built)
     try:
+        fixes: list[str] = []
+        for decoder in structure.decoders:
+            fixes += [name for name in decoder_state(decoder.module).fixes if name not in fixes]
         reasons = {size: sequence_parallel_reason(built, size) for size in (2, 4, 8)}
     finally:
         unpatch_model(built)
     exact = [str(size) for size, reason in reasons.items() if reason is None]
-    refused = {size: reason for size, reason in reasons.items() if reason is not None}
     if not exact:
-        return f"refused ({reasons[2]})"
-    line = f"SFT packs exactly at sp_size {', '.join(exact)}"
+        return fixes, f"refused ({reasons[2]})"
+    line = f"SFT and DPO pack exactly at sp_size {', '.join(exact)}"
+    refused = {size: reason for size, reason in reasons.items() if reason is not None}
     if refused:
         line += "; " + "; ".join(f"refused at {size}: {reason}" for size, reason in refused.items())
-    return line
+    return fixes, line
 
 
 def _newer_than_verified(verified_with: tuple[str, ...]) -> str | None:
@@ -364,7 +368,8 @@ def _newer_than_verified(verified_with: tuple[str, ...]) -> str | None:
 
 
 def _fix_sites(structure: Any) -> list[Any]:
-    """One :class:`~unpack_trainer.models.fixes.FixSite` per decoder of ``structure``, as the patch builds them."""
+    """One :class:`~unpack_trainer.models.fixes.FixSite` per decoder of ``structure``, as the patch builds them, not
+    patched (what the RoPE fix's survey reads: the modeling module's own functions)."""
     from unpack_trainer._compat import attention_implementation
     from unpack_trainer.models.fixes import FixSite
     from unpack_trainer.models.state import DecoderState
@@ -375,20 +380,6 @@ def _fix_sites(structure: Any) -> list[Any]:
         state = DecoderState(structure.model_type, implementation, True, True, config=decoder.module.config)
         sites.append(FixSite(structure.pretrained, decoder.module, state, decoder))
     return sites
-
-
-def _fixes(structure: Any) -> list[str]:
-    """The model-family fixes :func:`unpack_trainer.models.patch_model` installs on the model of ``structure``
-    (:data:`unpack_trainer.models.fixes.FIXES`, in order), each one's ``applies`` asked as the patch asks it."""
-    from unpack_trainer.models.fixes import FIXES
-
-    names: list[str] = []
-    for index, site in enumerate(_fix_sites(structure)):
-        for fix in FIXES:
-            if fix.automatic and (index == 0 or not fix.per_model) and fix.applies(site) is not None:
-                site.state.fixes.append(fix.name)
-        names += [name for name in site.state.fixes if name not in names]
-    return names
 
 
 def _rope(structure: Any) -> str | None:
