@@ -534,6 +534,12 @@ class PackedTrainerMixin:
             raise
         return True
 
+    def _unpack_batch_collator(self) -> Any:
+        """The collator that builds this trainer's batches, under what the core puts around it (evaluation's count of
+        dataset items per batch)."""
+        collator = self.data_collator
+        return collator.collator if isinstance(collator, _ItemCountingCollator) else collator
+
     def get_train_dataloader(self) -> Any:
         self._unpack_check_before_first_batch()
         return super().get_train_dataloader()

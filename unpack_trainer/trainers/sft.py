@@ -41,7 +41,7 @@ from unpack_trainer.decision import parallelism_reason
 from unpack_trainer.models import install_fix
 from unpack_trainer.models.fixes.liger_loss import LIGER_OUTPUT_MARK
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
-from unpack_trainer.trainers._packed import PackedTrainerMixin, _ItemCountingCollator, empty_train_dataset_error
+from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
 from unpack_trainer.trainers.loss import choose_loss_kernel, head_unsupported_reason, sample_weights
 
 logger = logging.getLogger("unpack_trainer")
@@ -295,9 +295,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         and counts ([`unpack_trainer.data.vision.with_sources`]: a view of the dataset, nothing copied; the collator
         takes the key off before TRL's processing): unused columns taken off first, as the Trainer does, and the
         sampler drawn on the dataset the Trainer would have read, so the batches are the same."""
-        collator = self.data_collator
-        if isinstance(collator, _ItemCountingCollator):
-            collator = collator.collator
+        collator = self._unpack_batch_collator()
         if dataset is None or not isinstance(collator, DataCollatorForVisionPacking):
             return super()._get_dataloader(dataset, description, *args, **kwargs)
         name = "train" if kwargs.get("is_training") else kwargs.get("dataloader_key") or description.lower()
