@@ -194,7 +194,7 @@ def test_a_patched_model_inside_ulysses_equals_each_sample_alone(tmp_path):
             assert measured["logits"] < 1e-5, (backend, layout, measured)
             assert measured["contamination"] == 0.0, (backend, layout, measured)
             if backend != "flex":
-                assert measured["gradients"] < 1e-3 * measured["gradient_scale"], (backend, layout, measured)
+                assert measured["gradients"] < 1e-5 * measured["gradient_scale"], (backend, layout, measured)
     stock = result["stock"]["packed"]
     assert stock["contamination"] > 0.1 and stock["logits"] > 0.1
 
