@@ -92,6 +92,25 @@ eval_steps: 50
 lora_task_type: SEQ_CLS
 output_dir: Qwen2-0.5B-Reward
 """,
+    "distillation": _COMMON
+    + """teacher_model_name_or_path: Qwen/Qwen2.5-1.5B-Instruct
+dataset_name: trl-lib/ultrafeedback-prompt
+learning_rate: 2.0e-4
+num_train_epochs: 1
+beta: 0.5
+lora_alpha: 16
+output_dir: Qwen2.5-0.5B-Distillation
+""",
+    "kto": _COMMON
+    + """\
+dataset_name: trl-lib/kto-mix-14k
+learning_rate: 5.0e-7
+lr_scheduler_type: cosine
+per_device_train_batch_size: 16
+desirable_weight: 1.0
+undesirable_weight: 1.0
+output_dir: Qwen2-0.5B-KTO
+""",
 }
 # Flags each command's help lists besides TRL's common ones.
 FLAGS = {
@@ -100,6 +119,8 @@ FLAGS = {
     "grpo": ("--reward_funcs", "--num_generations", "--prefix_sharing"),
     "rloo": ("--reward_funcs", "--num_generations", "--prefix_sharing"),
     "reward": ("--center_rewards_coefficient", "--prefix_sharing"),
+    "distillation": ("--teacher_model_name_or_path", "--beta", "--prefix_sharing"),
+    "kto": ("--beta", "--desirable_weight", "--prefix_sharing", "--packing"),
 }
 # The example recipes shipped in examples/, by command.
 EXAMPLES = {"sft": "smollm2_sft.yaml", "dpo": "smollm2_dpo.yaml", "reward": "smollm2_reward.yaml"}

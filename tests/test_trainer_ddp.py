@@ -151,3 +151,36 @@ def test_reward_on_two_processes_equals_stock(tmp_path):
     per rank as stock `trl.RewardTrainer`, packed with prompts shared after the self-check, and the same losses,
     accuracies, margins, rewards and evaluations at every step."""
     assert_two_processes_equal_stock(launch_two_processes("ddp_reward.py", tmp_path))
+
+
+@pytest.mark.timeout(400)
+def test_kto_on_two_processes_equals_stock(tmp_path):
+    """KTO with 2 processes, map-style and iterable unpaired examples (train and eval, prompts repeating): the same
+    examples per rank as stock `trl.KTOTrainer`, packed with prompts shared after the self-check, and the same losses,
+    KL estimates (gathered over both ranks), rewards, log-probs and evaluations at every step."""
+    assert_two_processes_equal_stock(launch_two_processes("ddp_kto.py", tmp_path))
+
+
+@pytest.mark.timeout(400)
+def test_distillation_on_two_processes_equals_stock(tmp_path):
+    """DistillationTrainer with 2 processes and gradient accumulation 2 (each rank's micro-batches, the completion
+    tokens counted over both ranks): every rank generates the completions stock generates, runs the student's and the
+    teacher's forwards packed, and logs the same loss, grad_norm, entropy and completion metrics (fp32 rel 1e-5) at
+    both steps."""
+    ranks = launch_two_processes("ddp_distillation.py", tmp_path)
+    ours, stock = [r["ours"] for r in ranks], [r["stock"] for r in ranks]
+    assert [r["world_size"] for r in ours] == [2, 2]
+    for rank in range(2):
+        forwards = ours[rank]["forwards"]  # 2 steps x 2 micro-batches x (student, teacher); a micro-batch packing
+        # would barely shrink runs TRL's padded forwards
+        assert ours[rank]["mode"] == "padding_free" and sum(forwards.values()) == 8 and forwards["packed"] >= 4, forwards
+        assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank}"
+        assert len(ours[rank]["log"]) == len(stock[rank]["log"])
+        for ours_entry, stock_entry in zip(ours[rank]["log"], stock[rank]["log"]):
+            assert ours_entry.keys() == stock_entry.keys()
+            for key, expected in stock_entry.items():
+                if key.endswith(("runtime", "per_second", "total_flos", "step_time")):  # timings
+                    continue
+                actual = ours_entry[key]
+                what = f"rank {rank} step {stock_entry.get('step')} {key}: {actual} vs stock {expected}"
+                assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), what

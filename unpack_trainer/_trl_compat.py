@@ -82,6 +82,24 @@ ONLINE_LOGPS_PARAMETERS: tuple[str, ...] = (
 # ``trl.RewardTrainer``: TRL's ``compute_loss`` is kept whole (the model call returns its padded batch's logits);
 # its padded collator builds the view of every packed batch.
 REWARD_TRAINER_METHODS: tuple[str, ...] = ("compute_loss", "_prepare_dataset")
+# ``trl.DistillationTrainer``: the packed path overrides the one method both the student's and the teacher's forward
+# go through (the backbone's last hidden state aligned to the completion tokens, called with TRL 1.16's arguments,
+# checked by name below) and keeps ``_compute_loss`` whole (it calls that method for the student, then for the teacher
+# on the same tensors); its generation (``_generate``) runs PEFT's own LoRA path; it reads the teacher TRL set up.
+DISTILLATION_TRAINER_METHODS: tuple[str, ...] = ("_get_last_hidden_state", "_compute_loss", "_generate")
+DISTILLATION_TRAINER_ATTRIBUTES: tuple[str, ...] = ("teacher_model",)
+DISTILLATION_HIDDEN_STATE_PARAMETERS: tuple[str, ...] = (
+    "unwrapped_model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+)
+# ``trl.KTOTrainer``: the packed path keeps TRL's ``_compute_loss`` whole, gives it the reference log-probs of one
+# packed reference forward (as precomputed ones) and the policy's KL log-probs of a packed row
+# (``_compute_kl_logps``), and computes ``compute_ref_log_probs`` of a packed batch; it reads the reference model, the
+# precompute switch and whether the loss has a KL term.
+KTO_TRAINER_METHODS: tuple[str, ...] = ("_compute_loss", "_compute_kl_logps", "compute_ref_log_probs")
+KTO_TRAINER_ATTRIBUTES: tuple[str, ...] = ("ref_model", "precompute_ref_logps", "calculate_KL")
 
 
 def _missing(where: str, name: str, kind: str) -> RuntimeError:
@@ -249,3 +267,41 @@ def dpo_vision_collator_class() -> type:
     if collator is None:
         raise _missing("trl.trainer.dpo_trainer", "DataCollatorForVisionPreference", "class")
     return collator
+
+
+def kto_padded_collator_class() -> type:
+    """TRL's padded unpaired preference collator (``trl.trainer.kto_trainer.DataCollatorForUnpairedPreference``): the
+    views of every packed KTO batch, padded evaluation and the padded fallback."""
+    from trl.trainer import kto_trainer
+
+    collator = getattr(kto_trainer, "DataCollatorForUnpairedPreference", None)
+    if collator is None:
+        raise _missing("trl.trainer.kto_trainer", "DataCollatorForUnpairedPreference", "class")
+    return collator
+
+
+def reference_forward_context(trainer: Any) -> Any:
+    """The context of a reference forward of TRL's preference trainers (KTO's ``_compute_loss`` and
+    ``compute_ref_log_probs``): no gradient, ``trainer.model``'s gradient checkpointing off
+    (``trl.models.utils.disable_gradient_checkpointing``) and, where the reference is the policy itself (no
+    ``trainer.ref_model``, a PEFT model), its frozen ``"ref"`` adapter active or, without one, its adapters disabled
+    (``trl.trainer.utils.use_adapter``)."""
+    import contextlib
+
+    import torch
+    from accelerate.utils import is_peft_model
+    from trl.models import utils as model_utils
+    from trl.trainer import utils
+
+    for module, name in ((model_utils, "disable_gradient_checkpointing"), (utils, "use_adapter")):
+        if not callable(getattr(module, name, None)):
+            raise _missing(module.__name__, name, "function")
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(
+        model_utils.disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+    )
+    if trainer.ref_model is None and is_peft_model(trainer.model):
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        stack.enter_context(utils.use_adapter(unwrapped, "ref" if "ref" in unwrapped.peft_config else None))
+    return stack

@@ -11,6 +11,9 @@ configs and nothing of the trainers, models or kernels.
   ``prefix_sharing``;
 - [`GRPOConfig`] / [`RLOOConfig`] (``trl.GRPOConfig`` / ``trl.RLOOConfig``): packed training forwards,
   ``prefix_sharing``.
+- [`DistillationConfig`] (``trl.DistillationConfig``): the student's and the teacher's forwards on one packed row,
+  ``prefix_sharing``.
+- [`KTOConfig`] (``trl.KTOConfig``): packed unpaired preference batches, ``prefix_sharing``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ import trl
 
 from unpack_trainer.decision import explicit_padding_free
 
-__all__ = ["DPOConfig", "GRPOConfig", "RLOOConfig", "RewardConfig", "SFTConfig", "convert_config"]
+__all__ = [
+    "DPOConfig",
+    "GRPOConfig",
+    "RLOOConfig",
+    "RewardConfig",
+    "SFTConfig",
+    "convert_config",
+    "DistillationConfig",
+    "KTOConfig",
+]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -351,6 +363,82 @@ class RewardConfig(trl.RewardConfig):
     padding_free: bool | None = _padding_free_field(_PAIRS_PADDING_FREE)
     prefix_sharing: bool = _prefix_sharing_field(
         "With packed rows, run the tokens chosen and rejected start with once per pair."
+    )
+
+
+@dataclass
+class DistillationConfig(trl.DistillationConfig):
+    r"""
+    [`trl.DistillationConfig`] for [`unpack_trainer.DistillationTrainer`]. Every TRL field keeps its meaning; these are
+    added:
+
+    > Parameters that control packing of the student's and the teacher's forwards
+
+    Args:
+        padding_free (`bool` or `None`, *optional*, defaults to `None`):
+            Whether the student's forward (with gradients) and the teacher's (without) run each micro-batch as one
+            packed row without padding, the same row for both, instead of TRL's `(prompts, prompt + completion)`
+            batch with left-padded prompts and right-padded completions. Samples never attend to each other, and the
+            loss (the generalized JSD of every `beta`, on completion tokens only), every logged metric and every
+            gradient are those of TRL's padded batch; generation is untouched. `None` lets the trainer decide: it
+            turns it on when the student allows it (image prompts on the vision-language families verified for
+            packed image rows, each prompt's images once; not for a vision-language model not verified, images on a
+            text-only model, prompt-learning PEFT or a model the packing patch refuses), logs why, and per
+            micro-batch runs TRL's padded batch instead where packing would not save enough tokens to be faster. A
+            teacher the patch refuses runs TRL's padded batch (logged once with the reason) while the student packs.
+            `False` is never overridden and trains exactly as `trl.DistillationTrainer`.
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            With packed rows, run each distinct prompt of a micro-batch once (rows whose prompt ids, and images, are
+            equal), their completions as branches that continue from it and never see each other. TRL generates one completion
+            per prompt, so this saves tokens only where a batch holds a prompt more than once. `False` packs each
+            completion after its own copy of its prompt.
+    """
+
+    padding_free: bool | None = _padding_free_field(
+        "Run the student's and the teacher's forwards on one packed row without padding (exact: TRL's loss and "
+        "metrics)."
+    )
+    prefix_sharing: bool = _prefix_sharing_field(_RL_PREFIX_SHARING)
+
+
+@dataclass
+class KTOConfig(trl.KTOConfig):
+    r"""
+    [`trl.KTOConfig`] for [`unpack_trainer.KTOTrainer`]. Every TRL field keeps its meaning; these are added:
+
+    > Parameters that control packing of unpaired preference batches
+
+    Args:
+        padding_free (`bool` or `None`, *optional*, defaults to `None`):
+            Whether to run each batch as packed rows without padding, instead of TRL's padded batch of
+            `per_device_train_batch_size` rows `[prompt, completion]` (and, with `loss_type="kto"`, as many KL rows
+            `[prompt, previous example's completion]`), each padded to the batch's longest. Examples never attend to
+            each other, and the loss, the KL estimate, every logged metric and every gradient are those of TRL's
+            padded batch. `None` lets the trainer decide: it turns it on when the model, collator and data allow it and
+            logs why (set `UNPACK_DISABLE_AUTO_PADDING_FREE=1` to keep padded batches); it stays off for a custom
+            `data_collator`, a vision dataset, prompt-learning PEFT or a model the packing patch refuses. `False` is
+            never overridden and trains exactly as `trl.KTOTrainer`.
+        packing (`bool`, *optional*, defaults to `False`):
+            Asks for the packed rows explicitly (logged as a request if it cannot be honoured). Examples are packed per
+            batch, as with `padding_free`: each optimizer step keeps TRL's examples (and TRL's KL pairing, which needs
+            `train_sampling_strategy="sequential"`).
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            With packed rows, run each distinct prompt of a forward once: its completions (the examples' with
+            gradient; the KL completions without, in the policy's KL forward; both in the reference's forward) are
+            branches that continue from it (positions, attention, and each first completion token's prediction from
+            the prompt's last token) and never see each other, and a `(prompt, completion)` that occurs twice in a
+            forward runs once. `False` packs every sequence after its own copy of its prompt.
+    """
+
+    padding_free: bool | None = _padding_free_field(
+        "Run each batch as packed rows without padding (exact: TRL's loss, KL estimate and metrics)."
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Ask for packed rows explicitly (examples are packed per batch, as with padding_free)."},
+    )
+    prefix_sharing: bool = _prefix_sharing_field(
+        "With packed rows, run each distinct prompt of a forward once for all its completions (and KL completions)."
     )
 
 

@@ -48,9 +48,10 @@ not collected by our own suite)::
     # the same tests with unpack_trainer.DPOTrainer / DPOConfig
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
         $TRL_TESTS/test_dpo_trainer.py --unpack-swap
-    # the same two for TRL's SFT, GRPO, RLOO and reward-model tests
+    # the same two for TRL's SFT, GRPO, RLOO, reward-model and KTO tests
     PYTHONPATH=$PWD:$PWD/tests/scripts python -m pytest -p trl_hub_standins -p no:cacheprovider -q -rA \\
         $TRL_TESTS/test_sft_trainer.py [--unpack-swap]   # test_grpo_trainer.py, test_rloo_trainer.py, test_reward_trainer.py
+        # test_kto_trainer.py (-k "not liger": see docs/kto.md)
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ MODEL_STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
     "trl-internal-testing/tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", {"use_sliding_window": False}),
     "trl-internal-testing/tiny-Qwen3ForSequenceClassification": ("qwen3", {}),
     "trl-internal-testing/tiny-LlamaForSequenceClassification-3.2": ("llama", {}),
+    # the teacher and the further student of TRL's `test_distillation_trainer.py` (the teacher wider and deeper)
+    "trl-internal-testing/small-Qwen3ForCausalLM": (
+        "qwen3",
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 8},
+    ),
+    "trl-internal-testing/tiny-Phi3ForCausalLM-3.5": ("phi3", {}),
 }
 # Hub vision-language model id -> the family of its stand-in (unpack_trainer.models.tiny_vision: the tiny model and
 # its processor, a character tokenizer with the family's image tokens).
@@ -214,17 +221,18 @@ def _is_tokenizer(cls: type) -> bool:
 def _image_split(path: str, config_name: str, split: str):
     """One split of the ``zen-image`` / ``zen-multi-image`` configs: drawn shapes with captions, one image per example
     (``zen-multi-image``: none to two), as conversational language modeling, prompt-completion, prompt only (the
-    prompt-completion rows without their completion: GRPO's and RLOO's data) or preference (the caption chosen, another
-    shape's rejected)."""
+    prompt-completion rows without their completion: GRPO's and RLOO's data), preference (the caption chosen, another
+    shape's rejected) or unpaired preference (KTO's: the caption desirable, another shape's undesirable,
+    alternately)."""
     from unpack_trainer.data.default_vision_data import load_shapes_dataset
 
     split, _, part = split.partition("[")
     kinds = ("conversational_language_modeling", "conversational_prompt_completion", "conversational_prompt_only",
-             "conversational_preference")  # fmt: skip
+             "conversational_preference", "conversational_unpaired_preference")  # fmt: skip
     if config_name not in kinds:
         raise ValueError(f"no stand-in for the {path} config {config_name!r}")
     _, rows = ZEN_SPLITS[split]
-    preference = config_name == "conversational_preference"
+    preference = config_name in ("conversational_preference", "conversational_unpaired_preference")
     dataset = load_shapes_dataset(
         2 * rows if preference else rows,
         seed=0 if split == "train" else 1,
@@ -234,13 +242,23 @@ def _image_split(path: str, config_name: str, split: str):
     )
     if config_name == "conversational_prompt_only":
         dataset = dataset.remove_columns("completion")
-    if preference:  # the chosen answer is the example's caption, the rejected one the next example's
+    if config_name == "conversational_preference":  # the chosen answer is the caption, rejected the next example's
         from datasets import Dataset
 
         dataset = Dataset.from_list(
             [
                 {"images": dataset[2 * i]["images"], "prompt": dataset[2 * i]["prompt"],
                  "chosen": dataset[2 * i]["completion"], "rejected": dataset[2 * i + 1]["completion"]}
+                for i in range(rows)
+            ]
+        )  # fmt: skip
+    elif preference:  # unpaired (KTO): every other example desirable (its caption), the others another shape's
+        from datasets import Dataset
+
+        dataset = Dataset.from_list(
+            [
+                {"images": dataset[2 * i]["images"], "prompt": dataset[2 * i]["prompt"],
+                 "completion": dataset[2 * i + i % 2]["completion"], "label": i % 2 == 0}
                 for i in range(rows)
             ]
         )  # fmt: skip

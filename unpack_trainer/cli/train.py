@@ -6,7 +6,8 @@ place of TRL's) and launches this module, ``python -m unpack_trainer.cli.train <
 launch``. [`main`] is the body of TRL's scripts (``trl/scripts/sft.py``, ``dpo.py``, ``grpo.py``, ...): the model
 init kwargs from the model arguments, the dataset, the trainer built from the parsed arguments (with
 ``reward_funcs`` from ``--reward_funcs`` / ``--reward_model_name_or_path`` where the script arguments have them, as
-TRL's GRPO and RLOO scripts build them), training, saving, pushing. What differs from TRL's:
+TRL's GRPO and RLOO scripts build them, and the teacher from ``--teacher_model_name_or_path`` as TRL's distillation
+script loads it), training, saving, pushing. What differs from TRL's:
 
 - the trainer is ours (``unpack_trainer.<Trainer>``, and the config ours: ``--padding_free`` unset lets the trainer
   decide);
@@ -44,6 +45,7 @@ __all__ = [
     "resolve_model_name",
     "reward_funcs",
     "run",
+    "teacher_model",
 ]
 
 
@@ -233,6 +235,33 @@ def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
     training_args.model_init_kwargs = model_init_kwargs
 
 
+def teacher_model(training_args: Any, model_args: Any) -> str:
+    """The teacher of ``trl distillation``: ``--teacher_model_name_or_path`` (``unpack_trainer:smollm2`` resolved),
+    with ``training_args.teacher_model_init_kwargs`` from the model arguments as TRL's distillation script sets them
+    (revision, trust_remote_code, attention implementation, dtype; the recipe's own taking precedence; the teacher
+    left unquantized). ``CLIError`` when it is missing, or neither an existing path nor a Hub id."""
+    from unpack_trainer.cli.commands.train import _is_hub_id
+
+    name = training_args.teacher_model_name_or_path
+    if name is None:
+        raise CLIError(
+            "--teacher_model_name_or_path is required: distillation trains the student to match a teacher (a model "
+            "folder, a Hub model id, or unpack_trainer:smollm2)."
+        )
+    if name != SMOLLM2_NAME and not Path(name).expanduser().exists() and not _is_hub_id(name):
+        raise CLIError(f"--teacher_model_name_or_path {name}: no such file or directory (and not a Hub model id).")
+    init_kwargs = dict(
+        revision=training_args.teacher_model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    if training_args.teacher_model_init_kwargs is not None:
+        init_kwargs.update(training_args.teacher_model_init_kwargs)
+    training_args.teacher_model_init_kwargs = init_kwargs
+    return resolve_model_name(name)
+
+
 def main(command: str, script_args: Any, training_args: Any, model_args: Any, dataset_args: Any) -> None:
     """The body of ``trl <command>`` (``trl/scripts/<command>.py``'s ``main``) with our trainer and dataset loading."""
     from accelerate.logging import get_logger
@@ -266,6 +295,8 @@ def main(command: str, script_args: Any, training_args: Any, model_args: Any, da
     extra = {}
     if hasattr(script_args, "reward_funcs"):
         extra["reward_funcs"] = reward_funcs(script_args)
+    if hasattr(training_args, "teacher_model_name_or_path"):  # distillation
+        extra["teacher_model"] = teacher_model(training_args, model_args)
     trainer = trainer_class(
         model=resolve_model_name(model_args.model_name_or_path),
         args=training_args,

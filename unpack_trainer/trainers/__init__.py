@@ -8,7 +8,7 @@ the trainer class in ``unpack_trainer/trainers/<command>.py``, its config class 
 is that module, its config class and one entry here.
 
 Beside the trainer modules: ``_packed.py`` (the packed-trainer core every trainer stands on), ``branched.py`` (what
-trainers whose prompts are shared by several completions add: DPO, GRPO, RLOO, reward) and ``loss.py`` (per-sample
+trainers whose prompts are shared by several completions add: DPO, GRPO, RLOO, reward, KTO) and ``loss.py`` (per-sample
 loss weights). Importing this package imports neither torch nor TRL; the classes are resolved on first use.
 """
 
@@ -97,6 +97,24 @@ TRAINERS: tuple[TrainerSpec, ...] = (
         "the pairs of each batch run as one packed row, the tokens chosen and rejected start with (the prompt) once, "
         "each sequence scored at its own last token (--prefix_sharing false: [prompt, chosen] and [prompt, rejected] "
         "as two samples; --padding_free false: TRL's padded batches); the loss and every metric are TRL's",
+    ),
+    TrainerSpec(
+        "distillation",
+        "DistillationTrainer",
+        "DistillationConfig",
+        "On-policy distillation with packed student and teacher forwards",
+        "the student's forward (with gradients) and the teacher's run one packed row per micro-batch, built once for "
+        "both (--padding_free false: TRL's padded batches; a teacher the patch refuses runs padded, logged); "
+        "generation, the generalized JSD loss and every metric are TRL's",
+    ),
+    TrainerSpec(
+        "kto",
+        "KTOTrainer",
+        "KTOConfig",
+        "Unpaired preference training (KTO) on packed rows",
+        "each batch runs as packed rows, each prompt once per forward with its completions (and the KL completions) "
+        "as branches (--prefix_sharing false: every sequence after its own prompt; --padding_free false: TRL's "
+        "padded batches); the loss, the KL estimate and every metric are TRL's",
     ),
 )
 """Every trainer of the package, in the order ``unpack-trainer --help`` lists them."""

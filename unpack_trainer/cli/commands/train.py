@@ -66,12 +66,12 @@ DATASET_NAMES: dict[str, tuple[tuple[str, ...], str, bool]] = {
     "unpack_trainer:chat": (("sft",), "unpack_trainer.data.default_data:load_default_dataset", True),
     "unpack_trainer:default": (("sft",), "unpack_trainer.data.default_data:load_default_dataset", False),
     "unpack_trainer:preference_chat": (
-        ("dpo", "reward"),
+        ("dpo", "reward", "kto"),
         "unpack_trainer.data.default_preference_data:load_default_preference_dataset",
         True,
     ),
     "unpack_trainer:preference": (
-        ("dpo", "reward"),
+        ("dpo", "reward", "kto"),
         "unpack_trainer.data.default_preference_data:load_default_preference_dataset",
         False,
     ),

@@ -1,0 +1,172 @@
+"""``KTOTrainer``: TRL's KTO trainer on packed unpaired preference batches, each prompt once per forward.
+
+TRL's KTO step runs four padded forwards per batch of ``B`` examples: the policy on the ``B`` rows ``[p_i, c_i]``
+with gradient and on the ``B`` KL rows ``[p_i, c_{i-1}]`` without (``loss_type="kto"``), and the reference model on
+both again (unless ``precompute_ref_log_probs``), every row padded to its set's longest. Here the batch carries packed
+rows instead ([`unpack_trainer.data.kto.DataCollatorForPackedUnpairedPreference`]), in which each distinct prompt
+appears once and its completions follow as branches:
+
+- the policy's forward with gradient runs the main row (TRL's ``_compute_loss`` calls the model on TRL's view of the
+  batch; the decoder's packed view runs the row, [`unpack_trainer.trainers.branched`]);
+- the policy's KL forward (no gradient, as TRL's) runs the KL row, through ``_compute_kl_logps``; it is a row of its
+  own rather than branches of the main row, where their backward would cost three times their forward
+  (the data module's docstring has the arithmetic);
+- the reference model (a separate ``ref_model``, or the PEFT model with its ``"ref"`` adapter / its adapters
+  disabled) runs one row of the main and the KL sequences together, each distinct sequence once, and TRL's
+  ``_compute_loss`` reads its log-probs as it reads precomputed ones.
+
+TRL's ``_compute_loss`` is kept whole: the loss of both loss types, the desirable / undesirable weights, the KL
+estimate (``(KL_logps - ref_KL_logps).mean()``, gathered over processes and clamped at 0), the MoE auxiliary loss and
+every logged metric are TRL's, from TRL's view of the batch. ``precompute_ref_log_probs=True`` precomputes with TRL's
+padded batches at ``__init__`` (the packed path is enabled right after TRL's ``__init__``) and through the packed rows
+for a dataset passed to ``evaluate`` later.
+
+Vision-language data: TRL 1.16's KTO trains on images (its ``DataCollatorForVisionUnpairedPreference``); this
+trainer does not pack them yet: such a set-up trains padded, as TRL does, and the start line says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import trl
+
+from unpack_trainer import _trl_compat
+from unpack_trainer.data.kto import KL_ROW_KEY, REF_ROW_KEY, DataCollatorForPackedUnpairedPreference
+from unpack_trainer.packed_seq_info import (
+    INFO_KEY,
+    PACKED_INPUT_IDS_KEY,
+    PACKED_POSITION_IDS_KEY,
+    SEQ_LENGTHS_KEY,
+    SEQ_PARENTS_KEY,
+    TOKEN_INDEX_KEY,
+    VIEW_INDEX_KEY,
+)
+from unpack_trainer.trainers.branched import PackedPairsMixin
+
+__all__ = ["KTOTrainer"]
+
+# The main row's model inputs besides the view's ``input_ids`` (what a reference forward of the main row reads).
+_MAIN_ROW_KEYS = (
+    PACKED_INPUT_IDS_KEY,
+    PACKED_POSITION_IDS_KEY,
+    SEQ_LENGTHS_KEY,
+    SEQ_PARENTS_KEY,
+    INFO_KEY,
+    TOKEN_INDEX_KEY,
+    VIEW_INDEX_KEY,
+)
+
+
+def _sequence_logps(model: Any, row: dict[str, Any]) -> torch.Tensor:
+    """``(rows,)``: each view row's summed completion log-probs of one packed row's forward (``row``: the model inputs
+    of [`unpack_trainer.data.kto.DataCollatorForPackedUnpairedPreference`], view ``labels`` included), through TRL's
+    fused LM head as TRL calls it."""
+    return model(**row, use_cache=False, fused_lm_head=True).log_probs.sum(-1)
+
+
+class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
+    """Drop-in for [`trl.KTOTrainer`]: ``from unpack_trainer import KTOTrainer``; the arguments are TRL's.
+
+    Each batch runs as packed rows; with ``prefix_sharing`` (default) each prompt runs once per forward. The decision,
+    switches, self-checks and fallbacks are those of [`PackedPairsMixin`] (and its core [`PackedTrainerMixin`], which
+    documents the attributes); unshared, every sequence is packed after its own copy of its prompt.
+    """
+
+    unpack_unshared = "every sequence is packed after its own copy of its prompt"
+    unpack_trl_collator = staticmethod(_trl_compat.kto_padded_collator_class)
+    _unpack_trl_methods = _trl_compat.KTO_TRAINER_METHODS
+    _unpack_trl_attributes = _trl_compat.KTO_TRAINER_ATTRIBUTES
+    _unpack_kl_row: dict[str, Any] | None = None
+
+    def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
+        """The core's decision; a packing request reads as what it does here (examples are packed per batch)."""
+        args = super()._unpack_before_init(model, args, **arguments)
+        if self.unpack_decision.mode == "pack":
+            self.unpack_decision = dataclasses.replace(
+                self.unpack_decision, reason="packing=True: the examples of each batch in packed rows"
+            )
+        return args
+
+    # ------------------------------------------------------------------------------------------------ core hooks
+
+    @classmethod
+    def unpack_data_columns(cls, args: Any) -> tuple[tuple[str, ...], ...]:
+        """``completion`` + ``label`` (unpaired), or ``chosen`` + ``rejected`` (pairs, which TRL unpairs)."""
+        return (("completion", "label"), ("chosen", "rejected"))
+
+    def _packed_collator(self) -> DataCollatorForPackedUnpairedPreference:
+        padded = self._padded_collator()
+        return DataCollatorForPackedUnpairedPreference(
+            pad_token_id=padded.pad_token_id,
+            max_length=padded.max_length,
+            pad_to_multiple_of=padded.pad_to_multiple_of,
+            prefix_sharing=self._unpack_sharing(),
+            reference=not self.precompute_ref_logps,
+        )
+
+    # ------------------------------------------------------------------------------------------------ forwards
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
+        """TRL's, on a packed batch: the reference log-probs from one packed reference forward, handed to TRL as
+        precomputed ones (unless they are precomputed), the policy's KL log-probs from the KL row
+        ([`_compute_kl_logps`]), the policy's own forward on the main row through TRL's model call. A padded batch
+        (evaluation, the fallback) goes to TRL's as it is."""
+        if PACKED_INPUT_IDS_KEY not in inputs:
+            return super()._compute_loss(model, inputs, return_outputs)
+        inputs = dict(inputs)
+        kl_row = inputs.pop(KL_ROW_KEY, None)
+        ref_row = inputs.pop(REF_ROW_KEY, None)
+        precompute = self.precompute_ref_logps
+        if not precompute:
+            reference = self.ref_model if self.ref_model is not None else self.model
+            ref_logps, ref_kl_logps = self._packed_reference_logps(reference, inputs, kl_row, ref_row)
+            inputs["ref_logps"] = ref_logps
+            if ref_kl_logps is not None:
+                inputs["ref_KL_logps"] = ref_kl_logps
+        self._unpack_kl_row = kl_row
+        self.precompute_ref_logps = True  # TRL's loss reads the reference log-probs from the batch
+        try:
+            return super()._compute_loss(model, inputs, return_outputs)
+        finally:
+            self.precompute_ref_logps = precompute
+            self._unpack_kl_row = None
+
+    def _compute_kl_logps(self, model: Any, batch: dict[str, Any]) -> torch.Tensor | None:
+        """TRL's KL log-probs ``(B,)`` (each example's prompt with its KL completion), without gradient as TRL's: from
+        the packed KL row while [`_compute_loss`] runs a packed batch, TRL's padded forward otherwise."""
+        row = self._unpack_kl_row
+        if row is None or not self.calculate_KL:
+            return super()._compute_kl_logps(model, batch)
+        with torch.no_grad():
+            return _sequence_logps(model, row)
+
+    def compute_ref_log_probs(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """TRL's ``(completion_logps (B,), KL_logps (B,) or None)`` of one batch under the reference; a packed batch
+        through its packed rows ([`_packed_reference_logps`], e.g. precomputing an evaluation set passed to
+        ``evaluate``), a padded one through TRL's."""
+        if PACKED_INPUT_IDS_KEY not in inputs:
+            return super().compute_ref_log_probs(model, inputs)
+        with self.accelerator.autocast():
+            return self._packed_reference_logps(model, inputs, inputs.get(KL_ROW_KEY), inputs.get(REF_ROW_KEY))
+
+    def _packed_reference_logps(
+        self, model: Any, inputs: dict[str, Any], kl_row: dict[str, Any] | None, ref_row: dict[str, Any] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reference's summed completion log-probs of the main sequences ``(B,)`` and, with a KL term, of the KL
+        sequences ``(B,)`` (else ``None``), in TRL's reference context ([`_trl_compat.reference_forward_context`]):
+        one forward of the reference row when the batch has it (main rows, then KL rows), else the main row and the KL
+        row each."""
+        rows = inputs["label"].shape[0]
+        with _trl_compat.reference_forward_context(self):
+            if ref_row is not None:
+                logps = _sequence_logps(model, ref_row)
+                return logps[:rows], (logps[rows:] if self.calculate_KL else None)
+            labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+            main_row = {key: inputs[key] for key in _MAIN_ROW_KEYS if key in inputs}
+            main = _sequence_logps(model, {"input_ids": inputs["input_ids"], "labels": labels, **main_row})
+            if not self.calculate_KL or kl_row is None:
+                return main, None
+            return main, _sequence_logps(model, kl_row)
