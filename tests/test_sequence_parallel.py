@@ -397,3 +397,27 @@ def test_dpo_does_not_fall_back_to_padded_pairs_under_ulysses(tokenizer, tmp_pat
     model, reference = (tiny_model("qwen3_next", vocab_size=len(tokenizer), seed=seed) for seed in (0, 1))
     with pytest.raises(ValueError, match=r"cannot train padded under sequence parallelism \(sp_size=2\).*token mixers"):
         DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer)
+
+
+def test_an_unverified_model_type_is_refused_under_ulysses(tokenizer, tmp_path, prompt_completion, sft_args, monkeypatch):
+    """SFT runs an unverified model type unpatched (its self-check decides); under Ulysses that is one causal document
+    across the cut row, so packing is refused with the reason."""
+    from unpack_trainer import SFTTrainer
+    from unpack_trainer.models.tiny import tiny_model as build
+    from unpack_trainer.trainers._packed import PackedTrainerMixin
+
+    real = PackedTrainerMixin._refuse_sequence_splitting
+
+    def under_ulysses(self):
+        monkeypatch.setattr(self.accelerator.state, "parallelism_config", _ulysses(), raising=False)
+        real(self)
+
+    monkeypatch.setattr(PackedTrainerMixin, "_refuse_sequence_splitting", under_ulysses)
+    monkeypatch.setattr("unpack_trainer.trainers._packed._registry", lambda: (frozenset(), {}))  # nothing verified
+    with pytest.raises(ValueError, match=r"sp_size=2, DeepSpeed Ulysses\) with a model type that is not verified"):
+        SFTTrainer(
+            model=build("llama", vocab_size=len(tokenizer)),
+            args=sft_args(tmp_path, packing=True, per_device_train_batch_size=1),
+            train_dataset=prompt_completion(),
+            processing_class=tokenizer,
+        )

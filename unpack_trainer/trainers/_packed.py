@@ -474,11 +474,6 @@ class PackedTrainerMixin:
         """Why this run cannot pack exactly under DeepSpeed Ulysses with ``shards`` processes per row, or ``None``
         (the model itself is checked once patched, [`unpack_trainer.models.sequence_parallel`])."""
         what = f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses)"
-        if not self.unpack_decision.patch:
-            return (
-                f"{what} with a model type that is not verified: only the patched attention keeps the samples of a "
-                "cut row apart (stock Ulysses runs the row as one causal document)"
-            )
         if self._unpack_sample_loss:
             return (
                 f"{what} with loss_normalization='sample': the engine computes the loss, the token mean over the "
@@ -502,6 +497,14 @@ class PackedTrainerMixin:
     def _enable_packed_path(self) -> None:
         if self.unpack_packs_in == "collator":
             self.data_collator = self._packed_collator()
+        if self._unpack_sequence_shards > 1 and not self.unpack_decision.patch:
+            shards, self._unpack_sequence_shards = self._unpack_sequence_shards, 1
+            self._refuse_or_pad(
+                f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses) with a model type that is not verified: "
+                "only the patched attention keeps the samples of a cut row apart (stock Ulysses runs the row as one "
+                "causal document)"
+            )
+            return  # padded now
         if self.unpack_decision.patch:
             from unpack_trainer.models import patch_model, resolve_backend
 
