@@ -365,11 +365,12 @@ class PackedPairsMixin(BranchedTrainerMixin):
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """TRL's loss; a batch through DeepSpeed's adapter (``SHARDED_BATCH_KEY``) is read whole (the model's packed
-        view runs this process's shard of the row and gathers the hidden states, [`unpack_trainer.models.fixes.
-        packed_view`]). Every process of the group then computes the same loss from the whole row, and each
-        back-propagates ``1 / N`` of it (the value logged unchanged): the gradient that reaches its own shard through
-        the gather is the loss's own, the LM head's is ``1 / N`` of it on each, and DeepSpeed sums the group's (where
-        DeepSpeed averages them instead, ZeRO-3 before 0.20.2, each back-propagates the whole loss)."""
+        view runs this process's shard of the row and gathers the hidden states:
+        [`unpack_trainer.models.fixes.packed_view`]). Every process of the group then computes the same loss from the
+        whole row, and each back-propagates ``1 / N`` of it (the value logged unchanged): the gradient that reaches
+        its own shard through the gather is the loss's own, the LM head's is ``1 / N`` of it on each, and DeepSpeed
+        sums the group's (where DeepSpeed averages them instead, ZeRO-3 before 0.20.2, each back-propagates the whole
+        loss)."""
         whole = inputs.get(SHARDED_BATCH_KEY) if isinstance(inputs, dict) else None
         if whole is None:
             return super().compute_loss(
