@@ -5,7 +5,7 @@ weights, a batch of one label only, truncation, conversational data; llama, qwen
 (softcap); full fine-tuning with a separate reference model, LoRA (reference = the frozen "ref" adapter, or the
 adapter disabled), precomputed reference log-probs, QLoRA (bf16 adapters: bf16's tolerance); prompts shared and not;
 gradient accumulation over a real ``train()``; a contamination probe; the switches (``UNPACK_DISABLE``,
-``padding_free=False``, a custom collator), the self-check's fallback, and image data (padded, with the reason)."""
+``padding_free=False``, a custom collator), the self-check's fallback, and image data (packed: ``tests/test_kto_trainer_vision.py``)."""
 
 from __future__ import annotations
 
@@ -447,12 +447,12 @@ def test_train_and_evaluate_with_lora(tmp_path):
     assert "eval_kl" in metrics and torch.isfinite(torch.tensor(metrics["eval_loss"]))
 
 
-def test_an_image_dataset_trains_padded_as_stock_and_says_why(tmp_path):
-    """TRL 1.16's KTO trains vision-language models on image data (its vision collator); ours does not pack it yet:
-    such a set-up trains padded, with that reason, and its step is stock's."""
+def test_an_image_dataset_packs_through_the_vision_collator(tmp_path):
+    """TRL 1.16's KTO trains vision-language models on image data (its vision collator); ours packs it (TRL's
+    vision batch as the view, ``tests/test_kto_trainer_vision.py`` for the whole step), and its loss is stock's."""
     from random_images import random_image
-    from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
 
+    from unpack_trainer.data.kto import DataCollatorForPackedVisionUnpairedPreference
     from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
 
     rows = [
@@ -476,9 +476,8 @@ def test_an_image_dataset_trains_padded_as_stock_and_says_why(tmp_path):
         return trainer, loss.detach()
 
     ours, loss = step(KTOTrainer, KTOConfig, tmp_path / "ours")
-    assert not ours.unpack_decision.packed
-    assert "KTOTrainer does not pack vision-language data" in ours.unpack_decision.reason
-    assert type(ours.data_collator) is DataCollatorForVisionUnpairedPreference
+    assert ours.unpack_decision.packed, ours.unpack_decision.reason
+    assert type(ours.data_collator) is DataCollatorForPackedVisionUnpairedPreference
     _, stock_loss = step(trl.KTOTrainer, trl.KTOConfig, tmp_path / "stock")
     _close(loss, stock_loss, "loss")
 

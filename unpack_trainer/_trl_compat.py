@@ -269,6 +269,18 @@ def dpo_vision_collator_class() -> type:
     return collator
 
 
+def kto_vision_collator_class() -> type:
+    """TRL's padded vision unpaired preference collator
+    (``trl.trainer.kto_trainer.DataCollatorForVisionUnpairedPreference``): the views of every packed KTO batch of image
+    data, padded evaluation and the padded fallback on image data."""
+    from trl.trainer import kto_trainer
+
+    collator = getattr(kto_trainer, "DataCollatorForVisionUnpairedPreference", None)
+    if collator is None:
+        raise _missing("trl.trainer.kto_trainer", "DataCollatorForVisionUnpairedPreference", "class")
+    return collator
+
+
 def kto_padded_collator_class() -> type:
     """TRL's padded unpaired preference collator (``trl.trainer.kto_trainer.DataCollatorForUnpairedPreference``): the
     views of every packed KTO batch, padded evaluation and the padded fallback."""

@@ -36,7 +36,7 @@ other's KL completion)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,13 +44,14 @@ import torch
 from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer.data.collator import IGNORE_INDEX
-from unpack_trainer.data.preference import completion_view
+from unpack_trainer.data.preference import completion_view, pack_vision_pairs
 from unpack_trainer.packed_seq_info import TOKEN_INDEX_KEY, VIEW_INDEX_KEY, branched_row
 
 __all__ = [
     "KL_ROW_KEY",
     "REF_ROW_KEY",
     "DataCollatorForPackedUnpairedPreference",
+    "DataCollatorForPackedVisionUnpairedPreference",
     "pack_unpaired_sequences",
 ]
 
@@ -235,3 +236,132 @@ class DataCollatorForPackedUnpairedPreference(DataCollatorMixin):
         cut = completion_view(view, packed[TOKEN_INDEX_KEY], self.pad_to_multiple_of)
         labels = cut["input_ids"].masked_fill(cut["completion_mask"] == 0, IGNORE_INDEX)
         return {**packed, "input_ids": cut["input_ids"], "labels": labels, VIEW_INDEX_KEY: cut[VIEW_INDEX_KEY]}
+
+
+# The keys of TRL's vision unpaired batch that belong to its view only (never model inputs of a packed row).
+_VIEW_ONLY_KEYS = ("completion_mask", "label", "ref_logps", "ref_KL_logps")
+
+
+def _vision_views(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The main and (with ``KL_input_ids``) KL views of TRL's vision unpaired batch, each the layout
+    [`unpack_trainer.data.preference.pack_vision_pairs`] reads: ``input_ids`` / ``attention_mask`` /
+    ``completion_mask`` and the per-token keys (``mm_token_type_ids``, ``token_type_ids``) ``(B, L)`` (the KL view's
+    from TRL's ``KL_*`` tensors), and the vision tensors both share (TRL processes each example's images once, for its
+    prompt, and passes them with the main and the KL sequences alike)."""
+    main = {key: value for key, value in batch.items() if not key.startswith("KL_") and key not in _VIEW_ONLY_KEYS}
+    main["completion_mask"] = batch["completion_mask"]
+    if "KL_input_ids" not in batch:
+        return main, None
+    rows, width = batch["input_ids"].shape
+    kl = {
+        key: value
+        for key, value in main.items()
+        if not (isinstance(value, torch.Tensor) and tuple(value.shape) == (rows, width))
+    }
+    kl.update({key[len("KL_") :]: value for key, value in batch.items() if key.startswith("KL_")})
+    return main, kl
+
+
+def _both_views(main: dict[str, Any], kl: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
+    """The ``2B`` rows of the reference row's view: the main rows, then the KL rows, padded on the right to one width
+    (``input_ids`` with ``pad_token_id``, every other per-token key with 0), and every vision tensor listed twice
+    along dimension 0 (the main rows' images, then the KL rows' images: each example's images, twice), the layout of
+    TRL's vision preference batch that [`unpack_trainer.data.preference.pack_vision_pairs`] shares."""
+    rows = main["input_ids"].shape[0]
+    width = max(main["input_ids"].shape[1], kl["input_ids"].shape[1])
+    both: dict[str, Any] = {}
+    for key, value in main.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            both[key] = value
+        elif tuple(value.shape) == tuple(main["input_ids"].shape):
+            fill = pad_token_id if key == "input_ids" else 0
+            both[key] = torch.cat([_pad_columns(value, width, fill), _pad_columns(kl[key], width, fill)])
+        else:
+            both[key] = torch.cat([value, value])
+    if rows != both["input_ids"].shape[0] // 2:
+        raise ValueError("The main and KL views of a KTO batch have different numbers of rows.")
+    return both
+
+
+def _vision_row(
+    view: dict[str, Any],
+    *,
+    prefix_sharing: bool,
+    positions: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor] | None,
+) -> dict[str, Any]:
+    """The model inputs of one packed row of image sequences: ``view``'s ``attention_mask`` (TRL's, as its model call
+    receives it), the packed row of [`unpack_trainer.data.preference.pack_vision_pairs`] (its vision tensors and
+    per-token rows ``(1, T)`` included), the view cut to the completions (``input_ids``, ``packed_view_index``
+    ``(rows, L')`` int64) and ``labels`` ``(rows, L')`` int64 (``-100`` off the completions)."""
+    packed = pack_vision_pairs(view, prefix_sharing=prefix_sharing, positions=positions)
+    cut = completion_view(view, packed[TOKEN_INDEX_KEY])
+    labels = cut["input_ids"].masked_fill(cut["completion_mask"] == 0, IGNORE_INDEX)
+    return {
+        "attention_mask": view["attention_mask"],
+        **packed,
+        "input_ids": cut["input_ids"],
+        "labels": labels,
+        VIEW_INDEX_KEY: cut[VIEW_INDEX_KEY],
+    }
+
+
+@dataclass
+class DataCollatorForPackedVisionUnpairedPreference(DataCollatorMixin):
+    """TRL's vision unpaired preference collator (KTO on image data) plus the packed rows the models run, each image
+    once per prompt per row.
+
+    The view (what TRL's loss reads) is TRL's ``DataCollatorForVisionUnpairedPreference``'s batch (the processor per
+    batch, chat template, truncation, the KL completions cycled by one), cut to the completions as for text; the rows
+    are [`unpack_trainer.data.preference.pack_vision_pairs`]'s:
+
+    - the main row: TRL's ``B`` rows ``[p_i, c_i]`` one after the other, each example's images once (as TRL);
+    - the KL row (``packed_kl_row``, with TRL's ``KL_*`` tensors): the rows ``[p_i, y_i]``, each example's images once;
+    - the reference row (``packed_ref_row``, unless the reference log-probs are precomputed): with ``prefix_sharing``
+      and KL sequences, each example one branched segment ``[p_i, c_i, y_i]``, its prompt (text and image tokens) and
+      its images once, where TRL's reference encodes them twice; else the main and KL rows' sequences as plain samples
+      (without KL sequences, the main row's inputs).
+
+    A prompt is shared by its own example's sequences only (examples with equal prompt text may hold other images).
+
+    Args:
+        view_collator (`Callable`):
+            TRL's ``DataCollatorForVisionUnpairedPreference`` (as TRL's ``__init__`` built it).
+        prefix_sharing (`bool`, *optional*, defaults to `True`):
+            Share each example's prompt between its completion and its KL completion on the reference row.
+        positions (`Callable` or `None`, *optional*):
+            Each full sequence's positions (multi-axis RoPE, :class:`unpack_trainer.models.vision.SequencePositions`);
+            `None` for a text model of 1-D positions.
+        reference (`bool`, *optional*, defaults to `True`):
+            Build the reference row.
+
+    Returns (``torch_call``), for ``B`` examples: TRL's batch without its ``KL_*`` tensors (``attention_mask``
+    ``(B, L)``, ``label`` ``(B,)`` bool, ...), the main row's keys (the vision tensors and per-token rows in place of
+    TRL's, ``packed_multimodal_position_ids`` ``(rows, 1, T)`` int64 with ``positions``), the view cut to the
+    completions (``input_ids``, ``completion_mask``, ``packed_view_index`` ``(B, L')`` int64); ``packed_kl_row`` and
+    ``packed_ref_row`` as dicts of model inputs ([`_vision_row`]; the reference row's view rows: main, then KL).
+    """
+
+    view_collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    prefix_sharing: bool = True
+    positions: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor] | None = None
+    reference: bool = True
+    return_tensors: str = "pt"
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        padded = dict(self.view_collator(examples))
+        main, kl = _vision_views(padded)
+        batch = {key: value for key, value in padded.items() if not key.startswith("KL_")}
+        packed = pack_vision_pairs(main, prefix_sharing=False, positions=self.positions)
+        batch.update(packed)
+        batch.update(completion_view(main, packed[TOKEN_INDEX_KEY]))
+        if kl is not None:
+            batch[KL_ROW_KEY] = _vision_row(kl, prefix_sharing=False, positions=self.positions)
+        if self.reference:
+            if kl is None:
+                batch[REF_ROW_KEY] = _vision_row(main, prefix_sharing=False, positions=self.positions)
+            else:
+                processor = getattr(self.view_collator, "processor", None)
+                pad_token_id = getattr(getattr(processor, "tokenizer", processor), "pad_token_id", None) or 0
+                both = _both_views(main, kl, pad_token_id)
+                batch[REF_ROW_KEY] = _vision_row(both, prefix_sharing=self.prefix_sharing, positions=self.positions)
+        return batch

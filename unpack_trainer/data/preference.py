@@ -280,7 +280,7 @@ def pack_vision_pairs(
     input_ids, attention_mask = view["input_ids"], view["attention_mask"].bool()
     completion_mask = view["completion_mask"].bool()
     rows, width = input_ids.shape
-    if rows % 2:
+    if prefix_sharing and rows % 2:
         raise ValueError(f"A preference batch has chosen rows, then rejected rows; got {rows} rows.")
     num_pairs = rows // 2
     lengths = attention_mask.sum(dim=1)

@@ -21,8 +21,13 @@ every logged metric are TRL's, from TRL's view of the batch. ``precompute_ref_lo
 padded batches at ``__init__`` (the packed path is enabled right after TRL's ``__init__``) and through the packed rows
 for a dataset passed to ``evaluate`` later.
 
-Vision-language data: TRL 1.16's KTO trains on images (its ``DataCollatorForVisionUnpairedPreference``); this
-trainer does not pack them yet: such a set-up trains padded, as TRL does, and the start line says why.
+Vision-language data: TRL 1.16's KTO trains on images (its ``DataCollatorForVisionUnpairedPreference``, as the
+padded collator); they pack the same way
+([`unpack_trainer.data.kto.DataCollatorForPackedVisionUnpairedPreference`]): TRL's batch is the view, the main and KL
+rows hold TRL's sequences (each example's images once per row, as TRL's forwards), the reference row each example's
+prompt (its image tokens included) once with its completion and KL completion as branches (its images once, where
+TRL's reference encodes them twice), every token's multi-axis positions read from its full sequence (the model's own
+``get_rope_index``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ import torch
 import trl
 
 from unpack_trainer import _trl_compat
-from unpack_trainer.data.kto import KL_ROW_KEY, REF_ROW_KEY, DataCollatorForPackedUnpairedPreference
+from unpack_trainer.data.kto import (
+    KL_ROW_KEY,
+    REF_ROW_KEY,
+    DataCollatorForPackedUnpairedPreference,
+    DataCollatorForPackedVisionUnpairedPreference,
+)
 from unpack_trainer.packed_seq_info import (
     INFO_KEY,
     PACKED_INPUT_IDS_KEY,
@@ -76,7 +86,9 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
     """
 
     unpack_unshared = "every sequence is packed after its own copy of its prompt"
+    unpack_packs_vision = True  # image data: each image once per prompt per row (data.kto)
     unpack_trl_collator = staticmethod(_trl_compat.kto_padded_collator_class)
+    unpack_trl_vision_collator = staticmethod(_trl_compat.kto_vision_collator_class)
     _unpack_trl_methods = _trl_compat.KTO_TRAINER_METHODS
     _unpack_trl_attributes = _trl_compat.KTO_TRAINER_ATTRIBUTES
     _unpack_kl_row: dict[str, Any] | None = None
@@ -97,8 +109,21 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
         """``completion`` + ``label`` (unpaired), or ``chosen`` + ``rejected`` (pairs, which TRL unpairs)."""
         return (("completion", "label"), ("chosen", "rejected"))
 
-    def _packed_collator(self) -> DataCollatorForPackedUnpairedPreference:
+    def _packed_collator(
+        self,
+    ) -> DataCollatorForPackedUnpairedPreference | DataCollatorForPackedVisionUnpairedPreference:
         padded = self._padded_collator()
+        if isinstance(padded, self.unpack_trl_vision_collator()):
+            from unpack_trainer.models.discovery import pretrained_model
+            from unpack_trainer.models.vision import sequence_positions_of
+
+            model = pretrained_model(self.accelerator.unwrap_model(self.model))
+            return DataCollatorForPackedVisionUnpairedPreference(
+                view_collator=padded,
+                prefix_sharing=self._unpack_sharing(),
+                positions=sequence_positions_of(model),
+                reference=not self.precompute_ref_logps,
+            )
         return DataCollatorForPackedUnpairedPreference(
             pad_token_id=padded.pad_token_id,
             max_length=padded.max_length,
