@@ -609,10 +609,14 @@ def sequence_parallel_gradients_averaged() -> bool:
     it does, so this reads the release, as transformers' ``deepspeed_sp_compute_loss`` does for the same question."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    if not is_deepspeed_zero3_enabled():
-        return False
+    return is_deepspeed_zero3_enabled() and _deepspeed_before("0.20.2")
+
+
+@functools.cache
+def _deepspeed_before(release: str) -> bool:
+    """Whether the installed deepspeed is older than ``release`` (its metadata read once per process, not per step)."""
     from importlib.metadata import version
 
     from packaging.version import Version
 
-    return Version(version("deepspeed")) < Version("0.20.2")
+    return Version(version("deepspeed")) < Version(release)

@@ -462,7 +462,9 @@ class PackedTrainerMixin:
 
     def _refuse_or_pad(self, reason: str) -> None:
         """``reason`` rules packed rows out: an explicit ``packing=True`` / ``padding_free=True`` is refused
-        (``ValueError``), the automatic padding-free falls back to padded batches, logged with the reason."""
+        (``ValueError``), the automatic padding-free falls back to padded batches, logged with the reason; no row is
+        cut for sequence parallelism either way."""
+        self._unpack_sequence_shards = 1
         if getattr(self._unpack_args, "packing", False):
             raise parallelism_refusal("packing=True", reason)
         if explicit_padding_free(self._unpack_args):
@@ -498,11 +500,10 @@ class PackedTrainerMixin:
         if self.unpack_packs_in == "collator":
             self.data_collator = self._packed_collator()
         if self._unpack_sequence_shards > 1 and not self.unpack_decision.patch:
-            shards, self._unpack_sequence_shards = self._unpack_sequence_shards, 1
             self._refuse_or_pad(
-                f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses) with a model type that is not verified: "
-                "only the patched attention keeps the samples of a cut row apart (stock Ulysses runs the row as one "
-                "causal document)"
+                f"sequence parallelism (sp_size={self._unpack_sequence_shards}, DeepSpeed Ulysses) with a model type "
+                "that is not verified: only the patched attention keeps the samples of a cut row apart (stock Ulysses "
+                "runs the row as one causal document)"
             )
             return  # padded now
         if self.unpack_decision.patch:
@@ -528,7 +529,6 @@ class PackedTrainerMixin:
         why = sequence_parallel_reason(self.model, shards)
         if why is None:
             return False
-        self._unpack_sequence_shards = 1
         try:
             self._refuse_or_pad(f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses): {why}")
         except ValueError:
