@@ -267,11 +267,12 @@ def attention_worker(arch: str, case: str, provider: str, repeats: int, device: 
     seconds = _timed(step, repeats, device)
     backend = None
     if provider.startswith("unpack"):
-        from unpack_trainer.patches.attention import choose_backend
+        from unpack_trainer.patches.attention import AttentionFeature, Needs, choose_backend
 
         _, q, _, v, _, options = layers[0]
         head_dim = max(q.shape[-1], v.shape[-1])
-        choice = choose_backend(q.device, dtype, implementation, softcap="softcap" in options, head_dim=head_dim)
+        wanted = {AttentionFeature.SOFTCAP} if "softcap" in options else set()
+        choice = choose_backend(q.device, dtype, implementation, Needs(wanted, head_dim))
         backend = str(choice)
     return {"seconds": seconds, "peak_mb": _peak_mb(device), "backend": backend, "implementation": implementation}
 

@@ -158,7 +158,7 @@ def run_vlm_case(provider: str, steps: int, batch_size: int, threads: int | None
     import trl
 
     from unpack_trainer import DPOConfig, DPOTrainer
-    from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+    from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
 
     processor = tiny_processor("qwen2_5_vl")
     side = {"shortest_edge": VLM_SIDES[0] ** 2, "longest_edge": VLM_SIDES[1] ** 2}

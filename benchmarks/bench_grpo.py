@@ -199,7 +199,7 @@ def run_vlm_case(provider: str, scenario: str, args: argparse.Namespace) -> dict
     from trl.data_utils import apply_chat_template
 
     from unpack_trainer import GRPOConfig, GRPOTrainer
-    from unpack_trainer.models.tiny_vision import FIRST_TEXT_ID, VOCAB, tiny_processor, tiny_vision_model
+    from unpack_trainer.model_zoo.tiny_vision import FIRST_TEXT_ID, VOCAB, tiny_processor, tiny_vision_model
 
     image_tokens = int(scenario.split(":")[1])
     side = int(round((image_tokens * 4) ** 0.5)) * 14  # merged 2 x 2 patches of 14 pixels

@@ -7,7 +7,7 @@
 The task: a prompt is a few letters of ``abcd``; the reward of a completion is the share of its first
 ``--completion-length`` characters that repeat the prompt's last letter (the characters before ``</s>``; a completion
 that stops early scores less). It needs the prompt (prefix sharing must keep it visible to every completion) and is
-checked by a program. The policy: a tiny random Llama over the character tokenizer ([`unpack_trainer.models.tiny`]) whose
+checked by a program. The policy: a tiny random Llama over the character tokenizer ([`unpack_trainer.model_zoo.tiny`]) whose
 ``</s>`` logit is raised, so that early completions end at different lengths.
 
 For each seed all arms start from the same initial weights, draw the same prompts in the same order and sample with
@@ -68,7 +68,7 @@ def run_case(arm: str, seed: int, options: argparse.Namespace) -> dict:
     from datasets import Dataset
 
     from unpack_trainer import GRPOConfig, GRPOTrainer
-    from unpack_trainer.models import tiny
+    from unpack_trainer.model_zoo import tiny
 
     tokenizer = tiny.char_tokenizer()
     model = tiny.tiny_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,

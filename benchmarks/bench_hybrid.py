@@ -87,7 +87,7 @@ def row_lengths(tokens: int, seed: int = 0) -> list[int]:
 
 
 def _step_unpack(model, samples, device):
-    from unpack_trainer.models.tiny import packed_batch
+    from unpack_trainer.model_zoo.tiny import packed_batch
 
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed_batch(samples).items()}
     loss = model(**batch, use_cache=False).loss
@@ -95,7 +95,7 @@ def _step_unpack(model, samples, device):
 
 
 def _step_padded(model, samples, device):
-    from unpack_trainer.models.tiny import padded_batch
+    from unpack_trainer.model_zoo.tiny import padded_batch
 
     batch = {k: v.to(device) for k, v in padded_batch(samples).items()}
     loss = model(**batch, use_cache=False).loss

@@ -374,12 +374,8 @@ def analyze(
     """
     import numpy as np
 
-    from unpack_trainer.data.packing import (
-        balanced_step_order,
-        best_fit_decreasing,
-        shuffled_best_fit,
-        windowed_best_fit,
-    )
+    from unpack_trainer.data.packing import best_fit_decreasing, shuffled_best_fit, windowed_best_fit
+    from unpack_trainer.data.sampler import balanced_step_order
 
     lengths, trained = prepared_samples(train_dataset, tokenizer, max_length)
     lengths_array, trained_array = np.asarray(lengths), np.asarray(trained)

@@ -90,13 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("unpack_trainer").setLevel(logging.ERROR)
     from types import SimpleNamespace
 
-    from unpack_trainer.data.packing import (
-        attention_cost_ratio,
-        balanced_rank_order,
-        balanced_step_order,
-        row_costs,
-        windowed_packing,
-    )
+    from unpack_trainer.data.packing import windowed_packing
+    from unpack_trainer.data.sampler import attention_cost_ratio, balanced_rank_order, balanced_step_order, row_costs
 
     ratio = attention_cost_ratio(SimpleNamespace(**LLAMA3_8B))
     print_header("Rank balance per optimizer step (simulated): today's order vs balanced_rank_order")

@@ -51,7 +51,7 @@ def _worker(rank: int, port: int, queue) -> None:
         measure_attention_cost_ratio,
         row_costs,
     )
-    from unpack_trainer.models.tiny import packed_batch, tiny_model
+    from unpack_trainer.model_zoo.tiny import packed_batch, tiny_model
 
     model = tiny_model(
         "llama",

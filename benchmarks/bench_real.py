@@ -83,7 +83,7 @@ def row_samples(row_tokens: int) -> list[list[int]]:
     """Chat samples (SmolLM2 template) in dataset order, as many as fit in ``row_tokens`` tokens."""
     from transformers import AutoTokenizer
 
-    from unpack_trainer.models.real_model import smollm2_path
+    from unpack_trainer.model_zoo.smollm2 import smollm2_path
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     samples, total = [], 0

@@ -5,7 +5,7 @@ held-out loss of packed vs padded training over seeds.
     python benchmarks/bench_vlm.py --quality              # quality: held-out loss, padded vs packed, 3 seeds
     python benchmarks/bench_vlm.py --quick                # smoke test (CI): 1 repeat, 2 steps, 1 seed
 
-Model: a small Qwen2.5-VL built from its config (:mod:`unpack_trainer.models.tiny_vision`: text model hidden 256, 4
+Model: a small Qwen2.5-VL built from its config (:mod:`unpack_trainer.model_zoo.tiny_vision`: text model hidden 256, 4
 layers, 8 heads of 32, 4 key/value heads; vision tower 2 layers of 32, patches of 14, merge 2), random init, fp32, and
 its processor (character tokenizer). Data: the drawn shapes with captions of
 :mod:`unpack_trainer.data.default_vision_data` (images 56 to 224 pixels a side: 4 to 64 image tokens; answers of a
@@ -54,7 +54,7 @@ TEXT = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_
 
 
 def _model(seed: int = 0) -> Any:
-    from unpack_trainer.models.tiny_vision import tiny_vision_model
+    from unpack_trainer.model_zoo.tiny_vision import tiny_vision_model
 
     return tiny_vision_model("qwen2_5_vl", seed=seed, attn_implementation="sdpa", **TEXT)
 
@@ -66,7 +66,7 @@ def _data(n: int, seed: int) -> Any:
 
 
 def _processor() -> Any:
-    from unpack_trainer.models.tiny_vision import tiny_processor
+    from unpack_trainer.model_zoo.tiny_vision import tiny_processor
 
     processor = tiny_processor("qwen2_5_vl")
     processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}  # 4 to 64 image tokens

@@ -3,7 +3,7 @@
     pip install -e ".[vision]" && python examples/vlm_packing.py
 
 With no arguments it builds a small Qwen2.5-VL from its config (no download: text model hidden 256, 4 layers; a
-2-layer vision tower; a character tokenizer with Qwen's image tokens, unpack_trainer.models.tiny_vision) and fine-tunes
+2-layer vision tower; a character tokenizer with Qwen's image tokens, unpack_trainer.model_zoo.tiny_vision) and fine-tunes
 it on images drawn locally: shapes of colours with captions (unpack_trainer.data.default_vision_data: 128 examples,
 images 56 to 224 pixels a side, 4 to 64 image tokens, answers of a caption plus a lognormal number of sentences, 50 to
 ~1,100 tokens, median ~170: mostly short with a long tail, where padding wastes most). It trains twice, from the same
@@ -81,7 +81,7 @@ def small_model(model_type: str, seed: int, quick: bool = False) -> Any:
     """The small model of ``model_type``: the tiny family's vision tower, a text model of hidden 256 and 4 layers
     (Qwen2-VL / Qwen3-VL families; the others, and every family with ``quick``, keep the tiny text model so that their
     vision projectors and layer types fit)."""
-    from unpack_trainer.models.tiny_vision import tiny_vision_model
+    from unpack_trainer.model_zoo.tiny_vision import tiny_vision_model
 
     text = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=688,
                 num_hidden_layers=4) if model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl") and not quick else {}  # fmt: skip
@@ -89,7 +89,7 @@ def small_model(model_type: str, seed: int, quick: bool = False) -> Any:
 
 
 def processor_for(model_type: str) -> Any:
-    from unpack_trainer.models.tiny_vision import tiny_processor
+    from unpack_trainer.model_zoo.tiny_vision import tiny_processor
 
     processor = tiny_processor(model_type)
     if model_type.startswith("qwen"):

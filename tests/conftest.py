@@ -1,5 +1,5 @@
 """Fixtures shared by every test module: tiny models and the character tokenizer (built by
-:mod:`unpack_trainer.models.tiny`), the trainer tests' arguments and data, and the clean-up after each test and module.
+:mod:`unpack_trainer.model_zoo.tiny`), the trainer tests' arguments and data, and the clean-up after each test and module.
 
 Test modules never import each other: what two of them share lives here.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from unpack_trainer._logging import reset_log_once
-from unpack_trainer.models import tiny
+from unpack_trainer.model_zoo import tiny
 
 # The tests use tiny tensors: more than one intra-op thread only adds synchronisation, and on a shared 2-core machine
 # it turns milliseconds into seconds.
@@ -109,7 +109,7 @@ def wrap_backends(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_model():
     """``tiny_model(model_type, *, seed=0, attn_implementation=None, **config_overrides)``: a tiny random causal LM
-    of any architecture (:func:`unpack_trainer.models.tiny.tiny_model`; an override of ``None`` takes the config class's
+    of any architecture (:func:`unpack_trainer.model_zoo.tiny.tiny_model`; an override of ``None`` takes the config class's
     default)."""
     return tiny.tiny_model
 
@@ -128,7 +128,7 @@ def tiny_llama():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """The character-level tokenizer (:func:`unpack_trainer.models.tiny.char_tokenizer`); a module that needs another one
+    """The character-level tokenizer (:func:`unpack_trainer.model_zoo.tiny.char_tokenizer`); a module that needs another one
     defines its own ``tokenizer`` fixture."""
     return tiny.char_tokenizer()
 

@@ -20,7 +20,7 @@ from unpack_trainer._compat import (
     enable_checkpointing,
     output_cache,
 )
-from unpack_trainer.models.tiny import tiny_model
+from unpack_trainer.model_zoo.tiny import tiny_model
 
 
 def test_the_cache_is_found_under_either_keyword():

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 
 def _save_tiny(path, *, seed: int, hidden_size: int) -> str:
-    from unpack_trainer.models import tiny
+    from unpack_trainer.model_zoo import tiny
 
     tokenizer = tiny.char_tokenizer()
     tiny.tiny_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=1,

@@ -22,7 +22,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from unpack_trainer import DistillationConfig, DistillationTrainer
-from unpack_trainer.models import tiny
+from unpack_trainer.model_zoo import tiny
 from unpack_trainer.trainers import distillation
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -302,7 +302,7 @@ def test_image_prompts_equal_stock(family, raise_eos, tmp_path, monkeypatch):
         return batch, reason
 
     monkeypatch.setattr(distillation, "packed_layout", recorded)
-    from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+    from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
 
     monkeypatch.setattr(distillation, "PACKED_TOKEN_SHARE", 1.01)  # pack even where it would barely save tokens
     processor = tiny_processor(family)
@@ -397,7 +397,8 @@ def test_a_refused_teacher_runs_padded_with_one_logged_reason(tmp_path, student,
 
 
 def test_a_teacher_failing_its_self_check_runs_padded(tmp_path, student, teacher, monkeypatch, caplog):
-    from unpack_trainer.models import is_patched, selfcheck
+    from unpack_trainer import selfcheck
+    from unpack_trainer.models import is_patched
 
     real = selfcheck.check_uncontaminated
     failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)

@@ -3,7 +3,7 @@ and the API reference lists exactly the public names.
 
 A command is *shown* when it is a line of a ```bash block, a ``$ `` line of a ```console block (continuation lines
 joined, comments dropped), or an inline span that runs a script or module of this repository (`python benchmarks/...`,
-`python examples/...`, `python -m ...`: the commands that made the tables). Each is verified one of four ways:
+`python examples/...`, `python tools/...`, `python -m ...`: the commands that made the tables). Each is verified one of four ways:
 
 - **by CI**: ``BY_CI`` names the text of ``.ci/run`` that runs it (install, lint, docs build, the test command);
 - **by a test**: ``BY_TEST`` names the test function (anywhere under ``tests/``) that runs it, with what it changes
@@ -87,9 +87,9 @@ TRL_SUITE = re.compile(
     r"\$TRL_TESTS/(test_\w+\.py)(?: -k \"[\w ]+\")?( --unpack-swap)?$"
 )
 SCRIPT = re.compile(
-    r"^python (?:(?P<script>(?:benchmarks|examples)/[\w./-]+\.py)|-m (?P<module>[\w.]+))(?P<args>(?: .*)?)$"
+    r"^python (?:(?P<script>(?:benchmarks|examples|tools)/[\w./-]+\.py)|-m (?P<module>[\w.]+))(?P<args>(?: .*)?)$"
 )
-INLINE = re.compile(r"`(python (?:benchmarks/|examples/|-m )[^`]+)`")
+INLINE = re.compile(r"`(python (?:benchmarks/|examples/|tools/|-m )[^`]+)`")
 
 
 def _join_continuations(lines: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from datasets import Dataset
 from dpo_steps import one_dpo_step
 
 from unpack_trainer.configs import DPOConfig
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 from unpack_trainer.trainers.dpo import DPOTrainer
 
 REL = 1e-5
@@ -325,11 +325,11 @@ def test_a_plain_trl_config_gets_our_defaults(tmp_path):
 def test_a_failed_self_check_trains_padded(tmp_path, monkeypatch):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from unpack_trainer.models import selfcheck
-    from unpack_trainer.trainers import _packed
+    from unpack_trainer import selfcheck
+    from unpack_trainer.trainers import contamination
 
     failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
-    monkeypatch.setattr(_packed, "check_uncontaminated", lambda *a, **k: failed)
+    monkeypatch.setattr(contamination, "check_uncontaminated", lambda *a, **k: failed)
     trainer = _trainer(tmp_path)
     assert trainer.unpack_decision.packed
     trainer.get_train_dataloader()

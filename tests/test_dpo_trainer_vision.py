@@ -19,7 +19,7 @@ from random_images import random_image
 
 from unpack_trainer.configs import DPOConfig
 from unpack_trainer.data.preference import pack_vision_pairs
-from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
 from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY
 from unpack_trainer.trainers.dpo import DPOTrainer
 
@@ -257,7 +257,7 @@ def test_the_branched_self_check_probes_a_shared_image_prompt(model_type):
     row cannot be run exactly (image positions the collator did not compute: below). Gemma 3's image blocks apply on
     the shared prompt."""
     from unpack_trainer.models import patch_model
-    from unpack_trainer.models.selfcheck import check_uncontaminated
+    from unpack_trainer.selfcheck import check_uncontaminated
 
     model = tiny_vision_model(model_type, attn_implementation="sdpa")
     patch_model(model)
@@ -267,7 +267,7 @@ def test_the_branched_self_check_probes_a_shared_image_prompt(model_type):
 
 def test_the_branched_self_check_fails_without_each_sequences_image_positions(monkeypatch):
     from unpack_trainer.models import patch_model, vision
-    from unpack_trainer.models.selfcheck import check_uncontaminated
+    from unpack_trainer.selfcheck import check_uncontaminated
 
     monkeypatch.setattr(vision, "sequence_positions_of", lambda model: None)
     model = tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa")

@@ -10,7 +10,7 @@ from importlib import metadata
 import pytest
 
 from unpack_trainer.cli.main import main
-from unpack_trainer.models.tiny import tiny_config
+from unpack_trainer.model_zoo.tiny import tiny_config
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -78,7 +78,7 @@ def test_bad_models_are_one_line_errors(capsys, model, message):
 
 
 def test_a_vision_language_model_shows_its_path(capsys):
-    """A vision-language model type is built tiny (unpack_trainer.models.tiny_vision) and its packed path shown:
+    """A vision-language model type is built tiny (unpack_trainer.model_zoo.tiny_vision) and its packed path shown:
     which module keeps the packing from the vision tower, the model-family fixes the patch installs, its positions per
     sample (and where they are computed), its image tokens' attention."""
     assert main(["env", "--model", "qwen2_5_vl"]) == 0
@@ -128,7 +128,7 @@ def test_the_sequence_parallel_path_is_named(capsys):
     code, out, _ = run(capsys, "--model", "llama")
     assert code == 0
     assert (
-        "- sequence parallelism (DeepSpeed Ulysses): SFT and DPO pack exactly at sp_size 2, 4; refused at 8: its 4 "
+        "- sequence parallelism (DeepSpeed Ulysses): SFT, DPO, reward, GRPO and RLOO pack exactly at sp_size 2, 4; refused at 8: its 4 "
         "attention heads do not divide by sp_size=8" in out
     )
     _, out, _ = run(capsys, "--model", "qwen3_next")

@@ -22,7 +22,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from unpack_trainer.models import tiny
+from unpack_trainer.model_zoo import tiny
 from unpack_trainer.trainers.branched import pack_completions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -521,11 +521,12 @@ def test_a_completion_that_sees_a_sibling_fails_the_self_check_and_sharing_stops
 
 
 def test_a_failed_plain_self_check_trains_stock_and_unpatches(tmp_path, llama, monkeypatch):
-    from unpack_trainer.models import is_patched, selfcheck
-    from unpack_trainer.trainers import _packed
+    from unpack_trainer import selfcheck
+    from unpack_trainer.models import is_patched
+    from unpack_trainer.trainers import contamination
 
     failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
-    monkeypatch.setattr(_packed, "check_uncontaminated", lambda *a, **k: failed)
+    monkeypatch.setattr(contamination, "check_uncontaminated", lambda *a, **k: failed)
     trainer = _trainer(tmp_path, llama)
     trainer.train()
     assert trainer.unpack_decision.mode == "padded" and "self-check failed" in trainer.unpack_decision.reason

@@ -3,7 +3,7 @@
 every per-token log-prob and entropy, every gradient, the vision tower's included), each group's image prompt packed
 once with its completions as branches and its images encoded once per group.
 
-A tiny Qwen2.5-VL built from its config (:mod:`unpack_trainer.models.tiny_vision`) with its processor; three image
+A tiny Qwen2.5-VL built from its config (:mod:`unpack_trainer.model_zoo.tiny_vision`) with its processor; three image
 prompts of 4 completions each per step: two with the same text and image size but different pixels (equal prompt
 token ids: only the images tell the groups apart) and one with a longer text and a larger image (left padding, another
 image grid). The end-of-sequence logit is raised so that completions end at different lengths. Bounds: fp32, relative
@@ -22,8 +22,8 @@ from test_grpo_trainer import assert_same_steps
 from test_grpo_trainer import run_steps as run_text_steps
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from unpack_trainer.models import tiny
-from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+from unpack_trainer.model_zoo import tiny
+from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
 from unpack_trainer.trainers.grpo import _prompt_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -19,7 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from unpack_trainer.configs import KTOConfig
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 from unpack_trainer.trainers.kto import KTOTrainer
 
 REL = 1e-5
@@ -412,11 +412,11 @@ def test_a_plain_trl_config_gets_our_defaults(tmp_path):
 def test_a_failed_self_check_trains_padded(tmp_path, monkeypatch):
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-    from unpack_trainer.models import selfcheck
-    from unpack_trainer.trainers import _packed
+    from unpack_trainer import selfcheck
+    from unpack_trainer.trainers import contamination
 
     failed = selfcheck.ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
-    monkeypatch.setattr(_packed, "check_uncontaminated", lambda *a, **k: failed)
+    monkeypatch.setattr(contamination, "check_uncontaminated", lambda *a, **k: failed)
     trainer = _trainer(tmp_path)
     assert trainer.unpack_decision.packed
     trainer.get_train_dataloader()
@@ -453,7 +453,7 @@ def test_an_image_dataset_packs_through_the_vision_collator(tmp_path):
     from random_images import random_image
 
     from unpack_trainer.data.kto import DataCollatorForPackedVisionUnpairedPreference
-    from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+    from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
 
     rows = [
         {

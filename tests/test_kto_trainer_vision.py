@@ -16,7 +16,7 @@ from random_images import random_image
 from test_kto_trainer import assert_same_step
 
 from unpack_trainer.configs import KTOConfig
-from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
 from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY
 from unpack_trainer.trainers.kto import KTOTrainer
 
@@ -97,11 +97,14 @@ def one_step(trainer_class, config_class, tmp_path, *, model_type="qwen2_5_vl", 
     with torch.no_grad():
         logps = torch.stack([part for part in _reference_logps(trainer, examples) if part is not None])
         if trainer.calculate_KL:  # the policy's KL log-probs (the ``kl`` metric is clamped at 0: compared here)
-            trainer._unpack_kl_row = batch.get("packed_kl_row")
+            run = getattr(trainer, "unpack_run", None)  # ours: the KL row, as its _compute_loss hands it on
+            if run is not None:
+                run.kl_row = batch.get("packed_kl_row")
             try:
                 logps = torch.cat([logps, trainer._compute_kl_logps(model, batch)[None]])
             finally:
-                trainer._unpack_kl_row = None
+                if run is not None:
+                    run.kl_row = None
     return {"loss": loss.detach(), "grads": grads, "metrics": metrics, "logps": logps, "trainer": trainer,
             "batch": batch, "images": step_images}  # fmt: skip
 

@@ -123,7 +123,7 @@ def test_the_step_skips_the_casts_exactly(tmp_path, monkeypatch, trainer_name, c
     checkpointing (the recomputed forward skips as the forward did): the step runs inside the context, and its loss
     and every LoRA gradient equal the same step with the context off."""
     from unpack_trainer import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
-    from unpack_trainer.models.tiny import char_tokenizer
+    from unpack_trainer.model_zoo.tiny import char_tokenizer
 
     trainer_class, config_class = {"sft": (SFTTrainer, SFTConfig), "dpo": (DPOTrainer, DPOConfig)}[trainer_name]
     entered, switches = [], []
@@ -175,7 +175,7 @@ def test_the_online_step_skips_the_casts_and_generation_keeps_peft(tmp_path, mon
     from datasets import Dataset
 
     from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-    from unpack_trainer.models.tiny import char_tokenizer
+    from unpack_trainer.model_zoo.tiny import char_tokenizer
 
     trainer_class, config_class = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}[trainer_name]
     real = lora_casts.lora_input_casts_skipped

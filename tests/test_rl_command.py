@@ -20,7 +20,7 @@ def count_a(completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from unpack_trainer.models import tiny
+    from unpack_trainer.model_zoo import tiny
 
     path = tmp_path_factory.mktemp("model")
     tokenizer = tiny.char_tokenizer()

@@ -22,9 +22,9 @@ import torch
 
 from unpack_trainer.data.collator import DataCollatorForPacking
 from unpack_trainer.decision import parallelism_reason, sequence_parallel_size
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 from unpack_trainer.models import patch_model
 from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
 from unpack_trainer.packed_seq_info import INFO_KEY, PackedSeqInfo, detect_packed
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
@@ -52,10 +52,10 @@ def test_the_collator_cuts_ready_rows_for_the_shards(shards, pad_to):
     assert info.seq_lengths.tolist() == [3, 5, 1] + ([length - 9] if length > 9 else [])
     assert batch["labels"][0, 9:].eq(-100).all()  # the padding is a pseudo-sample with no label
     # the object crosses processes (DeepSpeed gathers a batch's non-tensors as pickles): samples kept, caches dropped
-    info.plan("test", None, lambda: 1)
+    info.plans.get((), lambda: 1)
     copy = pickle.loads(pickle.dumps(info))
     assert copy.sequence_shards == shards and torch.equal(copy.seq_lengths, info.seq_lengths)
-    assert copy._plans == {}
+    assert len(info.plans) == 1 and len(copy.plans) == 0
 
 
 def test_an_unsharded_collator_is_unchanged():
@@ -101,12 +101,12 @@ def test_sequence_parallelism_packs_only_in_the_trainers_that_carry_the_rows_bou
     assert "context parallelism" in parallelism_reason(config, {}, sequence_parallel=True)
 
 
-def test_sft_and_dpo_pack_under_sequence_parallelism_and_the_other_trainers_refuse_it():
+def test_five_trainers_pack_under_sequence_parallelism_and_the_other_trainers_refuse_it():
     from unpack_trainer.trainers import TRAINERS
 
     packs = {spec.command: spec.trainer_class().unpack_sequence_parallel for spec in TRAINERS}
-    assert packs["sft"] is True and packs["dpo"] is True
-    assert not any(packs[name] for name in ("grpo", "rloo", "reward"))
+    assert all(packs[name] is True for name in ("sft", "dpo", "reward", "grpo", "rloo"))
+    assert not any(packs[name] for name in ("kto", "distillation"))
 
 
 # ------------------------------------------------------------------------------------ Ulysses' head split, one process
@@ -291,6 +291,7 @@ def test_a_run_that_cannot_stay_exact_under_ulysses_is_refused_with_its_reason(
 ):
     """What the trainer checks once the accelerator exists (one process here: its parallelism config stubbed)."""
     from unpack_trainer import SFTTrainer
+    from unpack_trainer.trainers.sequence_parallel import check_parallelism
 
     handler = change.pop("handler", {})
     args = sft_args(tmp_path, packing=True, **(dict(per_device_train_batch_size=1) | change))
@@ -303,7 +304,7 @@ def test_a_run_that_cannot_stay_exact_under_ulysses_is_refused_with_its_reason(
     )
     monkeypatch.setattr(trainer.accelerator.state, "parallelism_config", _ulysses(**handler), raising=False)
     with pytest.raises(ValueError, match="sequence parallelism") as raised:
-        trainer._refuse_sequence_splitting()
+        check_parallelism(trainer)
     assert expected in str(raised.value)
 
 
@@ -312,6 +313,7 @@ def test_a_model_that_cannot_stay_exact_under_ulysses_is_refused_unpatched(
 ):
     from unpack_trainer import SFTTrainer
     from unpack_trainer.models import is_patched
+    from unpack_trainer.trainers.sequence_parallel import refuse_model
 
     trainer = SFTTrainer(
         model=tiny_model("qwen3_next", vocab_size=len(tokenizer)),
@@ -319,9 +321,9 @@ def test_a_model_that_cannot_stay_exact_under_ulysses_is_refused_unpatched(
         train_dataset=prompt_completion(),
         processing_class=tokenizer,
     )
-    trainer._unpack_sequence_shards = 2
+    trainer.unpack_run.sequence_shards = 2
     with pytest.raises(ValueError, match=r"sp_size=2, DeepSpeed Ulysses\): token mixers \(Qwen3NextGatedDeltaNet\)"):
-        trainer._refuse_model_under_sequence_parallelism()
+        refuse_model(trainer)
     assert not is_patched(trainer.model)
 
 
@@ -380,20 +382,20 @@ def test_dpo_does_not_fall_back_to_padded_pairs_under_ulysses(tokenizer, tmp_pat
     from datasets import Dataset
 
     from unpack_trainer import DPOConfig, DPOTrainer
-    from unpack_trainer.trainers._packed import PackedTrainerMixin
+    from unpack_trainer.trainers import sequence_parallel
 
     pairs = Dataset.from_list([{"prompt": "ab", "chosen": "cd", "rejected": "ef"}] * 4)
     args = DPOConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=1,
         max_length=32,
     )  # fmt: skip
-    real = PackedTrainerMixin._refuse_sequence_splitting
+    real = sequence_parallel.check_parallelism
 
     def under_ulysses(self):
         monkeypatch.setattr(self.accelerator.state, "parallelism_config", _ulysses(), raising=False)
         real(self)
 
-    monkeypatch.setattr(PackedTrainerMixin, "_refuse_sequence_splitting", under_ulysses)
+    monkeypatch.setattr(sequence_parallel, "check_parallelism", under_ulysses)
     model, reference = (tiny_model("qwen3_next", vocab_size=len(tokenizer), seed=seed) for seed in (0, 1))
     with pytest.raises(ValueError, match=r"cannot train padded under sequence parallelism \(sp_size=2\).*token mixers"):
         DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer)
@@ -403,17 +405,18 @@ def test_an_unverified_model_type_is_refused_under_ulysses(tokenizer, tmp_path, 
     """SFT runs an unverified model type unpatched (its self-check decides); under Ulysses that is one causal document
     across the cut row, so packing is refused with the reason."""
     from unpack_trainer import SFTTrainer
-    from unpack_trainer.models.tiny import tiny_model as build
-    from unpack_trainer.trainers._packed import PackedTrainerMixin
+    from unpack_trainer.model_zoo.tiny import tiny_model as build
+    from unpack_trainer.trainers import sequence_parallel
 
-    real = PackedTrainerMixin._refuse_sequence_splitting
+    real = sequence_parallel.check_parallelism
 
     def under_ulysses(self):
         monkeypatch.setattr(self.accelerator.state, "parallelism_config", _ulysses(), raising=False)
         real(self)
 
-    monkeypatch.setattr(PackedTrainerMixin, "_refuse_sequence_splitting", under_ulysses)
-    monkeypatch.setattr("unpack_trainer.trainers._packed._registry", lambda: (frozenset(), {}))  # nothing verified
+    monkeypatch.setattr(sequence_parallel, "check_parallelism", under_ulysses)
+    nothing_verified = (frozenset(), {})
+    monkeypatch.setattr("unpack_trainer.trainers.packed_path.verified_model_types", lambda: nothing_verified)
     with pytest.raises(ValueError, match=r"sp_size=2, DeepSpeed Ulysses\) with a model type that is not verified"):
         SFTTrainer(
             model=build("llama", vocab_size=len(tokenizer)),

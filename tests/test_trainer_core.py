@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 
 import pytest
 import trl
@@ -13,8 +14,9 @@ from datasets import Dataset, Features, IterableDataset, Value
 from unpack_trainer import SFTConfig, SFTTrainer, _trl_compat
 from unpack_trainer.configs import convert_config
 from unpack_trainer.data.sampler import BalancedStepSampler
-from unpack_trainer.trainers import PackedTrainerMixin
-from unpack_trainer.trainers._packed import _first_example
+from unpack_trainer.trainers import TRAINERS, PackedTrainerMixin
+from unpack_trainer.trainers.hooks import TrainerHooks
+from unpack_trainer.trainers.packed_path import _first_example
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -125,8 +127,56 @@ def test_every_name_listed_exists_in_the_installed_trl():
 
 
 def test_sft_trainer_is_the_core_in_front_of_trls_trainer():
-    assert SFTTrainer.__mro__[1:3] == (PackedTrainerMixin, trl.SFTTrainer)
+    assert SFTTrainer.__mro__[1:4] == (PackedTrainerMixin, TrainerHooks, trl.SFTTrainer)
     assert SFTTrainer.unpack_config_class is SFTConfig and SFTTrainer.unpack_trl_class is trl.SFTTrainer
+
+
+def test_the_core_holds_only_the_trainer_methods_it_overrides():
+    """Issue 44: what the core does around them is in its collaborators, what differs between trainers in its hooks."""
+    from transformers import Trainer
+
+    kinds = (types.FunctionType, classmethod, staticmethod, property)
+    methods = {name for name, value in vars(PackedTrainerMixin).items() if isinstance(value, kinds)}
+    assert methods - {"__init_subclass__"} <= set(dir(Trainer)), methods - set(dir(Trainer))
+    assert len(methods) <= 15
+
+
+@pytest.mark.parametrize("spec", TRAINERS, ids=lambda spec: spec.command)
+def test_every_declared_trainer_declares_its_config_and_takes_its_names(spec):
+    """The table names each trainer's module and class; the class declares its config and reads nothing back."""
+    trainer = spec.trainer_class()
+    assert trainer.unpack_config_class is spec.config_class()
+    assert trainer.unpack_name == spec.trainer == trainer.__name__
+    assert trainer.unpack_trl_class is getattr(trl, spec.trainer)
+
+    class Custom(trainer):  # a user's subclass keeps the names it derives from
+        pass
+
+    assert (Custom.unpack_name, Custom.unpack_trl_class) == (spec.trainer, trainer.unpack_trl_class)
+
+
+def test_the_run_state_is_the_one_place_a_run_keeps_what_it_decided(
+    tokenizer, tmp_path, prompt_completion, sft_args, tiny_llama
+):
+    """One object per run: nothing stamped on the trainer under ``_unpack_*``; the public attributes are its fields,
+    the mode stored once (the decision's)."""
+    from unpack_trainer.trainers.sft import SFTRun
+
+    trainer = SFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=sft_args(tmp_path, packing=True),
+        train_dataset=prompt_completion(),
+        eval_dataset=prompt_completion(4),
+        processing_class=tokenizer,
+    )
+    trainer.get_train_dataloader()
+    trainer.evaluate()
+    run = trainer.unpack_run
+    assert type(run) is SFTRun and run.decision.mode == "pack" and run.train_prepared
+    assert trainer.unpack_decision is run.decision and trainer.unpack_stats is run.stats
+    assert trainer.unpack_selfcheck is run.selfcheck and run.selfcheck.ok and run.checked
+    assert not [name for name in vars(trainer) if name.startswith("_unpack")]
+    assert [name for name in vars(trainer) if name.startswith("unpack_")] == ["unpack_run"]
 
 
 # ------------------------------------------------------------------------------------------------ what the core reads

@@ -19,8 +19,8 @@ from transformers import TrainerCallback
 from unpack_trainer import SFTConfig, SFTTrainer
 from unpack_trainer.data.vision import VISION_ROWS_KEY, DataCollatorForVisionPacking, VisionRows
 from unpack_trainer.decision import decide
+from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_config, tiny_vision_model
 from unpack_trainer.models import is_patched, supported_model_types
-from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_config, tiny_vision_model
 
 
 def _dataset(n: int = 12, seed: int = 0) -> Dataset:
@@ -161,11 +161,11 @@ def test_packing_packs_examples_ahead_with_every_image_whole(tmp_path, caplog):
 
 
 def test_a_failed_selfcheck_falls_back_to_trls_padded_path(tmp_path, monkeypatch):
-    from unpack_trainer.models.selfcheck import ContaminationReport
-    from unpack_trainer.trainers import _packed
+    from unpack_trainer.selfcheck import ContaminationReport
+    from unpack_trainer.trainers import contamination
 
     failed = ContaminationReport(False, 1.0, 1e-4, float("nan"), torch.float32, 0.0)
-    monkeypatch.setattr(_packed, "check_uncontaminated", lambda model, **kwargs: failed)
+    monkeypatch.setattr(contamination, "check_uncontaminated", lambda model, **kwargs: failed)
     dataset = _dataset(8)
     trainer = SFTTrainer(
         model=tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa"),
@@ -437,7 +437,7 @@ def test_the_step_token_count_is_left_as_stock_where_asked(tmp_path, monkeypatch
     padded = built(padding_free=False)
     assert padded.unpack_decision.mode == "padded" and padded.model_accepts_loss_kwargs
     sample = built(loss_normalization="sample")
-    assert sample._unpack_sample_loss and not sample.model_accepts_loss_kwargs
+    assert sample.unpack_run.sample_loss and not sample.model_accepts_loss_kwargs
     monkeypatch.setenv("UNPACK_DISABLE", "1")
     stock = built()
     assert stock.unpack_decision.mode == "stock" and not stock.model_accepts_loss_kwargs

@@ -11,7 +11,7 @@ import trl
 
 import unpack_trainer
 from unpack_trainer.models import is_patched, unpatch_model
-from unpack_trainer.models.selfcheck import check_uncontaminated
+from unpack_trainer.selfcheck import check_uncontaminated
 from unpack_trainer.trainers import TRAINERS
 from unpack_trainer.trainers.branched import install_branched_hooks
 

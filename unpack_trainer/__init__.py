@@ -39,8 +39,10 @@ _EXPORTS: dict[str, str] = {
     "patch_model": "unpack_trainer.models",
     "unpatch_model": "unpack_trainer.models",
     "supported_model_types": "unpack_trainer.models",
+    "register_backend": "unpack_trainer.patches.attention.registry",
+    "AttentionFeature": "unpack_trainer.patches.attention._common",
     # trainers: every entry of unpack_trainer.trainers.TRAINERS (its trainer and config classes), added below
-    "check_uncontaminated": "unpack_trainer.models.selfcheck",
+    "check_uncontaminated": "unpack_trainer.selfcheck",
     # preference training (DPO)
     "DataCollatorForPackedPreference": "unpack_trainer.data.preference",
     "load_default_preference_dataset": "unpack_trainer.data.default_preference_data",
@@ -56,8 +58,8 @@ _EXPORTS: dict[str, str] = {
     "load_default_tokenizer": "unpack_trainer.data.default_data",
     "tiny_model_config": "unpack_trainer.data.default_data",
     # a real pretrained model (the `real` extra)
-    "load_smollm2": "unpack_trainer.models.real_model",
-    "smollm2_path": "unpack_trainer.models.real_model",
+    "load_smollm2": "unpack_trainer.model_zoo.smollm2",
+    "smollm2_path": "unpack_trainer.model_zoo.smollm2",
 }
 for _spec in TRAINERS:
     _EXPORTS[_spec.trainer] = _spec.trainer_module
@@ -65,6 +67,7 @@ for _spec in TRAINERS:
 
 __all__ = [
     *sorted(name for spec in TRAINERS for name in (spec.trainer, spec.config)),
+    "AttentionFeature",
     "DataCollatorForPackedPreference",
     "DataCollatorForPacking",
     "PACKED_BATCH_KEYS",
@@ -85,6 +88,7 @@ __all__ = [
     "packing_efficiency",
     "patch_model",
     "position_ids_from_sample_index",
+    "register_backend",
     "shuffle_rows",
     "shuffled_best_fit",
     "smollm2_path",
@@ -123,7 +127,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from unpack_trainer.data.sampler import balanced_rank_order, balanced_step_order
     from unpack_trainer.data.streaming import StreamingPacker
     from unpack_trainer.data.tensor_packing import concatenate_and_pack, pack_sequences, position_ids_from_sample_index
+    from unpack_trainer.model_zoo.smollm2 import load_smollm2, smollm2_path
     from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
-    from unpack_trainer.models.real_model import load_smollm2, smollm2_path
-    from unpack_trainer.models.selfcheck import check_uncontaminated
     from unpack_trainer.packed_seq_info import PACKED_BATCH_KEYS
+    from unpack_trainer.patches.attention._common import AttentionFeature
+    from unpack_trainer.patches.attention.registry import register_backend
+    from unpack_trainer.selfcheck import check_uncontaminated

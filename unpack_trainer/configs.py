@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trl
 
-from unpack_trainer.decision import explicit_padding_free
+from unpack_trainer.decision import env_flag, explicit_padding_free
 
 __all__ = [
     "DPOConfig",
@@ -319,12 +321,32 @@ _RL_PADDING_FREE = (
 _RL_PREFIX_SHARING = "With packed rows, run each distinct prompt once for all its completions."
 
 
+def _post_init_under_ulysses(config: Any, post_init: Callable[[], None]) -> None:
+    """Run TRL's ``post_init`` of an online ``config`` (GRPO, RLOO). TRL's refuses ``parallelism_config`` with
+    ``sp_size > 1`` (TRL's trainer cannot cut the rows it builds inside its step); ours cut them
+    ([`unpack_trainer.GRPOTrainer`]), so DeepSpeed Ulysses (``sp_size``; torch's ``cp_size`` stays refused) passes
+    TRL's check, and the trainer checks what else the run must hold (under ``UNPACK_DISABLE=1``, TRL's refusal)."""
+    parallelism = config.parallelism_config
+    ulysses = parallelism is not None and not parallelism.cp_enabled and parallelism.sp_enabled
+    ulysses = ulysses and not env_flag(os.environ, "UNPACK_DISABLE")  # disabled: TRL's own refusal
+    if ulysses:
+        config.parallelism_config = None  # read by TRL's check only
+    try:
+        post_init()
+    finally:
+        if ulysses:
+            config.parallelism_config = parallelism
+
+
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
     __doc__ = _DOC.format(name="GRPOConfig", trainer="GRPOTrainer")
 
     padding_free: bool | None = _padding_free_field(_RL_PADDING_FREE)
     prefix_sharing: bool = _prefix_sharing_field(_RL_PREFIX_SHARING)
+
+    def __post_init__(self) -> None:
+        _post_init_under_ulysses(self, super().__post_init__)
 
 
 @dataclass
@@ -333,6 +355,9 @@ class RLOOConfig(trl.RLOOConfig):
 
     padding_free: bool | None = _padding_free_field(_RL_PADDING_FREE)
     prefix_sharing: bool = _prefix_sharing_field(_RL_PREFIX_SHARING)
+
+    def __post_init__(self) -> None:
+        _post_init_under_ulysses(self, super().__post_init__)
 
 
 @dataclass

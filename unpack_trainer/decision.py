@@ -26,9 +26,9 @@ here: it runs without our patch if the contamination self-check passes on the us
 Refused: context parallelism (accelerate's ``ParallelismConfig`` with ``cp_size > 1``, [`parallelism_reason`]): torch's
 context parallel drops the mask and runs SDPA with ``is_causal=True``, one causal document across the row, so a request
 for packed or padding-free rows is an error at start. Sequence parallelism (``sp_size > 1``, DeepSpeed Ulysses) packs
-in SFT and DPO: the collator builds the whole row's boundaries before the engine cuts the row, and every shard's
-attention reads them (``unpack_trainer/models/sequence_parallel.py`` says which models are exact there); the other
-trainers refuse it like context parallelism.
+in SFT, DPO, reward, GRPO and RLOO: the whole row's boundaries are built before the row is cut (by the collator,
+or by GRPO's and RLOO's step), and every shard's attention reads them (``unpack_trainer/models/sequence_parallel.py``
+says which models are exact there); the other trainers refuse it like context parallelism.
 
 Also decided here, without overriding an explicit request:
 
@@ -155,7 +155,7 @@ def parallelism_reason(
             accelerator's), or ``None``; then the environment an accelerate launch with a parallelism config writes is
             read (``ACCELERATE_USE_PARALLELISM_CONFIG=true``, ``PARALLELISM_CONFIG_CP_SIZE`` / ``_SP_SIZE``).
         env: environment variables (defaults to ``os.environ``).
-        sequence_parallel: the trainer packs under sequence parallelism (SFT, DPO: each row cut into ``sp_size``
+        sequence_parallel: the trainer packs under sequence parallelism (SFT, DPO, reward, GRPO, RLOO: each row cut into ``sp_size``
             shards with the whole row's boundaries carried to every shard's attention); then ``sp_size > 1`` is no
             reason.
 
@@ -179,7 +179,7 @@ def parallelism_reason(
         return (
             f"sequence parallelism (sp_size={sp_size}, DeepSpeed Ulysses) in this trainer: its packed rows (built "
             "inside the training step, or scored per sample) are not cut into shards with their boundaries carried "
-            "to every shard's attention (SFT's and DPO's are)"
+            "to every shard's attention (SFT's, DPO's, reward's, GRPO's and RLOO's are)"
         )
     return None
 

@@ -62,7 +62,7 @@ the packed row that is run, under the view keys (``packed_input_ids``, ``packed_
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -91,6 +91,7 @@ __all__ = [
     "VIEW_INDEX_KEY",
     "BranchSpans",
     "PackedSeqInfo",
+    "PlanCache",
     "branched_row",
     "carried_info",
     "detect_packed",
@@ -286,6 +287,66 @@ def _checked_parents(seq_parents: torch.Tensor, cu_seqlens: torch.Tensor, seq_le
     return parents
 
 
+class PlanCache:
+    """What consumers derive from one :class:`PackedSeqInfo`'s samples, built once on first use and kept as long as
+    the metadata lives: a forward's layers, their recompute under gradient checkpointing, and every other forward
+    given the same metadata (a reference model's) share one plan.
+
+    A plan is found by its key: an instance of a ``NamedTuple`` class that the module building the plan declares,
+    whose type names the plan and whose fields are what it depends on besides the samples (a device, a dtype, a
+    window, ...): ``BucketPlanKey(device="cuda:0")``. Two kinds of plan never meet, even with equal fields. Held by
+    the metadata (:attr:`PackedSeqInfo.plans`), which keeps there only its own views of the samples (chunks, branch
+    units and spans, the samples without their bidirectional spans): no consumer's plan is its business. A copy of the
+    cache (pickle, ``copy``, ``deepcopy``) is empty, so a copied :class:`PackedSeqInfo` rebuilds what it needs.
+
+    Example::
+
+        >>> class Doubled(NamedTuple):
+        ...     device: str
+        >>> plans = PlanCache()
+        >>> plans.get(Doubled("cpu"), lambda: 2 * 21), plans.get(Doubled("cpu"), lambda: 0)
+        (42, 42)
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[type, dict[tuple, Any]] = {}
+
+    def get(self, key: tuple, build: Callable[[], _T]) -> _T:
+        """The plan of ``key`` (a ``NamedTuple`` instance), made by ``build()`` on first use."""
+        plans = self._plans.setdefault(type(key), {})
+        if key not in plans:
+            plans[key] = build()
+        return plans[key]
+
+    def __len__(self) -> int:
+        """How many plans it holds, of every kind."""
+        return sum(len(plans) for plans in self._plans.values())
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return PlanCache, ()
+
+
+# The plans PackedSeqInfo derives from its own samples, one key type each (see PlanCache).
+class _WithoutSpans(NamedTuple):
+    pass
+
+
+class _BidirectionalIds(NamedTuple):
+    pass
+
+
+class _BranchUnits(NamedTuple):
+    pass
+
+
+class _BranchSpans(NamedTuple):
+    pass
+
+
+class _Chunked(NamedTuple):
+    chunk_size: int
+
+
 class PackedSeqInfo:
     """Packing metadata of one batch, computed once per forward on the CPU and shared by every layer.
 
@@ -307,10 +368,12 @@ class PackedSeqInfo:
             ``j`` of query ``i`` is still within ``i - w < j``. See :meth:`with_bidirectional_spans`.
         sequence_shards: ``N`` when these are the metadata of whole rows a forward sees one of ``N`` equal contiguous
             shards of (sequence parallelism, :meth:`for_sequence_shards`), else 1.
-
-    What a consumer derives from the metadata (device copies, the SDPA buckets, masks, flash-attn chunks, xformers
-    biases, the backend choice) is built on first use and cached on the object through :meth:`plan`, one namespace
-    per owner, so no layer repeats the work or synchronises with the device.
+        plans: what consumers derive from these samples (device copies, the SDPA buckets, masks, flash-attn chunks,
+            xformers biases, block masks, the backend choice), built on first use and kept beside them in a
+            :class:`PlanCache` keyed by what each plan is of (the object reads only its own views there), every layer
+            of a forward (and its recompute under gradient checkpointing: the same object) finds the plans there, and
+            a copy (a pickle through a process group's object gather, as DeepSpeed's sequence-parallel data loader
+            sends a batch's non-tensors) starts with an empty one.
 
     Example::
 
@@ -370,7 +433,8 @@ class PackedSeqInfo:
         self.seq_len = int(seq_len)
         self.bidirectional_spans: torch.Tensor | None = None
         self.sequence_shards = 1
-        self._plans: dict[str, dict[Hashable, Any]] = {}
+        # What consumers derive from these samples, beside them (never read by this object; a copy starts empty).
+        self.plans = PlanCache()
 
     def __repr__(self) -> str:
         shards = f", sequence_shards={self.sequence_shards}" if self.sequence_shards > 1 else ""
@@ -380,9 +444,9 @@ class PackedSeqInfo:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        # What is derived is rebuilt on first use: a copy (a pickle through a process group's object gather, as
-        # DeepSpeed's sequence-parallel data loader sends a batch's non-tensors) carries only the samples.
-        return {**self.__dict__, "_plans": {}}
+        # A copy (copy, deepcopy, a pickle through a process group's object gather, as DeepSpeed's sequence-parallel
+        # data loader sends a batch's non-tensors) carries the samples and rebuilds what it derives on first use.
+        return {**self.__dict__, "plans": PlanCache()}
 
     def for_sequence_shards(self, shards: int) -> PackedSeqInfo:
         """These samples as the metadata of whole rows that each forward sees one of ``shards`` equal contiguous
@@ -451,7 +515,7 @@ class PackedSeqInfo:
         info = self._same_samples()
         info.bidirectional_spans = spans
         if self.bidirectional_spans is None:  # what the layers without the spans run: these samples, as they came
-            info.plan("without_bidirectional_spans", None, lambda: self)
+            info.plans.get(_WithoutSpans(), lambda: self)
         return info
 
     def without_bidirectional_spans(self) -> PackedSeqInfo:
@@ -460,17 +524,20 @@ class PackedSeqInfo:
         (:meth:`with_bidirectional_spans`), or a copy made once. Cached, so a compiled layer only reads it."""
         if self.bidirectional_spans is None:
             return self
-        return self.plan("without_bidirectional_spans", None, self._same_samples)
+        return self.plans.get(_WithoutSpans(), self._same_samples)
 
     def _same_samples(self) -> PackedSeqInfo:
-        """A new object of these samples and parents, nothing derived shared, no spans."""
-        return PackedSeqInfo(
+        """A new object of these samples and parents, nothing derived shared, no spans; rows cut into as many
+        sequence-parallel shards (the rows' own property, kept by what is derived from them)."""
+        info = PackedSeqInfo(
             self.seq_lengths,
             batch_size=self.batch_size,
             seq_len=self.seq_len,
             seq_parents=self.seq_parents,
             cu_seqlens=self.cu_seqlens,
         )
+        info.sequence_shards = self.sequence_shards
+        return info
 
     def bidirectional_ids(self) -> torch.Tensor:
         """``(B * T,)`` int64 CPU: for each token the index of its bidirectional span, ``-1`` outside every span
@@ -488,7 +555,7 @@ class PackedSeqInfo:
                 ids[torch.repeat_interleave(spans[:, 0], lengths) + offsets] = index
             return ids
 
-        return self.plan("bidirectional_ids", None, build)
+        return self.plans.get(_BidirectionalIds(), build)
 
     @property
     def num_seqs(self) -> int:
@@ -588,7 +655,7 @@ class PackedSeqInfo:
             unit lengths [5, 4]; gather [0, 1, 2, 3, 4, 0, 1, 2, 5]; owner [0, 1, 2, 3, 4, 8]
             unit spans [[1, 3], [6, 8]]
         """
-        return self.plan("branch_units", None, self._build_branch_units)
+        return self.plans.get(_BranchUnits(), self._build_branch_units)
 
     def _build_branch_units(self) -> tuple[PackedSeqInfo, torch.Tensor, torch.Tensor]:
         starts = self.cu_seqlens[:-1].tolist()
@@ -641,7 +708,7 @@ class PackedSeqInfo:
 
             query lengths [5, 1]; query starts [0, 5]; key lengths [5, 4]; key gather [0, 1, 2, 3, 4, 0, 1, 2, 5]
         """
-        return self.plan("branch_spans", None, self._build_branch_spans)
+        return self.plans.get(_BranchSpans(), self._build_branch_spans)
 
     def _build_branch_spans(self) -> BranchSpans | None:
         starts = self.cu_seqlens[:-1].tolist()
@@ -696,7 +763,7 @@ class PackedSeqInfo:
         if self.max_seqlen <= chunk_size and not self.is_branched:  # a branch's positions continue its prefix's
             return self
         build = self._chunked_branches if self.is_branched else self._chunked_samples
-        return self.plan("chunked", chunk_size, lambda: build(chunk_size))
+        return self.plans.get(_Chunked(chunk_size), lambda: build(chunk_size))
 
     def _chunked_samples(self, chunk_size: int) -> PackedSeqInfo:
         lengths = self.seq_lengths.to(torch.int64)
@@ -729,18 +796,6 @@ class PackedSeqInfo:
             seq_len=self.seq_len,
             seq_parents=torch.tensor(parents, dtype=torch.int64),
         )
-
-    def plan(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
-        """The value ``owner`` cached under ``key`` for these samples, made by ``build()`` on first use.
-
-        Each consumer of the metadata (an attention backend, the backend choice) uses its own ``owner`` name and
-        only its own keys, so no consumer reads or overwrites another's plan. Keys hold whatever the plan depends on
-        besides the samples (device, dtype, head counts, window).
-        """
-        plans = self._plans.setdefault(owner, {})
-        if key not in plans:
-            plans[key] = build()
-        return plans[key]
 
 
 def _is_2d_mask(attention_mask: Any) -> bool:

@@ -23,7 +23,7 @@ from unpack_trainer.data.vision import (
     truncate_processed,
     with_sources,
 )
-from unpack_trainer.models.tiny_vision import tiny_processor
+from unpack_trainer.model_zoo.tiny_vision import tiny_processor
 from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY
 
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer")

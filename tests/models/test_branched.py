@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unpack_trainer.model_zoo.tiny import tiny_model
 from unpack_trainer.models import patch_model
-from unpack_trainer.models.tiny import tiny_model
 from unpack_trainer.packed_seq_info import SEQ_PARENTS_KEY, PackedSeqInfo
 
 REL = 1e-5

@@ -2,7 +2,7 @@
 refused with a named reason, or skipped with a reason. Nothing fails, nothing is silently dense.
 
 Each type builds a tiny model from its config class (2 layers, hidden size 32; see
-``unpack_trainer.models.tiny.tiny_config``) and runs ``check_model_type``: packed logits == each sample alone (fp32,
+``unpack_trainer.model_zoo.tiny.tiny_config``) and runs ``check_model_type``: packed logits == each sample alone (fp32,
 relative 1e-5), loss and every gradient == the padded batch, SDPA and eager, the packed helper in every attention layer
 and transformers' mask function never called for the packed batch (no (T, T) mask).
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import model_coverage
 import pytest
 import transformers
+from model_coverage import TABLE_END, TABLE_PAGE, TABLE_START, check_model_type, coverage_table, model_types
 
 from unpack_trainer.decision import blocked_reason
+from unpack_trainer.model_zoo.tiny import config_class, tiny_config
 from unpack_trainer.models import BLOCKLIST, RefusalKind, refusal_reason, supported_model_types
-from unpack_trainer.models.__main__ import TABLE_END, TABLE_PAGE, TABLE_START
-from unpack_trainer.models.coverage import check_model_type, coverage_table, model_types
-from unpack_trainer.models.tiny import config_class, tiny_config
 from unpack_trainer.models.verified import (
     NOT_VERIFIED_ON,
     VERIFIED_MODEL_TYPES,
@@ -43,7 +43,9 @@ def test_model_type(model_type):
     if outcome.status == "fast":
         assert outcome.implementations, "no attention implementation was verified"
         if MEASURED:
-            assert model_type in VERIFIED, f"{model_type} passes: add it to VERIFIED_MODEL_TYPES (or NOT_VERIFIED_ON)"
+            assert model_type in VERIFIED, (
+                f"{model_type} passes: add it to unpack_trainer/models/verified.json (text: fast, or not_fast_on)"
+            )
         if outcome.note:  # an encoder checked as a decoder: loaded with its defaults, the trainer trains it padded
             config = config_class(model_type)()
             assert refusal_reason(config) is not None and "is_decoder=True" in refusal_reason(config)
@@ -76,7 +78,7 @@ def test_docs_table_is_generated_from_this_run():
     page = (Path(__file__).parents[2] / TABLE_PAGE).read_text()
     table = page.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
     expected = coverage_table([_outcomes[model_type] for model_type in MODEL_TYPES])
-    assert table == expected, f"{TABLE_PAGE}'s table is stale: run python -m unpack_trainer.models --coverage --write-docs"
+    assert table == expected, f"{TABLE_PAGE}'s table is stale: run python tools/model_coverage.py --write-docs"
 
 
 def test_refusal_needs_no_forward(monkeypatch):
@@ -100,11 +102,11 @@ def test_gradient_spread_rule_still_catches_a_leak(monkeypatch):
     kink moves a gradient by 0.5% of its largest entry between them). Packed rows whose samples attend to the samples
     before them still fail it: their gradients move far beyond that spread."""
     from contaminating_model import leak_every_backend
+    from model_coverage import _close, _samples
 
+    from unpack_trainer.model_zoo.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
+    from unpack_trainer.model_zoo.tiny_vision import gradient_mismatch
     from unpack_trainer.models import patch_model, unpatch_model
-    from unpack_trainer.models.coverage import _close, _samples
-    from unpack_trainer.models.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
-    from unpack_trainer.models.tiny_vision import gradient_mismatch
 
     model = tiny_model("llama", attn_implementation="eager").eval()
     samples = _samples()
@@ -120,3 +122,18 @@ def test_gradient_spread_rule_still_catches_a_leak(monkeypatch):
     finally:
         unpatch_model(model)
     assert problem is not None and "beyond 2.0 x the stock path's own spread" in problem, problem
+
+
+def test_a_stock_failure_is_reported_as_the_tiny_configs(monkeypatch):
+    """The coverage check tells a tiny config the stock model cannot run from a failure of the patch."""
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (8) must match the size of tensor b (64)")
+
+    monkeypatch.setattr(model_coverage, "loss_and_grads", fails)
+    outcome = model_coverage.check_model_type("llama")
+    assert outcome.status == "failed"
+    assert (
+        "the stock model (not patched) fails on its tiny config" in outcome.reason
+        and "tensor b (64)" in outcome.reason
+    )

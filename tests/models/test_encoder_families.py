@@ -32,10 +32,10 @@ from packed_rows import (
     two_rows,
 )
 
+from unpack_trainer.model_zoo.tiny import loss_and_grads, padded_batch, tiny_model
 from unpack_trainer.models import PatchRefused, RefusalKind, patch_model, refusal_reason, unpatch_model
-from unpack_trainer.models.selfcheck import check_uncontaminated
-from unpack_trainer.models.tiny import loss_and_grads, padded_batch, tiny_model
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+from unpack_trainer.selfcheck import check_uncontaminated
 
 # BERT-style embeddings (positions from 0) and RoBERTa-style ones (positions from padding_idx + 1), the latter with
 # the pre-layer-norm and the language-adapter (xmod) variants.
@@ -207,7 +207,7 @@ def test_attention_weights_of_a_packed_row(model_type):
 def test_an_encoder_is_refused_with_the_fix(model_type):
     """Loaded as an encoder (is_decoder=False) its self-attention is bidirectional: refused before any forward, by
     the decision (meta device) and by patch_model, with the fix named."""
-    from unpack_trainer.models.tiny import tiny_config
+    from unpack_trainer.model_zoo.tiny import tiny_config
 
     encoder = tiny_config(model_type)
     assert not encoder.is_decoder

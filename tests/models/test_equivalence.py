@@ -15,14 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from unpack_trainer._compat import cache_keyword, enable_checkpointing, output_cache
+from unpack_trainer.model_zoo.tiny import loss_and_grads, padded_batch
 from unpack_trainer.models import patch_model, supported_model_types, unpatch_model
 from unpack_trainer.models.state import attention_state
-from unpack_trainer.models.tiny import loss_and_grads, padded_batch
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import attention as attention_module
 
 VOCAB = 128
-# On top of unpack_trainer.models.tiny's sizes (2 layers, 4 heads, 2 key/value heads, vocabulary 128, initializer range 0.1,
+# On top of unpack_trainer.model_zoo.tiny's sizes (2 layers, 4 heads, 2 key/value heads, vocabulary 128, initializer range 0.1,
 # larger than the usual 0.02 so that attention patterns, and any contamination, move the logits visibly); None takes
 # the config class's default.
 SIZES = dict(

@@ -1,7 +1,7 @@
 """Hybrid and state-space models on the packed path: the families whose token mixers (gated delta rule, Mamba / Mamba2
 SSD, short convolutions, RG-LRU, RWKV, ...) now run per sample.
 
-For each family, on tiny random models in fp32 on the CPU (sizes: ``unpack_trainer.models.tiny``):
+For each family, on tiny random models in fp32 on the CPU (sizes: ``unpack_trainer.model_zoo.tiny``):
 
 - two packed rows (four samples, one of a single token) == each sample alone (logits, relative 1e-5), loss and every
   gradient == a padded batch, on SDPA and eager;
@@ -17,10 +17,10 @@ import pytest
 import torch
 from packed_rows import assert_packed_equals_alone, assert_same_loss_and_grads, random_samples, two_rows
 
+from unpack_trainer.model_zoo.tiny import loss_and_grads, padded_batch, tiny_model
 from unpack_trainer.models import mixers, patch_model, unpatch_model
-from unpack_trainer.models.selfcheck import check_uncontaminated
-from unpack_trainer.models.tiny import loss_and_grads, padded_batch, tiny_model
 from unpack_trainer.models.verified import VERIFIED_MODEL_TYPES
+from unpack_trainer.selfcheck import check_uncontaminated
 
 # The families of issue 18 first (Qwen3.5, Qwen3-Next, LFM2, Granite 4, Nemotron-H, Falcon-H1), then one of each other
 # mixer kind: attention-free Mamba / Mamba2, RWKV, RG-LRU, lightning attention, Kimi delta attention.

@@ -255,8 +255,8 @@ def test_a_compiled_model_breaks_only_at_the_decoder_hook(tiny_model, fresh_dyna
 def test_the_trainer_patches_for_compile(tmp_path, sft_args, tiny_llama, prompt_completion):
     """``torch_compile=True``: the trainer patches its model for compile (the metadata planned on the host)."""
     from unpack_trainer import SFTTrainer
+    from unpack_trainer.model_zoo.tiny import char_tokenizer
     from unpack_trainer.models.state import decoder_state
-    from unpack_trainer.models.tiny import char_tokenizer
 
     tokenizer = char_tokenizer()
     args = sft_args(tmp_path, packing=True, torch_compile=True, torch_compile_backend="eager")

@@ -6,8 +6,8 @@ import os
 
 import transformers
 
+from unpack_trainer.model_zoo.tiny import tiny_config
 from unpack_trainer.models import is_patched
-from unpack_trainer.models.tiny import tiny_config
 
 PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "patch_every_model.py")
 

@@ -16,7 +16,7 @@ from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATION
 
 from unpack_trainer.models import is_patched, patch_model, unpatch_model
 
-# On top of unpack_trainer.models.tiny's sizes (hidden 32, 2 layers, 4 heads, 2 key/value heads, initializer range 0.1,
+# On top of unpack_trainer.model_zoo.tiny's sizes (hidden 32, 2 layers, 4 heads, 2 key/value heads, initializer range 0.1,
 # pad id 0); None takes the config class's default.
 SIZES = dict(vocab_size=64, max_position_embeddings=128, head_dim=None, bos_token_id=None, eos_token_id=None)
 

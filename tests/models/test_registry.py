@@ -26,7 +26,7 @@ from unpack_trainer.models.discovery import discover
 from unpack_trainer.models.refusals import REFUSAL_CHECKS
 from unpack_trainer.patches import attention, rope
 
-# On top of unpack_trainer.models.tiny's sizes; None takes LlamaConfig's default.
+# On top of unpack_trainer.model_zoo.tiny's sizes; None takes LlamaConfig's default.
 SIZES = dict(
     num_hidden_layers=1,
     num_attention_heads=2,
@@ -57,12 +57,12 @@ def test_no_module_per_architecture():
     vision-language model is made of, read from its code, and its positions and image blocks per sample from its own
     get_rope_index / get_block_sequence_ids_for_mask) is found from the structure and serves the vision fixes; which
     patched models stay exact under sequence parallelism is read from the patch's state. Beside the patch: the
-    verified types, the self-check, and the models the package builds (tiny ones of every text and vision family,
-    SmolLM2)."""
+    verified types (the models the package builds live in ``model_zoo/``, the self-check beside the trainer's
+    decision)."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
     assert modules == {
-        "__main__", "coverage", "discovery", "fixes", "mixers", "packed_forward", "patch", "refusals", "routing",
-        "sequence_parallel", "state", "verified", "selfcheck", "tiny", "tiny_vision", "real_model", "vision",
+        "discovery", "fixes", "mixers", "packed_forward", "patch", "preview", "refusals", "routing",
+        "sequence_parallel", "state", "verified", "vision",
     }  # fmt: skip
 
 
@@ -157,6 +157,38 @@ def test_a_mixer_handler_turns_the_state_refusal_into_a_patch(monkeypatch, tiny_
     assert seen[0].seq_lengths.tolist() == [3, 2] and seen[1] is None
     unpatch_model(model)
     assert not hasattr(conv, "_test_hook") and not conv._forward_pre_hooks and not is_patched(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_vl", "gemma3"])
+def test_patch_discovers_the_model_once(monkeypatch, family):
+    """patch_model reads what the model is made of once, for all its decoders, its attention features and every fix
+    (a vision-language model's three fixes included), not once per decoder or per fix."""
+    from unpack_trainer.model_zoo.tiny import tiny_model
+    from unpack_trainer.model_zoo.tiny_vision import family_unavailable_reason, tiny_vision_model
+    from unpack_trainer.models import discovery
+    from unpack_trainer.models.state import decoder_state
+
+    if family != "llama" and family_unavailable_reason(family) is not None:
+        pytest.skip(family_unavailable_reason(family))
+    model = tiny_model(family) if family == "llama" else tiny_vision_model(family)
+    found = []
+
+    class Counted(discovery.ModelStructure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            found.append(type(self.pretrained).__name__)
+
+    monkeypatch.setattr(discovery, "ModelStructure", Counted)
+    patch_model(model)
+    try:
+        assert len(found) == 1, found
+        if family != "llama":
+            installed = {
+                name for module in model.modules() if decoder_state(module) for name in decoder_state(module).fixes
+            }
+            assert "vision_language" in installed, installed
+    finally:
+        unpatch_model(model)
 
 
 def test_patch_is_idempotent_and_undone(llama):

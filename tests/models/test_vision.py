@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from unpack_trainer.data.vision import pack_processed
-from unpack_trainer.models import PatchRefused, patch_model, unpatch_model
-from unpack_trainer.models.tiny import loss_and_grads
-from unpack_trainer.models.tiny_vision import (
+from unpack_trainer.model_zoo.tiny import loss_and_grads
+from unpack_trainer.model_zoo.tiny_vision import (
     VISION_FAMILIES,
     family_unavailable_reason,
     gradient_mismatch,
@@ -30,6 +29,7 @@ from unpack_trainer.models.tiny_vision import (
     tiny_vision_model,
     vision_sample,
 )
+from unpack_trainer.models import PatchRefused, patch_model, unpatch_model
 from unpack_trainer.models.vision import RopeIndex, find_vision_language, multimodal_positions, rope_index_of
 from unpack_trainer.packed_seq_info import METADATA_KEYS, MULTIMODAL_POSITIONS_KEY
 from unpack_trainer.patches import attention
@@ -97,7 +97,7 @@ def _assert_grads_match_padded(model, samples, batch) -> None:
     """Packed loss and every gradient == the padded batch's: within ``REL`` of the tensor's largest entry, or, for a
     gradient that cancels to a small value (a gated-delta-net layer's ``A_log`` and ``dt_bias``), no further from the
     padded batch's than twice the stock path's own spread of it (its other summations: each sample alone, the padded
-    rows reversed; :func:`~unpack_trainer.models.tiny_vision.gradient_mismatch`)."""
+    rows reversed; :func:`~unpack_trainer.model_zoo.tiny_vision.gradient_mismatch`)."""
     model.train()
     padded_loss, padded_grads = loss_and_grads(model, processed_batch(samples), skip_unused=True)
     packed_loss, packed_grads = loss_and_grads(model, batch, skip_unused=True)
@@ -275,7 +275,7 @@ def test_image_blocks_on_a_shared_prompt(model_type, backend, window):
     tokens see each other both ways on the shared prompt, so every token equals its full sequence run alone (the
     branched self-check's image probe), on flex / SDPA / eager, with and without a sliding window shorter than the
     image (Gemma 4: on its sliding-window layers only)."""
-    from unpack_trainer.models.selfcheck import check_uncontaminated
+    from unpack_trainer.selfcheck import check_uncontaminated
 
     overrides = {} if window is None else {"sliding_window": window}
     model = patch_model(_model(model_type, **overrides, **HEAD_DIMS.get(backend[0], {})))
@@ -493,7 +493,7 @@ def test_selfcheck_probes_image_rows(model_type, monkeypatch):
     Read-only throughout. (Unpatched Gemma 3 may pass: transformers' own dense packed mask can express its image
     blocks.)"""
     from unpack_trainer.models.fixes import image_blocks
-    from unpack_trainer.models.selfcheck import check_uncontaminated
+    from unpack_trainer.selfcheck import check_uncontaminated
 
     model = _model(model_type)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -521,9 +521,8 @@ def test_vision_coverage_is_verified_and_documented():
     from pathlib import Path
 
     import transformers
+    from model_coverage import VISION_END, VISION_START, check_vision_type, vision_coverage_table
 
-    from unpack_trainer.models.__main__ import VISION_END, VISION_START
-    from unpack_trainer.models.coverage import check_vision_type, vision_coverage_table
     from unpack_trainer.models.verified import VERIFIED_VISION_MODEL_TYPES, VERIFIED_VISION_WITH
 
     outcomes = [check_vision_type(model_type) for model_type in VISION_FAMILIES]
@@ -535,7 +534,7 @@ def test_vision_coverage_is_verified_and_documented():
         docs = (Path(__file__).parents[2] / "docs" / "vlm.md").read_text()
         table = docs.split(VISION_START, 1)[1].split(VISION_END, 1)[0].strip()
         assert table == vision_coverage_table(outcomes), (
-            "docs/vlm.md's table is stale: run python -m unpack_trainer.models --coverage --vision --write-docs"
+            "docs/vlm.md's table is stale: run python tools/model_coverage.py --vision --write-docs"
         )
 
 

@@ -23,7 +23,9 @@ from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches import attention, buckets
 from unpack_trainer.patches.attention import (
     REGISTRY,
+    AttentionFeature,
     BackendChoice,
+    Needs,
     choose_backend,
     packed_attention_forward,
 )
@@ -930,9 +932,11 @@ def test_choose_torch_varlen(monkeypatch, stand_in_kernel):
     assert choose_backend(cuda, torch.float32, "sdpa").name == "xformers"  # varlen_attn needs half precision
     assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa").name == "sdpa"
     # Quirks the kernel cannot apply go to the next backend that can.
-    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True).name == "flex"  # eager on the CPU
-    assert choose_backend(cuda, torch.bfloat16, "sdpa", dropout=True).name == "xformers"
-    assert choose_backend(cuda, torch.bfloat16, "sdpa", head_dim=320).name == "xformers"
+    assert (
+        choose_backend(cuda, torch.bfloat16, "sdpa", Needs({AttentionFeature.SOFTCAP})).name == "flex"
+    )  # eager on the CPU
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", Needs({AttentionFeature.DROPOUT})).name == "xformers"
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", Needs(head_dim=320)).name == "xformers"
     monkeypatch.setitem(
         REGISTRY,
         "torch_varlen",
@@ -1208,7 +1212,9 @@ def test_real_kernels_value_head_dim(backend, device, dim, v_dim, monkeypatch):
     if backend == "flex" and min(dim, v_dim) < 16:
         # A reason, not inductor's crash: the forced choice is refused and the automatic one skips flex.
         q, k, v = random_qkv(REAL_LENGTHS, heads=8, kv_heads=2, dim=dim, v_dim=v_dim, device=device)
-        with pytest.raises(ValueError, match=f"cannot apply head_dim {min(dim, v_dim)} \\(its kernel takes at least 16\\)"):
+        with pytest.raises(
+            ValueError, match=f"cannot apply head_dim {min(dim, v_dim)} \\(its kernel takes at least 16\\)"
+        ):
             packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **info_kwargs(REAL_LENGTHS))
         return
     _check_fwd_bwd_against_reference(
@@ -1234,8 +1240,10 @@ def test_flex_refuses_head_dims_below_its_kernels_limit(dim, v_dim, monkeypatch)
         packed_attention_forward(FakeModule(), q, k, v, None, backend="flex", **info_kwargs(REAL_LENGTHS))
     monkeypatch.setenv(attention.ENV_BACKEND, "flex")
     with pytest.raises(ValueError, match=message):
-        attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa", head_dim=max(dim, v_dim), min_head_dim=12)
-    assert not attention.missing_features("flex", frozenset(), 32, 16)
+        attention.choose_backend(
+            torch.device("cpu"), torch.float32, "sdpa", Needs(head_dim=max(dim, v_dim), min_head_dim=12)
+        )
+    assert not REGISTRY["flex"].cannot_apply(Needs(head_dim=32, min_head_dim=16))
 
 
 @pytest.mark.parametrize(("backend", "device"), _cases(["flash", "flex", "sdpa", "eager"]))
@@ -1351,7 +1359,7 @@ def test_alibi_hands_over_from_a_kernel_that_cannot(cpu_kernels, monkeypatch):
     lengths = [5, 4]
     q, k, v = random_qkv(lengths)
     assert attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa").name == "xformers"
-    choice = attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa", alibi=True)
+    choice = attention.choose_backend(torch.device("cpu"), torch.float32, "sdpa", Needs({AttentionFeature.ALIBI}))
     assert choice.name == "sdpa" and "xformers cannot apply ALiBi position biases" in choice.reason
 
 

@@ -10,7 +10,13 @@ import torch
 from flex_block_masks import effective_mask
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention import ENV_BACKEND, choose_backend, packed_attention_forward
+from unpack_trainer.patches.attention import (
+    ENV_BACKEND,
+    AttentionFeature,
+    Needs,
+    choose_backend,
+    packed_attention_forward,
+)
 from unpack_trainer.patches.attention import flex as flex_backend
 
 HAS_FLEX = flex_backend.BACKEND.kernel.get() is not None
@@ -117,11 +123,12 @@ def test_varlen_kernels_cannot_apply_spans(monkeypatch, stand_in_kernel):
     monkeypatch.delenv(ENV_BACKEND, raising=False)
     cpu = torch.device("cpu")
     assert choose_backend(cpu, torch.float32, "sdpa").name == "flash"
-    assert choose_backend(cpu, torch.float32, "sdpa", bidirectional=True).name == "sdpa"
+    spans = Needs({AttentionFeature.BIDIRECTIONAL})
+    assert choose_backend(cpu, torch.float32, "sdpa", spans).name == "sdpa"
     for forced in ("flash", "torch_varlen", "xformers"):
         monkeypatch.setenv(ENV_BACKEND, forced)
         with pytest.raises(ValueError, match=f"{forced}.* cannot apply bidirectional image blocks"):
-            choose_backend(cpu, torch.float32, "sdpa", bidirectional=True)
+            choose_backend(cpu, torch.float32, "sdpa", spans)
     info = make_info()
     q, k, v = random_qkv(info.total_tokens)
     monkeypatch.delenv(ENV_BACKEND)

@@ -9,7 +9,14 @@ import torch
 from flex_block_masks import effective_mask
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention import ENV_BACKEND, REGISTRY, choose_backend, packed_attention_forward
+from unpack_trainer.patches.attention import (
+    ENV_BACKEND,
+    REGISTRY,
+    AttentionFeature,
+    Needs,
+    choose_backend,
+    packed_attention_forward,
+)
 from unpack_trainer.patches.attention import flex as flex_backend
 
 pytestmark = pytest.mark.skipif(flex_backend.BACKEND.kernel.get() is None, reason="this torch has no flex_attention")
@@ -221,15 +228,16 @@ def test_flex_is_chosen_on_cuda_for_what_varlen_kernels_cannot_apply(monkeypatch
     varlen = REGISTRY["torch_varlen"]
     monkeypatch.setitem(REGISTRY, "torch_varlen", varlen._replace(kernel=None, requires=None))
     cuda = torch.device("cuda")
-    for quirks in ({}, {"softcap": True}, {"sinks": True}, {"alibi": True}):
-        assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa", **quirks).name != "flex"
+    softcap, sinks, alibi = AttentionFeature.SOFTCAP, AttentionFeature.SINKS, AttentionFeature.ALIBI
+    for quirks in (set(), {softcap}, {sinks}, {alibi}):
+        assert choose_backend(torch.device("cpu"), torch.bfloat16, "sdpa", Needs(quirks)).name != "flex"
     assert choose_backend(cuda, torch.bfloat16, "sdpa").name == "torch_varlen"
-    for quirks in ({"softcap": True}, {"sinks": True}, {"alibi": True}):
-        choice = choose_backend(cuda, torch.bfloat16, "sdpa", **quirks)
+    for quirks in ({softcap}, {sinks}, {alibi}):
+        choice = choose_backend(cuda, torch.bfloat16, "sdpa", Needs(quirks))
         assert choice.name == "flex", choice
-    assert choose_backend(cuda, torch.bfloat16, "sdpa", softcap=True, head_dim=8).name == "eager"
+    assert choose_backend(cuda, torch.bfloat16, "sdpa", Needs({softcap}, head_dim=8)).name == "eager"
     monkeypatch.setenv(ENV_BACKEND, "flex")
-    assert choose_backend(torch.device("cpu"), torch.float32, "sdpa", softcap=True, sinks=True).name == "flex"
+    assert choose_backend(torch.device("cpu"), torch.float32, "sdpa", Needs({softcap, sinks})).name == "flex"
 
 
 def test_one_compiled_kernel_per_shape_class(monkeypatch):

@@ -15,7 +15,7 @@ from datasets import Dataset
 from ddp_train import exit_without_teardown  # this folder is the script's sys.path[0]
 
 from unpack_trainer import DPOConfig, DPOTrainer
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 
 TRAINERS = {"ours": (DPOTrainer, DPOConfig), "stock": (trl.DPOTrainer, trl.DPOConfig)}
 

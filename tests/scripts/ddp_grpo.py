@@ -13,7 +13,7 @@ from datasets import Dataset
 from ddp_train import exit_without_teardown  # this folder is the script's sys.path[0]
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from unpack_trainer.models.tiny import char_tokenizer, raise_token_logit, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, raise_token_logit, tiny_model
 
 TRAINERS = {
     "grpo-ours": (GRPOTrainer, GRPOConfig),

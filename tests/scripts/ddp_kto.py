@@ -13,7 +13,7 @@ import trl
 from ddp_dpo import data_and_args, main, train_and_record  # this folder is the script's sys.path[0]
 
 from unpack_trainer import KTOConfig, KTOTrainer
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 
 TRAINERS = {"ours": (KTOTrainer, KTOConfig), "stock": (trl.KTOTrainer, trl.KTOConfig)}
 

@@ -14,7 +14,7 @@ from ddp_dpo import data_and_args, main, pairs, train_and_record  # this folder 
 from transformers import AutoModelForSequenceClassification
 
 from unpack_trainer import RewardConfig, RewardTrainer
-from unpack_trainer.models.tiny import char_tokenizer, tiny_config
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_config
 
 TRAINERS = {"ours": (RewardTrainer, RewardConfig), "stock": (trl.RewardTrainer, trl.RewardConfig)}
 

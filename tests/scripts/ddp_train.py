@@ -11,7 +11,7 @@ import sys
 from datasets import Dataset
 
 from unpack_trainer import SFTConfig, SFTTrainer
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 
 
 def main(output_dir: str) -> None:

@@ -20,7 +20,7 @@ from PIL import Image
 from transformers import TrainerCallback
 
 from unpack_trainer import SFTConfig, SFTTrainer
-from unpack_trainer.models.tiny_vision import tiny_processor, tiny_vision_model
+from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
 
 MODEL_TYPE = "qwen2_5_vl"
 

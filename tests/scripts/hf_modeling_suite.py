@@ -4,7 +4,7 @@ One ``unittest`` class per ``model_type`` of :data:`MODEL_TYPES`, named ``HF_<mo
 ``tests.test_modeling_common.ModelTesterMixin`` (the ~170 tests every model of transformers must pass: forward,
 save / load, resizing, gradient checkpointing, attention implementations, training, ...) with a tester in the shape of
 transformers' ``CausalLMModelTester`` (batch 13, length 7, a lower-triangular ``attention_mask``) on
-:func:`unpack_trainer.models.tiny.tiny_config` of the type, and every model class the auto mappings have for it (base model,
+:func:`unpack_trainer.model_zoo.tiny.tiny_config` of the type, and every model class the auto mappings have for it (base model,
 causal LM, sequence / token classification, question answering). Five generation checks stand in for transformers'
 ``GenerationTesterMixin`` (not in transformers' sdist): greedy ``generate`` with the model's cache equals greedy
 decoding without a cache (on a left-padded batch too), continuing from the returned cache equals generating at once,
@@ -36,7 +36,7 @@ import torch
 import transformers
 from transformers.models.auto import modeling_auto
 
-from unpack_trainer.models.tiny import tiny_config
+from unpack_trainer.model_zoo.tiny import tiny_config
 
 
 def _stand_in(name: str, **attributes) -> None:

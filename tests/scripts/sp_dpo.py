@@ -20,7 +20,7 @@ from sp_train import LEARNING_RATE, finish, ulysses  # this folder is the script
 
 from unpack_trainer import DPOConfig, DPOTrainer
 from unpack_trainer._compat import gathered_parameters
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
 
 
@@ -45,7 +45,7 @@ def config(output_dir: str, **changes) -> DPOConfig:
             "report_to": "none",
             "use_cpu": True,
             "bf16": False,
-            "per_device_train_batch_size": 1,
+            "per_device_train_batch_size": 2,  # two pairs in one packed row: DeepSpeed's micro-batch is that row
             "max_steps": 1,
             "optim": "sgd",
             "learning_rate": LEARNING_RATE,

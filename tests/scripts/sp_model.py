@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from unpack_trainer.data.collator import DataCollatorForPacking
+from unpack_trainer.model_zoo.tiny import tiny_model
 from unpack_trainer.models import patch_model, unpatch_model
-from unpack_trainer.models.tiny import tiny_model
 from unpack_trainer.packed_seq_info import INFO_KEY, PACKED_INPUT_IDS_KEY, PACKED_POSITION_IDS_KEY, branched_row
 
 SP = 2

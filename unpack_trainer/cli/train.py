@@ -52,7 +52,7 @@ __all__ = [
 def resolve_model_name(name: str | None) -> str | None:
     """``unpack_trainer:smollm2`` -> the converted SmolLM2 folder (converted on first use); other names unchanged."""
     if name == SMOLLM2_NAME:
-        from unpack_trainer.models.real_model import smollm2_path
+        from unpack_trainer.model_zoo.smollm2 import smollm2_path
 
         return str(smollm2_path())
     return name
@@ -221,18 +221,24 @@ def reward_funcs(script_args: Any) -> list[Any]:
     return funcs
 
 
-def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
-    """``training_args.model_init_kwargs`` from the model arguments, as TRL's scripts set them (revision,
-    trust_remote_code, attention implementation, dtype), the recipe's own ``model_init_kwargs`` taking precedence."""
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
+def _init_kwargs(training_args: Any, model_args: Any, revision: str | None, own: dict | None) -> dict[str, Any]:
+    """A model's ``from_pretrained`` keyword arguments as TRL's scripts set them from the model arguments (``revision``,
+    trust_remote_code, attention implementation, dtype), the recipe's ``own`` taking precedence."""
+    found = dict(
+        revision=revision,
         trust_remote_code=training_args.trust_remote_code,
         attn_implementation=model_args.attn_implementation,
         dtype=model_args.dtype,
     )
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
+    return {**found, **(own or {})}
+
+
+def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
+    """``training_args.model_init_kwargs`` from the model arguments, as TRL's scripts set them (revision,
+    trust_remote_code, attention implementation, dtype), the recipe's own ``model_init_kwargs`` taking precedence."""
+    training_args.model_init_kwargs = _init_kwargs(
+        training_args, model_args, model_args.model_revision, training_args.model_init_kwargs
+    )
 
 
 def teacher_model(training_args: Any, model_args: Any) -> str:
@@ -250,15 +256,9 @@ def teacher_model(training_args: Any, model_args: Any) -> str:
         )
     if name != SMOLLM2_NAME and not Path(name).expanduser().exists() and not _is_hub_id(name):
         raise CLIError(f"--teacher_model_name_or_path {name}: no such file or directory (and not a Hub model id).")
-    init_kwargs = dict(
-        revision=training_args.teacher_model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
+    training_args.teacher_model_init_kwargs = _init_kwargs(
+        training_args, model_args, training_args.teacher_model_revision, training_args.teacher_model_init_kwargs
     )
-    if training_args.teacher_model_init_kwargs is not None:
-        init_kwargs.update(training_args.teacher_model_init_kwargs)
-    training_args.teacher_model_init_kwargs = init_kwargs
     return resolve_model_name(name)
 
 

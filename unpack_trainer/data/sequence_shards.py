@@ -1,4 +1,5 @@
-"""Batches with a packed row and a padded view (shared prompts: DPO's pairs) made ready for sequence parallelism.
+"""Batches of the prompt-sharing trainers made ready for sequence parallelism: a packed row beside a padded view
+(DPO's pairs, and GRPO's / RLOO's groups inside the step), and the prompts GRPO / RLOO turn into rows in the step.
 
 DeepSpeed's Ulysses data loader adapter (``UlyssesSPDataLoaderAdapter``, which transformers' Trainer puts around the
 training data loader under ``ParallelismConfig(sp_size=N, sp_backend="deepspeed")``) takes batches whose tensors are
@@ -17,6 +18,11 @@ Worked example, ``N = 2``, a pair whose row is 7 tokens (prompt 3, chosen 2, rej
     packed_sequence_parallel_batch
                        the collator's whole batch: the view, packed_input_ids (1, 8), packed_seq_lengths [3, 2, 2, 1],
                        packed_seq_parents [-1, 0, 0, -1], packed_seq_info (sequence_shards=2)
+
+GRPO and RLOO build their rows inside the training step, from prompts TRL's collator hands on as a list: their
+batches go through the adapter as a placeholder row of ``N`` tokens beside the prompts, copied whole
+([`prompts_ready`]), and each packed row they build in the step is padded and marked the same way
+([`padded_for_shards`]) before the model cuts it.
 """
 
 from __future__ import annotations
@@ -37,15 +43,17 @@ from unpack_trainer.packed_seq_info import (
     PackedSeqInfo,
 )
 
-__all__ = ["ShardReadyCollator", "shard_ready"]
+__all__ = ["ShardReadyCollator", "padded_for_shards", "prompts_ready", "shard_ready"]
 
 
-def shard_ready(batch: dict[str, Any], shards: int) -> dict[str, Any]:
+def padded_for_shards(batch: dict[str, Any], shards: int) -> dict[str, Any]:
     """``batch`` (a view beside a packed row: ``packed_input_ids`` / ``packed_position_ids`` ``(1, T)`` int64 and
-    ``packed_seq_info``) as DeepSpeed's adapter takes it for ``shards`` processes (see the module docstring).
+    ``packed_seq_info``) with its row padded to a multiple of ``shards`` tokens (the padding one more sample, on no
+    view position, its positions from 0) and its metadata marked for ``shards`` processes
+    ([`unpack_trainer.packed_seq_info.PackedSeqInfo.for_sequence_shards`]); a new dict, ``batch`` unchanged.
 
     Raises:
-        ValueError: a batch with no packed row, or one of several rows.
+        ValueError: a batch with no packed row, or one of several rows, or one with image spans.
     """
     if PACKED_INPUT_IDS_KEY not in batch or not isinstance(batch.get(INFO_KEY), PackedSeqInfo):
         raise ValueError(
@@ -71,21 +79,51 @@ def shard_ready(batch: dict[str, Any], shards: int) -> dict[str, Any]:
             whole[SEQ_PARENTS_KEY] = parents.to(whole[SEQ_PARENTS_KEY].dtype)
     whole[PACKED_INPUT_IDS_KEY], whole[PACKED_POSITION_IDS_KEY] = ids, positions
     whole[INFO_KEY] = info.for_sequence_shards(shards)
+    return whole
+
+
+def shard_ready(batch: dict[str, Any], shards: int) -> dict[str, Any]:
+    """``batch`` (a view beside a packed row, as [`padded_for_shards`] takes it) as DeepSpeed's adapter takes it for
+    ``shards`` processes (see the module docstring).
+
+    Raises:
+        ValueError: as [`padded_for_shards`].
+    """
+    whole = padded_for_shards(batch, shards)
+    ids = whole[PACKED_INPUT_IDS_KEY]
     return {
         "input_ids": ids,
-        "position_ids": positions,
+        "position_ids": whole[PACKED_POSITION_IDS_KEY],
         "labels": torch.full_like(ids, IGNORE_INDEX),
         SHARDED_BATCH_KEY: whole,
     }
 
 
+def prompts_ready(examples: Any, shards: int) -> dict[str, Any]:
+    """A batch of examples that the trainer turns into rows inside its step (GRPO's and RLOO's prompts: TRL's collator
+    hands the examples on as they are) as DeepSpeed's adapter takes it for ``shards`` processes: a placeholder row of
+    ``shards`` tokens for the adapter to cut (``input_ids`` / ``position_ids`` / ``labels`` ``(1, shards)`` int64, one
+    token per process, read by no one) and ``examples`` under ``SHARDED_BATCH_KEY``, which the adapter copies whole to
+    every process of the group (each process's batch in turn, as it does for every batch)."""
+    placeholder = torch.zeros(1, shards, dtype=torch.int64)
+    return {
+        "input_ids": placeholder,
+        "position_ids": torch.arange(shards, dtype=torch.int64)[None],
+        "labels": torch.full_like(placeholder, IGNORE_INDEX),
+        SHARDED_BATCH_KEY: examples,
+    }
+
+
 @dataclass
 class ShardReadyCollator:
-    """``collator`` (a prompt-sharing trainer's packed collator) whose batches come [`shard_ready`] for ``shards``
-    processes. ``collator`` stays reachable as the attribute of the same name."""
+    """``collator`` whose batches come ready for DeepSpeed's adapter for ``shards`` processes: [`shard_ready`] (a
+    prompt-sharing trainer's packed collator) or, with ``prompts=True``, [`prompts_ready`] (a trainer that builds its
+    rows inside the step). ``collator`` stays reachable as the attribute of the same name."""
 
     collator: Any
     shards: int
+    prompts: bool = False
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        return shard_ready(self.collator(features), self.shards)
+        ready = prompts_ready if self.prompts else shard_ready
+        return ready(self.collator(features), self.shards)

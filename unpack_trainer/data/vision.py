@@ -26,12 +26,20 @@ Worked example (two samples, Qwen2-VL markup, merge 2: a 56 x 56 image is a 4 x 
                position_ids (1, 12) [0..8, 0..2]; with the model's positions, packed_multimodal_position_ids
                (4, 1, 12) from its get_rope_index per sample
                labels -100 at 0 and 9, and wherever the processor's labels are -100
+
+Under sequence parallelism (``sequence_shards=N``, DeepSpeed Ulysses: its data loader adapter cuts every tensor of a
+batch along the row and copies everything else whole) the row is padded to a multiple of ``N`` and the batch holds
+only ``input_ids``, ``labels`` and ``position_ids`` ``(1, T)`` to cut; ``packed_seq_info`` (the whole row's samples,
+``sequence_shards=N``) and :class:`WholeRowInputs` (``packed_vision_inputs``: the whole row's tokens, vision tensors,
+per-token keys and multi-axis positions) go whole to every process, which embeds its shard and takes from them the
+image features and positions of its own tokens (:mod:`unpack_trainer.models.fixes.vision_language`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +47,7 @@ from typing import Any
 import torch
 
 from unpack_trainer._logging import log_once
-from unpack_trainer.data.collator import IGNORE_INDEX, packed_metadata
+from unpack_trainer.data.collator import IGNORE_INDEX, SEQUENCE_SHARDED_KEYS, packed_metadata
 from unpack_trainer.data.preparation import TruncationCounts
 from unpack_trainer.data.validation import check_positive_int
 from unpack_trainer.packed_seq_info import (
@@ -56,9 +64,11 @@ __all__ = [
     "PER_TOKEN_KEYS",
     "VISION_ROWS_KEY",
     "VISION_SOURCE_KEY",
+    "WHOLE_ROW_KEY",
     "DataCollatorForVisionPacking",
     "VisionRows",
     "VisionTruncationCounts",
+    "WholeRowInputs",
     "image_token_ids",
     "pack_processed",
     "pack_vision_dataset",
@@ -84,8 +94,34 @@ VISION_ROWS_KEY = "vision_samples"
 # on an example (index ``None`` for a stream's), a list of them on a row packed ahead; never reaches the processor.
 VISION_SOURCE_KEY = "vision_source"
 
+# Under sequence parallelism: the batch key of a packed row's WholeRowInputs (what DeepSpeed's adapter must not cut).
+WHOLE_ROW_KEY = "packed_vision_inputs"
+
 # ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``: a model's positions per sample (models.vision.RopeIndex).
 PositionFunction = Callable[[torch.Tensor, PackedSeqInfo, dict[str, Any]], torch.Tensor]
+
+
+@dataclass
+class WholeRowInputs:
+    """A packed vision-language row's inputs that sequence parallelism must not cut, for every process whole.
+
+    DeepSpeed's data loader adapter cuts every tensor of a batch along its dim 1 (and refuses one whose dim 1 is not
+    the row) and copies any other object whole to every process of the group. This object is not a tensor, a mapping
+    nor a sequence, so the adapter copies it and transformers' ``Trainer`` leaves it on the host (its tensors reach
+    the device only where the model's forward hook moves them: the image inputs of the process's shard).
+
+    Attributes:
+        inputs: the whole row's ``input_ids`` ``(1, T)`` int64 and every other key of the packed batch but ``labels``
+            and ``position_ids``: the vision tensors as the processor returned them (``pixel_values``,
+            ``image_grid_thw``, ...), the per-token keys ``(1, T)`` (``mm_token_type_ids``, ``token_type_ids``) and,
+            for a multi-axis RoPE, ``packed_multimodal_position_ids`` ``(rows, 1, T)`` int64. All on the CPU.
+    """
+
+    inputs: dict[str, Any]
+
+    def __repr__(self) -> str:
+        shapes = {key: tuple(value.shape) for key, value in self.inputs.items() if isinstance(value, torch.Tensor)}
+        return f"WholeRowInputs({shapes})"
 
 
 def image_token_ids(processor: Any) -> frozenset[int]:
@@ -293,6 +329,7 @@ def pack_processed(
     pad_to_multiple_of: int | None = None,
     pad_token_id: int = 0,
     seq_info: bool = False,
+    sequence_shards: int = 1,
 ) -> dict[str, Any]:
     """A processed, right-padded batch of samples as one packed row.
 
@@ -311,6 +348,9 @@ def pack_processed(
         seq_info: also return ``packed_seq_info``, the row's
             [`~unpack_trainer.packed_seq_info.PackedSeqInfo`] built here on the CPU (a patched model adopts it and
             reads no metadata back from the device), as the text collator's ``seq_info``.
+        sequence_shards: under sequence parallelism, the ``N`` processes each row is cut over: the row padded to a
+            multiple of ``N`` (with ``pad_to_multiple_of``: of both), and the batch as DeepSpeed's adapter takes it
+            (see Returns).
 
     Returns:
         ``input_ids`` / ``labels`` ``(1, T)`` int64 (labels ``-100`` at every sample's first token), every other
@@ -318,6 +358,10 @@ def pack_processed(
         ``packed_multimodal_position_ids`` ``(rows, 1, T)`` int64), ``packed_seq_lengths``,
         ``cu_seq_lens_q/k``, ``max_length_q/k``, the vision tensors as the processor returned them, ``use_cache``
         (and ``packed_seq_info`` with ``seq_info``). No ``attention_mask``.
+
+        With ``sequence_shards`` ``N > 1``: ``input_ids``, ``labels`` and ``position_ids`` ``(1, T)`` (``T`` a multiple
+        of ``N``, cut by the engine), ``packed_seq_info`` (``sequence_shards=N``), ``packed_vision_inputs`` (a
+        :class:`WholeRowInputs` of everything else, the whole row's ``input_ids`` with it) and ``use_cache``.
     """
     lengths = [int(length) for length in lengths]
     if len(lengths) != processed["input_ids"].shape[0]:
@@ -328,7 +372,8 @@ def pack_processed(
     shape = processed["input_ids"].shape
     if "labels" not in processed:
         processed = {**processed, "labels": processed["input_ids"].masked_fill(processed["attention_mask"] == 0, -100)}
-    padding = 0 if pad_to_multiple_of is None else (-sum(lengths)) % pad_to_multiple_of
+    check_positive_int(sequence_shards, "sequence_shards", requirement="positive: an integer >= 1")
+    padding = (-sum(lengths)) % math.lcm(pad_to_multiple_of or 1, sequence_shards)
     batch = packed_metadata(lengths + ([padding] if padding else []))
     out: dict[str, Any] = {}
     for key, value in processed.items():
@@ -357,7 +402,7 @@ def pack_processed(
             int((ids == video).sum()) if isinstance(video, int) else 0,
         )
     info = None
-    if positions is not None or seq_info:
+    if positions is not None or seq_info or sequence_shards > 1:
         info = PackedSeqInfo.from_seq_lengths(
             batch[SEQ_LENGTHS_KEY],
             batch_size=1,
@@ -369,9 +414,14 @@ def pack_processed(
         out[MULTIMODAL_POSITIONS_KEY] = positions(out["input_ids"], info, inputs)
     result = {key: (out[key] if key in out else batch[key]) for key in PACKED_BATCH_KEYS}
     result.update({key: value for key, value in out.items() if key not in result})
+    if sequence_shards > 1:
+        whole = {key: value for key, value in out.items() if key not in SEQUENCE_SHARDED_KEYS or key == "input_ids"}
+        result = {key: result[key] for key in SEQUENCE_SHARDED_KEYS}
+        result[WHOLE_ROW_KEY] = WholeRowInputs(whole)
+        info = info.for_sequence_shards(sequence_shards)
     if use_cache is not None:
         result["use_cache"] = use_cache
-    if seq_info:
+    if seq_info or sequence_shards > 1:
         result[INFO_KEY] = info
     return result
 
@@ -479,6 +529,9 @@ class DataCollatorForVisionPacking:
         pad_to_multiple_of: pad the row to a multiple of this with a padding pseudo-sample (the processor's pad
             token).
         seq_info: also return ``packed_seq_info`` (see :func:`pack_processed`).
+        sequence_shards: under sequence parallelism (DeepSpeed Ulysses), the processes each row is cut over: rows
+            padded to a multiple, the batch as the engine's data loader adapter takes it (see :func:`pack_processed`).
+            Only for a patched model.
     """
 
     process: Callable[[list[dict[str, Any]]], dict[str, Any]]
@@ -488,12 +541,14 @@ class DataCollatorForVisionPacking:
     use_cache: bool | None = False
     pad_to_multiple_of: int | None = None
     seq_info: bool = False
+    sequence_shards: int = 1
     image_ids: frozenset[int] = field(init=False)
     truncation: dict[str | None, VisionTruncationCounts] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_length is not None:
             check_positive_int(self.max_length, "max_length")
+        check_positive_int(self.sequence_shards, "sequence_shards", requirement="positive: an integer >= 1")
         self.image_ids = image_token_ids(self.processor)
 
     def truncation_counts(self, name: str | None) -> VisionTruncationCounts:
@@ -538,6 +593,7 @@ class DataCollatorForVisionPacking:
             pad_to_multiple_of=self.pad_to_multiple_of,
             pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
             seq_info=self.seq_info,
+            sequence_shards=self.sequence_shards,
         )
 
     def _process(self, samples: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:

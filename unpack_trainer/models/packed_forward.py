@@ -237,15 +237,16 @@ def _start_packed_forward(module: torch.nn.Module, state: DecoderState, kwargs: 
 def _prepare_attention(module: torch.nn.Module, state: DecoderState, info: PackedSeqInfo, kwargs: dict) -> None:
     """Plan on the host what the compiled layers' attention reads (the backend the model takes, its buckets or block
     mask, on the batch's device)."""
-    from unpack_trainer.patches.attention import compute_dtype, prepare_packed_attention
+    from unpack_trainer.patches.attention import Needs, compute_dtype, prepare_packed_attention
 
     reference = kwargs.get("input_ids")
     if reference is None:
         reference = kwargs["inputs_embeds"]
     parameter = next((p for p in module.parameters() if p.is_floating_point()), None)
     dtype = parameter.dtype if parameter is not None else torch.float32
+    needs = Needs() if state.features is None else state.features
     prepare_packed_attention(
-        info, reference.device, compute_dtype(reference.device, dtype), state.implementation, **state.features
+        info, reference.device, compute_dtype(reference.device, dtype), state.implementation, needs
     )
 
 

@@ -25,13 +25,13 @@ be packed exactly). Then, on each decoder:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from unpack_trainer._compat import attention_implementation, remove_hook, set_attention_implementation
 from unpack_trainer.models import fixes
-from unpack_trainer.models.discovery import Decoder, mask_without_positions, pretrained_model
+from unpack_trainer.models.discovery import Decoder, ModelStructure, mask_without_positions, pretrained_model
 from unpack_trainer.models.fixes import FixSite
 from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.packed_forward import decoder_post_hook, decoder_pre_hook
@@ -39,6 +39,7 @@ from unpack_trainer.models.refusals import check_model
 from unpack_trainer.models.routing import release_route, route
 from unpack_trainer.models.state import PATCH_ATTRIBUTE, AttentionState, DecoderState, decoder_state
 from unpack_trainer.models.vision import has_image_blocks, text_model
+from unpack_trainer.patches.attention import AttentionFeature, Needs
 
 if TYPE_CHECKING:
     from unpack_trainer.patches.attention import BackendChoice
@@ -62,7 +63,7 @@ def supported_model_types() -> list[str]:
     Each one passed the generated coverage check (``tests/models/test_coverage.py``): a tiny model of that type is
     patched, its packed logits equal each sample run alone and its loss and every gradient equal a padded batch, on
     SDPA and eager, with no ``(T, T)`` mask built; for a vision-language family, with images in its samples
-    (:func:`unpack_trainer.models.coverage.check_vision_type`). Other types may still patch (the patch is generic);
+    (``check_vision_type`` of ``tools/model_coverage.py``). Other types may still patch (the patch is generic);
     the trainer's self-check guards them.
     """
     from unpack_trainer.models.verified import verified_model_types, verified_vision_model_types
@@ -71,23 +72,23 @@ def supported_model_types() -> list[str]:
 
 
 def _patch_decoder(
-    model: torch.nn.Module,
-    model_type: str,
+    structure: ModelStructure,
     decoder: Decoder,
     *,
     attention: bool,
     rope: bool,
     compiled: bool,
-    features: dict[str, Any],
+    features: Needs,
 ) -> FixSite:
-    """Patch one decoder, its attention modules and token mixers (the fixes follow, for all decoders at once);
-    ``features``: the model's [`attention_features`], read once for all its decoders."""
+    """Patch one decoder of the model ``structure`` describes, its attention modules and token mixers (the fixes
+    follow, for all decoders at once); ``features``: the model's [`attention_features`], read once for all its
+    decoders."""
     module = decoder.module
     if attention_implementation(module.config) is None:
         # what transformers runs for None, under a name the routing can use
         set_attention_implementation(module.config, "eager")
     state = DecoderState(
-        model_type,
+        structure.model_type,
         attention_implementation(module.config),
         attention,
         rope,
@@ -104,7 +105,7 @@ def _patch_decoder(
         handler = handler_for(mixer)  # every mixer has one: check_model refused the model otherwise
         handler.patch(mixer.module, state)
         state.mixers.append((mixer.name, handler.name))
-    return FixSite(pretrained_model(model), module, state, decoder)
+    return FixSite(structure.pretrained, module, state, decoder, structure)
 
 
 def _hook(site: FixSite) -> None:
@@ -114,7 +115,9 @@ def _hook(site: FixSite) -> None:
     if state.attention and state.no_dense_path is None:
         builder = mask_without_positions(type(module))
         if builder is not None:
-            state.no_dense_path = f"{builder} builds the mask without position_ids, so it cannot tell the samples apart"
+            state.no_dense_path = (
+                f"{builder} builds the mask without position_ids, so it cannot tell the samples apart"
+            )
     if state.attention or state.mixers or "positions" in state.fixes:
         state.hook_ids.append(module.register_forward_pre_hook(decoder_pre_hook, with_kwargs=True).id)
         post_hook = module.register_forward_hook(decoder_post_hook, with_kwargs=True, always_call=True)
@@ -179,9 +182,9 @@ def patch_model(
     for decoder, state in zip(decoders, states):
         if state is not None:
             _unpatch_decoder(structure.pretrained, decoder.module)
-    features = attention_features(model)
+    features = attention_features(model, structure)
     sites = [
-        _patch_decoder(model, model_type, decoder, attention=attention, rope=rope, compiled=compiled, features=features)
+        _patch_decoder(structure, decoder, attention=attention, rope=rope, compiled=compiled, features=features)
         for decoder in decoders
     ]
     fixes.install_fixes(sites)
@@ -224,16 +227,16 @@ def install_fix(model: torch.nn.Module, name: str) -> None:
     fixes.install_fix(name, [FixSite(pretrained, module, decoder_state(module)) for module in decoders])
 
 
-def attention_features(model: torch.nn.Module) -> dict[str, Any]:
-    """What the attention of ``model`` applies that a packed backend must be able to: ``softcap`` (logit softcapping,
-    ``config.attn_logit_softcapping``), ``sinks`` (a ``sinks`` parameter of an attention module), ``head_dim`` and
-    ``min_head_dim`` (the largest and smallest query / value head dims, ``None`` when unknown) and ``bidirectional``
-    (image tokens that attend both ways, :func:`unpack_trainer.models.vision.has_image_blocks`): the keyword arguments
-    of :func:`unpack_trainer.patches.attention.choose_backend` besides the device, dtype and implementation. Of a
-    vision-language model, its text model's attention (the vision tower's is never packed). Works on a model built on
-    the ``meta`` device."""
+def attention_features(model: torch.nn.Module, structure: ModelStructure | None = None) -> Needs:
+    """What the attention of ``model`` asks of a packed backend, as the choice reads it
+    (:class:`~unpack_trainer.patches.attention.Needs`): its features (logit softcapping,
+    ``config.attn_logit_softcapping``; sinks, a ``sinks`` parameter of an attention module; bidirectional image
+    blocks, :func:`unpack_trainer.models.vision.has_image_blocks`) and the largest and smallest query / value head
+    dims (``None`` when unknown). Of a vision-language model, its text model's attention (the vision tower's is never
+    packed). Works on a model built on the ``meta`` device. ``structure``: what the model is made of, where the
+    caller found it already (it is not discovered again)."""
     config = pretrained_model(model).config.get_text_config()
-    packed = text_model(model) or model
+    packed = text_model(model, structure) or model
     head_dims = [
         getattr(module, "head_dim", None)
         for module in packed.modules()
@@ -242,19 +245,22 @@ def attention_features(model: torch.nn.Module) -> dict[str, Any]:
     for name in ("v_head_dim", "qk_head_dim"):
         if isinstance(getattr(config, name, None), int):
             head_dims.append(getattr(config, name))
-    return {
-        "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
-        "sinks": any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in packed.modules()),
-        "head_dim": max(head_dims) if head_dims else None,
-        "min_head_dim": min(head_dims) if head_dims else None,
-        "bidirectional": has_image_blocks(model),
-    }
+    present = (
+        (AttentionFeature.SOFTCAP, bool(getattr(config, "attn_logit_softcapping", None))),
+        (AttentionFeature.SINKS, any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in packed.modules())),
+        (AttentionFeature.BIDIRECTIONAL, has_image_blocks(model, structure)),
+    )
+    return Needs(
+        frozenset(feature for feature, found in present if found),
+        max(head_dims) if head_dims else None,
+        min(head_dims) if head_dims else None,
+    )
 
 
 def resolve_backend(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> BackendChoice:
     """The attention backend packed batches of ``model`` will use, and why: a ``(name, reason)`` named tuple.
 
-    ``name`` is one of :data:`unpack_trainer.patches.attention.BACKENDS`. Decided from the device and floating
+    ``name`` is one of :data:`unpack_trainer.patches.attention.REGISTRY`. Decided from the device and floating
     dtype of the model's parameters, its attention implementation, what its attention applies
     (:func:`attention_features`), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
     choice raises ``ValueError``). Dropout is left out: it only applies in training and every backend but
@@ -275,4 +281,4 @@ def resolve_backend(model: torch.nn.Module, *, compute_dtype: torch.dtype | None
     if isinstance(quantized_dtype, torch.dtype):
         dtype = quantized_dtype
     dtype = attention_dtype(device, dtype, autocast_dtype=compute_dtype)
-    return choose_backend(device, dtype, implementation, **attention_features(model))
+    return choose_backend(device, dtype, implementation, attention_features(model))

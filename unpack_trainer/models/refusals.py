@@ -63,6 +63,7 @@ from unpack_trainer.models.fixes.alibi import packed_forward_for
 from unpack_trainer.models.mixers import handler_for
 from unpack_trainer.models.vision import decoders_problem, image_block_problem, multi_axis_problem
 from unpack_trainer.packed_seq_info import METADATA_KEYS
+from unpack_trainer.patches.attention import AttentionFeature
 
 __all__ = [
     "APPLIED_TERMS",
@@ -183,10 +184,11 @@ def _alibi(structure: ModelStructure) -> str | None:
 
 
 # Keyword arguments of the attention call that the packed helper applies
-# (:func:`unpack_trainer.patches.attention.packed_attention_forward`), and those that carry no term of the attention
-# (the mask, which the samples replace; the packing metadata; flags).
+# (:func:`unpack_trainer.patches.attention.packed_attention_forward`: the scale, causality, and the keyword of every
+# feature a backend or the dispatch serves), and those that carry no term of the attention (the mask, which the samples
+# replace; the packing metadata; flags).
 APPLIED_TERMS = frozenset(
-    {"scaling", "dropout", "sliding_window", "softcap", "s_aux", "is_causal", "attention_chunk_size", "alibi_slopes"}
+    {"scaling", "is_causal", *(feature.keyword for feature in AttentionFeature if feature.keyword is not None)}
 )
 NOT_TERMS = frozenset(
     {

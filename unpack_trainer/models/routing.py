@@ -15,11 +15,12 @@ running now on the states of the decoders routed under its name (the one whose `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from unpack_trainer.models.state import DecoderState, attention_state
 from unpack_trainer.packed_seq_info import INFO_KEY, OWN_KEYS, SEQ_LENGTHS_KEY, PackedSeqInfo
 from unpack_trainer.patches.attention.dispatch import packed_attention_forward, packed_info_from_kwargs
 
-__all__ = ["make_attention_function", "make_mask_function", "release_route", "route"]
+__all__ = ["make_attention_function", "make_mask_function", "outside_wrappers", "release_route", "route"]
 
 # implementation name -> id of a decoder's config -> weak references to the states of the live patched decoders routed
 # under that name with that config (weakly: a state may reach its model, through what a fix keeps for its undo, and a
@@ -90,6 +91,27 @@ def route(implementation: str, decoder: torch.nn.Module, state: DecoderState) ->
         table[id(state.config)] = (*known_states, known)
         # A patched model that is garbage collected without unpatch_model releases the routing too.
         weakref.finalize(decoder, release_route, implementation, known, collected=True)
+
+
+@contextlib.contextmanager
+def outside_wrappers() -> Iterator[None]:
+    """The packed attention functions registered again under their implementation names for the duration, where
+    something registered a wrapper around one under the same name since (DeepSpeed Ulysses does: its wrapper drops a
+    padded batch's 4-D mask even where it leaves an evaluating module whole), the wrappers restored afterwards. For
+    what must run as one process runs it under sequence parallelism (GRPO's generation)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    wrapped = {}
+    for implementation, ((_, ours), _) in list(_replaced.items()):
+        current = locally_registered(ALL_ATTENTION_FUNCTIONS, implementation)
+        if current is not None and current is not ours:
+            wrapped[implementation] = current
+            ALL_ATTENTION_FUNCTIONS[implementation] = ours
+    try:
+        yield
+    finally:
+        for implementation, wrapper in wrapped.items():
+            ALL_ATTENTION_FUNCTIONS[implementation] = wrapper
 
 
 def release_route(

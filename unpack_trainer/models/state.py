@@ -22,11 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
+
+if TYPE_CHECKING:
+    from unpack_trainer.patches.attention import Needs
 
 __all__ = ["PATCH_ATTRIBUTE", "AttentionState", "DecoderState", "attention_state", "decoder_state"]
 
@@ -47,8 +50,8 @@ class DecoderState:
         compiled: the model runs under ``torch.compile``: the packed metadata is planned on the host before the layers
             (attention buckets on a fixed shape grid), so the compiled layers read it without a graph break and
             recompile only when its shapes change class.
-        features: what the model's attention applies (``softcap``, ``sinks``, ``head_dim``: the keyword arguments of
-            :func:`unpack_trainer.patches.attention.choose_backend`), for that planning.
+        features: what the model's attention asks of a backend (a :class:`~unpack_trainer.patches.attention.Needs`,
+            :func:`unpack_trainer.models.patch.attention_features`; ``None`` when unknown), for that planning.
         hook_ids: ids of the decoder's own hooks (ids, not handles: a deep copy keeps the ids).
         mixers: ``(qualified name under the decoder, handler name)`` of each patched token mixer.
         fixes: the names of the fixes installed (:data:`unpack_trainer.models.fixes.FIXES`), in order.
@@ -70,7 +73,7 @@ class DecoderState:
     rope: bool
     config: Any = None
     compiled: bool = False
-    features: dict[str, Any] = field(default_factory=dict)
+    features: Needs | None = None
     hook_ids: list[int] = field(default_factory=list)
     mixers: list[tuple[str, str]] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)

@@ -27,6 +27,11 @@ Three model-family fixes (:mod:`unpack_trainer.models.fixes`) put a forward pre-
    boundaries, on the :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (``bidirectional_spans``): flex, SDPA
    and eager apply them; the varlen kernels cannot and refuse (:mod:`unpack_trainer.patches.attention`).
 
+Under sequence parallelism (DeepSpeed Ulysses) a process's forward holds one shard of the row
+(:func:`sequence_shard`): it runs the vision tower on the images with a token in its shard only and keeps the
+features of its own image tokens (:func:`shard_image_selection`, :func:`shard_image_features`), the fix
+``vision_language`` handing them to the model with the shard's slice of the positions.
+
 Nothing else changes: an unpacked forward (a padded batch, generation) runs exactly as stock. What cannot be made
 exact is refused before any forward (:func:`vision_problem`, read by :mod:`unpack_trainer.models.refusals`): a
 multi-axis RoPE without a ``get_rope_index``, image tokens attending by a rule this module does not read, or a
@@ -52,6 +57,7 @@ __all__ = [
     "TOKEN_TYPES_KEY",
     "RopeIndex",
     "SamplePositions",
+    "ImageSelection",
     "SequencePositions",
     "VisionLanguage",
     "auto_model_class",
@@ -62,12 +68,16 @@ __all__ = [
     "image_block_layer_types",
     "image_block_problem",
     "image_block_spans",
+    "image_runs",
     "is_vision_language",
     "multi_axis_problem",
     "multimodal_positions",
     "rope_index_of",
     "sample_positions_of",
     "sequence_positions_of",
+    "sequence_shard",
+    "shard_image_features",
+    "shard_image_selection",
     "text_model",
     "vision_problem",
 ]
@@ -267,7 +277,7 @@ def vision_problem(model: torch.nn.Module, structure: ModelStructure | None = No
     return None
 
 
-def has_image_blocks(model: torch.nn.Module) -> bool:
+def has_image_blocks(model: torch.nn.Module, structure: ModelStructure | None = None) -> bool:
     """Whether some tokens of ``model`` (a vision-language model's image tokens: Gemma 3, Gemma 4 where its config
     switches them on) attend to each other both
     ways on packed rows (an attention feature the varlen kernels cannot apply). Works on the ``meta`` device."""
@@ -275,18 +285,18 @@ def has_image_blocks(model: torch.nn.Module) -> bool:
 
     if not is_vision_language(model):
         return False
-    module = _multimodal_module(discover(model))
+    module = _multimodal_module(structure if structure is not None else discover(model))
     return module is not None and _image_block_function(module) is not None and not _image_blocks_switched_off(module)
 
 
-def text_model(model: torch.nn.Module) -> torch.nn.Module | None:
+def text_model(model: torch.nn.Module, structure: ModelStructure | None = None) -> torch.nn.Module | None:
     """The text decoder of the vision-language model ``model`` (the one module the patch packs), or ``None`` for a
     model that is no vision-language model or has other than one text decoder. Works on the ``meta`` device."""
     from unpack_trainer.models.discovery import discover
 
     if not is_vision_language(model):
         return None
-    decoders = discover(model).decoders
+    decoders = (structure if structure is not None else discover(model)).decoders
     return decoders[0].module if len(decoders) == 1 else None
 
 
@@ -516,3 +526,175 @@ def sample_positions_of(model: torch.nn.Module) -> SamplePositions | None:
     if rope_index.needs_model:  # the forward hook computes the positions
         return None
     return SamplePositions(rope_index, vision.position_rows)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sequence parallelism: one shard of a packed row, its image features and the whole row's layout
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def sequence_shard(info: PackedSeqInfo, length: int) -> tuple[int, int] | None:
+    """The tokens ``[start, end)`` of the row that a forward of ``length`` tokens holds, when ``info`` describes one
+    row cut into ``info.sequence_shards`` equal shards (DeepSpeed Ulysses) and the forward is one of them: the
+    shard of this process's rank in DeepSpeed's sequence-parallel group (the rank DeepSpeed's data loader adapter
+    cut it for). ``None`` when the forward holds the whole row (evaluation, which Ulysses leaves whole; no sequence
+    parallelism).
+
+    Raises:
+        ValueError: a shard outside a DeepSpeed sequence-parallel group of ``info.sequence_shards`` processes.
+    """
+    from unpack_trainer._compat import sequence_parallel_group
+
+    shards = info.sequence_shards
+    if shards == 1 or length == info.seq_len:
+        return None
+    group = sequence_parallel_group()
+    if group is None or torch.distributed.get_world_size(group) != shards:
+        raise ValueError(
+            f"A forward of {length} tokens of a packed row of {info.seq_len} cut into {shards} sequence-parallel "
+            "shards ran outside a DeepSpeed Ulysses group of that size (accelerate's ParallelismConfig(sp_size=...) "
+            "sets it up); its image features and positions cannot be told apart from the other shards'."
+        )
+    rank = torch.distributed.get_rank(group)
+    return rank * length, (rank + 1) * length
+
+
+@dataclass(frozen=True)
+class ImageSelection:
+    """Which images a shard of a packed row runs through the vision tower, and which of their features it keeps
+    (:func:`shard_image_selection`).
+
+    Attributes:
+        first, stop: the images ``[first, stop)`` (in the row's order) that have a token in the shard.
+        pixel_start, pixel_stop: their rows of ``pixel_values`` (dim 0); ``-1`` as ``pixel_stop``: every row (the
+            layout does not tell each image's rows, so every image runs).
+        feature_offset: the first feature of those images' features (concatenated, in order) the shard keeps.
+        feature_count: the shard's image tokens, the features it keeps.
+    """
+
+    first: int
+    stop: int
+    pixel_start: int
+    pixel_stop: int
+    feature_offset: int
+    feature_count: int
+
+
+def image_runs(image_mask: torch.Tensor) -> torch.Tensor:
+    """``(num_runs, 2)`` int64 ``[start, end)`` of every maximal run of ``True`` in ``image_mask`` ``(T,)`` bool: the
+    images of a row, whose placeholder tokens the processors put between markers (Qwen2-VL's ``<|vision_start|>`` /
+    ``<|vision_end|>``, Gemma 3's ``<start_of_image>`` / ``<end_of_image>``)."""
+    flags = torch.nn.functional.pad(image_mask.to(torch.int8), (1, 1))
+    steps = flags[1:] - flags[:-1]
+    return torch.stack([torch.nonzero(steps == 1)[:, 0], torch.nonzero(steps == -1)[:, 0]], dim=1).to(torch.int64)
+
+
+def shard_image_selection(
+    image_mask: torch.Tensor, start: int, end: int, pixel_rows: torch.Tensor | None
+) -> ImageSelection | None:
+    """The images the shard ``[start, end)`` of a row runs through the vision tower, and the features it keeps.
+
+    Args:
+        image_mask: ``(T,)`` bool, the row's image placeholder tokens (the whole row's).
+        start, end: the shard's tokens.
+        pixel_rows: ``(num_images,)`` int, each image's rows of ``pixel_values`` (Qwen2-VL: ``t * h * w`` patches;
+            one per image where ``pixel_values`` is ``(num_images, C, H, W)``), or ``None`` where the pixel values
+            cannot be split per image (then every image runs, and the features are kept from the row's count).
+
+    Returns:
+        ``None`` when the row has no image; else the images with a token in the shard (an image cut by the shard
+        boundary is run whole by every shard that holds a part of it: the tower attends over the whole image), and
+        the slice of their features that belongs to the shard's image tokens. A shard without an image token of a
+        row with images runs the row's smallest image and keeps none of its features: every process of the group
+        then gives the vision tower a gradient (zero here), as DeepSpeed's ZeRO, which reduces gradients as each
+        parameter's arrives, needs of every process.
+
+    Example (images of 4 and 3 tokens at ``[2, 6)`` and ``[8, 11)``, one pixel row each, shards of 5 tokens)::
+
+        shard [0, 5)   images [0, 1), features [0, 3)    3 tokens of image 0
+        shard [5, 10)  images [0, 2), features [3, 6)    1 token of image 0, 2 of image 1
+        shard [10, 15) images [1, 2), features [2, 3)    the last token of image 1
+        shard [15, 20) images [0, 1), features [0, 0)    no image token: the smallest image run, nothing kept
+    """
+    runs = image_runs(image_mask)
+    if runs.shape[0] == 0:
+        return None
+    count = int(image_mask[start:end].sum())
+    if count == 0 and pixel_rows is not None and pixel_rows.numel() == runs.shape[0]:
+        smallest = int(torch.argmin(pixel_rows))
+        rows = torch.cat([torch.zeros(1, dtype=torch.int64), pixel_rows.to(torch.int64).cumsum(0)])
+        return ImageSelection(smallest, smallest + 1, int(rows[smallest]), int(rows[smallest + 1]), 0, 0)
+    if pixel_rows is None or pixel_rows.numel() != runs.shape[0]:
+        total = int(pixel_rows.sum()) if pixel_rows is not None else -1
+        return ImageSelection(0, runs.shape[0], 0, total, int(image_mask[:start].sum()), count)
+    first = int((runs[:, 1] <= start).sum())
+    stop = int((runs[:, 0] < end).sum())
+    rows = torch.cat([torch.zeros(1, dtype=torch.int64), pixel_rows.to(torch.int64).cumsum(0)])
+    offset = max(0, start - int(runs[first, 0]))
+    return ImageSelection(first, stop, int(rows[first]), int(rows[stop]), offset, count)
+
+
+def _pixel_rows(inputs: dict[str, Any], num_images: int) -> torch.Tensor | None:
+    """Each image's rows of ``pixel_values`` (see :func:`shard_image_selection`), or ``None`` where the layout does
+    not tell them."""
+    pixels, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
+    if isinstance(grid, torch.Tensor) and grid.shape[0] == num_images:
+        rows = grid.to(torch.int64).prod(-1)
+        if int(rows.sum()) == pixels.shape[0]:
+            return rows
+    if pixels.shape[0] == num_images:
+        return torch.ones(num_images, dtype=torch.int64)
+    return None
+
+
+def shard_image_features(
+    module: torch.nn.Module, inputs: dict[str, Any], start: int, end: int, device: torch.device
+) -> dict[str, Any] | None:
+    """The image features of the shard ``[start, end)`` of a packed row, as the multimodal model ``module`` takes
+    them instead of pixel values (its ``mm_encoder_outputs={"image": ...}``): the model's own
+    ``get_image_features`` on the images with a token in the shard (:func:`shard_image_selection`), cut to the
+    shard's image tokens, in the layout the model's ``get_image_features`` returns (Qwen2-VL: a tuple of
+    ``(tokens, hidden)``, one here; Gemma 3: ``(1, tokens, hidden)``). The model scatters them into its image tokens
+    itself, with its own count check (a shard without image tokens gets none, the features of the row's smallest
+    image kept in the graph, empty). ``None`` when the row has no image.
+
+    Args:
+        module: the multimodal model (``Qwen2_5_VLModel``, ``Gemma3Model``, ...).
+        inputs: the whole row's inputs (``input_ids`` ``(1, T)``, ``pixel_values``, ``image_grid_thw``, ...), CPU.
+        start, end: the shard's tokens.
+        device: where the model runs.
+
+    Raises:
+        ValueError: the row holds video tokens (not supported under sequence parallelism).
+    """
+    ids = inputs["input_ids"].reshape(-1)
+    config = module.config
+    video = getattr(config, "video_token_id", None)
+    if isinstance(video, int) and bool((ids == video).any()):
+        raise ValueError(
+            f"A packed row with videos cannot be cut for sequence parallelism with {type(module).__name__} (only "
+            "images are laid out per shard); train videos without sequence parallelism."
+        )
+    image_mask = ids == config.image_token_id
+    if inputs.get("pixel_values") is None or not bool(image_mask.any()):
+        return None
+    selection = shard_image_selection(
+        image_mask, start, end, _pixel_rows(inputs, int(image_runs(image_mask).shape[0]))
+    )
+    if selection is None:
+        return None
+    pixels = inputs["pixel_values"]
+    call: dict[str, Any] = {"return_dict": True}
+    if selection.pixel_stop >= 0:
+        pixels = pixels[selection.pixel_start : selection.pixel_stop]
+    if "image_grid_thw" in inspect.signature(module.get_image_features).parameters:
+        grid = inputs.get("image_grid_thw")
+        call["image_grid_thw"] = None if grid is None else grid[selection.first : selection.stop].to(device)
+    outputs = module.get_image_features(pixels.to(device), **call)
+    pooled = outputs.pooler_output
+    flat = (
+        torch.cat(list(pooled), dim=0) if isinstance(pooled, (tuple, list)) else pooled.reshape(-1, pooled.shape[-1])
+    )
+    kept = flat[selection.feature_offset : selection.feature_offset + selection.feature_count]
+    outputs.pooler_output = (kept,) if isinstance(pooled, (tuple, list)) else kept.unsqueeze(0)
+    return {"image": outputs}

@@ -4,8 +4,8 @@ Per-sample work on a packed row (attention, a convolution, a recurrent scan) cos
 samples of similar length are gathered into one padded ``(n, L, ...)`` batch each: padding sits after each sample's
 real tokens, so causal attention and a causal mixer never let a real token see it. The plan
 (:class:`BucketPlan`) is built once per batch on the CPU from :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`
-and cached on it; :class:`GatherSlots` / :class:`ScatterTokens` move tokens into the slots and back with gathers
-only (every token has exactly one real slot).
+and kept beside it (``info.plans``); :class:`GatherSlots` / :class:`ScatterTokens` move tokens into the slots and
+back with gathers only (every token has exactly one real slot).
 
 Worked example, lengths ``[1, 2, 3]`` (tokens ``t0 | t1 t2 | t3 t4 t5``), one bucket of ``L = 3``: slots
 ``[t0 pad pad | t1 t2 pad | t3 t4 t5]``, ``gather`` ``[0 0 0 1 2 1 3 4 5]`` (padding repeats the sample's first
@@ -90,6 +90,18 @@ def planning_for(device: torch.device, *, compiled: bool = False) -> Planning:
     return Planning()
 
 
+class _AttentionBuckets(NamedTuple):
+    """The plan of :func:`attention_plan` on ``device``."""
+
+    device: str
+
+
+class _BranchBuckets(NamedTuple):
+    """The plan of :func:`branch_plan` on ``device``."""
+
+    device: str
+
+
 class Bucket(NamedTuple):
     length: int  # L: the longest sample of the bucket; every sample is padded to it
     count: int  # n: samples in the bucket
@@ -157,8 +169,9 @@ def attention_plan(info: PackedSeqInfo, device: torch.device, *, compiled: bool 
     ``device``; built once per batch and device (``compiled``: planned for compiled layers, :func:`planning_for`; the
     first build of a batch decides)."""
     planning = planning_for(device, compiled=compiled)
-    return info.plan(
-        "buckets", str(device), lambda: build_plan(info, device, call_cost=planning.call_cost, grid=planning.grid)
+    return info.plans.get(
+        _AttentionBuckets(str(device)),
+        lambda: build_plan(info, device, call_cost=planning.call_cost, grid=planning.grid),
     )
 
 
@@ -281,7 +294,7 @@ def branch_plan(info: PackedSeqInfo, device: torch.device, *, compiled: bool = F
                     buckets.append(Bucket(length, count, units=members))
         return finish_plan(buckets, gathers, scatter, pads, device, key_gathers, key_sizes)
 
-    return info.plan("branch_buckets", str(device), build)
+    return info.plans.get(_BranchBuckets(str(device)), build)
 
 
 class GatherSlots(torch.autograd.Function):

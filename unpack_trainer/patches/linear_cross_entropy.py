@@ -56,7 +56,9 @@ def liger_unavailable_reason(device: torch.device | str) -> str | None:
         return None
     if device.type == "cpu" and _interpreted():
         return None
-    return f"Liger-Kernel's Triton kernels do not run on {device.type} tensors (CUDA only; CPU under TRITON_INTERPRET=1)"
+    return (
+        f"Liger-Kernel's Triton kernels do not run on {device.type} tensors (CUDA only; CPU under TRITON_INTERPRET=1)"
+    )
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -113,7 +115,9 @@ class _LigerLogProbs(torch.autograd.Function):
         else:
             grad_hidden = None
         common = scale[0]
-        if (grad_weight is not None and ctx.needs_input_grad[1]) or (grad_bias is not None and ctx.needs_input_grad[2]):
+        if (grad_weight is not None and ctx.needs_input_grad[1]) or (
+            grad_bias is not None and ctx.needs_input_grad[2]
+        ):
             # The weight and bias gradients were summed over the tokens: only one factor for all of them applies.
             _compat.assert_on_device(
                 (scale == common).all(),
@@ -122,9 +126,7 @@ class _LigerLogProbs(torch.autograd.Function):
             )
         grad_weight = (grad_weight.float() * common).to(weight_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = (
-            (grad_bias.float() * common).to(bias_dtype)
-            if grad_bias is not None and ctx.needs_input_grad[2]
-            else None
+            (grad_bias.float() * common).to(bias_dtype) if grad_bias is not None and ctx.needs_input_grad[2] else None
         )
         return grad_hidden, grad_weight, grad_bias, None, None
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -76,6 +76,28 @@ __all__ = [
     "run_padded",
     "run_varlen",
 ]
+
+
+# The mixers' plans of a batch (:class:`~unpack_trainer.packed_seq_info.PlanCache` keys).
+class _MixerBuckets(NamedTuple):
+    """:func:`_bucket_plan` on ``device``."""
+
+    device: str
+
+
+class _MixerVarlen(NamedTuple):
+    """The varlen arguments of the mixer kernels on ``device``."""
+
+    device: str
+
+
+class _ConvTaps(NamedTuple):
+    """The taps of a masked depthwise convolution of ``kernel_size`` in ``dtype`` on ``device``."""
+
+    kernel_size: int
+    dtype: torch.dtype
+    device: str
+
 
 # Token mixers that carry state along the sequence, by class name.
 STATE_MIXER_NAMES = re.compile(
@@ -140,10 +162,8 @@ def conv_problem(module: torch.nn.Module) -> str | None:
 
 def _bucket_plan(info: PackedSeqInfo, device: torch.device) -> Any:
     """The samples of ``info`` bucketed by length with a linear cost per padded token (built once per batch)."""
-    return info.plan(
-        "mixer_buckets",
-        str(device),
-        lambda: build_plan(info, device, call_cost=_MIXER_CALL_COST_TOKENS, power=1),
+    return info.plans.get(
+        _MixerBuckets(str(device)), lambda: build_plan(info, device, call_cost=_MIXER_CALL_COST_TOKENS, power=1)
     )
 
 
@@ -277,7 +297,7 @@ def _varlen_metadata(info: PackedSeqInfo, device: torch.device) -> dict[str, Ten
             "cu_seqlens": info.cu_seqlens.to(device, non_blocking=True),
         }
 
-    return info.plan("mixer_varlen", str(device), build)
+    return info.plans.get(_MixerVarlen(str(device)), build)
 
 
 def _flatten_rows(value: Any, info: PackedSeqInfo) -> Any:
@@ -349,7 +369,7 @@ def _tap_masks(info: PackedSeqInfo, kernel_size: int, dtype: torch.dtype, device
         taps = torch.arange(kernel_size, dtype=torch.int64).view(-1, 1, 1, 1)
         return (positions.unsqueeze(0) >= taps).to(device=device, dtype=dtype, non_blocking=True)
 
-    return info.plan("mixer_conv_taps", (kernel_size, dtype, str(device)), build)
+    return info.plans.get(_ConvTaps(kernel_size, dtype, str(device)), build)
 
 
 def packed_conv1d(module: torch.nn.Conv1d, x: Tensor, info: PackedSeqInfo) -> Tensor:

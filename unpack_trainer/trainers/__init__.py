@@ -3,13 +3,16 @@ TRL's own trainer with the core in front of it and the hooks for its batches (co
 
 [`TRAINERS`] declares them, one entry each: the public exports (``unpack_trainer.SFTTrainer``, ``SFTConfig``, ...)
 and the command line (``unpack-trainer sft``, mirroring ``trl sft``) are made from it. One rule places the classes:
-the trainer class in ``unpack_trainer/trainers/<command>.py``, its config class in ``unpack_trainer/configs.py``
-(every config there, so the command line's parsers and ``--help`` need no trainer, model or kernel). Adding a trainer
-is that module, its config class and one entry here.
+the trainer class in ``unpack_trainer/trainers/<command>.py`` (it declares its config class, ``unpack_config_class``),
+its config class in ``unpack_trainer/configs.py`` (every config there, so the command line's parsers and ``--help``
+need no trainer, model or kernel). The table names the trainers' modules and none of them reads it back, so this face
+imports downward only (``tests/test_layering.py`` reads its lazy table as imports).
 
-Beside the trainer modules: ``_packed.py`` (the packed-trainer core every trainer stands on), ``branched.py`` (what
-trainers whose prompts are shared by several completions add: DPO, GRPO, RLOO, reward, KTO) and ``loss.py`` (per-sample
-loss weights). Importing this package imports neither torch nor TRL; the classes are resolved on first use.
+Beside the trainer modules: the core (``_packed.py``, the ``Trainer`` methods it overrides) and its collaborators
+(``hooks.py``: what a trainer declares and implements; ``run_state.py``: one run's state; ``packed_path.py``,
+``contamination.py``, ``sequence_parallel.py``, ``loss.py``, ``evaluation.py``, ``start_line.py``), ``branched.py``
+(what trainers whose prompts are shared by several completions add: DPO, GRPO, RLOO, reward, KTO, distillation).
+Importing this package imports neither torch nor TRL; the classes are resolved on first use.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class TrainerSpec:
         return f"unpack_trainer.trainers.{self.command}"
 
     def trainer_class(self) -> type:
-        return getattr(importlib.import_module(self.trainer_module), self.trainer)
+        return getattr(importlib.import_module(f"unpack_trainer.trainers.{self.command}"), self.trainer)
 
     def config_class(self) -> type:
         return getattr(importlib.import_module(CONFIG_MODULE), self.config)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -33,7 +34,6 @@ from unpack_trainer._compat import sequence_parallel_gradients_averaged
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX
 from unpack_trainer.decision import sequence_parallel_size
-from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.packed_seq_info import (
     INFO_KEY,
     SHARDED_BATCH_KEY,
@@ -41,9 +41,12 @@ from unpack_trainer.packed_seq_info import (
     VIEW_INDEX_KEY,
     branched_row,
 )
+from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.trainers._packed import PackedTrainerMixin
+from unpack_trainer.trainers.contamination import self_check_failed
+from unpack_trainer.trainers.run_state import RunField, RunState
 
-__all__ = ["BranchedTrainerMixin", "PackedPairsMixin", "install_branched_hooks", "pack_completions"]
+__all__ = ["BranchedRun", "BranchedTrainerMixin", "PackedPairsMixin", "install_branched_hooks", "pack_completions"]
 
 logger = logging.getLogger("unpack_trainer")
 
@@ -175,6 +178,79 @@ def pack_completions(
     return batch, len(tokens)
 
 
+@dataclasses.dataclass
+class BranchedRun(RunState):
+    """The run state ([`RunState`]) of a trainer whose prompts are shared.
+
+    Attributes:
+        selfcheck_branched (`ContaminationReport` or `None`): the branched probe's report (``unpack_selfcheck_branched``).
+        sharing_failed (`bool`): the branched probe failed: completions are packed unshared.
+        mixer (`str`, `None` or `False`): the policy's state-carrying token mixer (``None``: none; ``False``: not
+            looked for yet).
+        padded_collator: TRL's padded collator as its ``__init__`` built it (trainers whose collator packs pairs).
+        positions: each model's multi-axis positions (``SequencePositions`` or ``None``), for image prompts laid out in
+            the step.
+    """
+
+    selfcheck_branched: ContaminationReport | None = None
+    sharing_failed: bool = False
+    mixer: str | None | bool = False
+    padded_collator: Any = None
+    positions: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+
+
+def stateful_mixer(model: torch.nn.Module) -> str | None:
+    """The class name of the first token mixer of ``model`` that carries state along the sequence (a convolution or
+    a recurrent scan: :func:`unpack_trainer.patches.mixers.mixer_kind`), else ``None``; of a vision-language model,
+    its text decoder's (the vision tower's convolutions embed image patches, not a sequence a branch continues)."""
+    from unpack_trainer.models.discovery import pretrained_model
+    from unpack_trainer.models.vision import text_model
+    from unpack_trainer.patches.mixers import mixer_kind
+
+    decoder = text_model(pretrained_model(model))
+    for module in (decoder if decoder is not None else model).modules():
+        if mixer_kind(module) is not None:
+            return type(module).__name__
+    return None
+
+
+def _one_row_per_forward(args: Any, decision: Any) -> None:
+    """Under sequence parallelism, where the trainer packs: DeepSpeed's micro-batch (``train_micro_batch_size_per_gpu``
+    in the DeepSpeed config of ``args``) set to 1, logged once. Each training forward of a prompt-sharing trainer is
+    one packed row (a batch's pairs, a chunk of GRPO's completions), and Ulysses checks every attention call against
+    that micro-batch (accelerate registers it with the config's), where transformers fills it with
+    ``per_device_train_batch_size``: the pairs or prompt-completion rows of a batch."""
+    shards = sequence_parallel_size(getattr(args, "parallelism_config", None), {})
+    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if shards == 1 or not decision.packed or config is None:
+        return
+    micro = config.get("train_micro_batch_size_per_gpu")
+    if micro != 1:
+        config["train_micro_batch_size_per_gpu"] = 1
+        if isinstance(micro, int) and isinstance(config.get("train_batch_size"), int):
+            config["train_batch_size"] //= micro  # micro-batch x accumulation x processes, as filled
+        log_once(
+            logger,
+            logging.INFO,
+            f"sequence parallelism (sp_size={shards}): DeepSpeed's train_micro_batch_size_per_gpu is 1, each training "
+            f"forward one packed row (of the {args.per_device_train_batch_size} examples of a batch)",
+        )
+
+
+def whole_in_evaluation_reason(config: Any, shards: int) -> str | None:
+    """Why a prompt-sharing trainer cannot run under Ulysses with ``config`` (accelerate's ``ParallelismConfig``):
+    the reference model runs in evaluation mode, and so do evaluation and GRPO's / RLOO's generation, which Ulysses
+    must leave whole (``sp_disable_in_eval=True``, accelerate's default) for the whole rows our hooks give them."""
+    handler = getattr(config, "sp_handler", None)
+    if getattr(handler, "sp_disable_in_eval", True) is False:
+        return (
+            f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses) with sp_disable_in_eval=False: the "
+            "reference model, evaluation and generation run each packed row or sequence whole; set "
+            "DeepSpeedSequenceParallelConfig(sp_disable_in_eval=True) (the default)"
+        )
+    return None
+
+
 class BranchedTrainerMixin(PackedTrainerMixin):
     """The packed-trainer core for trainers whose prompts are shared by several completions (``prefix_sharing``).
 
@@ -197,22 +273,27 @@ class BranchedTrainerMixin(PackedTrainerMixin):
     """
 
     unpack_unshared: str = "each completion is packed after its own copy of the prompt"
-    unpack_selfcheck_branched: ContaminationReport | None = None
-    _unpack_sharing_failed: bool = False
-    _unpack_mixer: str | None | bool = False  # False: not looked for yet
+    unpack_run_class = BranchedRun
+    unpack_selfcheck_branched = RunField("selfcheck_branched")
+
+    def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
+        """The core's, and under sequence parallelism one packed row per forward ([`_one_row_per_forward`])."""
+        trl_args = super()._unpack_before_init(model, args, **arguments)
+        _one_row_per_forward(trl_args, self.unpack_decision)
+        return trl_args
 
     def _unpack_probe_branches(self) -> int:
         """How many completions share the prompt of the branched probe (DPO: 2)."""
         return 2
 
     def _unpack_stop_sharing(self) -> None:
-        """Called once when the branched probe failed (``self._unpack_sharing_failed`` is set): switch to unshared
+        """Called once when the branched probe failed (``self.unpack_run.sharing_failed`` is set): switch to unshared
         packing (a collator rebuilt, ...); by default nothing, for trainers that read [`_unpack_sharing`] per batch."""
 
     def _unpack_sharing(self) -> bool:
         """Whether prompts are shared now: ``prefix_sharing``, the branched probe has not failed, and the model has no
         token mixer that carries state ([`_stateful_mixer`])."""
-        return bool(self.args.prefix_sharing) and not self._unpack_sharing_failed and self._stateful_mixer() is None
+        return bool(self.args.prefix_sharing) and not self.unpack_run.sharing_failed and self._stateful_mixer() is None
 
     def _unpack_models(self) -> list[Any]:
         models = [self.model, getattr(self, "ref_model", None)]
@@ -236,7 +317,7 @@ class BranchedTrainerMixin(PackedTrainerMixin):
     def _unpack_check_before_first_batch(self) -> None:
         """The core's self-check, then (with prompts shared) the branched probe; if that fails, the completions are
         packed unshared from the first batch on."""
-        first = not self._unpack_checked
+        first = not self.unpack_run.checked
         super()._unpack_check_before_first_batch()
         if not (first and self.unpack_decision.packed and self._unpack_sharing()):
             return
@@ -253,9 +334,45 @@ class BranchedTrainerMixin(PackedTrainerMixin):
             f"shared prompt does not give what [prompt; completion] gives alone, so prefix sharing is off; "
             f"{self.unpack_unshared} (the plain packed self-check passed). Set prefix_sharing=False to silence this"
         )
-        self._unpack_self_check_failed(message)
-        self._unpack_sharing_failed = True
+        self_check_failed(message)
+        self.unpack_run.sharing_failed = True
         self._unpack_stop_sharing()
+
+    # ------------------------------------------------------------------------------------------------ sequence parallel
+
+    def _fall_back_to_padded(self, reason: str = "contamination self-check failed") -> None:
+        """The core's fallback, but under sequence parallelism an error: TRL's padded batches cannot be cut into
+        shards (DeepSpeed's data loader adapter takes only batches cut along one row, and a padded forward inside the
+        step would run each process's whole batch as a shard of one row), so the run stops at start with the reason
+        instead of failing, or training on wrong rows, later."""
+        shards = sequence_parallel_size(getattr(self.accelerator, "parallelism_config", None), {})
+        if shards > 1:
+            raise ValueError(
+                f"{self.unpack_name} cannot train padded under sequence parallelism (sp_size={shards}): TRL's padded "
+                f"batches cannot be cut into shards of one row (DeepSpeed's sequence-parallel data loader takes only "
+                f"such batches), and the packed rows are off ({reason})."
+            )
+        super()._fall_back_to_padded(reason)
+
+    def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
+        """[`whole_in_evaluation_reason`]'s. Not the core's batch-size rule: a batch of any size is one packed row
+        here (the pairs, or a chunk of completions, each prompt once), and DeepSpeed's micro-batch is set to one row
+        ([`_one_row_per_forward`]); nor its loss rules (the loss is TRL's, from the whole row)."""
+        return whole_in_evaluation_reason(config, shards)
+
+    @staticmethod
+    def _sequence_parallel_share(model: Any, result: Any, return_outputs: bool, shards: int) -> Any:
+        """``result`` (TRL's ``compute_loss``: the loss, or ``(loss, outputs)``) of a training step in which every
+        process of a sequence-parallel group of ``shards`` computed the same loss from the whole row (the model's
+        packed view gathers the shards' hidden states), with ``1 / shards`` of the loss back-propagated on each (the
+        value logged unchanged): the gradient that reaches each process's own shard through the gather is the loss's
+        own, the LM head's is ``1 / N`` of it on each, and DeepSpeed sums the group's. Unchanged outside training,
+        for one shard, and where DeepSpeed averages the group's gradients instead (ZeRO-3 before deepspeed 0.20.2)."""
+        if shards == 1 or not model.training or sequence_parallel_gradients_averaged():
+            return result
+        loss = result[0] if return_outputs else result
+        loss = loss / shards + (loss - loss / shards).detach()
+        return (loss, *result[1:]) if return_outputs else loss
 
     def _stateful_mixer(self) -> str | None:
         """The class name of a token mixer of the model that carries state along the sequence (a convolution or a
@@ -264,30 +381,19 @@ class BranchedTrainerMixin(PackedTrainerMixin):
         unshared."""
         if not self.args.prefix_sharing:
             return None
-        if self._unpack_mixer is not False:
-            return self._unpack_mixer
-        from unpack_trainer.models.discovery import pretrained_model
-        from unpack_trainer.models.vision import text_model
-        from unpack_trainer.patches.mixers import mixer_kind
-
-        self._unpack_mixer = None
-        model = self.accelerator.unwrap_model(self.model)
-        # A vision-language model: its text decoder's mixers (the vision tower's convolutions embed image patches,
-        # not a sequence the branches continue)
-        decoder = text_model(pretrained_model(model))
-        for module in (decoder if decoder is not None else model).modules():
-            if mixer_kind(module) is not None:
-                name = self._unpack_mixer = type(module).__name__
-                log_once(
-                    logger,
-                    logging.WARNING,
-                    f"{self.unpack_name}: prefix_sharing is off for this model: its token mixer {name} carries state "
-                    "along the sequence and runs per sample on packed rows, so a completion cannot continue its "
-                    f"prompt's state; {self.unpack_unshared} (exact, without sharing). Set prefix_sharing=False to "
-                    "silence this.",
-                )
-                return name
-        return None
+        if self.unpack_run.mixer is not False:
+            return self.unpack_run.mixer
+        name = self.unpack_run.mixer = stateful_mixer(self.accelerator.unwrap_model(self.model))
+        if name is not None:
+            log_once(
+                logger,
+                logging.WARNING,
+                f"{self.unpack_name}: prefix_sharing is off for this model: its token mixer {name} carries state "
+                "along the sequence and runs per sample on packed rows, so a completion cannot continue its "
+                f"prompt's state; {self.unpack_unshared} (exact, without sharing). Set prefix_sharing=False to "
+                "silence this.",
+            )
+        return name
 
 
 class PackedPairsMixin(BranchedTrainerMixin):
@@ -305,9 +411,9 @@ class PackedPairsMixin(BranchedTrainerMixin):
     unpack_trl_vision_collator: Callable[[], type] | None = None
 
     def _padded_collator(self) -> Any:
-        collator = getattr(self, "_unpack_padded_collator", None)
+        collator = self.unpack_run.padded_collator
         if collator is None:
-            collator = self._unpack_padded_collator = self.data_collator  # TRL's, as its __init__ built it
+            collator = self.unpack_run.padded_collator = self.data_collator  # TRL's, as its __init__ built it
             expected = (type(self).unpack_trl_collator(),)
             if self.unpack_trl_vision_collator is not None:
                 expected += (type(self).unpack_trl_vision_collator(),)
@@ -325,63 +431,28 @@ class PackedPairsMixin(BranchedTrainerMixin):
         if self.unpack_decision.packed:
             self.data_collator = self._shard_ready(self.data_collator)
 
-    # ------------------------------------------------------------------------------------------------ sequence parallel
-
-    def _fall_back_to_padded(self, reason: str = "contamination self-check failed") -> None:
-        """The core's fallback, but under sequence parallelism an error: TRL's padded pairs cannot go through
-        DeepSpeed's data loader adapter (it takes only batches cut along one row), so the run stops at start with the
-        reason instead of failing in the adapter."""
-        shards = sequence_parallel_size(getattr(self.accelerator, "parallelism_config", None), {})
-        if shards > 1:
-            raise ValueError(
-                f"{self.unpack_name} cannot train padded under sequence parallelism (sp_size={shards}): TRL's padded "
-                f"batches do not go through DeepSpeed's sequence-parallel data loader, and the packed rows are off "
-                f"({reason})."
-            )
-        super()._fall_back_to_padded(reason)
-
     def _shard_ready(self, collator: Any) -> Any:
-        """``collator``, under sequence parallelism (``self._unpack_sequence_shards`` > 1) with its batches made ready
+        """``collator``, under sequence parallelism (``self.unpack_run.sequence_shards`` > 1) with its batches made ready
         for DeepSpeed's adapter ([`unpack_trainer.data.sequence_shards.ShardReadyCollator`])."""
-        if self._unpack_sequence_shards == 1:
+        if self.unpack_run.sequence_shards == 1:
             return collator
         from unpack_trainer.data.sequence_shards import ShardReadyCollator
 
-        return ShardReadyCollator(collator, self._unpack_sequence_shards)
-
-    def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
-        """The core's reasons, and the reference model's: it runs in evaluation mode, which Ulysses must leave whole
-        (``sp_disable_in_eval=True``, accelerate's default) for the whole row our hook gives it."""
-        handler = getattr(config, "sp_handler", None)
-        if getattr(handler, "sp_disable_in_eval", True) is False:
-            return (
-                f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses) with sp_disable_in_eval=False: the "
-                "reference model and evaluation run each packed row whole; set "
-                "DeepSpeedSequenceParallelConfig(sp_disable_in_eval=True) (the default)"
-            )
-        return super()._sequence_parallel_reason(config, shards)
+        return ShardReadyCollator(collator, self.unpack_run.sequence_shards)
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """TRL's loss; a batch through DeepSpeed's adapter (``SHARDED_BATCH_KEY``) is read whole (the model's packed
         view runs this process's shard of the row and gathers the hidden states:
-        [`unpack_trainer.models.fixes.packed_view`]). Every process of the group then computes the same loss from the
-        whole row, and each back-propagates ``1 / N`` of it (the value logged unchanged): the gradient that reaches
-        its own shard through the gather is the loss's own, the LM head's is ``1 / N`` of it on each, and DeepSpeed
-        sums the group's (where DeepSpeed averages them instead, ZeRO-3 before 0.20.2, each back-propagates the whole
-        loss)."""
+        [`unpack_trainer.models.fixes.packed_view`]), its loss shared out over the group
+        ([`_sequence_parallel_share`])."""
         whole = inputs.get(SHARDED_BATCH_KEY) if isinstance(inputs, dict) else None
         if whole is None:
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        result = super().compute_loss(model, whole, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if not model.training:
-            return result
-        if sequence_parallel_gradients_averaged():  # ZeRO-3 before deepspeed 0.20.2: the average is the 1 / N
-            return result
-        shards = whole[INFO_KEY].sequence_shards
-        loss = result[0] if return_outputs else result
-        loss = loss / shards + (loss - loss / shards).detach()
-        return (loss, *result[1:]) if return_outputs else loss
+        result = super().compute_loss(
+            model, whole, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        return self._sequence_parallel_share(model, result, return_outputs, whole[INFO_KEY].sequence_shards)

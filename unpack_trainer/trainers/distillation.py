@@ -30,8 +30,8 @@ models (logged once).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -39,9 +39,12 @@ import trl
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
+from unpack_trainer.configs import DistillationConfig
 from unpack_trainer.packed_seq_info import PACKED_INPUT_IDS_KEY, PACKED_POSITION_IDS_KEY
-from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions
+from unpack_trainer.trainers.branched import BranchedRun, BranchedTrainerMixin, pack_completions, stateful_mixer
+from unpack_trainer.trainers.contamination import self_check_failed
 from unpack_trainer.trainers.grpo import PACKED_TOKEN_SHARE, _ImageInputs, _prompt_ids
+from unpack_trainer.trainers.run_state import RunField
 
 __all__ = ["DistillationTrainer"]
 
@@ -136,6 +139,26 @@ def packed_layout(
     return batch, None
 
 
+@dataclasses.dataclass
+class DistillationRun(BranchedRun):
+    """The run state of [`DistillationTrainer`].
+
+    Attributes:
+        teacher_reason (`str` or `None`): why the teacher runs TRL's padded forward (``unpack_teacher_reason``).
+        selfcheck_teacher (`ContaminationReport` or `None`): the teacher's self-check (``unpack_selfcheck_teacher``).
+        teacher_mixer (`str`, `None` or `False`): a packed teacher's state-carrying token mixer (``None``: none;
+            ``False``: not looked for yet).
+        layout (`_Layout` or `None`): the packed layout of the micro-batch running now.
+        image_counts (`dict`): that micro-batch's image counts per row (``num_images`` / ``num_tiles``).
+    """
+
+    teacher_reason: str | None = None
+    selfcheck_teacher: Any = None
+    teacher_mixer: str | None | bool = False
+    layout: _Layout | None = None
+    image_counts: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
     """Drop-in for [`trl.DistillationTrainer`]: ``from unpack_trainer import DistillationTrainer``; the arguments are
     TRL's.
@@ -156,13 +179,13 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
     unpack_packs_in = "step"
     unpack_packs_vision = True  # image prompts: each prompt segment's images once (trainers.image_prompts)
     unpack_unshared = "each completion is packed after its own copy of its prompt"
-    _unpack_trl_methods = _trl_compat.DISTILLATION_TRAINER_METHODS
-    _unpack_trl_attributes = _trl_compat.DISTILLATION_TRAINER_ATTRIBUTES
-    unpack_teacher_reason: str | None = None
-    unpack_selfcheck_teacher: Any = None
-    _unpack_layout: _Layout | None = None
-    _unpack_counts: dict[str, Any] = {}  # noqa: RUF012 (replaced, never mutated)
-    _unpack_teacher_mixer: str | None | bool = False  # False: not looked for yet
+    unpack_config_class = DistillationConfig
+    unpack_trl_methods = _trl_compat.DISTILLATION_TRAINER_METHODS
+    unpack_trl_attributes = _trl_compat.DISTILLATION_TRAINER_ATTRIBUTES
+    unpack_run_class = DistillationRun
+    unpack_run: DistillationRun
+    unpack_teacher_reason = RunField("teacher_reason")
+    unpack_selfcheck_teacher = RunField("selfcheck_teacher")
 
     # ------------------------------------------------------------------------------------------------ construction
 
@@ -196,12 +219,12 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         """Why the teacher cannot run packed rows (the decision's own reasons, on the teacher's config and PEFT
         config), or ``None``."""
         from unpack_trainer.decision import blocked_reason
-        from unpack_trainer.trainers._packed import _registry
+        from unpack_trainer.trainers.packed_path import verified_model_types
 
         teacher = self._unpack_teacher()
         if teacher is None:
             return "there is no local teacher model (it is supplied another way)"
-        supported, blocklist = _registry()
+        supported, blocklist = verified_model_types()
         config = getattr(teacher, "config", None)
         return blocked_reason(
             model_config=config,
@@ -242,7 +265,7 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
     def _generate(self, prompts: list) -> Any:
         """TRL's generation, with PEFT's own LoRA path (the step's cast skip paused: see
         [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`])."""
-        with self._unpack_peft_lora_path():
+        with self.unpack_run.peft_lora_path():
             return super()._generate(prompts)
 
     # ------------------------------------------------------------------------------------------------ self-checks
@@ -256,37 +279,28 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         it turns prefix sharing off), else ``None``."""
         if not self.args.prefix_sharing or self.unpack_teacher_reason is not None:
             return None
-        if self._unpack_teacher_mixer is not False:
-            return self._unpack_teacher_mixer
-        from unpack_trainer.models.discovery import pretrained_model
-        from unpack_trainer.models.vision import text_model
-        from unpack_trainer.patches.mixers import mixer_kind
-
-        self._unpack_teacher_mixer = None
+        if self.unpack_run.teacher_mixer is not False:
+            return self.unpack_run.teacher_mixer
         teacher = self._unpack_teacher()
-        # a vision-language teacher: its text decoder's mixers (its vision tower's convolutions embed image patches)
-        decoder = None if teacher is None else text_model(pretrained_model(teacher))
-        for module in () if teacher is None else (decoder if decoder is not None else teacher).modules():
-            if mixer_kind(module) is not None:
-                name = self._unpack_teacher_mixer = type(module).__name__
-                log_once(
-                    logger,
-                    logging.WARNING,
-                    f"{self.unpack_name}: prefix_sharing is off: the teacher's token mixer {name} carries state along "
-                    f"the sequence and runs per sample on packed rows; {self.unpack_unshared} (exact, without "
-                    "sharing). Set prefix_sharing=False to silence this.",
-                )
-                return name
-        return None
+        name = self.unpack_run.teacher_mixer = None if teacher is None else stateful_mixer(teacher)
+        if name is not None:
+            log_once(
+                logger,
+                logging.WARNING,
+                f"{self.unpack_name}: prefix_sharing is off: the teacher's token mixer {name} carries state along "
+                f"the sequence and runs per sample on packed rows; {self.unpack_unshared} (exact, without "
+                "sharing). Set prefix_sharing=False to silence this.",
+            )
+        return name
 
     def _unpack_check_before_first_batch(self) -> None:
         """The student's self-checks (the core's), then the teacher's on the model as it will run: the plain probe
         (a failure: the teacher runs padded, unpatched) and, with prompts shared, the branched one (a failure: the
         completions are packed unshared for both). ``UNPACK_STRICT=1`` raises on a failure."""
         from unpack_trainer.models import unpatch_model
-        from unpack_trainer.models.selfcheck import check_uncontaminated
+        from unpack_trainer.selfcheck import check_uncontaminated
 
-        first = not self._unpack_checked
+        first = not self.unpack_run.checked
         super()._unpack_check_before_first_batch()
         teacher = self._unpack_teacher()
         if not (first and self.unpack_decision.packed and teacher is not None and self.unpack_teacher_reason is None):
@@ -296,7 +310,7 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         self.unpack_selfcheck_teacher = report
         if not report.ok:
             what = report.failure()
-            self._unpack_self_check_failed(f"Self-check of the teacher failed ({what})")
+            self_check_failed(f"Self-check of the teacher failed ({what})")
             unpatch_model(teacher)
             self._unpack_teacher_padded(f"its contamination self-check failed: {what}")
             return
@@ -309,11 +323,11 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
             branched = check_uncontaminated(teacher, branched=True, lengths=lengths, measure_contamination=False)
         if branched.ok:
             return
-        self._unpack_self_check_failed(
+        self_check_failed(
             f"Self-check of the teacher's shared prompts failed ({branched.failure()}): prefix sharing is off; "
             f"{self.unpack_unshared}. Set prefix_sharing=False to silence this"
         )
-        self._unpack_sharing_failed = True
+        self.unpack_run.sharing_failed = True
 
     # ------------------------------------------------------------------------------------------------ the forwards
 
@@ -329,15 +343,15 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         layout by a model of the same type: its multi-axis positions are the model's)."""
         family = None
         if vision:
-            vision = {**vision, **self._unpack_counts}
+            vision = {**vision, **self.unpack_run.image_counts}
             family = str(getattr(getattr(model, "config", None), "model_type", None))
-        layout = self._unpack_layout
+        layout = self.unpack_run.layout
         if layout is None or not layout.serves(input_ids, attention_mask, logits_to_keep, family):
             positions = self._unpack_sequence_positions(model) if vision else None
             batch, reason = packed_layout(input_ids, attention_mask, logits_to_keep,
                                           prefix_sharing=self._unpack_sharing(), vision=vision,
                                           positions=positions)  # fmt: skip
-            layout = self._unpack_layout = _Layout(input_ids, attention_mask, logits_to_keep, batch, reason, family)
+            layout = self.unpack_run.layout = _Layout(input_ids, attention_mask, logits_to_keep, batch, reason, family)
         return layout
 
     def _unpack_sequence_positions(self, model: Any) -> Any:
@@ -345,7 +359,7 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         positions), cached per model."""
         from unpack_trainer.models.vision import sequence_positions_of
 
-        cache = self.__dict__.setdefault("_unpack_positions", weakref.WeakKeyDictionary())
+        cache = self.unpack_run.positions
         if model not in cache:
             cache[model] = sequence_positions_of(model)
         return cache[model]
@@ -355,11 +369,12 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         micro-batch's image counts (``num_images`` / ``num_tiles``, per row: TRL keeps them beside its vision tensors
         and does not hand them to the forwards) at hand for the layout; the layout is let go after it, so it lives no
         longer than its micro-batch."""
-        self._unpack_counts = {name: inputs[name] for name in ("num_images", "num_tiles") if inputs.get(name) is not None}
+        counts = {name: inputs[name] for name in ("num_images", "num_tiles") if inputs.get(name) is not None}
+        self.unpack_run.image_counts = counts
         try:
             return super()._compute_loss(unwrapped_student, inputs, *args, **kwargs)
         finally:
-            self._unpack_layout, self._unpack_counts = None, {}
+            self.unpack_run.layout, self.unpack_run.image_counts = None, {}
 
     @_trl_compat.profiled
     def _get_last_hidden_state(

@@ -23,6 +23,7 @@ from typing import Any
 import trl
 
 from unpack_trainer import _trl_compat
+from unpack_trainer.configs import DPOConfig
 from unpack_trainer.data.preference import DataCollatorForPackedPreference, DataCollatorForPackedVisionPreference
 from unpack_trainer.trainers.branched import PackedPairsMixin
 
@@ -43,8 +44,9 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
     unpack_sequence_parallel = True  # the packed row cut by DeepSpeed Ulysses, the hidden states gathered for the view
     unpack_trl_collator = staticmethod(_trl_compat.dpo_padded_collator_class)
     unpack_trl_vision_collator = staticmethod(_trl_compat.dpo_vision_collator_class)
-    _unpack_trl_methods = _trl_compat.DPO_TRAINER_METHODS
-    _unpack_trl_attributes = _trl_compat.DPO_TRAINER_ATTRIBUTES
+    unpack_config_class = DPOConfig
+    unpack_trl_methods = _trl_compat.DPO_TRAINER_METHODS
+    unpack_trl_attributes = _trl_compat.DPO_TRAINER_ATTRIBUTES
 
     def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
         """The core's decision; a packing request reads as what it does here (pairs are packed per batch)."""

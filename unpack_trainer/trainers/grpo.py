@@ -20,17 +20,27 @@ or not in TRL's layout, runs as TRL runs it (logged once with the reason).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import trl
 
 from unpack_trainer import _trl_compat
+from unpack_trainer._compat import sequence_parallel_group
 from unpack_trainer._logging import log_once
-from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY, TOKEN_INDEX_KEY, VIEW_INDEX_KEY
-from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions
+from unpack_trainer.configs import GRPOConfig
+from unpack_trainer.data.sequence_shards import ShardReadyCollator, padded_for_shards
+from unpack_trainer.models.routing import outside_wrappers
+from unpack_trainer.packed_seq_info import (
+    MULTIMODAL_POSITIONS_KEY,
+    SHARDED_BATCH_KEY,
+    TOKEN_INDEX_KEY,
+    VIEW_INDEX_KEY,
+)
+from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions, whole_in_evaluation_reason
 from unpack_trainer.trainers.image_prompts import PER_TOKEN_INPUTS, image_keys, pack_image_inputs, row_slices
 
 __all__ = ["GRPOTrainer", "PackedCompletionsMixin"]
@@ -52,6 +62,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
 
     unpack_packs_in = "step"
     unpack_packs_vision = True  # image prompts: each group's images once (trainers.image_prompts)
+    unpack_sequence_parallel = True  # prompts copied to the group, each packed row padded and cut in the step
     unpack_unshared = "each completion is packed after its own copy of its prompt"
 
     def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
@@ -77,6 +88,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         batch_size: int,
         fixed: bool,
         prompts: list[tuple[int, ...]] | None,
+        always: bool = False,
     ) -> list[tuple[int, int]] | str:
         """Row ranges ``[start, end)`` to pack one at a time, or why TRL's padded batch runs instead (``input_ids``
         and ``attention_mask`` on the CPU; ``prompts``: each row's [`_prompt_ids`] where the trainer shares prompts,
@@ -85,7 +97,8 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         ``fixed``: TRL's own chunks of ``batch_size`` rows (the MoE auxiliary loss is TRL's mean over them). Otherwise
         consecutive rows while the packed row stays within the padded tokens of one of TRL's chunks (``batch_size *
         L``), so memory stays within TRL's and a group split by TRL's chunks shares its prompt. TRL's batch runs when
-        the packed rows would hold more than [`PACKED_TOKEN_SHARE`] of its tokens.
+        the packed rows would hold more than [`PACKED_TOKEN_SHARE`] of its tokens, unless ``always`` (under sequence
+        parallelism, where TRL's batch cannot run).
         """
         rows, width = input_ids.shape
         mask = attention_mask.bool()
@@ -108,15 +121,141 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
             total += cost
             seen.add(key)
         chunks.append((start, rows))
-        if total > PACKED_TOKEN_SHARE * rows * width:
+        if not always and total > PACKED_TOKEN_SHARE * rows * width:
             return f"the packed rows would hold {total / (rows * width):.0%} of the padded batch's tokens"
         return chunks
 
     def _generate(self, prompts: list) -> Any:
         """TRL's generation, with PEFT's own LoRA path (the step's cast skip paused: see
-        [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`])."""
-        with self._unpack_peft_lora_path():
-            return super()._generate(prompts)
+        [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`]). Under sequence parallelism each process
+        generates on whole sequences, as one process does, with the packed attention registered again under its name
+        in place of Ulysses' wrapper around it ([`unpack_trainer.models.routing.outside_wrappers`]: the wrapper would
+        cut the sequences in a training step, and drops a padded batch's mask even in evaluation, where it leaves them
+        whole). In a training step every process of the group holds the same prompts: the first process's completions
+        are then every process's (sampling on accelerators need not be bitwise equal across processes), and the
+        tokens TRL counted once per process of the group are counted once."""
+        shards = self.unpack_run.sequence_shards
+        with self.unpack_run.peft_lora_path():
+            if shards == 1:
+                return super()._generate(prompts)
+            if not self.model.training:  # evaluation: each process generates for its own batch
+                with outside_wrappers():
+                    return super()._generate(prompts)
+            seen = self.state.num_input_tokens_seen
+            with outside_wrappers():
+                generated = super()._generate(prompts)
+            generated = _from_first_process(generated, sequence_parallel_group())
+        # TRL gathered the prompt and completion lengths of every process: each of the group's once per process
+        self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // shards
+        self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
+        return generated
+
+    # ------------------------------------------------------------------------------------------------ sequence parallel
+
+    def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
+        """Why this run cannot train exactly under DeepSpeed Ulysses with ``shards`` processes per row, or ``None``.
+
+        The adapter hands the group each process's batch of prompts in turn (every process of the group generates
+        the same completions, see [`_generate`], and packs the same rows, each cut into ``shards``), so each batch
+        must hold whole groups of completions and be generated for in its own step; and TRL's statistics over the
+        gathered batch must not change when each batch is in it once per process of the group (means, per-group
+        statistics, sums divided by the process count do not; a batch-wide standard deviation or quantile does)."""
+        what = f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses)"
+        args = self.args
+        if getattr(args, "use_vllm", False):
+            return f"{what} with use_vllm=True: generation through vLLM is not verified there; set use_vllm=False"
+        every = (args.steps_per_generation, getattr(self, "num_iterations", 1))
+        if every != (1, 1):
+            return (
+                f"{what} with steps_per_generation={every[0]} and num_iterations={every[1]}: DeepSpeed's data loader "
+                "hands the group each process's batch of prompts in turn, where TRL generates for one batch and "
+                "trains on it for steps_per_generation * num_iterations steps (the other processes' prompts would be "
+                "skipped); set steps_per_generation=1 and num_iterations=1 (gradient accumulation still accumulates)"
+            )
+        if args.per_device_train_batch_size % self.num_generations:
+            return (
+                f"{what} with per_device_train_batch_size={args.per_device_train_batch_size} and "
+                f"num_generations={self.num_generations}: the group trains on one process's batch at a time, so each "
+                "batch must hold whole groups of completions (TRL's advantages are computed per group); set "
+                "per_device_train_batch_size to a multiple of num_generations"
+            )
+        batch_wide = {
+            "scale_rewards='batch'": getattr(self, "scale_rewards", None) == "batch",
+            "multi_objective_aggregation='normalize_then_sum'": getattr(self, "multi_objective_aggregation", None)
+            == "normalize_then_sum",
+            "normalize_advantages=True": bool(getattr(self, "normalize_advantages", False)),
+            f"top_entropy_quantile={getattr(self, 'top_entropy_quantile', 1.0)}": getattr(
+                self, "top_entropy_quantile", 1.0
+            )
+            < 1.0,
+        }
+        for name, chosen in batch_wide.items():
+            if chosen:
+                return (
+                    f"{what} with {name}: TRL takes a batch-wide standard deviation or quantile over its gather of "
+                    "every process's batch, which holds each batch once per process of the group (its value would "
+                    "change); use the per-group statistics (scale_rewards='group', the default)"
+                )
+        return whole_in_evaluation_reason(config, shards)
+
+    def _enable_packed_path(self) -> None:
+        """The branched core's; under sequence parallelism the batches of prompts go through DeepSpeed's adapter
+        whole ([`unpack_trainer.data.sequence_shards.prompts_ready`])."""
+        super()._enable_packed_path()
+        if self.unpack_decision.packed and self.unpack_run.sequence_shards > 1:
+            self.data_collator = ShardReadyCollator(self.data_collator, self.unpack_run.sequence_shards, prompts=True)
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's, on the prompts of a batch that went through DeepSpeed's adapter (copied whole to every process of
+        the group); in a training step under sequence parallelism with the group's random state (drawn by its first
+        process), so that every process shuffles the generated batch alike ([`_generate`] makes the completions
+        equal)."""
+        if isinstance(generation_batch, dict) and SHARDED_BATCH_KEY in generation_batch:
+            generation_batch = generation_batch[SHARDED_BATCH_KEY]
+        if self.unpack_run.sequence_shards == 1 or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        with _group_random_state(sequence_parallel_group(), self.accelerator.device):
+            return super()._prepare_inputs(generation_batch)
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        """TRL's; under sequence parallelism (a training step) the batch-wide standard deviations TRL logs
+        (``reward_std``, ``rewards/<function>/std``), taken over its gather of every process's rewards, which holds
+        each batch once per process of the group, are logged as over each batch once (exact: the same values with
+        Bessel's correction for their true count, [`_unduplicated_std`])."""
+        shards = self.unpack_run.sequence_shards
+        if shards == 1 or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        gathered = []
+        calculate = self._calculate_rewards
+
+        def capturing(*args: Any, **kwargs: Any) -> torch.Tensor:
+            gathered.append(calculate(*args, **kwargs))
+            return gathered[-1]
+
+        self._calculate_rewards = capturing  # this call only: the instance attribute shadows the method
+        try:
+            scored = super()._generate_and_score_completions(inputs)
+        finally:
+            del self._calculate_rewards
+        rewards_per_func = gathered[-1]
+        metrics = self._metrics["train"]
+        for column, function in enumerate(self.reward_func_names):
+            key = f"rewards/{function}/std"
+            metrics[key][-1] = _unduplicated_std(metrics[key][-1], rewards_per_func[:, column], shards)
+        scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        metrics["reward_std"][-1] = _unduplicated_std(metrics["reward_std"][-1], scorable, shards)
+        return scored
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """TRL's loss; under sequence parallelism every process of the group computed it from the same whole rows
+        (the model's packed view gathers the shards' hidden states), so each back-propagates its share
+        ([`unpack_trainer.trainers.branched.BranchedTrainerMixin._sequence_parallel_share`])."""
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        return self._sequence_parallel_share(model, result, return_outputs, self.unpack_run.sequence_shards)
 
     def _unpack_count_forward(self, kind: str) -> None:
         """Count a log-prob forward as ``"packed"`` or ``"padded"`` (TRL's batch) in ``unpack_stats["forwards"]``."""
@@ -144,36 +283,51 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         shrink (each logged once)."""
 
         def stock() -> Any:
-            return super(PackedCompletionsMixin, self)._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=batch_size,
-                compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss,
-                **kwargs,
-            )
+            # Under sequence parallelism (an evaluation forward: a training one never runs TRL's batch) outside
+            # Ulysses' wrapper, which drops the padded batch's mask even where it leaves it whole
+            outside = outside_wrappers() if self.unpack_run.sequence_shards > 1 else contextlib.nullcontext()
+            with outside:
+                return super(PackedCompletionsMixin, self)._get_per_token_logps_and_entropies(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size=batch_size,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
+                    **kwargs,
+                )
 
         if not self.unpack_decision.packed:
             return stock()
+        # Under sequence parallelism a training forward is cut into the group's shards: it must run packed rows.
+        shards = self.unpack_run.sequence_shards if model.training else 1
+
+        def padded(reason: str, level: int) -> Any:
+            if shards > 1:
+                raise ValueError(
+                    f"{self.unpack_name}: a training forward under sequence parallelism (sp_size={shards}) cannot run "
+                    f"TRL's padded batch, which DeepSpeed Ulysses would cut as one row: {reason}."
+                )
+            log_once(logger, level, f"{self.unpack_name}: a forward ran TRL's padded batch: {reason}")
+            self._unpack_count_forward("padded")
+            return stock()
+
         vision = {name: value for name, value in kwargs.items() if value is not None}
         batch_size = batch_size or input_ids.size(0)
         ids, mask = input_ids.detach().cpu(), attention_mask.detach().cpu()  # one copy to the host per forward
         sharing = self._unpack_sharing()
         prompts = _prompt_ids(ids, mask, logits_to_keep) if sharing else None
-        chunks = self._unpack_chunks(ids, mask, logits_to_keep, batch_size, fixed=compute_aux_loss, prompts=prompts)
+        chunks = self._unpack_chunks(
+            ids, mask, logits_to_keep, batch_size, fixed=compute_aux_loss, prompts=prompts, always=shards > 1
+        )
         if isinstance(chunks, str):
-            log_once(logger, logging.INFO, f"{self.unpack_name}: a forward ran TRL's padded batch: {chunks}")
-            self._unpack_count_forward("padded")
-            return stock()
+            return padded(chunks, logging.INFO)
         images = _ImageInputs(vision, ids, mask, logits_to_keep, prompts) if vision else None
         if images is not None and images.problem is not None:
-            log_once(
-                logger, logging.WARNING, f"{self.unpack_name}: a forward ran TRL's padded batch: {images.problem}"
-            )
-            self._unpack_count_forward("padded")
-            return stock()
+            return padded(images.problem, logging.WARNING)
+        if images is not None and shards > 1:
+            return padded("image prompts are not cut into shards", logging.WARNING)
         positions = self._unpack_sequence_positions(model) if images is not None else None
         packed = []
         for start, end in chunks:
@@ -186,12 +340,12 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
                 keys=None if images is None or images.keys is None else images.keys[start:end],
             )
             if isinstance(batch, str):
-                log_once(logger, logging.WARNING, f"{self.unpack_name}: a forward ran TRL's padded batch: {batch}")
-                self._unpack_count_forward("padded")
-                return stock()
+                return padded(batch, logging.WARNING)
             batch = batch[0]
             if images is not None:
                 batch = images.packed(batch, start, end, positions, input_ids.device)
+            if shards > 1:  # the row padded to a multiple of the shards, its metadata marked for the cut
+                batch = padded_for_shards(batch, shards)
             packed.append((start, end, batch))
         self._unpack_count_forward("packed")
         all_logps, all_entropies, all_aux_losses = [], [], []
@@ -217,7 +371,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         from unpack_trainer.models.vision import sequence_positions_of
 
         unwrapped = self.accelerator.unwrap_model(model)
-        cache = self.__dict__.setdefault("_unpack_positions", weakref.WeakKeyDictionary())
+        cache = self.unpack_run.positions
         if unwrapped not in cache:
             cache[unwrapped] = sequence_positions_of(unwrapped)
         return cache[unwrapped]
@@ -270,6 +424,38 @@ class _ImageInputs:
         return batch
 
 
+def _unduplicated_std(value: float, values: torch.Tensor, copies: int) -> float:
+    """A standard deviation with Bessel's correction (TRL's ``nanstd``) taken over ``copies`` copies of a set of
+    numbers, ``value``, as over one: ``values`` (1-D: the copied numbers, NaN where TRL skips one, or a ``bool`` mask
+    of the numbers kept) gives the count ``n`` of each copy; the sum of squared deviations is ``copies`` times
+    one copy's, so the variance scales by ``(copies * n - 1) / (copies * (n - 1))`` (NaN for ``n <= 1``, as TRL's)."""
+    kept = values if values.dtype == torch.bool else ~torch.isnan(values)
+    count = int(kept.sum()) // copies
+    if count <= 1:
+        return float("nan")
+    return value * ((copies * count - 1) / (copies * (count - 1))) ** 0.5
+
+
+def _from_first_process(value: Any, group: Any) -> Any:
+    """``value`` of the first process of ``group`` (a torch.distributed process group), on every process of it
+    (pickled: TRL's generation output, lists of token ids and tensors)."""
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+@contextlib.contextmanager
+def _group_random_state(group: Any, device: torch.device) -> Iterator[None]:
+    """torch's random state seeded alike on every process of ``group`` (with a seed the first process draws from its
+    own state), the processes' own states restored afterwards."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+    torch.distributed.broadcast(seed, src=torch.distributed.get_global_rank(group, 0), group=group)
+    devices = [device] if device.type not in ("cpu", "meta") else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.manual_seed(int(seed))
+        yield
+
+
 class GRPOTrainer(PackedCompletionsMixin, trl.GRPOTrainer):
     """Drop-in for [`trl.GRPOTrainer`]: ``from unpack_trainer import GRPOTrainer``; the arguments are TRL's.
 
@@ -279,5 +465,6 @@ class GRPOTrainer(PackedCompletionsMixin, trl.GRPOTrainer):
     attributes). ``args`` may be any ``TrainingArguments`` (converted to our [`GRPOConfig`]).
     """
 
-    _unpack_trl_methods = _trl_compat.ONLINE_TRAINER_METHODS
-    _unpack_trl_attributes = _trl_compat.ONLINE_TRAINER_ATTRIBUTES
+    unpack_config_class = GRPOConfig
+    unpack_trl_methods = _trl_compat.ONLINE_TRAINER_METHODS
+    unpack_trl_attributes = _trl_compat.ONLINE_TRAINER_ATTRIBUTES

@@ -39,6 +39,7 @@ import torch
 import trl
 
 from unpack_trainer import _trl_compat
+from unpack_trainer.configs import KTOConfig
 from unpack_trainer.data.kto import (
     KL_ROW_KEY,
     REF_ROW_KEY,
@@ -54,7 +55,7 @@ from unpack_trainer.packed_seq_info import (
     TOKEN_INDEX_KEY,
     VIEW_INDEX_KEY,
 )
-from unpack_trainer.trainers.branched import PackedPairsMixin
+from unpack_trainer.trainers.branched import BranchedRun, PackedPairsMixin
 
 __all__ = ["KTOTrainer"]
 
@@ -68,6 +69,14 @@ _MAIN_ROW_KEYS = (
     TOKEN_INDEX_KEY,
     VIEW_INDEX_KEY,
 )
+
+
+@dataclasses.dataclass
+class KTORun(BranchedRun):
+    """The run state of [`KTOTrainer`]: ``kl_row``, the packed KL row's model inputs while [`KTOTrainer._compute_loss`]
+    runs a packed batch (``None`` otherwise)."""
+
+    kl_row: dict[str, Any] | None = None
 
 
 def _sequence_logps(model: Any, row: dict[str, Any]) -> torch.Tensor:
@@ -89,9 +98,11 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
     unpack_packs_vision = True  # image data: each image once per prompt per row (data.kto)
     unpack_trl_collator = staticmethod(_trl_compat.kto_padded_collator_class)
     unpack_trl_vision_collator = staticmethod(_trl_compat.kto_vision_collator_class)
-    _unpack_trl_methods = _trl_compat.KTO_TRAINER_METHODS
-    _unpack_trl_attributes = _trl_compat.KTO_TRAINER_ATTRIBUTES
-    _unpack_kl_row: dict[str, Any] | None = None
+    unpack_config_class = KTOConfig
+    unpack_trl_methods = _trl_compat.KTO_TRAINER_METHODS
+    unpack_trl_attributes = _trl_compat.KTO_TRAINER_ATTRIBUTES
+    unpack_run_class = KTORun
+    unpack_run: KTORun
 
     def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
         """The core's decision; a packing request reads as what it does here (examples are packed per batch)."""
@@ -151,18 +162,18 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
             inputs["ref_logps"] = ref_logps
             if ref_kl_logps is not None:
                 inputs["ref_KL_logps"] = ref_kl_logps
-        self._unpack_kl_row = kl_row
+        self.unpack_run.kl_row = kl_row
         self.precompute_ref_logps = True  # TRL's loss reads the reference log-probs from the batch
         try:
             return super()._compute_loss(model, inputs, return_outputs)
         finally:
             self.precompute_ref_logps = precompute
-            self._unpack_kl_row = None
+            self.unpack_run.kl_row = None
 
     def _compute_kl_logps(self, model: Any, batch: dict[str, Any]) -> torch.Tensor | None:
         """TRL's KL log-probs ``(B,)`` (each example's prompt with its KL completion), without gradient as TRL's: from
         the packed KL row while [`_compute_loss`] runs a packed batch, TRL's padded forward otherwise."""
-        row = self._unpack_kl_row
+        row = self.unpack_run.kl_row
         if row is None or not self.calculate_KL:
             return super()._compute_kl_logps(model, batch)
         with torch.no_grad():

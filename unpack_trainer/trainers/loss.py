@@ -1,5 +1,8 @@
-"""The SFT trainer's loss ([`unpack_trainer.trainers.sft`]): per-sample weighting and the LM head's kernel.
+"""The loss of a packed trainer: its normalization over a step, per-sample weighting and the LM head's kernel.
 
+- [`enable_loss_normalization`] / [`step_sample_count`]: ``loss_normalization`` (our configs'; TRL's token loss for a
+  config without it): ``"sample"`` turns the per-sample loss on and counts the samples of each accumulated step,
+  ``"token"`` leaves the loss to the trainer's ``_enable_token_loss`` hook;
 - [`sample_weights`]: per-sample loss weighting (``loss_normalization="sample"``): every sample weighs the same,
   whatever its length.
 - [`choose_loss_kernel`]: which kernel computes the loss of packed rows (``loss_kernel``): TRL's chunked fused LM head
@@ -22,8 +25,11 @@ __all__ = [
     "LOSS_KERNELS",
     "LOSS_KERNEL_ENV",
     "choose_loss_kernel",
+    "enable_loss_normalization",
     "head_unsupported_reason",
+    "loss_normalization",
     "sample_weights",
+    "step_sample_count",
 ]
 
 
@@ -35,6 +41,33 @@ LOSS_KERNEL_ENV = "UNPACK_LOSS_KERNEL"
 # The automatic choice per device type: TRL's kernel until Liger's is measured faster there in a training step
 # (``benchmarks/bench_gpu.py``); a device type missing here takes TRL's.
 AUTOMATIC_LOSS_KERNEL: dict[str, str] = {"cpu": "trl", "cuda": "trl"}
+
+
+def loss_normalization(args: Any) -> str:
+    """``args.loss_normalization`` (ours), ``"token"`` (TRL's) for a config without it."""
+    return getattr(args, "loss_normalization", "token")
+
+
+def enable_loss_normalization(trainer: Any) -> None:
+    """``loss_normalization="sample"`` on ``trainer`` (after TRL's ``__init__``): the trainer's ``_check_sample_loss``
+    raises where it cannot be honoured, the run counts samples per step ([`step_sample_count`]) and the loss is
+    divided by them (``loss_is_scaled_for_ga``); ``"token"``: the trainer's ``_enable_token_loss``."""
+    if loss_normalization(trainer.args) != "sample":
+        trainer._enable_token_loss()
+        return
+    trainer._check_sample_loss()
+    trainer.unpack_run.sample_loss = True
+    if trainer.loss_is_scaled_for_ga is None:
+        trainer.loss_is_scaled_for_ga = True  # divided by the samples of the whole accumulated step
+
+
+def step_sample_count(trainer: Any, batch_samples: list[dict[str, Any]], device: Any) -> torch.Tensor:
+    """``()`` int64 on ``device``: the samples with a trained token in the batches of one accumulated step (the
+    trainer's ``_count_samples`` of each), over all processes when ``average_tokens_across_devices``."""
+    count = torch.tensor(sum(trainer._count_samples(batch) for batch in batch_samples), device=device)
+    if trainer.args.average_tokens_across_devices and trainer.accelerator.num_processes > 1:
+        count = trainer.accelerator.gather(count).sum()
+    return count
 
 
 def sample_weights(batch: dict[str, Any]) -> tuple[torch.Tensor, int]:

@@ -23,6 +23,7 @@ import trl
 from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer import _trl_compat
+from unpack_trainer.configs import RewardConfig
 from unpack_trainer.data.preference import pack_preference_pairs
 from unpack_trainer.decision import PackingDecision, explicit_padding_free
 from unpack_trainer.models.fixes.classification_head import score_head_refusal
@@ -108,8 +109,10 @@ class RewardTrainer(PackedPairsMixin, trl.RewardTrainer):
     """
 
     unpack_unshared = "each pair is packed as two samples, [prompt, chosen] and [prompt, rejected]"
+    unpack_sequence_parallel = True  # the packed row cut by DeepSpeed Ulysses, the head's scores gathered
     unpack_trl_collator = staticmethod(_trl_compat.reward_padded_collator_class)
-    _unpack_trl_methods = _trl_compat.REWARD_TRAINER_METHODS
+    unpack_config_class = RewardConfig
+    unpack_trl_methods = _trl_compat.REWARD_TRAINER_METHODS
 
     def _unpack_has_metrics(self, given: dict[str, Any]) -> bool:
         """No: a packed batch's predictions are TRL's, one score per sequence in its order, so evaluation packs too."""
@@ -140,7 +143,7 @@ class RewardTrainer(PackedPairsMixin, trl.RewardTrainer):
         the reason in the start line."""
         refusal = score_head_refusal(self.accelerator.unwrap_model(self.model))
         if refusal is not None:
-            explicit = explicit_padding_free(self._unpack_args) is True  # ours (TRL's copy has it False)
+            explicit = explicit_padding_free(self.unpack_run.args) is True  # ours (TRL's copy has it False)
             what = "padding_free=True ignored" if explicit else "automatic padding-free off"
             self.unpack_decision = PackingDecision(
                 "padded",
@@ -148,6 +151,5 @@ class RewardTrainer(PackedPairsMixin, trl.RewardTrainer):
                 automatic=True,
                 overridden_request=explicit,
             )
-            self._unpack_mode = "padded"
             return
         super()._enable_packed_path()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import trl
 
 from unpack_trainer import _trl_compat
+from unpack_trainer.configs import RLOOConfig
 from unpack_trainer.trainers.grpo import PackedCompletionsMixin
 
 __all__ = ["RLOOTrainer"]
@@ -22,5 +23,6 @@ class RLOOTrainer(PackedCompletionsMixin, trl.RLOOTrainer):
     ([`PackedCompletionsMixin`]). ``args`` may be any ``TrainingArguments`` (converted to our [`RLOOConfig`]).
     """
 
-    _unpack_trl_methods = _trl_compat.ONLINE_TRAINER_METHODS
-    _unpack_trl_attributes = _trl_compat.ONLINE_TRAINER_ATTRIBUTES
+    unpack_config_class = RLOOConfig
+    unpack_trl_methods = _trl_compat.ONLINE_TRAINER_METHODS
+    unpack_trl_attributes = _trl_compat.ONLINE_TRAINER_ATTRIBUTES

@@ -7,6 +7,7 @@ class truncates it with counts and packs it with the global packer, and its coll
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,9 +18,11 @@ from datasets import Dataset, IterableDataset
 
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
+from unpack_trainer.configs import SFTConfig
 from unpack_trainer.data.collator import DataCollatorForPacking
 from unpack_trainer.data.estimate import estimated_speedup
 from unpack_trainer.data.preparation import (
+    TruncationCounts,
     check_packed_rows,
     column_names,
     pack_dataset,
@@ -41,10 +44,37 @@ from unpack_trainer.decision import parallelism_reason
 from unpack_trainer.models import install_fix
 from unpack_trainer.models.fixes.liger_loss import LIGER_OUTPUT_MARK
 from unpack_trainer.packed_seq_info import SEQ_LENGTHS_COLUMN
-from unpack_trainer.trainers._packed import PackedTrainerMixin, empty_train_dataset_error
+from unpack_trainer.trainers._packed import PackedTrainerMixin
+from unpack_trainer.trainers.evaluation import batch_collator
 from unpack_trainer.trainers.loss import choose_loss_kernel, head_unsupported_reason, sample_weights
+from unpack_trainer.trainers.packed_path import empty_train_dataset_error
+from unpack_trainer.trainers.run_state import RunField, RunState
 
 logger = logging.getLogger("unpack_trainer")
+
+
+@dataclasses.dataclass
+class SFTRun(RunState):
+    """The run state ([`RunState`]) of [`SFTTrainer`].
+
+    Attributes:
+        user_collator (`bool`): the user passed a ``data_collator`` (it decides what ``seq_lengths`` mean).
+        train_prepared (`bool`): TRL's ``__init__`` prepared the training set (a later split named ``"train"`` is an
+            evaluation set).
+        vision_collator: TRL's vision collator, when TRL prepared an image dataset (it processes images per batch).
+        vision_train: the raw training examples, while the training set is rows of them packed ahead.
+        counts (`list[TruncationCounts]`): truncation counts taken as examples are read (a streamed training set, an
+            image dataset's), logged with their totals at the end of ``train()``.
+        loss_kernel (`str` or `None`): the kernel of the packed rows' loss, ``"trl"`` or ``"liger"``, once chosen.
+            Public as ``trainer.unpack_loss_kernel``.
+    """
+
+    user_collator: bool = False
+    train_prepared: bool = False
+    vision_collator: Any = None
+    vision_train: Any = None
+    counts: list[TruncationCounts] = dataclasses.field(default_factory=list)
+    loss_kernel: str | None = None
 
 
 class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
@@ -61,14 +91,34 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
 
     unpack_packs_vision = True  # image data and vision-language models pack (unpack_trainer.data.vision)
     unpack_sequence_parallel = True  # packed rows cut by DeepSpeed Ulysses, the whole row's boundaries carried along
-    _unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
-    _unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
+    unpack_config_class = SFTConfig
+    unpack_trl_methods = _trl_compat.SFT_TRAINER_METHODS
+    unpack_trl_attributes = _trl_compat.SFT_TRAINER_ATTRIBUTES
+    unpack_run_class = SFTRun
+    unpack_run: SFTRun
+    unpack_loss_kernel = RunField("loss_kernel")
+
+    def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
+        """The core's decision, and whether the user passed a collator (it decides what ``seq_lengths`` mean)."""
+        trl_args = super()._unpack_before_init(model, args, **arguments)
+        self.unpack_run.user_collator = arguments["data_collator"] is not None
+        return trl_args
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's; at its end, the truncation counts taken as examples were read (``unpack_run.counts``) logged once
+        with their totals."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for counts in self.unpack_run.counts:
+                if counts.read:
+                    log_once(logger, logging.WARNING if counts.changed else logging.INFO, counts.summary())
 
     def _unpack_trl_init(self, args: tuple, kwargs: dict[str, Any]) -> None:
         try:
             super()._unpack_trl_init(args, kwargs)
         except StopIteration:  # TRL reads the first example of the training set: an empty stream
-            if self._unpack_disabled:
+            if self.unpack_run.disabled:
                 raise
             raise empty_train_dataset_error() from None
 
@@ -86,27 +136,27 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         return super()._unpack_trl_packs(args, decision, first_example) and not (vision and decision.mode == "pack")
 
     def _packed_collator(self) -> Any:
-        if self._unpack_vision_collator is not None:
+        if self.unpack_run.vision_collator is not None:
             return self._vision_packing_collator()
         return DataCollatorForPacking(
             pad_token_id=self._tokenizer.pad_token_id,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             completion_only_loss=self.completion_only_loss,
             seq_info=self.unpack_decision.patch,  # the patched hook adopts it: no metadata read back from the GPU
-            sequence_shards=self._unpack_sequence_shards,
+            sequence_shards=self.unpack_run.sequence_shards,
         )
 
     def _padded_collator(self) -> Any:
-        if self._unpack_vision_collator is not None:
-            return self._unpack_vision_collator
+        if self.unpack_run.vision_collator is not None:
+            return self.unpack_run.vision_collator
         return _trl_compat.sft_padded_collator_class()(
             pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.args.pad_to_multiple_of
         )
 
     def _prepare_padded_datasets(self, raw_train: Any, raw_eval: Any) -> None:
-        if self._unpack_vision_train is not None:  # rows packed ahead: the examples again, one per row
-            self.train_dataset = self._unpack_vision_train
-            self._unpack_vision_train = None
+        if self.unpack_run.vision_train is not None:  # rows packed ahead: the examples again, one per row
+            self.train_dataset = self.unpack_run.vision_train
+            self.unpack_run.vision_train = None
         if self._skip_prepare_dataset:
             return
         args = self.args
@@ -139,12 +189,12 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         reason = None
         if not self.unpack_decision.patch:
             reason = "the model runs without the attention patch, so its packed rows are not marked as such"
-        elif self._unpack_sequence_shards > 1:
+        elif self.unpack_run.sequence_shards > 1:
             reason = (
                 "under sequence parallelism the engine computes the loss from labels it shifted before cutting the "
                 "row, which Liger's kernel does not take"
             )
-        elif args.loss_type != "nll" or self._unpack_sample_loss:
+        elif args.loss_type != "nll" or self.unpack_run.sample_loss:
             reason = "it needs TRL's token loss (loss_type='nll', loss_normalization='token')"
         elif self.label_smoother is not None or self.compute_loss_func is not None:
             reason = "label smoothing and a custom compute_loss_func take the full logits"
@@ -183,20 +233,15 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
 
     # ------------------------------------------------------------------------------------------------ vision
 
-    # TRL's vision collator, when TRL prepared an image dataset (it processes images per batch); the raw training
-    # examples, while the training set is rows of them packed ahead.
-    _unpack_vision_collator: Any = None
-    _unpack_vision_train: Any = None
-
     def _enable_packed_path(self) -> None:
         """The core's, and for an image dataset (TRL's vision collator): the vision packing collator, and with
         ``packing=True`` the training examples packed ahead into rows ([`unpack_trainer.data.vision`]), and its
         truncation counts ([`_count_vision_truncation`]); then the loss kernel ([`_enable_loss_kernel`])."""
-        if self._is_vision_dataset and not self._unpack_user_collator:
-            self._unpack_vision_collator = self.data_collator
+        if self._is_vision_dataset and not self.unpack_run.user_collator:
+            self.unpack_run.vision_collator = self.data_collator
         super()._enable_packed_path()
-        if self._unpack_vision_collator is not None:
-            if self._unpack_mode == "pack":
+        if self.unpack_run.vision_collator is not None:
+            if self.unpack_decision.mode == "pack":
                 self._pack_vision_training_set()
             self._count_vision_truncation()
         self._enable_loss_kernel()
@@ -212,10 +257,10 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         counts = collator.truncation_counts("train")
         self.unpack_stats["truncation"] = counts
         if not isinstance(self.train_dataset, VisionRows):
-            self._unpack_counts.append(counts)
-        if self._unpack_eval_flattened and self.eval_dataset is not None:
+            self.unpack_run.counts.append(counts)
+        if self.unpack_run.eval_flattened and self.eval_dataset is not None:
             names = list(self.eval_dataset) if isinstance(self.eval_dataset, dict) else ["eval"]
-            self._unpack_counts.extend(collator.truncation_counts(name) for name in names)
+            self.unpack_run.counts.extend(collator.truncation_counts(name) for name in names)
 
     def _vision_packing_collator(self) -> DataCollatorForVisionPacking:
         """TRL's vision collator, run without truncation (the packing collator truncates text only, never an
@@ -223,7 +268,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         takes them."""
         from unpack_trainer.models.vision import sample_positions_of
 
-        process = _trl_compat.vision_collator_without_truncation(self._unpack_vision_collator)
+        process = _trl_compat.vision_collator_without_truncation(self.unpack_run.vision_collator)
         positions = sample_positions_of(self.model) if self.unpack_decision.patch else None
         return DataCollatorForVisionPacking(
             process=process,
@@ -232,6 +277,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
             positions=positions,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             seq_info=self.unpack_decision.patch,  # the patched hook adopts it: no metadata read back from the GPU
+            sequence_shards=self.unpack_run.sequence_shards,
         )
 
     def _pack_vision_training_set(self) -> None:
@@ -260,7 +306,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
             window=args.packing_window if args.packing_order == "windowed" else None,
             rows_multiple_of=args.per_device_train_batch_size * args.world_size if args.world_size > 1 else 1,
         )
-        self._unpack_vision_train = dataset
+        self.unpack_run.vision_train = dataset
         self.train_dataset = rows
         lengths = np.asarray(rows.lengths, dtype=np.int64)
         batch = args.per_device_train_batch_size * lengths.size / max(len(rows), 1)
@@ -279,9 +325,9 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         before the collator sees it."""
         super()._set_signature_columns_if_needed()
         keys: tuple[str, ...] = ()
-        if self._unpack_vision_collator is not None:
+        if self.unpack_run.vision_collator is not None:
             keys = (VISION_SOURCE_KEY,)
-        if self._unpack_vision_train is not None:
+        if self.unpack_run.vision_train is not None:
             keys = (VISION_ROWS_KEY, SEQ_LENGTHS_COLUMN, VISION_SOURCE_KEY)
         if keys:
             self._signature_columns = [
@@ -295,7 +341,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         and counts ([`unpack_trainer.data.vision.with_sources`]: a view of the dataset, nothing copied; the collator
         takes the key off before TRL's processing): unused columns taken off first, as the Trainer does, and the
         sampler drawn on the dataset the Trainer would have read, so the batches are the same."""
-        collator = self._unpack_batch_collator()
+        collator = batch_collator(self)
         if dataset is None or not isinstance(collator, DataCollatorForVisionPacking):
             return super()._get_dataloader(dataset, description, *args, **kwargs)
         name = "train" if kwargs.get("is_training") else kwargs.get("dataloader_key") or description.lower()
@@ -318,14 +364,16 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         formatting_func: Any,
         dataset_name: str,
     ) -> Dataset | IterableDataset:
-        is_train = dataset_name == "train" and not self._unpack_train_prepared  # an eval split may be named "train"
-        self._unpack_train_prepared = True
-        if self._unpack_mode == "stock":
+        is_train = dataset_name == "train" and not self.unpack_run.train_prepared  # an eval split may be named "train"
+        self.unpack_run.train_prepared = True
+        if self.unpack_decision.mode == "stock":
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
         packed_ahead = SEQ_LENGTHS_COLUMN in column_names(dataset)
-        flatten = self._unpack_mode in ("pack", "padding_free") and (is_train or self._unpack_eval_flattened)
+        flatten = self.unpack_decision.mode in ("pack", "padding_free") and (
+            is_train or self.unpack_run.eval_flattened
+        )
         if not flatten:
-            if self._unpack_user_collator:  # the user's collator decides what seq_lengths mean
+            if self.unpack_run.user_collator:  # the user's collator decides what seq_lengths mean
                 return super()._prepare_dataset(
                     dataset, processing_class, args, packing, formatting_func, dataset_name
                 )
@@ -351,7 +399,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
                     dataset, max_length, truncation_mode=args.truncation_mode, split=split, name=dataset_name
                 )
                 if isinstance(dataset, IterableDataset):
-                    self._unpack_counts.append(counts)
+                    self.unpack_run.counts.append(counts)
                     if is_train:
                         self.unpack_stats["truncation"] = counts
         if packing:
@@ -396,7 +444,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         """TRL's loss, or with ``loss_normalization="sample"`` the sum over samples of each sample's mean token loss,
         divided by the number of samples in the step (``num_items_in_batch``, see [`get_batch_samples`]) or, outside
         a training step, in the batch."""
-        if not self._unpack_sample_loss:
+        if not self.unpack_run.sample_loss:
             if getattr(self, "unpack_loss_kernel", "trl") != "liger":
                 return super().compute_loss(
                     model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

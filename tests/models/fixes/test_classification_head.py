@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unpack_trainer.model_zoo.tiny import tiny_config
 from unpack_trainer.models import patch_model, unpatch_model
 from unpack_trainer.models.fixes.classification_head import find_score_head, score_head_refusal
-from unpack_trainer.models.tiny import tiny_config
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 PAD = 0
@@ -142,7 +142,7 @@ def test_a_head_applied_after_pooling_is_refused_at_the_packed_forward():
 def test_the_self_check_tolerance_of_a_bf16_classifier_is_bf16s():
     """A sequence classifier has no output embedding: the self-check reads its dtype from the input embedding (before:
     float32's tolerance for a bf16 model, which bf16 rounding on another kernel would fail)."""
-    from unpack_trainer.models.selfcheck import check_uncontaminated
+    from unpack_trainer.selfcheck import check_uncontaminated
 
     model = _classifier("llama").to(torch.bfloat16)
     patch_model(model)

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from unpack_trainer.model_zoo.tiny import tiny_config
+from unpack_trainer.model_zoo.tiny_vision import FIRST_TEXT_ID, tiny_vision_model
 from unpack_trainer.models import fixes as fixes_package
 from unpack_trainer.models import install_fix, patch_model, unpatch_model
 from unpack_trainer.models.fixes import FIXES, Fix, fix_named
 from unpack_trainer.models.state import PATCH_ATTRIBUTE, decoder_state
-from unpack_trainer.models.tiny import tiny_config
-from unpack_trainer.models.tiny_vision import FIRST_TEXT_ID, tiny_vision_model
 
 # fix -> (model_type, config overrides, head): a tiny model that needs it. The head is "causal" (a causal LM),
 # "classification" (a sequence classifier) or "vision" (a vision-language model, text-only rows here: the families'

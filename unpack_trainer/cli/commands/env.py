@@ -2,7 +2,7 @@
 
 The versions of python, torch and the Hugging Face libraries, of every optional kernel package, the devices, and
 for a given ``--model`` (a local model folder or a ``model_type`` such as ``llama``, built tiny from its config by
-:mod:`unpack_trainer.models.tiny`) whether :func:`unpack_trainer.models.patch_model` takes it or refuses it (and why),
+:mod:`unpack_trainer.model_zoo.tiny`) whether :func:`unpack_trainer.models.patch_model` takes it or refuses it (and why),
 which packed attention backend it would take with float32 weights, bfloat16 weights and float32 weights under
 bfloat16 autocast, and the path of each token mixer. The model is built on the ``meta`` device: no weights, no memory.
 The text is markdown, to paste into an issue; ``--json`` prints the same as one JSON object.
@@ -141,6 +141,7 @@ def environment() -> dict[str, Any]:
         "optional_packages": {name: _version(dists) for name, dists in (*_attention_kernels(), *OPTIONAL_PACKAGES)},
         "devices": _devices(),
         "attention_backends": _backends(),
+        "attention_backend_features": _backend_features(),
     }
 
 
@@ -153,20 +154,33 @@ def _attention_kernels() -> list[tuple[str, tuple[str, ...]]]:
 
 
 def _backends() -> dict[str, dict[str, str]]:
-    """Per device torch sees (cpu, cuda) and half / full precision: each packed attention backend, ``"available"`` or
-    why not (:func:`unpack_trainer.patches.attention.backend_unavailable_reason`)."""
+    """Per device torch sees (cpu, cuda) and half / full precision: each packed attention backend of the registry
+    (registered ones included, in the order the automatic choice prefers them), ``"available"`` or why not (its
+    record's ``unavailable_reason``)."""
     import torch
 
-    from unpack_trainer.patches.attention import BACKENDS, backend_unavailable_reason
+    from unpack_trainer.patches.attention import REGISTRY
 
     found = {}
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         for dtype in (torch.bfloat16, torch.float32):
             key = f"{device}, {str(dtype).replace('torch.', '')}"
             found[key] = {
-                name: backend_unavailable_reason(name, torch.device(device), dtype) or "available" for name in BACKENDS
+                name: record.unavailable_reason(torch.device(device), dtype) or "available"
+                for name, record in REGISTRY.items()
             }
     return found
+
+
+def _backend_features() -> dict[str, list[str]]:
+    """What each packed attention backend of the registry serves beyond causal grouped-query attention (the values of
+    its record's ``serves``, :class:`~unpack_trainer.patches.attention.AttentionFeature`'s order)."""
+    from unpack_trainer.patches.attention import REGISTRY, AttentionFeature
+
+    return {
+        name: [feature.value for feature in AttentionFeature if feature in record.serves]
+        for name, record in REGISTRY.items()
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -178,7 +192,7 @@ def _config(model: str) -> tuple[Any, str]:
     """The config of ``model`` (a local folder or a model type) and how it was found."""
     from transformers import AutoConfig
 
-    from unpack_trainer.models.tiny import config_class, tiny_config
+    from unpack_trainer.model_zoo.tiny import config_class, tiny_config
 
     path = Path(model).expanduser()
     if path.exists():
@@ -194,16 +208,16 @@ def _config(model: str) -> tuple[Any, str]:
         raise CLIError(
             f"--model {model}: neither a folder nor a transformers model_type (e.g. llama, qwen3, gemma2)"
         ) from None
-    from unpack_trainer.models.tiny_vision import VISION_FAMILIES, tiny_vision_config
+    from unpack_trainer.model_zoo.tiny_vision import VISION_FAMILIES, tiny_vision_config
 
     if model in VISION_FAMILIES:
         return tiny_vision_config(model), (
-            f"model_type {model!r}, built tiny from its config (unpack_trainer.models.tiny_vision)"
+            f"model_type {model!r}, built tiny from its config (unpack_trainer.model_zoo.tiny_vision)"
         )
-    return tiny_config(model), f"model_type {model!r}, built tiny from its config (unpack_trainer.models.tiny)"
+    return tiny_config(model), f"model_type {model!r}, built tiny from its config (unpack_trainer.model_zoo.tiny)"
 
 
-def _precisions(device: Any, implementation: str | None, features: dict[str, Any]) -> dict[str, dict[str, str]]:
+def _precisions(device: Any, implementation: str | None, needs: Any) -> dict[str, dict[str, str]]:
     """The packed attention backend per precision set-up, from
     :func:`unpack_trainer.patches.attention.choose_backend` for the compute dtype: under autocast the attention runs
     in the autocast dtype, so float32 weights under bfloat16 autocast compute it in bfloat16."""
@@ -220,7 +234,7 @@ def _precisions(device: Any, implementation: str | None, features: dict[str, Any
     for label, dtype in runs.items():
         compute = str(dtype).replace("torch.", "")
         try:
-            choice = choose_backend(device, dtype, implementation, **features)
+            choice = choose_backend(device, dtype, implementation, needs)
         except ValueError as error:  # an impossible UNPACK_ATTENTION_BACKEND
             found[label] = {"compute_dtype": compute, "backend": "error", "why": str(error)}
             continue
@@ -229,17 +243,16 @@ def _precisions(device: Any, implementation: str | None, features: dict[str, Any
 
 
 def _mixer_paths(structure: Any, device: Any) -> list[dict[str, str]]:
+    """The path of each token mixer of a patched model's ``structure`` on ``device`` (a handler owns every one: the
+    patch refuses a model with a mixer none owns)."""
     import torch
 
-    from unpack_trainer.models.mixers import handler_for
     from unpack_trainer.patches.mixer_kernels import KERNEL_DEVICE_TYPES, varlen_plan
 
     paths = []
     for mixer in structure.mixers:
         entry = {"mixer": mixer.describe()}
-        if handler_for(mixer) is None:
-            entry.update(path="refused", why=mixer.problem or "no mixer handler owns it")
-        elif isinstance(mixer.module, torch.nn.Conv1d):
+        if isinstance(mixer.module, torch.nn.Conv1d):
             entry.update(path="masked convolution taps", why="a bare depthwise causal Conv1d: exact on any device")
         else:
             plan = varlen_plan(mixer.module)
@@ -268,9 +281,9 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     import torch
 
     from unpack_trainer._compat import attention_implementation
-    from unpack_trainer.models import PatchRefused, supported_model_types
-    from unpack_trainer.models.patch import attention_features
-    from unpack_trainer.models.refusals import check_model, quiet_transformers
+    from unpack_trainer.models import supported_model_types
+    from unpack_trainer.models.preview import preview_patch
+    from unpack_trainer.models.refusals import quiet_transformers
     from unpack_trainer.models.verified import VERIFIED_VISION_WITH, VERIFIED_WITH
     from unpack_trainer.models.vision import auto_model_class
 
@@ -298,9 +311,9 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         "attn_implementation": attention_implementation(built.config),
         "device": str(device),
     }
-    try:
-        structure = check_model(built)
-    except PatchRefused as refused:
+    preview = preview_patch(built)
+    refused = preview.refusal
+    if refused is not None:
         report.update(
             patched=False,
             refusal_kind=str(refused.kind),
@@ -311,44 +324,33 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
         )
         return report
     report.update(patched=True, trainer="packs through the patch (after its self-check on the first batch)")
-    report["fixes"], report["sequence_parallel"] = _patched(built, structure)
-    report["rope"] = _rope(structure)
-    report["attention"] = _precisions(device, attention_implementation(built.config), attention_features(built))
-    report["mixers"] = _mixer_paths(structure, device)
-    report["vision"] = _vision_path(built, structure)
+    report["fixes"] = list(preview.fixes)
+    report["vision"] = _vision_path(built, preview.structure)
+    report["sequence_parallel"] = _sequence_parallel(preview.sequence_parallel, vision=report["vision"] is not None)
+    report["rope"] = _rope(preview.rope)
+    report["attention"] = _precisions(device, attention_implementation(built.config), preview.features)
+    report["mixers"] = _mixer_paths(preview.structure, device)
     if report["vision"] is not None and not report["verified"]:
         report["trainer"] = (
             "trains padded: its vision-language model type is not verified for packed image rows "
-            "(python -m unpack_trainer.models --coverage --vision)"
+            "(python tools/model_coverage.py --vision)"
         )
     return report
 
 
-def _patched(built: Any, structure: Any) -> tuple[list[str], str]:
-    """What :func:`unpack_trainer.models.patch_model` does with ``built``, read from the model it patched (and then
-    unpatched): the model-family fixes it installed (:data:`unpack_trainer.models.fixes.FIXES`, in order), and whether
-    SFT's packed rows stay exact under DeepSpeed Ulysses at sp_size 2, 4 and 8
-    ([`unpack_trainer.models.sequence_parallel.sequence_parallel_reason`])."""
-    from unpack_trainer.models import patch_model, unpatch_model
-    from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
-    from unpack_trainer.models.state import decoder_state
-
-    patch_model(built)
-    try:
-        fixes: list[str] = []
-        for decoder in structure.decoders:
-            fixes += [name for name in decoder_state(decoder.module).fixes if name not in fixes]
-        reasons = {size: sequence_parallel_reason(built, size) for size in (2, 4, 8)}
-    finally:
-        unpatch_model(built)
+def _sequence_parallel(reasons: dict[int, str | None], *, vision: bool = False) -> str:
+    """One line of whether the packed rows of the trainers that pack under DeepSpeed Ulysses stay exact at each
+    ``sp_size`` of ``reasons`` (:attr:`unpack_trainer.models.preview.PatchPreview.sequence_parallel`); of a
+    vision-language model (``vision``), SFT's image rows (the only ones cut with the whole row's vision inputs)."""
     exact = [str(size) for size, reason in reasons.items() if reason is None]
     if not exact:
-        return fixes, f"refused ({reasons[2]})"
-    line = f"SFT and DPO pack exactly at sp_size {', '.join(exact)}"
+        return f"refused ({next(iter(reasons.values()))})"
+    trainers = "SFT (image rows)" if vision else "SFT, DPO, reward, GRPO and RLOO"
+    line = f"{trainers} pack{'s' if vision else ''} exactly at sp_size {', '.join(exact)}"
     refused = {size: reason for size, reason in reasons.items() if reason is not None}
     if refused:
         line += "; " + "; ".join(f"refused at {size}: {reason}" for size, reason in refused.items())
-    return fixes, line
+    return line
 
 
 def _newer_than_verified(verified_with: tuple[str, ...]) -> str | None:
@@ -363,34 +365,15 @@ def _newer_than_verified(verified_with: tuple[str, ...]) -> str | None:
     return (
         f"transformers {installed} is newer than the releases this coverage table was verified on (newest "
         f"{newest}): the model types it lists were not checked on it; the trainer's self-check still guards every "
-        "model on its first batch (python -m unpack_trainer.models --coverage checks them all here)"
+        "model on its first batch (python tools/model_coverage.py, in a clone of the repository, checks them all here)"
     )
 
 
-def _fix_sites(structure: Any) -> list[Any]:
-    """One :class:`~unpack_trainer.models.fixes.FixSite` per decoder of ``structure``, as the patch builds them, not
-    patched (what the RoPE fix's survey reads: the modeling module's own functions)."""
-    from unpack_trainer._compat import attention_implementation
-    from unpack_trainer.models.fixes import FixSite
-    from unpack_trainer.models.state import DecoderState
-
-    sites = []
-    for decoder in structure.decoders:
-        implementation = attention_implementation(decoder.module.config) or "eager"
-        state = DecoderState(structure.model_type, implementation, True, True, config=decoder.module.config)
-        sites.append(FixSite(structure.pretrained, decoder.module, state, decoder))
-    return sites
-
-
-def _rope(structure: Any) -> str | None:
-    """Whose RoPE the patched model runs: the fused one, or why not (the modeling module's ``apply_rotary_pos_emb``
-    is not Llama's, another library's, a hub kernel the model chose, or one this release cannot read); ``None`` for
-    a model without a module-level ``apply_rotary_pos_emb``."""
-    from unpack_trainer.models.fixes.rope import rope_reasons
-
-    reasons: dict[str, str | None] = {}
-    for site in _fix_sites(structure):
-        reasons.update(rope_reasons(site))
+def _rope(reasons: dict[str, str | None]) -> str | None:
+    """Whose RoPE the patched model runs, from ``reasons``
+    (:attr:`unpack_trainer.models.preview.PatchPreview.rope`): the fused one, or why not (the modeling module's
+    ``apply_rotary_pos_emb`` is not Llama's, another library's, a hub kernel the model chose, or one this release cannot
+    read); ``None`` for a model without a module-level ``apply_rotary_pos_emb``."""
     if not reasons:
         return None
     skipped = [reason for reason in reasons.values() if reason is not None]
@@ -460,6 +443,9 @@ def format_environment(report: dict[str, Any]) -> str:
     lines += ["", "Packed attention backends:", ""]
     for where, backends in report["attention_backends"].items():
         lines.append(f"- {where}: " + "; ".join(f"{name}: {why}" for name, why in backends.items()))
+    lines += ["", "What each serves beyond causal attention:", ""]
+    for name, features in report["attention_backend_features"].items():
+        lines.append(f"- {name}: {', '.join(features) or 'nothing more'}")
     model = report.get("model")
     if model:
         lines += ["", f"## Model: {model['model']}", "", f"- built from: {model['source']}"]

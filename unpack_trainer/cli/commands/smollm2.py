@@ -29,7 +29,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_smollm2(args: argparse.Namespace) -> int:
-    from unpack_trainer.models.real_model import smollm2_path
+    from unpack_trainer.model_zoo.smollm2 import smollm2_path
 
     try:
         path = smollm2_path(args.cache_dir)

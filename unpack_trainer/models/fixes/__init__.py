@@ -11,7 +11,8 @@ Each module's docstring says what its family does and how the fix makes it exact
 The record (:mod:`~unpack_trainer.models.fixes.record`), each function handed a
 :class:`~unpack_trainer.models.fixes.record.FixSite` ``site`` (``site.model`` the ``PreTrainedModel``, ``site.module``
 the decoder module, ``site.state`` its :class:`~unpack_trainer.models.state.DecoderState`, ``site.decoder`` what the
-decoder is made of, ``None`` in ``remove``)::
+decoder is made of, ``site.structure`` what the whole model is made of, found once by ``patch_model``; both ``None`` in
+``remove``)::
 
     Fix(
         name,             # unique; recorded in state.fixes

@@ -28,6 +28,11 @@ pools before its head) is refused at that forward, with the reason.
 The fix (:data:`FIX`, installed by :func:`unpack_trainer.models.patch_model` on such a model: [`install_score_hooks`])
 installs this; a model whose head is not found gets a hook that refuses every packed forward instead, with the reason,
 so that no packed forward pools the wrong token. Unpacked forwards run exactly as before.
+
+Under DeepSpeed Ulysses (a packed row next to its padded view, cut for ``N`` processes, in a training forward) each
+process runs its shard of the row and the head's per-token output of the ``N`` shards is gathered (differentiably)
+into the whole row's before each sequence's score is read, so every process holds every score, as the reward trainer's
+loss needs ([`unpack_trainer.models.fixes.packed_view.gathered_shards`]).
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from unpack_trainer._compat import cache_argument, cache_length
 from unpack_trainer.models.discovery import _code_names, unwrapped
+from unpack_trainer.models.fixes.packed_view import gathered_shards, take_shard
 from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.packed_seq_info import (
     CU_SEQ_LENS_Q_KEY,
@@ -63,6 +69,10 @@ __all__ = [
     "score_head_refusal",
     "score_token_index",
 ]
+
+
+class _ScoreHead(NamedTuple):
+    """The plan of a batch's scored tokens (:func:`_score_plan`)."""
 
 
 def is_sequence_classifier(model: torch.nn.Module) -> bool:
@@ -208,7 +218,7 @@ def score_token_index(info: Any, input_ids: torch.Tensor | None, pad_token_id: i
         built on the CPU from the metadata, once per batch.
     """
     parents = None if info.seq_parents is None else info.seq_parents.tolist()
-    plan = info.plan("score_head", None, lambda: _score_plan(info.seq_lengths.tolist(), parents))
+    plan = info.plans.get(_ScoreHead(), lambda: _score_plan(info.seq_lengths.tolist(), parents))
     device = input_ids.device if input_ids is not None else torch.device("cpu")
     plan = {key: value.to(device, non_blocking=True) for key, value in plan.items()}
     if input_ids is None or pad_token_id is None:
@@ -233,6 +243,7 @@ class _ScoreCall:
     labels: torch.Tensor | None
     head_hook: Any = None
     captured: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)
+    group: Any = None  # under DeepSpeed Ulysses: the group whose shards of the row the head's output is gathered over
 
 
 @dataclass
@@ -288,6 +299,16 @@ class _ScoreHooks:
             order,
             kwargs.pop("labels", None),
         )
+        if info.sequence_shards > 1 and module.training:
+            # Under DeepSpeed Ulysses (a training forward): this process runs its shard of the row; the head's
+            # per-token output of the shards is gathered back into the whole row's before the scores are read.
+            if packed_ids is None:
+                raise ValueError(
+                    f"{type(module).__name__}: a packed batch cut for {info.sequence_shards} sequence-parallel "
+                    "processes is scored per sequence only as a packed row next to its padded view (the reward "
+                    "trainer's batches), where every process runs its shard and the scores are gathered."
+                )
+            call.group = take_shard(kwargs, info.sequence_shards)
         call.head_hook = module.get_submodule(self.head.head).register_forward_hook(
             lambda head, head_args, output: call.captured.append((tuple(head_args[0].shape), output))
         )
@@ -300,7 +321,8 @@ class _ScoreHooks:
             return output
         name = type(module).__name__
         batch, seq_len = call.shape
-        if len(call.captured) != 1 or call.captured[0][0][:2] != (batch, seq_len):
+        shards = 1 if call.group is None else call.info.sequence_shards
+        if len(call.captured) != 1 or call.captured[0][0][:2] != (batch, seq_len // shards):
             shapes = [shape for shape, _ in call.captured]
             raise ValueError(
                 f"{name} cannot score the sequences of a packed batch: its head {self.head.head!r} was not applied "
@@ -308,6 +330,8 @@ class _ScoreHooks:
                 "score of each sequence cannot be read at its last token. Run the sequences unpacked (padded)."
             )
         per_token = call.captured[0][1]
+        if call.group is not None:
+            per_token = gathered_shards(per_token, call.group, dim=1)
         index = score_token_index(call.info, call.input_ids, module.config.get_text_config().pad_token_id)
         logits = per_token.reshape(batch * seq_len, -1).index_select(0, index.to(per_token.device))
         if call.order is not None:

@@ -17,6 +17,10 @@ spans, in the decoder's state. Which layers apply them is read from the model's 
 spans (with a window as the sliding layers do); the varlen kernels cannot and are not chosen (the attention feature
 ``bidirectional``).
 
+Under sequence parallelism (a row cut into shards, DeepSpeed Ulysses) the attention of every process sees the whole row
+(for its share of the heads): the spans are the whole row's, read from its whole token types (which
+:mod:`~unpack_trainer.models.fixes.vision_language` hands on whole), and the model then gets its shard's slice of them.
+
 Worked example (one row, samples of 5 and 4 tokens, an image of 2 tokens in each)::
 
     token_type_ids       [0 1 1 0 0 | 0 0 1 1]
@@ -38,6 +42,7 @@ from unpack_trainer.models.vision import (
     image_block_layer_types,
     image_block_spans,
     is_vision_language,
+    sequence_shard,
 )
 from unpack_trainer.packed_seq_info import INFO_KEY
 
@@ -51,16 +56,22 @@ def _pre_hook(
     module: torch.nn.Module,
     args: tuple,
     kwargs: dict,
-) -> None:
+) -> tuple[tuple, dict] | None:
     info = carried_info(state)
     token_types = kwargs.get(key)
     if info is None or token_types is None:
-        return
+        return None
     spanned = info.with_bidirectional_spans(image_block_spans(block_ids, token_types, info))
     if spanned is not info:
         state.carried[INFO_KEY] = spanned
         if state.running is info:
             state.running = spanned
+    reference = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    span = None if reference is None else sequence_shard(info, reference.shape[1])
+    if span is None:
+        return None
+    kwargs[key] = token_types[..., span[0] : span[1]].to(reference.device)  # the shard's, for the model's own use
+    return args, kwargs
 
 
 def _layer_type(module: torch.nn.Module, config: object) -> str | None:
@@ -76,13 +87,13 @@ def _layer_type(module: torch.nn.Module, config: object) -> str | None:
 def _applies(site: FixSite) -> str | None:
     if "vision_language" not in site.state.fixes or not is_vision_language(site.model):
         return None
-    if find_vision_language(site.model).image_blocks is None:
+    if find_vision_language(site.model, site.structure).image_blocks is None:
         return None
     return "the tokens of each image attend to each other both ways (get_block_sequence_ids_for_mask), per sample"
 
 
 def _install(site: FixSite) -> None:
-    vision = find_vision_language(site.model)
+    vision = find_vision_language(site.model, site.structure)
     layer_types = image_block_layer_types(vision.module)
     if layer_types is not None:
         for attention in site.decoder.attention:

@@ -138,7 +138,7 @@ def _pre_hook(
 def _applies(site: FixSite) -> str | None:
     if "vision_language" not in site.state.fixes or not is_vision_language(site.model):
         return None
-    rows = find_vision_language(site.model).position_rows
+    rows = find_vision_language(site.model, site.structure).position_rows
     if rows == 1:
         return None
     return (
@@ -148,7 +148,7 @@ def _applies(site: FixSite) -> str | None:
 
 
 def _install(site: FixSite) -> None:
-    vision = find_vision_language(site.model)
+    vision = find_vision_language(site.model, site.structure)
     pre_hook = functools.partial(_pre_hook, site.state, RopeIndex(vision.module), vision.position_rows)
     hook_multimodal_model(site, "multimodal_rope", pre_hook)
 

@@ -26,7 +26,7 @@ from unpack_trainer.packed_seq_info import (
     VIEW_INDEX_KEY,
 )
 
-__all__ = ["FIX", "install_packed_view"]
+__all__ = ["FIX", "gathered_shards", "install_packed_view", "take_shard"]
 
 
 class _PackedView:
@@ -62,23 +62,10 @@ class _PackedView:
         self.index, self.group = index, None
         info = kwargs.get(INFO_KEY)
         if info is not None and info.sequence_shards > 1 and module.training:
-            self._take_shard(kwargs, info.sequence_shards)
+            # Under DeepSpeed Ulysses (a training forward: Ulysses leaves an evaluating module whole): this process
+            # runs its shard of the row, and [`after`] gathers the shards' hidden states back into the whole row.
+            self.group = take_shard(kwargs, info.sequence_shards)
         return args, kwargs
-
-    def _take_shard(self, kwargs: dict, shards: int) -> None:
-        """Under DeepSpeed Ulysses (a training forward: Ulysses leaves an evaluating module whole): this process runs
-        its shard of the row, and [`after`] gathers the shards' hidden states back into the whole row."""
-        group = sequence_parallel_group()
-        if group is None or torch.distributed.get_world_size(group) != shards:
-            raise ValueError(
-                f"A packed row cut for {shards} sequence-parallel processes reached a training forward outside a "
-                "DeepSpeed Ulysses group of that size (accelerate's ParallelismConfig(sp_size=...) sets it up)."
-            )
-        rank = torch.distributed.get_rank(group)
-        size = kwargs["input_ids"].shape[1] // shards
-        for name in ("input_ids", "position_ids"):
-            kwargs[name] = kwargs[name][:, rank * size : (rank + 1) * size]
-        self.group = group
 
     def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         index, self.index = self.index, None
@@ -100,20 +87,46 @@ class _PackedView:
         return output
 
 
-def _gathered(output: Any, group: Any) -> Any:
-    """``output`` of one shard of the row with its hidden states ``(1, T / N, H)`` (and router logits ``(T / N, E)``
-    per layer) gathered over the sequence-parallel ``group`` into the whole row's, in rank order (the shards are
-    contiguous). Differentiable: torch's all-gather hands each process the sum over the group of the gradients of its
-    shard; every process computes the same loss from the whole row, so that sum is ``N`` times the loss's gradient,
-    which the trainer divides back (``N`` equal losses, each back-propagated at ``1 / N``)."""
+def take_shard(kwargs: dict, shards: int) -> Any:
+    """Cut the packed row of a forward's keyword arguments (``input_ids`` / ``position_ids`` ``(1, T)``, ``T`` a
+    multiple of ``shards``) to this process's contiguous shard ``(1, T / shards)`` of DeepSpeed Ulysses' group, in
+    place; returns the group (``_compat.sequence_parallel_group``).
+
+    Raises:
+        ValueError: no Ulysses group of ``shards`` processes (the row was cut for another set-up).
+    """
+    group = sequence_parallel_group()
+    if group is None or torch.distributed.get_world_size(group) != shards:
+        raise ValueError(
+            f"A packed row cut for {shards} sequence-parallel processes reached a training forward outside a "
+            "DeepSpeed Ulysses group of that size (accelerate's ParallelismConfig(sp_size=...) sets it up)."
+        )
+    rank = torch.distributed.get_rank(group)
+    size = kwargs["input_ids"].shape[1] // shards
+    for name in ("input_ids", "position_ids"):
+        kwargs[name] = kwargs[name][:, rank * size : (rank + 1) * size]
+    return group
+
+
+def gathered_shards(tensor: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """The shards of one row that the processes of ``group`` hold (``tensor``: this process's, e.g. ``(1, T / N,
+    H)``), concatenated along ``dim`` in rank order (the shards are contiguous). Differentiable: torch's all-gather
+    hands each process the sum over the group of the gradients of its shard; every process computes the same loss
+    from the whole row, so that sum is ``N`` times the loss's gradient, which the trainer divides back (``N`` equal
+    losses, each back-propagated at ``1 / N``)."""
     from torch.distributed.nn.functional import all_gather
 
-    output.last_hidden_state = torch.cat(all_gather(output.last_hidden_state.contiguous(), group=group), dim=1)
+    return torch.cat(all_gather(tensor.contiguous(), group=group), dim=dim)
+
+
+def _gathered(output: Any, group: Any) -> Any:
+    """``output`` of one shard of the row with its hidden states ``(1, T / N, H)`` (and router logits ``(T / N, E)``
+    per layer) gathered over the sequence-parallel ``group`` into the whole row's ([`gathered_shards`])."""
+    output.last_hidden_state = gathered_shards(output.last_hidden_state, group, dim=1)
     router_logits = getattr(output, "router_logits", None)
     if router_logits is not None:
         output.router_logits = tuple(
-            layer if layer is None else torch.cat(all_gather(layer.contiguous(), group=group), dim=0)
-            for layer in router_logits
+            layer if layer is None else gathered_shards(layer, group, dim=0) for layer in router_logits
         )
     return output
 

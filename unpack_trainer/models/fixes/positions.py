@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,6 +37,12 @@ from unpack_trainer.models.state import DecoderState
 from unpack_trainer.packed_seq_info import PackedSeqInfo, restart_positions
 
 __all__ = ["FIX", "own_position_embeddings", "sample_positions"]
+
+
+class _SamplePositions(NamedTuple):
+    """The plan of a batch's per-sample position layout on ``device``."""
+
+    device: str
 
 
 def own_position_embeddings(decoder: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -95,7 +101,7 @@ def sample_positions(
         gather, owner = gather.to(device, non_blocking=True), owner.to(device, non_blocking=True)
     else:
         units, gather, owner = info, None, None
-    rows, cols = info.plan("sample_positions", device, lambda: _layout(units, device))
+    rows, cols = info.plans.get(_SamplePositions(str(device)), lambda: _layout(units, device))
     shape = (units.num_seqs, units.max_seqlen)
     padding_idx = embeddings.padding_idx
     if input_ids is not None:

@@ -11,7 +11,7 @@ import torch
 from unpack_trainer.models.state import DecoderState
 
 if TYPE_CHECKING:
-    from unpack_trainer.models.discovery import Decoder
+    from unpack_trainer.models.discovery import Decoder, ModelStructure
 
 __all__ = ["Fix", "FixSite", "forward_wrapping_fix"]
 
@@ -27,12 +27,16 @@ class FixSite(NamedTuple):
             ``state.undo[name]`` what ``remove`` needs (names, hook ids: a deep copy keeps them valid).
         decoder: what the decoder is made of (its attention modules, layers, token mixers), for ``applies`` and
             ``install``; ``None`` for ``remove`` (which works from ``module`` and ``state`` alone).
+        structure: what the whole model is made of, as :func:`unpack_trainer.models.patch_model` found it once for
+            all its decoders (hand it on to what would otherwise discover the model again, such as
+            :func:`~unpack_trainer.models.vision.find_vision_language`); ``None`` outside ``patch_model``.
     """
 
     model: torch.nn.Module
     module: torch.nn.Module
     state: DecoderState
     decoder: Decoder | None = None
+    structure: ModelStructure | None = None
 
 
 class Fix(NamedTuple):

@@ -2,8 +2,16 @@
 the backends of :data:`~unpack_trainer.patches.attention.registry.REGISTRY` (its docstring tells the whole story)."""
 
 from unpack_trainer.patches.attention import dispatch, registry
-from unpack_trainer.patches.attention._common import logger
+from unpack_trainer.patches.attention._common import AttentionBackend, AttentionFeature, CallOptions, Needs, logger
 from unpack_trainer.patches.attention.dispatch import *  # noqa: F403  (each module's __all__: one list, not two in step)
 from unpack_trainer.patches.attention.registry import *  # noqa: F403
 
-__all__ = [*registry.__all__, *dispatch.__all__, "logger"]
+__all__ = [
+    *registry.__all__,
+    *dispatch.__all__,
+    "AttentionBackend",
+    "AttentionFeature",
+    "CallOptions",
+    "Needs",
+    "logger",
+]

@@ -1,9 +1,12 @@
-"""What every packed attention backend shares: the backend record (with the optional kernel it may declare), the
-options of a call, the token layout helpers and the record of a bucket backend. Below every backend:
-it imports no backend, and no backend imports another."""
+"""What every packed attention backend shares: the protocol (the features a backend may serve,
+:class:`AttentionFeature`; what a call or a model asks of one, :class:`Needs`; the backend record,
+:class:`AttentionBackend`, with the optional kernel it may declare), the options of a call, the token layout helpers
+and the record of a bucket backend. Below every backend: it imports no backend, and no backend imports another."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import logging
 from collections.abc import Callable
@@ -17,11 +20,12 @@ from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.buckets import BucketPlan, attention_plan, branch_plan
 
 __all__ = [
-    "FEATURE_NAMES",
     "AttentionBackend",
+    "AttentionFeature",
     "BackendFunction",
     "BranchedFunction",
     "CallOptions",
+    "Needs",
     "OptionalKernel",
     "bucket_backend",
     "logger",
@@ -32,15 +36,81 @@ __all__ = [
 # One logger for every backend module: the messages of the package keep one name.
 logger = logging.getLogger("unpack_trainer.patches.attention")
 
-# What a backend may apply beyond causal / sliding-window / grouped-query attention with any scaling.
-FEATURE_NAMES = {
-    "softcap": "attention logit softcapping",
-    "sinks": "attention sinks (s_aux)",
-    "dropout": "attention dropout",
-    "alibi": "ALiBi position biases",
-    # PackedSeqInfo.bidirectional_spans: the tokens of a span (an image's, Gemma 3) attend to each other both ways
-    "bidirectional": "bidirectional image blocks",
+
+class AttentionFeature(enum.StrEnum):
+    """What a packed attention call may ask for beyond causal grouped-query attention with any scaling: the one list
+    every layer reads (the dispatch, the choice, the model's needs, the refusals, ``unpack-trainer env``). A ``str``
+    (``AttentionFeature.SOFTCAP == "softcap"``).
+
+    A backend declares those it applies itself (:attr:`AttentionBackend.serves`); a call asking for one it does not
+    goes to a backend that does, or is refused when the backend was named. Two are the dispatch's on every backend
+    (:attr:`by_dispatch`): chunked attention runs as samples of one chunk each (:meth:`PackedSeqInfo.chunked`), and a
+    branched row as ``[prefix; branch]`` units (:meth:`PackedSeqInfo.branch_units`) where a backend has no branched
+    path of its own (:attr:`AttentionBackend.branched_forward`).
+    """
+
+    SLIDING_WINDOW = "sliding_window"
+    SOFTCAP = "softcap"
+    SINKS = "sinks"
+    DROPOUT = "dropout"
+    ALIBI = "alibi"
+    BIDIRECTIONAL = "bidirectional"
+    CHUNKS = "chunks"
+    BRANCHES = "branches"
+
+    @property
+    def description(self) -> str:
+        """What the feature is, in words (messages name features by it)."""
+        return _DESCRIPTIONS[self]
+
+    @property
+    def keyword(self) -> str | None:
+        """The keyword of transformers' attention call that asks for it (``None``: it travels on the
+        :class:`PackedSeqInfo`: bidirectional spans, branches)."""
+        return _KEYWORDS.get(self)
+
+    @property
+    def by_dispatch(self) -> bool:
+        """Whether the dispatch serves it on every backend (chunks, branches), so no backend declares it."""
+        return self in (AttentionFeature.CHUNKS, AttentionFeature.BRANCHES)
+
+
+_DESCRIPTIONS = {
+    AttentionFeature.SLIDING_WINDOW: "sliding-window attention",
+    AttentionFeature.SOFTCAP: "attention logit softcapping",
+    AttentionFeature.SINKS: "attention sinks (s_aux)",
+    AttentionFeature.DROPOUT: "attention dropout",
+    AttentionFeature.ALIBI: "ALiBi position biases",
+    AttentionFeature.BIDIRECTIONAL: "bidirectional image blocks",  # PackedSeqInfo.bidirectional_spans (Gemma 3)
+    AttentionFeature.CHUNKS: "chunked attention",
+    AttentionFeature.BRANCHES: "branched samples (shared prefixes)",
 }
+_KEYWORDS = {
+    AttentionFeature.SLIDING_WINDOW: "sliding_window",
+    AttentionFeature.SOFTCAP: "softcap",
+    AttentionFeature.SINKS: "s_aux",
+    AttentionFeature.DROPOUT: "dropout",
+    AttentionFeature.ALIBI: "alibi_slopes",
+    AttentionFeature.CHUNKS: "attention_chunk_size",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a packed attention call, or a model's attention, asks of a backend.
+
+    Attributes:
+        features: the :class:`AttentionFeature` it applies.
+        head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
+        min_head_dim: the smaller one (compiled flex takes 16 or more); ``None``: the same as ``head_dim``.
+    """
+
+    features: frozenset[AttentionFeature] = frozenset()
+    head_dim: int | None = None
+    min_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", frozenset(AttentionFeature(name) for name in self.features))
 
 
 class CallOptions(NamedTuple):
@@ -76,7 +146,7 @@ class BackendFunction(Protocol):
     reads kv head ``h // (num_heads // num_kv_heads)``); ``info``: the samples, tiling the ``B * T`` tokens. Returns
     ``(B, T, num_heads, head_dim_v)`` in query's dtype, causal attention within each sample. Every query sees at
     least itself, so no row is ever fully masked. An option the backend cannot apply (beyond its record's
-    ``capabilities``) is refused before dispatch, so it arrives as ``None`` / 0.0.
+    ``serves``) is refused before dispatch, so it arrives as ``None`` / 0.0.
     """
 
     def __call__(
@@ -95,13 +165,16 @@ class BranchedFunction(Protocol):
 
 
 class AttentionBackend(NamedTuple):
-    """One packed attention backend, declared by its module and listed once in
-    :data:`unpack_trainer.patches.attention.registry.REGISTRY`.
+    """One packed attention backend: what it is called, what it serves, whether it can run here and why not, and its
+    packed function. The built-in ones are declared by their modules and listed in
+    :data:`unpack_trainer.patches.attention.registry.REGISTRY`; :func:`~unpack_trainer.register_backend` adds one from
+    outside the package.
 
     Attributes:
-        name: what ``UNPACK_ATTENTION_BACKEND`` and ``backend=`` call it.
-        capabilities: what it applies beyond causal / sliding-window / grouped-query attention (keys of
-            :data:`FEATURE_NAMES`); a call asking for more goes to a backend that can, or is refused.
+        name: what ``UNPACK_ATTENTION_BACKEND``, ``backend=`` and ``unpack-trainer env`` call it.
+        serves: the :class:`AttentionFeature` it applies itself (none of those the dispatch serves,
+            :attr:`AttentionFeature.by_dispatch`); a call asking for another goes to a backend that serves it, or is
+            refused.
         forward: the packed forward (:class:`BackendFunction`).
         branched_forward: its own path for branched batches (:class:`BranchedFunction`), or ``None``: always the
             ``[prefix; branch]`` units.
@@ -110,16 +183,20 @@ class AttentionBackend(NamedTuple):
         requires: ``(device, compute dtype) -> str | None``, why it cannot run there beyond what ``kernel`` says (a
             GPU too old for it, ...); ``None``: nothing more.
         max_head_dim: the largest query / value head dim its kernel takes; ``None``: any.
-        min_head_dim: the smallest query / value head dim its kernel takes; ``None``: any.
         automatic: whether the automatic choice considers it (in the registry's order).
-        automatic_device_types: the device types where it does (``None``: every device it runs on).
-        prepare: ``(info, device) -> None``: plan on the host what its forward reads of a batch (cached on ``info``),
-            before compiled layers run it: its forward then only reads the plans, with no graph break, shaped so that
-            a compiled layer recompiles only when a batch's shapes change class; ``None``: nothing to plan.
+        prepare: ``(info, device) -> None``: plan on the host what its forward reads of a batch (kept in
+            ``info.plans``), before compiled layers run it: its forward then only reads the plans, with no graph
+            break, shaped so that a compiled layer recompiles only when a batch's shapes change class; ``None``:
+            nothing to plan.
+        min_head_dim: the smallest query / value head dim its kernel takes; ``None``: any.
+        automatic_device_types: the device types where the automatic choice considers it (``None``: every device
+            it runs on).
+        keeps_implementation: the transformers attention implementation it reproduces exactly, so that a model
+            loaded with it keeps this backend (transformers' eager attention, for the eager backend); ``None``: none.
     """
 
     name: str
-    capabilities: frozenset[str]
+    serves: frozenset[AttentionFeature]
     forward: BackendFunction
     branched_forward: BranchedFunction | None = None
     kernel: OptionalKernel | None = None
@@ -129,6 +206,7 @@ class AttentionBackend(NamedTuple):
     prepare: Callable[[PackedSeqInfo, torch.device], None] | None = None
     min_head_dim: int | None = None
     automatic_device_types: tuple[str, ...] | None = None
+    keeps_implementation: str | None = None
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why it cannot run on ``device`` computing in ``dtype`` (its kernel's reason first); ``None`` when it can."""
@@ -137,14 +215,36 @@ class AttentionBackend(NamedTuple):
             reason = self.requires(device, dtype)
         return reason
 
+    def cannot_apply(self, needs: Needs) -> list[str]:
+        """What it cannot apply of ``needs``, described: the features it does not serve (by name), then a head dim
+        outside its ``min_head_dim`` .. ``max_head_dim``; empty when it applies all of it."""
+        missing = [
+            feature.description
+            for feature in sorted(needs.features)
+            if not feature.by_dispatch and feature not in self.serves
+        ]
+        head_dim = needs.head_dim
+        if self.max_head_dim is not None and head_dim is not None and head_dim > self.max_head_dim:
+            missing.append(f"head_dim {head_dim} (its kernel takes at most {self.max_head_dim})")
+        smallest = head_dim if needs.min_head_dim is None else needs.min_head_dim
+        if self.min_head_dim is not None and smallest is not None and smallest < self.min_head_dim:
+            missing.append(f"head_dim {smallest} (its kernel takes at least {self.min_head_dim})")
+        return missing
+
+    @property
+    def runs_anywhere(self) -> bool:
+        """Whether it runs wherever torch does: no optional kernel, no requirement."""
+        return self.kernel is None and self.requires is None
+
 
 def bucket_backend(
     name: str,
-    capabilities: frozenset[str],
+    serves: frozenset[AttentionFeature],
     forward: BackendFunction,
     buckets_forward: Callable[..., Tensor],
     *,
     automatic: bool = True,
+    keeps_implementation: str | None = None,
 ) -> AttentionBackend:
     """The record of a backend that runs the samples in buckets of similar lengths (SDPA, eager), whose
     ``buckets_forward(q, k, v, info, options, plan)`` runs a bucket plan (:mod:`unpack_trainer.patches.buckets`):
@@ -166,7 +266,13 @@ def bucket_backend(
         attention_plan(info, device, compiled=True)
 
     return AttentionBackend(
-        name, capabilities, forward, branched_forward=branched_forward, automatic=automatic, prepare=prepare
+        name,
+        serves,
+        forward,
+        branched_forward=branched_forward,
+        automatic=automatic,
+        prepare=prepare,
+        keeps_implementation=keeps_implementation,
     )
 
 

@@ -30,6 +30,14 @@ MAX_HEAD_DIM = 256
 MAX_ELEMENTS = 2**31 - 1
 
 
+class _Chunks(NamedTuple):
+    """The plan of :func:`varlen_chunks`."""
+
+    num_heads: int
+    head_dim: int
+    device: str
+
+
 class VarlenChunk(NamedTuple):
     first_seq: int  # index of the chunk's first sample
     begin: int  # token range [begin, end) of the chunk
@@ -80,7 +88,7 @@ def varlen_chunks(info: PackedSeqInfo, num_heads: int, head_dim: int, device: to
                 chunks.append(VarlenChunk(first, begin, end, longest, cu_seqlens, None))
         return chunks
 
-    return info.plan("varlen_chunks", (num_heads, head_dim, str(device)), build)
+    return info.plans.get(_Chunks(num_heads, head_dim, str(device)), build)
 
 
 def varlen_window(longest: int, sliding_window: int | None) -> tuple[int, int] | None:
@@ -136,8 +144,8 @@ def varlen_forward(
 ) -> Tensor:
     """Shared by flash-attn and torch's varlen_attn: ``(total_tokens, num_heads, head_dim)`` inputs with one head dim
     for q, k and v (zero-padded up to ``head_dim_multiple``), the samples' ``cu_seqlens`` and ``max_seqlen``, rows
-    split into chunks (cached under ``"varlen_chunks"``) where the kernel's 32-bit offsets would overflow; a sample
-    too large alone runs on ``fallback`` (its name and forward: the dispatch's, SDPA or eager). Zero padding of
+    split into chunks (a plan of the batch, :func:`varlen_chunks`) where the kernel's 32-bit offsets would overflow; a
+    sample too large alone runs on ``fallback`` (its name and forward: the dispatch's, SDPA or eager). Zero padding of
     q and k leaves every score unchanged (``scaling`` is explicit); padded value columns are cropped from the output.
 
     Returns ``(B, T, num_heads, head_dim_v)``.

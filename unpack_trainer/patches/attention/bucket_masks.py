@@ -1,12 +1,13 @@
 """What the SDPA and eager backends share on their buckets (:mod:`unpack_trainer.patches.buckets`): the masks and
-biases, each built once per batch, bucket shape and device and cached on
-:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` (inside a ``torch.compile`` trace built in the graph instead,
-from the bucket's symbolic shape: a few elementwise ops, and no cache keyed by a shape). Below the backends: it
-imports none of them."""
+biases, each built once per batch, bucket shape and device and kept beside the batch's
+:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` in its ``plans`` (inside a ``torch.compile`` trace built in the
+graph instead, from the bucket's symbolic shape: a few elementwise ops, and no cache keyed by a shape). Below the
+backends: it imports none of them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,9 +26,51 @@ __all__ = [
 ]
 
 
-def _cached(info: PackedSeqInfo, owner: str, key: tuple, build: Callable[[], Tensor]) -> Tensor:
-    """``info.plan(owner, key, build)``; in a ``torch.compile`` trace ``build()`` (see the module docstring)."""
-    return build() if torch.compiler.is_compiling() else info.plan(owner, key, build)
+# The masks' plans (:class:`~unpack_trainer.packed_seq_info.PlanCache` keys), one type per kind of mask.
+class _BranchMask(NamedTuple):
+    bucket_index: int
+    sliding_window: int | None
+    device: str
+
+
+class _BranchAdditiveMask(NamedTuple):
+    bucket_index: int
+    sliding_window: int | None
+    dtype: torch.dtype
+    device: str
+
+
+class _BandMask(NamedTuple):
+    length: int
+    sliding_window: int
+    device: str
+
+
+class _AdditiveMask(NamedTuple):
+    length: int
+    sliding_window: int | None
+    dtype: torch.dtype
+    device: str
+
+
+class _BidirectionalMask(NamedTuple):
+    kind: str  # the bucket's rows: "samples" (an attention plan) or "units" (a branch plan)
+    bucket_index: int
+    sliding_window: int | None
+    device: str
+
+
+class _BidirectionalAdditiveMask(NamedTuple):
+    kind: str
+    bucket_index: int
+    sliding_window: int | None
+    dtype: torch.dtype
+    device: str
+
+
+def _cached(info: PackedSeqInfo, key: tuple, build: Callable[[], Tensor]) -> Tensor:
+    """``info.plans.get(key, build)``; in a ``torch.compile`` trace ``build()`` (see the module docstring)."""
+    return build() if torch.compiler.is_compiling() else info.plans.get(key, build)
 
 
 def _slot_spans(info: PackedSeqInfo, tokens: Tensor, real: Tensor) -> Tensor:
@@ -84,7 +127,7 @@ def branch_mask(
         padding = (i >= q_lengths) & (j == 0)
         return (torch.where(i < q_lengths, allowed, padding)).to(device, non_blocking=True)
 
-    return _cached(info, "branch_masks", (bucket_index, sliding_window, str(device)), build)
+    return _cached(info, _BranchMask(bucket_index, sliding_window, str(device)), build)
 
 
 def branch_additive_mask(
@@ -102,7 +145,7 @@ def branch_additive_mask(
         allowed = branch_mask(info, bucket_index, bucket, sliding_window, device)
         return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
 
-    return _cached(info, "branch_additive_masks", (bucket_index, sliding_window, dtype, str(device)), build)
+    return _cached(info, _BranchAdditiveMask(bucket_index, sliding_window, dtype, str(device)), build)
 
 
 def band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: torch.device) -> Tensor:
@@ -113,7 +156,7 @@ def band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: tor
         j = torch.arange(length, device=device).unsqueeze(0)
         return (j <= i) & (j > i - sliding_window)
 
-    return _cached(info, "band_masks", (length, sliding_window, str(device)), build)
+    return _cached(info, _BandMask(length, sliding_window, str(device)), build)
 
 
 def additive_mask(
@@ -128,7 +171,7 @@ def additive_mask(
         zero = torch.zeros((), dtype=dtype, device=device)
         return torch.where(allowed, zero, torch.finfo(dtype).min)
 
-    return _cached(info, "additive_masks", (length, sliding_window, dtype, str(device)), build)
+    return _cached(info, _AdditiveMask(length, sliding_window, dtype, str(device)), build)
 
 
 def alibi_bias(
@@ -195,7 +238,7 @@ def bidirectional_mask(
             allowed &= j > i - sliding_window
         return allowed.to(device, non_blocking=True)
 
-    return info.plan("bidirectional_masks", (kind, bucket_index, sliding_window, str(device)), build)
+    return info.plans.get(_BidirectionalMask(kind, bucket_index, sliding_window, str(device)), build)
 
 
 def bidirectional_additive_mask(
@@ -216,4 +259,5 @@ def bidirectional_additive_mask(
         return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
 
     kind = "samples" if bucket.samples is not None else "units"
-    return info.plan("bidirectional_additive_masks", (kind, bucket_index, sliding_window, dtype, str(device)), build)
+    key = _BidirectionalAdditiveMask(kind, bucket_index, sliding_window, dtype, str(device))
+    return info.plans.get(key, build)

@@ -8,10 +8,11 @@ attention function) hands it, read once here. Only a direct call without the hoo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import logging
-import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,19 +25,56 @@ from unpack_trainer.packed_seq_info import (
     PackedSeqInfo,
     detect_packed,
 )
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, logger, tokens_major
+from unpack_trainer.patches.attention._common import (
+    AttentionBackend,
+    AttentionFeature,
+    CallOptions,
+    Needs,
+    logger,
+    tokens_major,
+)
 from unpack_trainer.patches.attention.registry import (
-    ENV_BACKEND,
     REGISTRY,
     check_explicit_backend,
     choose_backend,
     compute_dtype,
     fallback_for,
-    features,
-    missing_features,
+    forced_backend,
 )
 
 __all__ = ["packed_attention_forward", "packed_info_from_kwargs", "prepare_packed_attention"]
+
+
+# What a call may ask for, in the order packed_attention_forward reads it.
+_CALL_FEATURES = (
+    AttentionFeature.SLIDING_WINDOW,
+    AttentionFeature.SOFTCAP,
+    AttentionFeature.SINKS,
+    AttentionFeature.DROPOUT,
+    AttentionFeature.ALIBI,
+    AttentionFeature.BIDIRECTIONAL,
+    AttentionFeature.CHUNKS,
+    AttentionFeature.BRANCHES,
+)
+
+
+# The dispatch's plans (:class:`~unpack_trainer.packed_seq_info.PlanCache` keys).
+class _BackendChoice(NamedTuple):
+    """The backend (and the fallback of its calls) on ``device`` in ``dtype`` for the calls asking for ``features``
+    with heads of ``head_dims`` (largest, smallest), ``forced`` by the environment or not."""
+
+    device: str
+    dtype: torch.dtype
+    original: str | None
+    features: frozenset[AttentionFeature]
+    head_dims: tuple[int, int]
+    forced: str | None
+
+
+class _BranchUnitsOn(NamedTuple):
+    """:meth:`PackedSeqInfo.branch_units`' ``gather`` and ``owner`` on ``device``."""
+
+    device: str
 
 
 def packed_info_from_kwargs(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
@@ -69,28 +107,18 @@ def prepare_packed_attention(
     device: torch.device,
     dtype: torch.dtype,
     implementation: str | None,
-    *,
-    softcap: bool = False,
-    sinks: bool = False,
-    head_dim: int | None = None,
-    min_head_dim: int | None = None,
-    bidirectional: bool = False,
+    needs: Needs,
 ) -> str:
     """Plan on the host, before the layers of a compiled model run, what their packed attention reads of this batch:
     the backend :func:`choose_backend` takes for ``device``, the compute ``dtype``, the model's ``implementation`` and
-    what its attention applies, and that backend's plans (its record's ``prepare``: buckets, block masks), cached on
-    ``info``. Returns the backend's name. ``bidirectional``: the model's image tokens may attend both ways (Gemma 3);
-    the choice asks for it only when this batch has such spans (``info.bidirectional_spans``), as its layers will."""
-    choice = choose_backend(
-        device,
-        dtype,
-        implementation,
-        softcap=softcap,
-        sinks=sinks,
-        head_dim=head_dim,
-        min_head_dim=min_head_dim,
-        bidirectional=bidirectional and info.bidirectional_spans is not None,
-    )
+    what its attention applies (``needs``), and that backend's plans (its record's ``prepare``: buckets, block masks),
+    kept in ``info.plans``. Returns the backend's name. Bidirectional image blocks (a model whose image tokens may
+    attend both ways, Gemma 3) are asked for only when this batch has such spans (``info.bidirectional_spans``), as
+    its layers will."""
+    features = needs.features
+    if info.bidirectional_spans is None:
+        features = features - {AttentionFeature.BIDIRECTIONAL}
+    choice = choose_backend(device, dtype, implementation, dataclasses.replace(needs, features=features))
     record = REGISTRY[choice.name]
     if record.prepare is not None:
         record.prepare(info, torch.device(device))
@@ -98,17 +126,20 @@ def prepare_packed_attention(
 
 
 def _decide(
-    device: torch.device, dtype: torch.dtype, original: str | None, wanted: frozenset[str], head_dims: tuple[int, int]
+    device: torch.device,
+    dtype: torch.dtype,
+    original: str | None,
+    wanted: frozenset[AttentionFeature] | frozenset[str],
+    head_dims: tuple[int, int],
 ) -> str:
-    """The automatic (or forced) backend of a call asking for ``wanted`` (keys of ``FEATURE_NAMES``) with heads of
-    ``head_dims`` (the largest and the smallest of the query and value head dims); a hand-over from the backend chosen
-    for plain attention to one that can apply them is logged once."""
-    flags = {name: name in wanted for name in ("softcap", "sinks", "dropout", "alibi", "bidirectional")}
-    head_dim, min_head_dim = head_dims
-    choice = choose_backend(device, dtype, original, head_dim=head_dim, min_head_dim=min_head_dim, **flags)
+    """The automatic (or forced) backend of a call asking for ``wanted`` (:class:`AttentionFeature` members or their
+    values) with heads of ``head_dims`` (the largest and the smallest of the query and value head dims); a hand-over
+    from the backend chosen for plain attention to one that can apply them is logged once."""
+    needs = Needs(frozenset(wanted), *head_dims)
+    choice = choose_backend(device, dtype, original, needs)
     plain = choose_backend(device, dtype, original)
     if plain.name != choice.name:
-        missing = missing_features(plain.name, wanted, head_dim, min_head_dim)
+        missing = REGISTRY[plain.name].cannot_apply(needs)
         log_once(
             logger,
             logging.WARNING,
@@ -126,7 +157,7 @@ def _traced_choice(
     original: str | None,
     wanted: frozenset[str],
     head_dims: tuple[int, int],
-    forced: str,
+    forced: str | None,
 ) -> str:
     """:func:`_decide` inside a ``torch.compile`` trace: run once while tracing, its result a constant of the graph
     (the inputs' device and dtype are guarded by the graph already; ``forced`` is ``UNPACK_ATTENTION_BACKEND``)."""
@@ -135,17 +166,22 @@ def _traced_choice(
 
 
 def _backend_for(
-    info: PackedSeqInfo, query: Tensor, value: Tensor, original: str | None, wanted: frozenset[str]
-) -> str:
-    """The backend of one call, decided once per batch and set of features (in a ``torch.compile`` trace: once per
-    graph, as a constant of it)."""
+    info: PackedSeqInfo, query: Tensor, value: Tensor, original: str | None, wanted: frozenset[AttentionFeature]
+) -> tuple[str, AttentionBackend]:
+    """The backend of one call and the fallback of its kernel (:func:`fallback_for`), decided once per batch and set
+    of features (in a ``torch.compile`` trace: the backend once per graph, as a constant of it)."""
     dims = (query.shape[-1], value.shape[-1])
     head_dims = (max(dims), min(dims))
-    forced = os.environ.get(ENV_BACKEND, "")
+    forced = forced_backend()
     if torch.compiler.is_compiling():
-        return _traced_choice(str(query.device), query.dtype, original, wanted, head_dims, forced)
-    key = (str(query.device), query.dtype, original, wanted, head_dims, forced)
-    return info.plan("backend_choice", key, lambda: _decide(query.device, query.dtype, original, wanted, head_dims))
+        names = frozenset(feature.value for feature in wanted)  # plain strings: constants of the trace
+        name = _traced_choice(str(query.device), query.dtype, original, names, head_dims, forced)
+        return name, fallback_for(Needs(wanted))
+
+    def decide() -> tuple[str, AttentionBackend]:
+        return _decide(query.device, query.dtype, original, wanted, head_dims), fallback_for(Needs(wanted))
+
+    return info.plans.get(_BackendChoice(str(query.device), query.dtype, original, wanted, head_dims, forced), decide)
 
 
 def packed_attention_forward(
@@ -179,9 +215,9 @@ def packed_attention_forward(
         sliding_window: each query sees at most this many keys, itself included (query ``i`` sees keys ``j`` with
             ``i - sliding_window < j <= i``, transformers' convention); ``None`` for full causal attention.
         softcap: ``tanh(scores / softcap) * softcap`` logit softcapping (gemma2); flash and eager apply it.
-        backend: one of :data:`BACKENDS`; ``None`` chooses with :func:`choose_backend`, handing what a backend
-            cannot apply (softcap, sinks, dropout on torch_varlen) to one that can. A ``backend`` that cannot apply
-            them raises ``ValueError``.
+        backend: a name of :data:`~unpack_trainer.patches.attention.registry.REGISTRY`; ``None`` chooses with
+            :func:`choose_backend`, handing what a backend cannot apply (softcap, sinks, dropout on torch_varlen) to
+            one that can. A ``backend`` that cannot apply them raises ``ValueError``.
         original_implementation: the model's attention implementation before patching (for the choice).
         **kwargs: packing metadata (:func:`packed_info_from_kwargs`): ``packed_seq_info``,
             ``packed_seq_lengths`` ``(num_seqs,)`` int, ``cu_seq_lens_q`` ``(num_seqs + 1,)`` int32, or
@@ -225,20 +261,21 @@ def packed_attention_forward(
         raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} key/value heads.")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise ValueError("Packed attention is causal only; this module asks for bidirectional attention.")
-    sinks = kwargs.get("s_aux")
+    sinks = kwargs.get(AttentionFeature.SINKS.keyword)
     if sinks is not None and sinks.numel() != num_heads:
         raise ValueError(
             f"Attention sinks (`s_aux`) need one logit per query head ({num_heads}), got {sinks.numel()}."
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}.")
-    if kwargs.get("attention_chunk_size") is not None:
+    chunk_size = kwargs.get(AttentionFeature.CHUNKS.keyword)
+    if chunk_size is not None:
         if info.bidirectional_spans is not None:
             raise ValueError("Bidirectional image blocks are not supported together with chunked attention.")
-        info = info.chunked(kwargs["attention_chunk_size"])
-    if info.bidirectional_spans is not None and kwargs.get("alibi_slopes") is not None:
+        info = info.chunked(chunk_size)
+    alibi_slopes = kwargs.get(AttentionFeature.ALIBI.keyword)
+    if info.bidirectional_spans is not None and alibi_slopes is not None:
         raise ValueError("Bidirectional image blocks are not supported together with ALiBi.")
-    alibi_slopes = kwargs.get("alibi_slopes")
     if alibi_slopes is not None and alibi_slopes.numel() != num_heads:
         raise ValueError(
             f"ALiBi (`alibi_slopes`) needs one slope per query head ({num_heads}), got {alibi_slopes.numel()}."
@@ -249,20 +286,23 @@ def packed_attention_forward(
     # all go to the autocast dtype, and the backend is chosen for it.
     target = compute_dtype(query.device, functools.reduce(torch.promote_types, (query.dtype, key.dtype, value.dtype)))
     query, key, value = (x if x.dtype == target else x.to(target) for x in (query, key, value))
-    wanted = features(
-        softcap=softcap is not None,
-        sinks=sinks is not None,
-        dropout=dropout > 0,
-        alibi=alibi_slopes is not None,
-        bidirectional=info.bidirectional_spans is not None,
+    asked = (  # in the order of _CALL_FEATURES
+        sliding_window is not None,
+        softcap is not None,
+        sinks is not None,
+        dropout > 0,
+        alibi_slopes is not None,
+        info.bidirectional_spans is not None,
+        chunk_size is not None,
+        info.is_branched,
     )
+    wanted = frozenset(itertools.compress(_CALL_FEATURES, asked))
     if backend is None:
-        backend = _backend_for(info, query, value, original_implementation, wanted)
+        backend, fallback = _backend_for(info, query, value, original_implementation, wanted)
     else:
         dims = (head_dim, value.shape[-1])
-        check_explicit_backend(
-            backend, query.device, query.dtype, wanted, max(dims), from_env=False, min_head_dim=min(dims)
-        )
+        check_explicit_backend(backend, query.device, query.dtype, Needs(wanted, max(dims), min(dims)), from_env=False)
+        fallback = fallback_for(Needs(wanted))
     record = REGISTRY[backend]
     options = CallOptions(
         scaling,
@@ -272,7 +312,7 @@ def packed_attention_forward(
         sinks,
         module,
         alibi_slopes,
-        fallback=fallback_for(wanted),
+        fallback=fallback,
         kernel=None if record.kernel is None else record.kernel.get(),
     )
     if info.is_branched:
@@ -308,8 +348,8 @@ def _branched(
     batch_size, num_heads, seq_len, _ = query.shape
     unit_info, gather, owner = info.branch_units()
     device = query.device
-    gather, owner = info.plan(
-        "branch_units_device", str(device), lambda: (gather.to(device, non_blocking=True), owner.to(device))
+    gather, owner = info.plans.get(
+        _BranchUnitsOn(str(device)), lambda: (gather.to(device, non_blocking=True), owner.to(device))
     )
 
     def units(x: Tensor) -> Tensor:

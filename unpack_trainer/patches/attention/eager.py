@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import CallOptions, bucket_backend, repeat_heads, tokens_major
+from unpack_trainer.patches.attention._common import (
+    AttentionFeature,
+    CallOptions,
+    bucket_backend,
+    repeat_heads,
+    tokens_major,
+)
 from unpack_trainer.patches.attention.bucket_masks import (
     additive_mask,
     alibi_bias,
@@ -31,7 +37,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
     Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
     ``(B, num_kv_heads, T, head_dim_v)`` in any float dtype -> ``(B, T, num_heads, head_dim_v)``; the softmax runs in
-    float32. The SDPA buckets (``"buckets"``), run in chunks of at most ``MAX_SCORE_ELEMENTS`` scores.
+    float32. The SDPA buckets (:func:`attention_plan`), run in chunks of at most ``MAX_SCORE_ELEMENTS`` scores.
 
     GQA: each kv head repeated ``num_heads // num_kv_heads`` times. Window ``w``: keys ``i - w < j <= i``, through an
     additive ``(L, L)`` mask of ``finfo(dtype).min`` (finite: never NaN; no query row is fully masked anyway).
@@ -104,8 +110,18 @@ def buckets_forward(
 # Not a choice among the others: what remains when none of them can run or apply the call.
 BACKEND = bucket_backend(
     "eager",
-    frozenset({"softcap", "sinks", "dropout", "alibi", "bidirectional"}),
+    frozenset(
+        {
+            AttentionFeature.SLIDING_WINDOW,
+            AttentionFeature.SOFTCAP,
+            AttentionFeature.SINKS,
+            AttentionFeature.DROPOUT,
+            AttentionFeature.ALIBI,
+            AttentionFeature.BIDIRECTIONAL,
+        }
+    ),
     forward,
     buckets_forward,
     automatic=False,
+    keeps_implementation="eager",  # transformers' eager functions, computed as they compute them
 )

@@ -4,13 +4,19 @@ sample boundaries where a row is so large that the kernel's 32-bit offsets would
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo, zero_prefixed_cumsum
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
+from unpack_trainer.patches.attention._common import (
+    AttentionBackend,
+    AttentionFeature,
+    CallOptions,
+    OptionalKernel,
+    tokens_major,
+)
 from unpack_trainer.patches.attention._varlen import (
     MAX_HEAD_DIM,
     fallback_of,
@@ -21,6 +27,12 @@ from unpack_trainer.patches.attention._varlen import (
 )
 
 __all__ = ["BACKEND"]
+
+
+class _BranchKernelArguments(NamedTuple):
+    """The branched call's ``cu_seqlens_q``, ``cu_seqlens_k`` and key gather on ``device`` (a plan of the batch)."""
+
+    device: str
 
 
 def _kernel_options(options: CallOptions, longest: int, device: torch.device) -> dict[str, Any]:
@@ -92,7 +104,7 @@ def branched_forward(
         )
         return cu_q, cu_k, spans.key_gather.to(device, non_blocking=True)
 
-    cu_q, cu_k, key_gather = info.plan("flash_branch", str(device), build)
+    cu_q, cu_k, key_gather = info.plans.get(_BranchKernelArguments(str(device)), build)
     q_in, k_in, v_in = one_head_dim(
         tokens_major(query).contiguous(), *(tokens_major(x).index_select(0, key_gather) for x in (key, value)), 1
     )
@@ -104,7 +116,9 @@ def branched_forward(
 
 BACKEND = AttentionBackend(
     name="flash",
-    capabilities=frozenset({"softcap", "dropout", "alibi"}),
+    serves=frozenset(
+        {AttentionFeature.SLIDING_WINDOW, AttentionFeature.SOFTCAP, AttentionFeature.DROPOUT, AttentionFeature.ALIBI}
+    ),
     forward=forward,
     branched_forward=branched_forward,
     kernel=OptionalKernel(

@@ -41,7 +41,13 @@ from torch import Tensor
 
 from unpack_trainer._compat import recompile_limit_at_least
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
+from unpack_trainer.patches.attention._common import (
+    AttentionBackend,
+    AttentionFeature,
+    CallOptions,
+    OptionalKernel,
+    tokens_major,
+)
 from unpack_trainer.patches.buckets import grid_length
 
 __all__ = ["BACKEND", "block_mask", "padded_length"]
@@ -77,6 +83,21 @@ def padded_length(total_tokens: int) -> int:
     ``padded_length(64 * 1024) == 65536``."""
     blocks = -(-total_tokens // BLOCK_SIZE) * BLOCK_SIZE
     return -(-grid_length(blocks) // BLOCK_SIZE) * BLOCK_SIZE
+
+
+class _LayoutKey(NamedTuple):
+    """The plan of :func:`_device_layout`: the padded row's length and the device."""
+
+    padded: int
+    device: str
+
+
+class _BlockMaskKey(NamedTuple):
+    """The plan of :func:`block_mask`: the padded row's length, the window and the device."""
+
+    padded: int
+    window: int | None
+    device: str
 
 
 class _Layout(NamedTuple):
@@ -137,7 +158,7 @@ def _device_layout(info: PackedSeqInfo, padded: int, device: torch.device) -> _L
             *(layout[name].to(device=device, dtype=torch.int32, non_blocking=True) for name in _Layout._fields)
         )
 
-    return info.plan("flex_layout", (padded, str(device)), build)
+    return info.plans.get(_LayoutKey(padded, str(device)), build)
 
 
 def _ranges_to_blocks(lo: Tensor, hi: Tensor, num_blocks: int) -> Tensor:
@@ -236,7 +257,7 @@ def block_mask(info: PackedSeqInfo, padded: int, window: int | None, device: tor
             *tables, BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(padded, padded)
         )
 
-    return info.plan("flex_block_mask", (padded, window, str(device)), build)
+    return info.plans.get(_BlockMaskKey(padded, window, str(device)), build)
 
 
 @functools.cache
@@ -358,7 +379,15 @@ def prepare(info: PackedSeqInfo, device: torch.device) -> None:
 
 BACKEND = AttentionBackend(
     name="flex",
-    capabilities=frozenset({"softcap", "sinks", "alibi", "bidirectional"}),
+    serves=frozenset(
+        {
+            AttentionFeature.SLIDING_WINDOW,
+            AttentionFeature.SOFTCAP,
+            AttentionFeature.SINKS,
+            AttentionFeature.ALIBI,
+            AttentionFeature.BIDIRECTIONAL,
+        }
+    ),
     forward=forward,
     branched_forward=forward,  # the layout's parents: a branch sees its prefix and itself, every query once
     kernel=OptionalKernel(

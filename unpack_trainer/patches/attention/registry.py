@@ -4,10 +4,12 @@ A packed batch holds several samples per row. Stock transformers (5.x) turns pac
 ``(T, T)`` block-causal mask for SDPA and eager, so attention costs ``O(T**2)`` time and memory whatever the samples.
 This package computes the same result from the per-sample lengths, one module per backend (its docstring says what it
 runs and how it applies each feature). Each declares one :class:`~unpack_trainer.patches.attention._common.AttentionBackend`
-record: its name, what it can apply beyond causal attention (``capabilities``), the optional kernel it runs and what
-else it requires of a device, its forward and branched forward. :data:`REGISTRY` lists them once, in the order the
-automatic choice prefers them. Adding a backend is one new module and one entry in :data:`REGISTRY`; ``unpack-trainer
-env`` and the choice read everything else from the record.
+record: its name, what it serves beyond causal attention (``serves``: members of
+:class:`~unpack_trainer.patches.attention._common.AttentionFeature`), the optional kernel it runs and what else it
+requires of a device, its forward and branched forward. :data:`REGISTRY` lists them once, in the order the automatic
+choice prefers them; :func:`register_backend` (public: ``unpack_trainer.register_backend``) adds one from outside the
+package, as transformers' ``AttentionInterface.register(name, fn)`` does. No code outside a backend's module names it:
+the choice, ``UNPACK_ATTENTION_BACKEND``, ``backend=`` and ``unpack-trainer env`` read everything from the records.
 
 Worked example, one row of two samples of lengths 3 and 2::
 
@@ -19,32 +21,41 @@ Worked example, one row of two samples of lengths 3 and 2::
 Sliding-window attention (a query at position ``i`` sees keys ``j`` with ``i - sliding_window < j <= i``, as in
 transformers' masks), grouped-query attention (``num_kv_heads`` dividing ``num_heads``), any ``scaling`` and a value
 head dim different from the query head dim (MLA) work on every backend. What a backend cannot apply (a feature outside
-its ``capabilities``, a head dim outside its ``min_head_dim`` .. ``max_head_dim``; flex only on the devices of its ``automatic_device_types``) the automatic choice hands to one that can (logged once).
+its ``serves``, a head dim outside its ``min_head_dim`` .. ``max_head_dim``; a backend only on the devices of its
+``automatic_device_types``) the automatic choice hands to one that can (logged once).
 
 Under ``torch.autocast`` attention computes in the autocast dtype: float32 q / k / v are cast to it and the backend
 is chosen for it (:func:`compute_dtype`).
 
-``UNPACK_ATTENTION_BACKEND=<name>`` forces a backend; asking for one that cannot run, or that cannot apply what the
-model asks for, is an error naming the variable. So is a ``backend=`` argument that cannot apply it (as transformers'
-own ``sdpa_attention_forward`` refuses ``softcap``).
+``UNPACK_ATTENTION_BACKEND=<name>`` forces a backend (any name of :data:`REGISTRY`, registered ones included);
+asking for one that cannot run, or that cannot apply what the model asks for, is an error naming the variable. So is
+a ``backend=`` argument that cannot apply it (as transformers' own ``sdpa_attention_forward`` refuses ``softcap``).
 
 The packing metadata is computed once per forward on the CPU (:class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`);
-each backend caches the index tensors it derives from it on that object (``PackedSeqInfo.plan``, one namespace per
-backend), so no layer synchronises with the device.
+each backend keeps the index tensors it derives from it beside it (``PackedSeqInfo.plans``, a
+:class:`~unpack_trainer.packed_seq_info.PlanCache` keyed by a type of key per plan), so no layer synchronises with the
+device.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
 
+from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.attention import eager, flash, flex, sdpa, torch_varlen, xformers
-from unpack_trainer.patches.attention._common import FEATURE_NAMES, AttentionBackend
+from unpack_trainer.patches.attention._common import (
+    AttentionBackend,
+    AttentionFeature,
+    BackendFunction,
+    BranchedFunction,
+    Needs,
+)
 
 __all__ = [
-    "BACKENDS",
     "ENV_BACKEND",
     "REGISTRY",
     "BackendChoice",
@@ -52,12 +63,13 @@ __all__ = [
     "check_explicit_backend",
     "choose_backend",
     "compute_dtype",
-    "features",
     "fallback_for",
-    "missing_features",
+    "forced_backend",
+    "register_backend",
 ]
 
-# Name -> record, in the order the automatic choice prefers them (among those marked ``automatic``).
+# Name -> record, in the order the automatic choice prefers them (among those marked ``automatic``): the built-in
+# backends, and those :func:`register_backend` adds.
 REGISTRY: dict[str, AttentionBackend] = {
     backend.name: backend
     for backend in (
@@ -69,8 +81,119 @@ REGISTRY: dict[str, AttentionBackend] = {
         eager.BACKEND,
     )
 }
-BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 ENV_BACKEND = "UNPACK_ATTENTION_BACKEND"
+
+
+def register_backend(
+    name: str,
+    forward: BackendFunction,
+    *,
+    serves: Iterable[AttentionFeature | str] = (),
+    requires: Callable[[torch.device, torch.dtype], str | None] | None = None,
+    automatic: bool = True,
+    before: str | None = None,
+    branched_forward: BranchedFunction | None = None,
+    prepare: Callable[[PackedSeqInfo, torch.device], None] | None = None,
+    max_head_dim: int | None = None,
+    min_head_dim: int | None = None,
+) -> AttentionBackend:
+    """Add a packed attention backend from outside the package (or replace the one of that ``name``), as transformers'
+    ``AttentionInterface.register(name, fn)`` adds an attention function.
+
+    From then on ``UNPACK_ATTENTION_BACKEND=<name>`` and ``backend=<name>`` take it, ``unpack-trainer env`` lists it
+    with what it serves and whether it can run, and (``automatic``) the automatic choice prefers it to the backends
+    after it, for every call whose features it serves and on every device and dtype where ``requires`` finds no
+    reason against it; a call asking for more goes to the next backend that serves it (logged once).
+
+    Example: each sample alone through ``F.scaled_dot_product_attention`` (no window: a windowed layer goes to the
+    next backend)::
+
+        import torch
+        import torch.nn.functional as F
+
+        import unpack_trainer
+
+
+        def per_sample(query, key, value, info, options):
+            batch_size, num_heads, seq_len, _ = query.shape
+            q, k, v = (x.transpose(1, 2).flatten(0, 1).transpose(0, 1)[None] for x in (query, key, value))
+            bounds = info.cu_seqlens.tolist()  # (num_seqs + 1,) over the B * T tokens
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=options.scaling, enable_gqa=True
+                    )
+                    for a, b in zip(bounds[:-1], bounds[1:])
+                ],
+                dim=2,
+            )  # (1, num_heads, B * T, head_dim_v)
+            return out[0].transpose(0, 1).reshape(batch_size, seq_len, num_heads, -1)
+
+
+        unpack_trainer.register_backend("per_sample", per_sample)
+
+    Args:
+        name: what the variable, ``backend=`` and ``env`` call it: lower case, no spaces.
+        forward: ``(query, key, value, info, options) -> output``: query ``(B, num_heads, T, head_dim)``, key
+            ``(B, num_kv_heads, T, head_dim)``, value ``(B, num_kv_heads, T, head_dim_v)`` in the compute dtype,
+            ``info`` the row's samples (a :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo`: ``cu_seqlens``
+            ``(num_seqs + 1,)`` int32, ``max_seqlen``, ``seq_lengths``), ``options`` the call's
+            :class:`~unpack_trainer.patches.attention._common.CallOptions` (``scaling``, ``sliding_window``, ...);
+            returns ``(B, T, num_heads, head_dim_v)`` in query's dtype, causal attention within each sample.
+        serves: the :class:`~unpack_trainer.patches.attention._common.AttentionFeature` it applies itself (members or
+            their names; default: none, so a windowed or softcapped call goes to a backend that serves it, never
+            silently to one that ignores it). Chunked attention and branched rows reach it as plain samples.
+        requires: ``(device, compute dtype) -> reason or None``: why it cannot run there (``None``: it can); the
+            choice skips it with that reason, and naming it there is an error giving the reason.
+        automatic: whether the automatic choice considers it.
+        before: the name of the registered backend it is preferred to; ``None``: to every backend.
+        branched_forward, prepare, max_head_dim, min_head_dim: as the fields of
+            :class:`~unpack_trainer.patches.attention._common.AttentionBackend`.
+
+    Returns:
+        The record registered.
+
+    Raises:
+        ValueError: ``name`` is not lower case without spaces, ``serves`` holds something that is no
+            :class:`~unpack_trainer.patches.attention._common.AttentionFeature`, ``before`` names no other registered
+            backend.
+        TypeError: ``forward`` is not callable.
+    """
+    if not name or name != name.strip().lower() or " " in name:
+        raise ValueError(f"A packed attention backend's name is lower case without spaces, got {name!r}.")
+    if not callable(forward):
+        raise TypeError(
+            f"register_backend({name!r}, forward): forward must be callable, got {type(forward).__name__}."
+        )
+    try:
+        features = frozenset(AttentionFeature(feature) for feature in serves)
+    except ValueError:
+        known = ", ".join(feature.value for feature in AttentionFeature)
+        raise ValueError(f"register_backend({name!r}, serves={serves!r}): serve some of {known}.") from None
+    record = AttentionBackend(
+        name,
+        frozenset(feature for feature in features if not feature.by_dispatch),
+        forward,
+        branched_forward=branched_forward,
+        requires=requires,
+        max_head_dim=max_head_dim,
+        automatic=automatic,
+        prepare=prepare,
+        min_head_dim=min_head_dim,
+    )
+    if before is not None and (before not in REGISTRY or before == name):
+        raise ValueError(f"register_backend({name!r}, before={before!r}): choose one of {', '.join(REGISTRY)}.")
+    others = [(key, value) for key, value in REGISTRY.items() if key != name]
+    at = 0 if before is None else [key for key, _ in others].index(before)
+    others.insert(at, (name, record))
+    REGISTRY.clear()
+    REGISTRY.update(others)
+    return record
+
+
+def forced_backend() -> str | None:
+    """The backend ``UNPACK_ATTENTION_BACKEND`` names (lower-cased), or ``None`` when it is unset or empty."""
+    return os.environ.get(ENV_BACKEND, "").strip().lower() or None
 
 
 def compute_dtype(
@@ -95,7 +218,7 @@ def compute_dtype(
 
 def _known(backend: str) -> AttentionBackend:
     if backend not in REGISTRY:
-        raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+        raise ValueError(f"Unknown packed attention backend {backend!r}; choose one of {', '.join(REGISTRY)}.")
     return REGISTRY[backend]
 
 
@@ -118,61 +241,38 @@ class BackendChoice(NamedTuple):
         return f"{self.name} ({self.reason})"
 
 
-def missing_features(
-    backend: str, wanted: frozenset[str], head_dim: int | None, min_head_dim: int | None = None
-) -> list[str]:
-    """What ``backend`` cannot apply of ``wanted`` (keys of :data:`FEATURE_NAMES`), of ``head_dim`` (the largest
-    query / value head dim) and of ``min_head_dim`` (the smallest; ``None``: the same as ``head_dim``), described."""
-    record = REGISTRY[backend]
-    missing = [FEATURE_NAMES[name] for name in sorted(wanted - record.capabilities)]
-    if record.max_head_dim is not None and head_dim is not None and head_dim > record.max_head_dim:
-        missing.append(f"head_dim {head_dim} (its kernel takes at most {record.max_head_dim})")
-    smallest = head_dim if min_head_dim is None else min_head_dim
-    if record.min_head_dim is not None and smallest is not None and smallest < record.min_head_dim:
-        missing.append(f"head_dim {smallest} (its kernel takes at least {record.min_head_dim})")
-    return missing
-
-
-def fallback_for(wanted: frozenset[str]) -> AttentionBackend:
+def fallback_for(needs: Needs) -> AttentionBackend:
     """The first backend of :data:`REGISTRY` that runs wherever torch does (no optional kernel, no requirement) and
-    applies ``wanted``: where a kernel hands over what it cannot take (a sample past its 32-bit offsets)."""
-    return next(
-        record
-        for record in REGISTRY.values()
-        if record.kernel is None and record.requires is None and not missing_features(record.name, wanted, None)
-    )
+    serves the features of ``needs``: where a kernel hands over what it cannot take (a sample past its 32-bit
+    offsets), and the automatic choice's last resort.
 
-
-def features(
-    *, softcap: bool, sinks: bool, dropout: bool, alibi: bool = False, bidirectional: bool = False
-) -> frozenset[str]:
-    """The keys of :data:`FEATURE_NAMES` a call asks for."""
-    flags = {"softcap": softcap, "sinks": sinks, "dropout": dropout, "alibi": alibi, "bidirectional": bidirectional}
-    return frozenset(name for name, wanted in flags.items() if wanted)
+    Raises:
+        ValueError: no such backend serves them.
+    """
+    wanted = Needs(needs.features)
+    for record in REGISTRY.values():
+        if record.runs_anywhere and not record.cannot_apply(wanted):
+            return record
+    described = " and ".join(feature.description for feature in sorted(needs.features))
+    raise ValueError(f"No packed attention backend of torch's own ops serves {described}.")
 
 
 def check_explicit_backend(
-    backend: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    wanted: frozenset[str],
-    head_dim: int | None,
-    *,
-    from_env: bool,
-    min_head_dim: int | None = None,
+    backend: str, device: torch.device, dtype: torch.dtype, needs: Needs, *, from_env: bool
 ) -> None:
     """Refuse a backend the user named (``UNPACK_ATTENTION_BACKEND`` when ``from_env``, else a ``backend=``
-    argument) that does not exist, cannot apply what the call asks for, or cannot run on ``device`` computing in
-    ``dtype``: a ``ValueError`` naming the choice, the reason and the fix. The one home of these checks."""
+    argument) that does not exist, cannot apply what the call asks for (``needs``), or cannot run on ``device``
+    computing in ``dtype``: a ``ValueError`` naming the choice, the reason and the fix. The one home of these
+    checks."""
     if from_env:
         named, fix = f"{ENV_BACKEND}={backend}", f"unset {ENV_BACKEND} to choose automatically"
     else:
         named, fix = f"Packed attention backend={backend!r}", "backend=None to choose one that can"
     if backend not in REGISTRY:
-        raise ValueError(f"{named} is not a packed attention backend; choose one of {', '.join(BACKENDS)}.")
-    missing = missing_features(backend, wanted, head_dim, min_head_dim)
+        raise ValueError(f"{named} is not a packed attention backend; choose one of {', '.join(REGISTRY)}.")
+    missing = REGISTRY[backend].cannot_apply(needs)
     if missing:
-        able = [repr(name) for name in BACKENDS if not missing_features(name, wanted, head_dim, min_head_dim)]
+        able = [repr(name) for name, record in REGISTRY.items() if not record.cannot_apply(needs)]
         raise ValueError(f"{named} cannot apply {' and '.join(missing)}; use {' or '.join(able)}, or {fix}.")
     reason = backend_unavailable_reason(backend, device, dtype)
     if reason is not None:
@@ -180,61 +280,51 @@ def check_explicit_backend(
 
 
 def choose_backend(
-    device: torch.device,
-    dtype: torch.dtype,
-    original_implementation: str | None,
-    *,
-    softcap: bool = False,
-    sinks: bool = False,
-    dropout: bool = False,
-    head_dim: int | None = None,
-    alibi: bool = False,
-    min_head_dim: int | None = None,
-    bidirectional: bool = False,
+    device: torch.device, dtype: torch.dtype, original_implementation: str | None, needs: Needs | None = None
 ) -> BackendChoice:
     """Which backend packed attention uses for inputs on ``device`` computing in ``dtype``.
 
-    ``UNPACK_ATTENTION_BACKEND`` wins (and is an error if that backend cannot run here, or cannot apply the requested
-    features). A model loaded with ``attn_implementation="eager"`` keeps eager. Otherwise the first backend of
-    :data:`REGISTRY` marked ``automatic`` that can run here and can apply the features; eager when none can.
+    ``UNPACK_ATTENTION_BACKEND`` wins (and is an error if that backend cannot run here, or cannot apply ``needs``).
+    A model loaded with the transformers implementation a backend reproduces (its ``keeps_implementation``: eager
+    attention) keeps that backend. Otherwise the first backend of :data:`REGISTRY` marked
+    ``automatic`` (on its ``automatic_device_types``) that can run here and apply ``needs``; when none can, the last
+    resort :func:`fallback_for`.
 
     Args:
         device: where attention runs.
         dtype: the dtype it computes in: under autocast the autocast dtype (:func:`compute_dtype`), else the inputs'
             dtype.
         original_implementation: the model's attention implementation before patching.
-        softcap, sinks, dropout: whether the call applies logit softcapping, attention sinks (``s_aux``), dropout.
-        head_dim: the larger of the query and value head dims (flash kernels take at most 256); ``None``: unknown.
-        alibi: whether the call adds ALiBi position biases (bloom, mpt).
-        min_head_dim: the smaller of the query and value head dims (compiled flex takes 16 or more); ``None``: the
-            same as ``head_dim``.
-        bidirectional: whether some tokens attend to each other both ways (``PackedSeqInfo.bidirectional_spans``:
-            Gemma 3's image tokens); the varlen kernels cannot apply it.
+        needs: what the call (or the model's attention) applies and its head dims
+            (:class:`~unpack_trainer.patches.attention._common.Needs`); ``None``: plain causal attention.
     """
-    wanted = features(softcap=softcap, sinks=sinks, dropout=dropout, alibi=alibi, bidirectional=bidirectional)
     device = torch.device(device)
-    forced = os.environ.get(ENV_BACKEND, "").strip().lower()
+    needs = Needs() if needs is None else needs
+    forced = forced_backend()
     if forced:
-        check_explicit_backend(forced, device, dtype, wanted, head_dim, from_env=True, min_head_dim=min_head_dim)
+        check_explicit_backend(forced, device, dtype, needs, from_env=True)
         return BackendChoice(forced, f"forced by {ENV_BACKEND}")
-    if original_implementation == "eager":
-        return BackendChoice("eager", "the model was loaded with attn_implementation='eager'")
+    for record in REGISTRY.values():
+        if original_implementation is not None and record.keeps_implementation == original_implementation:
+            return BackendChoice(
+                record.name, f"the model was loaded with attn_implementation={original_implementation!r}"
+            )
     skipped = []
     for record in REGISTRY.values():
         if not record.automatic:
             continue
         if record.automatic_device_types is not None and device.type not in record.automatic_device_types:
             continue
-        reason = record.unavailable_reason(torch.device(device), dtype)
+        reason = record.unavailable_reason(device, dtype)
         if reason is not None:
             skipped.append(reason)
             continue
-        missing = missing_features(record.name, wanted, head_dim, min_head_dim)
+        missing = record.cannot_apply(needs)
         if missing:
             skipped.append(f"{record.name} cannot apply {' and '.join(missing)}")
             continue
-        if record.name == "sdpa":
-            return BackendChoice("sdpa", "no kernel backend: " + "; ".join(skipped) if skipped else "SDPA")
-        reason = f"{record.name} available on {torch.device(device).type} for {dtype}"
+        if record.runs_anywhere:
+            return BackendChoice(record.name, "no kernel backend: " + "; ".join(skipped) if skipped else record.name)
+        reason = f"{record.name} available on {device.type} for {dtype}"
         return BackendChoice(record.name, reason + ("; skipped: " + "; ".join(skipped) if skipped else ""))
-    return BackendChoice("eager", "; ".join(skipped))
+    return BackendChoice(fallback_for(needs).name, "; ".join(skipped))

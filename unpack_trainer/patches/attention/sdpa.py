@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import CallOptions, bucket_backend, repeat_heads, tokens_major
+from unpack_trainer.patches.attention._common import (
+    AttentionFeature,
+    CallOptions,
+    bucket_backend,
+    repeat_heads,
+    tokens_major,
+)
 from unpack_trainer.patches.attention.bucket_masks import alibi_bias, band_mask, bidirectional_mask, branch_mask
 from unpack_trainer.patches.buckets import (
     Bucket,
@@ -68,7 +74,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
     Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
     ``(B, num_kv_heads, T, head_dim_v)`` in any float dtype SDPA takes -> ``(B, T, num_heads, head_dim_v)``. Each
     bucket is a padded ``(n, num_heads, L, head_dim)`` batch, padding after each sample's tokens where no real query
-    sees it (cached under ``"buckets"``).
+    sees it (the batch's bucket plan, kept in ``info.plans``).
 
     GQA: ``enable_gqa`` where the bucket runs ``is_causal``, else each kv head repeated
     ``num_heads // num_kv_heads`` times. Window ``w``: a ``(L, L)`` band mask ``i - w < j <= i`` on each bucket longer
@@ -131,4 +137,16 @@ def _bucket_attention(
     )
 
 
-BACKEND = bucket_backend("sdpa", frozenset({"dropout", "alibi", "bidirectional"}), forward, buckets_forward)
+BACKEND = bucket_backend(
+    "sdpa",
+    frozenset(
+        {
+            AttentionFeature.SLIDING_WINDOW,
+            AttentionFeature.DROPOUT,
+            AttentionFeature.ALIBI,
+            AttentionFeature.BIDIRECTIONAL,
+        }
+    ),
+    forward,
+    buckets_forward,
+)

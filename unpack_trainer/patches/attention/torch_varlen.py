@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel
+from unpack_trainer.patches.attention._common import AttentionBackend, AttentionFeature, CallOptions, OptionalKernel
 from unpack_trainer.patches.attention._varlen import MAX_HEAD_DIM, fallback_of, varlen_forward, varlen_window
 
 __all__ = ["BACKEND"]
@@ -77,7 +77,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
 BACKEND = AttentionBackend(
     name="torch_varlen",
-    capabilities=frozenset(),
+    serves=frozenset({AttentionFeature.SLIDING_WINDOW}),
     forward=forward,
     kernel=OptionalKernel(
         name="torch's varlen_attn",

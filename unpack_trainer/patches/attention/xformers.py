@@ -5,15 +5,28 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from unpack_trainer.packed_seq_info import PackedSeqInfo
-from unpack_trainer.patches.attention._common import AttentionBackend, CallOptions, OptionalKernel, tokens_major
+from unpack_trainer.patches.attention._common import (
+    AttentionBackend,
+    AttentionFeature,
+    CallOptions,
+    OptionalKernel,
+    tokens_major,
+)
 
 __all__ = ["BACKEND"]
+
+
+class _Bias(NamedTuple):
+    """The ``BlockDiagonalCausalMask`` of the batch with ``sliding_window`` on ``device`` (a plan of the batch)."""
+
+    sliding_window: int | None
+    device: str
 
 
 def attn_bias(fmha: Any, info: PackedSeqInfo, sliding_window: int | None, device: torch.device) -> Any:
@@ -31,7 +44,7 @@ def attn_bias(fmha: Any, info: PackedSeqInfo, sliding_window: int | None, device
             bias = bias.make_local_attention(sliding_window)
         return bias
 
-    return info.plan("xformers_bias", (sliding_window, str(device)), build)
+    return info.plans.get(_Bias(sliding_window, str(device)), build)
 
 
 def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, options: CallOptions) -> Tensor:
@@ -39,7 +52,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
     Shapes: q ``(B, num_heads, T, head_dim)``, k ``(B, num_kv_heads, T, head_dim)``, v
     ``(B, num_kv_heads, T, head_dim_v)``, float16 / bfloat16 / float32 on CUDA, run as one ``(1, total_tokens, ...)``
-    batch -> ``(B, T, num_heads, head_dim_v)``. The bias is cached under ``"xformers_bias"``.
+    batch -> ``(B, T, num_heads, head_dim_v)``. The bias is a plan of the batch (``info.plans``).
 
     GQA: xformers' grouped layout ``(1, total_tokens, num_kv_heads, heads_per_kv, head_dim)``, kv heads broadcast
     over the query heads of their group. Window ``w`` (keys ``i - w < j <= i``): the bias's
@@ -62,7 +75,7 @@ def forward(query: Tensor, key: Tensor, value: Tensor, info: PackedSeqInfo, opti
 
 BACKEND = AttentionBackend(
     name="xformers",
-    capabilities=frozenset({"dropout"}),
+    serves=frozenset({AttentionFeature.SLIDING_WINDOW, AttentionFeature.DROPOUT}),
     forward=forward,
     kernel=OptionalKernel(
         name="xformers",

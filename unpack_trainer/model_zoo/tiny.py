@@ -1,11 +1,11 @@
 """Tiny models of any architecture and a character-level tokenizer, built locally (no hub downloads).
 
 The one home for "a tiny model of architecture X", and for the two batches every equivalence check compares (the same
-samples packed in one row, and padded): the coverage check (:mod:`unpack_trainer.models.coverage`), the
-default data's tiny Llama (:func:`unpack_trainer.data.default_data.tiny_model_config`), the tests (through the fixtures in
+samples packed in one row, and padded): the coverage check (``tools/model_coverage.py``), the default data's tiny
+Llama (:func:`unpack_trainer.data.default_data.tiny_model_config`), the tests (through the fixtures in
 ``tests/conftest.py``) and the scripts they launch all build their models here.
 
-    >>> from unpack_trainer.models.tiny import char_tokenizer, tiny_config, tiny_model
+    >>> from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_config, tiny_model
     >>> tiny_config("qwen3").hidden_size
     32
     >>> model = tiny_model("llama", vocab_size=len(char_tokenizer()), attn_implementation="eager")

@@ -7,7 +7,7 @@ import torch
 from contaminating_model import DropsPackingMetadata
 from transformers import LlamaForCausalLM
 
-from unpack_trainer.models.selfcheck import ContaminationReport, check_uncontaminated
+from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -166,8 +166,8 @@ BRANCHED_MODELS = {
 
 
 def _branched_model(key):
+    from unpack_trainer.model_zoo.tiny import tiny_model
     from unpack_trainer.models import patch_model
-    from unpack_trainer.models.tiny import tiny_model
 
     model_type, backend, overrides = BRANCHED_MODELS[key]
     model = tiny_model(model_type, attn_implementation=backend, hidden_size=32, head_dim=8, **overrides)
@@ -220,8 +220,8 @@ def test_branched_probe_is_read_only(tiny_llama):
 def test_selfcheck_reads_every_stream_of_a_model_with_stacked_hidden_states(branched):
     """Gemma3n's hidden states are ``(altup streams, batch, tokens, hidden)``: the probe crashed on them (the plain
     probe split the streams as if they were rows). Every stream of every token is compared now."""
+    from unpack_trainer.model_zoo.tiny import tiny_model
     from unpack_trainer.models import patch_model
-    from unpack_trainer.models.tiny import tiny_model
 
     model = patch_model(tiny_model("gemma3n_text").eval())
     report = check_uncontaminated(model, branched=branched)
@@ -334,7 +334,7 @@ JUDGE_CASES = {
 
 
 def test_judge_fails_a_nan_token_in_every_dtype():
-    from unpack_trainer.models.selfcheck import _judge
+    from unpack_trainer.selfcheck import _judge
 
     nan = float("nan")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -345,7 +345,7 @@ def test_judge_fails_a_nan_token_in_every_dtype():
 
 @pytest.mark.parametrize("case", list(JUDGE_CASES))
 def test_judge(case):
-    from unpack_trainer.models.selfcheck import _judge
+    from unpack_trainer.selfcheck import _judge
 
     diffs, unpacked, verdicts = JUDGE_CASES[case]
     for dtype, expected in verdicts.items():
@@ -366,8 +366,8 @@ def test_the_vision_probe_holds_only_ids_the_model_can_embed():
     small vocabulary: the probe put that id on its rows (``IndexError``: "training padded instead", while stock
     trains); the processor never emits it, so the probe leaves it out. An image placeholder the model cannot embed is
     refused with that reason."""
+    from unpack_trainer.model_zoo.tiny_vision import tiny_vision_model
     from unpack_trainer.models import patch_model, unpatch_model
-    from unpack_trainer.models.tiny_vision import tiny_vision_model
 
     model = tiny_vision_model("qwen2_5_vl", attn_implementation="sdpa")
     model.config.vision_end_token_id = 151653

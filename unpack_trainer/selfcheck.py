@@ -1,8 +1,10 @@
 """Contamination probe: do packed samples give the same logits as the same samples run one by one, on *this* model?
 
-On the model side (``unpack_trainer.models``): it builds its probe batches with the data path's collator
-([`unpack_trainer.data.collator.packed_metadata`]) and runs them through the model as it will train; the trainers
-([`unpack_trainer.trainers._packed`]) call it before the first batch. Read-only: the model is left as found.
+Beside the trainer's decision (:mod:`unpack_trainer.decision`), which it confirms on the user's model: it builds its
+probe batches with the data path's collator ([`unpack_trainer.data.collator.packed_metadata`]; a vision-language
+model's image samples from :mod:`unpack_trainer.model_zoo.tiny_vision`) and runs them through the model, patched by
+:mod:`unpack_trainer.models`, as it will train; the trainers call it before the first batch. Read-only: the model is
+left as found.
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ def check_uncontaminated(
     [`_branched_probe_batch`]): every token of the prompt and of each completion must give what
     ``[prompt; completion]`` gives alone, so a branch that sees a sibling, or misses its prompt, fails it.
 
-    A vision-language model of a known family (:mod:`unpack_trainer.models.tiny_vision`) is also probed with two
+    A vision-language model of a known family (:mod:`unpack_trainer.model_zoo.tiny_vision`) is also probed with two
     image+text samples packed in one row against each alone (see [`_vision_probe`]): its images, positions and image
     blocks per sample; with ``branched=True``, with a prompt holding an image shared by two completions against each
     full sequence alone (see [`_vision_branched_probe`]).
@@ -359,14 +361,14 @@ def _on_model(batch: dict[str, Any], model: torch.nn.Module, device: torch.devic
 def _vision_probe(
     model: torch.nn.Module, options: dict[str, object], device: torch.device, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For a vision-language model of a family :mod:`unpack_trainer.models.tiny_vision` knows: two samples of text
+    """For a vision-language model of a family :mod:`unpack_trainer.model_zoo.tiny_vision` knows: two samples of text
     around one image each (the smallest image the model takes, random pixels, sizes read from its config) packed in
     one row as the vision collator packs them ([`unpack_trainer.data.vision.pack_processed`]), and each run alone.
     Returns ``(packed, alone)``: every token's final hidden state, float32 ``(tokens, hidden)`` each; ``None`` for
     any other model (the text probe covers it)."""
     from unpack_trainer.data.vision import pack_processed
+    from unpack_trainer.model_zoo.tiny_vision import image_size, processed_batch, vision_sample
     from unpack_trainer.models.discovery import pretrained_model
-    from unpack_trainer.models.tiny_vision import image_size, processed_batch, vision_sample
     from unpack_trainer.models.vision import is_vision_language
 
     if not is_vision_language(model):
@@ -392,7 +394,7 @@ def _vision_probe(
 def _vision_branched_probe(
     model: torch.nn.Module, options: dict[str, object], device: torch.device, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For a vision-language model of a family :mod:`unpack_trainer.models.tiny_vision` knows: a prompt of text around
+    """For a vision-language model of a family :mod:`unpack_trainer.model_zoo.tiny_vision` knows: a prompt of text around
     one image (as in [`_vision_probe`]) and two completions of random text, packed as a preference pair is
     ([`unpack_trainer.data.preference.pack_vision_pairs`]: the prompt and its image once, the completions as its
     branches, positions read from each full sequence), against each full sequence ``[prompt; completion]`` run alone
@@ -400,8 +402,8 @@ def _vision_branched_probe(
     first completion's against the first sequence, the second completion's against the second), float32
     ``(tokens, hidden)`` each; ``None`` for any other model (the text probe covers it)."""
     from unpack_trainer.data.preference import pack_vision_pairs
+    from unpack_trainer.model_zoo.tiny_vision import FIRST_TEXT_ID, image_size, vision_sample
     from unpack_trainer.models.discovery import pretrained_model
-    from unpack_trainer.models.tiny_vision import FIRST_TEXT_ID, image_size, vision_sample
     from unpack_trainer.models.vision import is_vision_language, sequence_positions_of
 
     if not is_vision_language(model):

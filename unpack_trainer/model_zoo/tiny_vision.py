@@ -1,11 +1,11 @@
 """Tiny vision-language models of each supported family, their samples and processors, built locally (no downloads).
 
-The one home for "a tiny VLM of family X" (as :mod:`unpack_trainer.models.tiny` is for text models): the tests, the
+The one home for "a tiny VLM of family X" (as :mod:`unpack_trainer.model_zoo.tiny` is for text models): the tests, the
 self-check's probe of a VLM, the coverage table's VLM section, ``examples/vlm_packing.py`` and
 ``benchmarks/bench_vlm.py`` build their models, samples and processors here.
 
 - :func:`tiny_vision_config` / :func:`tiny_vision_model`: a ``*ForConditionalGeneration`` of the family with a vision
-  tower of hidden size 32 and a text model of :data:`~unpack_trainer.models.tiny.TINY_SIZES`, as transformers' own
+  tower of hidden size 32 and a text model of :data:`~unpack_trainer.model_zoo.tiny.TINY_SIZES`, as transformers' own
   model testers build them;
 - :func:`vision_sample`: one sample's model inputs (a batch of one: ``input_ids``, the processor's token-type keys,
   ``pixel_values`` and the family's image keys), images of the given sizes, random pixels, built without a processor;
@@ -24,7 +24,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from unpack_trainer.models.tiny import TINY_SIZES, _quiet, loss_and_grads
+from unpack_trainer.model_zoo.tiny import TINY_SIZES, _quiet, loss_and_grads
 
 __all__ = [
     "FIRST_TEXT_ID",
@@ -145,7 +145,7 @@ def family_unavailable_reason(model_type: str) -> str | None:
 def tiny_vision_config(model_type: str, **text_overrides: Any) -> Any:
     """A tiny config of the vision-language family ``model_type`` (a key of :data:`VISION_FAMILIES`).
 
-    The text model has :data:`~unpack_trainer.models.tiny.TINY_SIZES`' sizes (vocabulary 128, 2 layers, 4 heads of 8,
+    The text model has :data:`~unpack_trainer.model_zoo.tiny.TINY_SIZES`' sizes (vocabulary 128, 2 layers, 4 heads of 8,
     2 key/value heads), ``text_overrides`` on top (``sliding_window=4``, ...); the vision tower 2 layers of hidden size
     32, patches of 14 pixels. The image token ids are those of :data:`IMAGE_TOKENS`.
     """
@@ -563,7 +563,7 @@ def grads_one_by_one(
     computed from each sample run alone, unpacked (its share ``n_i / N`` of the loss: its predicted tokens over all of
     them): one of the stock path's own other summations of the same gradient (:func:`gradient_mismatch`). The model's
     gradients are cleared before and after; ``skip_unused`` and ``forward`` (keyword arguments of every forward) as
-    :func:`~unpack_trainer.models.tiny.loss_and_grads`."""
+    :func:`~unpack_trainer.model_zoo.tiny.loss_and_grads`."""
     counts = [sample["input_ids"].shape[1] - 1 for sample in samples]  # each token predicts the next
     total = sum(counts)
     model.zero_grad(set_to_none=True)

@@ -1,0 +1,137 @@
+"""Run by tests/test_sequence_parallel.py under ``torchrun --nproc_per_node 2`` (gloo, CPU): one optimizer step of
+``unpack_trainer.GRPOTrainer`` (or ``RLOOTrainer``) under DeepSpeed Ulysses (``sp_size=2``), a reference model
+(``beta > 0``), plain SGD, sampled completions of different lengths.
+
+Usage: ``sp_grpo.py OUTPUT_DIR [TRAINER [ZERO_STAGE]]`` (``grpo``, the default, or ``rloo``; ZeRO stage 1 by
+default). Every process records what the step trained on; rank 0 writes OUTPUT_DIR/step.pt (the prompts of the step,
+TRL's generation output, the examples it scored, the scored batch before TRL's shuffle and the batch the loss read,
+every process's copy of the last two) and OUTPUT_DIR/result.json (the logged loss and metrics, the decision, the
+policy's parameters after the step, and what greedy generation and evaluation under Ulysses give after it); the test
+computes the same step in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import deepspeed
+import torch
+from datasets import Dataset
+from sp_train import LEARNING_RATE, finish, ulysses  # this folder is the script's sys.path[0]
+
+from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from unpack_trainer._compat import sequence_parallel_group
+from unpack_trainer.model_zoo.tiny import char_tokenizer, raise_token_logit, tiny_model
+
+TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
+PROMPTS = ["abc", "de", "fghij", "k", "lmnopq", "rs", "tuvw", "xyz"]
+
+
+def count_a(completions, **kwargs):
+    return [float(text.count("a")) - 0.1 * len(text) for text in completions]
+
+
+def model(tokenizer):
+    """A tiny Llama whose end-of-sequence logit is raised (completions of different lengths)."""
+    built = tiny_model("llama", seed=0, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                       intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       attn_implementation="sdpa")  # fmt: skip
+    return raise_token_logit(built, tokenizer.eos_token_id, 2.5)
+
+
+def saved_model(tokenizer, output_dir: str) -> str:
+    """[`model`] saved as a folder (rank 0; the others wait): TRL builds the separate reference model (``beta > 0``)
+    from the policy's folder."""
+    path = os.path.join(output_dir, "model")
+    if int(os.environ.get("RANK", "0")) == 0:
+        model(tokenizer).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    torch.distributed.barrier()
+    return path
+
+
+def config(name: str, output_dir: str, **changes):
+    beta = {"beta": 0.1} if name == "grpo" else {"beta": 0.05}
+    return TRAINERS[name][1](
+        **{
+            "output_dir": os.path.join(output_dir, "out"),
+            "report_to": "none",
+            "use_cpu": True,
+            "bf16": False,
+            "per_device_train_batch_size": 4,
+            "num_generations": 2,  # two whole groups in each process's batch
+            "max_completion_length": 10,
+            "per_device_eval_batch_size": 4,
+            "max_steps": 1,
+            "optim": "sgd",
+            "learning_rate": LEARNING_RATE,
+            "lr_scheduler_type": "constant",
+            "weight_decay": 0.0,
+            "max_grad_norm": 0.0,
+            "save_strategy": "no",
+            "logging_steps": 1,
+            "disable_tqdm": True,
+            "seed": 0,
+            **beta,
+        }
+        | changes
+    )
+
+
+def main(output_dir: str, name: str = "grpo", stage: str = "1") -> None:
+    deepspeed.init_distributed(dist_backend="gloo")  # on the CPU accelerate does not start DeepSpeed's communication
+    tokenizer = char_tokenizer()
+    trainer = TRAINERS[name][0](
+        model=saved_model(tokenizer, output_dir),
+        reward_funcs=count_a,
+        args=config(name, output_dir, **ulysses(stage=int(stage))),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+    )
+    record: dict = {"generated": [], "scored": [], "inputs": [], "prompts": [], "examples": []}
+    generate, score, prepare = trainer._generate, trainer._generate_and_score_completions, trainer._prepare_inputs
+
+    def recorded_generate(prompts):
+        record["prompts"].append(prompts)
+        out = generate(prompts)
+        record["generated"].append(out)
+        return out
+
+    def recorded_score(inputs):
+        record["examples"].append(inputs)
+        out = score(inputs)
+        record["scored"].append({key: value for key, value in out.items()})
+        return out
+
+    def recorded_prepare(batch):
+        out = prepare(batch)
+        record["inputs"].append(out)
+        return out
+
+    trainer._generate, trainer._generate_and_score_completions = recorded_generate, recorded_score
+    trainer._prepare_inputs = recorded_prepare
+    # Each process's own random state (TRL seeds them alike): the group must still sample and shuffle alike.
+    torch.manual_seed(1000 + trainer.accelerator.process_index)
+    trainer.train()
+
+    # Greedy generation in a training step's mode, after the step: Ulysses must leave it whole.
+    trainer.model.train()
+    trainer.generation_config.do_sample = False
+    greedy = trainer._generate(record["prompts"][0])[1]
+    forwards = dict(trainer.unpack_stats.get("forwards", {}))  # the step's and the greedy generation's
+    # Evaluation (each process its own eval batch, whole), greedy: as in one process.
+    evaluation = trainer.evaluate(eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}))
+    copies = [None, None]
+    torch.distributed.all_gather_object(
+        copies, (record["scored"][0], record["inputs"][0]), group=sequence_parallel_group()
+    )
+    if trainer.accelerator.process_index == 0:
+        step = {key: value[0] for key, value in record.items()} | {"copies": copies}
+        torch.save(step, os.path.join(output_dir, "step.pt"))
+    after = {"greedy": [list(ids) for ids in greedy], "evaluation": evaluation}
+    finish(trainer, output_dir, after | {"forwards": forwards})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
