@@ -327,6 +327,16 @@ def test_a_model_that_cannot_stay_exact_under_ulysses_is_refused_unpatched(
     assert not is_patched(trainer.model)
 
 
+def assert_sgd_step(result: dict, model: torch.nn.Module) -> None:
+    """Every parameter of ``result`` (a script's, after its SGD step) == ``model``'s parameter minus the learning rate
+    times its gradient (``model``: the same step's backward done in one process), within 2e-5 of the gradient."""
+    lr = result["learning_rate"]
+    for name, parameter in model.named_parameters():
+        trained = torch.tensor(result["parameters"][name])
+        expected = (parameter - lr * parameter.grad).detach()
+        torch.testing.assert_close(trained / lr, expected / lr, rtol=0, atol=2e-5, msg=name)
+
+
 @DEEPSPEED
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("stage", [1, 3])
@@ -369,11 +379,7 @@ def test_one_dpo_step_at_sp_2_equals_the_step_in_one_process(tmp_path, stage):
     metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "entropy"):
         assert logged[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
-    lr = result["learning_rate"]
-    for name, parameter in model.named_parameters():
-        trained = torch.tensor(result["parameters"][name])
-        expected = (parameter - lr * parameter.grad).detach()
-        torch.testing.assert_close(trained / lr, expected / lr, rtol=0, atol=2e-5, msg=name)
+    assert_sgd_step(result, model)
 
 
 def test_dpo_does_not_fall_back_to_padded_pairs_under_ulysses(tokenizer, tmp_path, tiny_model, monkeypatch):

@@ -16,7 +16,7 @@ import sys
 import deepspeed
 import torch
 from datasets import Dataset
-from sp_train import LEARNING_RATE, finish, ulysses  # this folder is the script's sys.path[0]
+from sp_train import SGD_STEP, finish, recorded_batches, ulysses  # this folder is the script's sys.path[0]
 
 from unpack_trainer import DPOConfig, DPOTrainer
 from unpack_trainer._compat import gathered_parameters
@@ -42,20 +42,8 @@ def config(output_dir: str, **changes) -> DPOConfig:
     return DPOConfig(
         **{
             "output_dir": os.path.join(output_dir, "out"),
-            "report_to": "none",
-            "use_cpu": True,
-            "bf16": False,
+            **SGD_STEP,
             "per_device_train_batch_size": 2,  # two pairs in one packed row: DeepSpeed's micro-batch is that row
-            "max_steps": 1,
-            "optim": "sgd",
-            "learning_rate": LEARNING_RATE,
-            "lr_scheduler_type": "constant",
-            "weight_decay": 0.0,
-            "max_grad_norm": 0.0,
-            "save_strategy": "no",
-            "logging_steps": 1,
-            "disable_tqdm": True,
-            "seed": 0,
             "max_length": 64,
         }
         | changes
@@ -73,7 +61,11 @@ def main(output_dir: str, stage: int = 1) -> None:
     args = config(output_dir, **ulysses(stage=stage))
     policy, reference = models(tokenizer)
     trainer = DPOTrainer(
-        model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(pairs()), processing_class=tokenizer
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=Dataset.from_list(pairs()),
+        processing_class=tokenizer,
     )
     # Under ZeRO-3 the models are built partitioned (their random weights drawn per partition): the test starts the
     # one-process step from these.
@@ -83,15 +75,7 @@ def main(output_dir: str, stage: int = 1) -> None:
             initial[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if trainer.accelerator.process_index == 0:
         torch.save(initial, os.path.join(output_dir, "initial.pt"))
-    batches = []
-    collate = trainer.data_collator
-
-    def recording(examples):
-        batch = collate(examples)
-        batches.append(batch)
-        return batch
-
-    trainer.data_collator = recording
+    batches = recorded_batches(trainer)
     trainer.train()
     if trainer.accelerator.process_index == 0:
         torch.save(batches[0][SHARDED_BATCH_KEY], os.path.join(output_dir, "batch.pt"))

@@ -18,7 +18,7 @@ import sys
 import deepspeed
 import torch
 from datasets import Dataset
-from sp_train import LEARNING_RATE, finish, ulysses  # this folder is the script's sys.path[0]
+from sp_train import SGD_STEP, finish, ulysses  # this folder is the script's sys.path[0]
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from unpack_trainer._compat import sequence_parallel_group
@@ -56,23 +56,11 @@ def config(name: str, output_dir: str, **changes):
     return TRAINERS[name][1](
         **{
             "output_dir": os.path.join(output_dir, "out"),
-            "report_to": "none",
-            "use_cpu": True,
-            "bf16": False,
+            **SGD_STEP,
             "per_device_train_batch_size": 4,
             "num_generations": 2,  # two whole groups in each process's batch
             "max_completion_length": 10,
             "per_device_eval_batch_size": 4,
-            "max_steps": 1,
-            "optim": "sgd",
-            "learning_rate": LEARNING_RATE,
-            "lr_scheduler_type": "constant",
-            "weight_decay": 0.0,
-            "max_grad_norm": 0.0,
-            "save_strategy": "no",
-            "logging_steps": 1,
-            "disable_tqdm": True,
-            "seed": 0,
             **beta,
         }
         | changes

@@ -18,7 +18,7 @@ import deepspeed
 import torch
 from datasets import Dataset
 from sp_dpo import pairs  # this folder is the script's sys.path[0]
-from sp_train import LEARNING_RATE, finish, ulysses
+from sp_train import SGD_STEP, finish, recorded_batches, ulysses
 from transformers import AutoModelForSequenceClassification
 
 from unpack_trainer import RewardConfig, RewardTrainer
@@ -35,20 +35,8 @@ def config(output_dir: str, **changes) -> RewardConfig:
     return RewardConfig(
         **{
             "output_dir": os.path.join(output_dir, "out"),
-            "report_to": "none",
-            "use_cpu": True,
-            "bf16": False,
+            **SGD_STEP,
             "per_device_train_batch_size": 2,
-            "max_steps": 1,
-            "optim": "sgd",
-            "learning_rate": LEARNING_RATE,
-            "lr_scheduler_type": "constant",
-            "weight_decay": 0.0,
-            "max_grad_norm": 0.0,
-            "save_strategy": "no",
-            "logging_steps": 1,
-            "disable_tqdm": True,
-            "seed": 0,
             "max_length": 64,
         }
         | changes
@@ -74,15 +62,7 @@ def main(output_dir: str) -> None:
         model=classifier, args=config(output_dir, **ulysses()), train_dataset=Dataset.from_list(rows()),
         processing_class=tokenizer,
     )  # fmt: skip
-    batches = []
-    collate = trainer.data_collator
-
-    def recording(examples):
-        batch = collate(examples)
-        batches.append(batch)
-        return batch
-
-    trainer.data_collator = recording
+    batches = recorded_batches(trainer)
     trainer.train()
     if trainer.accelerator.process_index == 0:
         torch.save(batches[0][SHARDED_BATCH_KEY], os.path.join(output_dir, "batch.pt"))

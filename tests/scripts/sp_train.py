@@ -26,6 +26,38 @@ from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
 
 LEARNING_RATE = 0.5
 
+SGD_STEP = {
+    "report_to": "none",
+    "use_cpu": True,
+    "bf16": False,
+    "max_steps": 1,
+    "optim": "sgd",
+    "learning_rate": LEARNING_RATE,
+    "lr_scheduler_type": "constant",
+    "weight_decay": 0.0,
+    "max_grad_norm": 0.0,
+    "save_strategy": "no",
+    "logging_steps": 1,
+    "disable_tqdm": True,
+    "seed": 0,
+}
+"""The config fields of one logged optimizer step of plain SGD (the update is the learning rate times the gradient),
+shared by the sequence-parallel scripts of this folder."""
+
+
+def recorded_batches(trainer) -> list:
+    """The batches ``trainer``'s collator makes from now on, in order (its collator wrapped; the list fills as the
+    data loader draws them)."""
+    batches = []
+    collate = trainer.data_collator
+
+    def recording(examples):
+        batches.append(collate(examples))
+        return batches[-1]
+
+    trainer.data_collator = recording
+    return batches
+
 
 def rows(count: int = 24) -> list[dict]:
     rng = random.Random(0)
@@ -88,9 +120,6 @@ def main(output_dir: str, mode: str) -> None:
     tokenizer = char_tokenizer()
     args = SFTConfig(
         output_dir=os.path.join(output_dir, "out"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
         max_length=96,
         # DeepSpeed's data loader adapter gathers every rank's batch with one all_gather, which gloo (unlike NCCL)
         # only runs on equal shapes: every row padded to the same length (its own pseudo-sample, labels -100).
@@ -98,16 +127,7 @@ def main(output_dir: str, mode: str) -> None:
         packing=mode == "pack",
         padding_free=True if mode == "padding_free" else None,
         per_device_train_batch_size=1,
-        max_steps=1,
-        optim="sgd",
-        learning_rate=LEARNING_RATE,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
+        **SGD_STEP,
         **ulysses(),
     )
     trainer = SFTTrainer(
@@ -117,15 +137,7 @@ def main(output_dir: str, mode: str) -> None:
         eval_dataset=Dataset.from_list(rows(8)),
         processing_class=tokenizer,
     )
-    batches = []
-    collate = trainer.data_collator
-
-    def recording(examples):
-        batch = collate(examples)
-        batches.append(batch)
-        return batch
-
-    trainer.data_collator = recording
+    batches = recorded_batches(trainer)
     trainer.train()
     # Evaluation: Trainer does not cut evaluation batches and Ulysses leaves an evaluating model whole
     # (sp_disable_in_eval=True, accelerate's default): each process evaluates its own batches whole.

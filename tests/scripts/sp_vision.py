@@ -216,49 +216,27 @@ def dataset(model_type: str):
 
 
 def config(output_dir: str, **overrides):
-    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    from sp_train import SGD_STEP, ulysses  # this folder is the script's sys.path[0]
 
     from unpack_trainer import SFTConfig
 
     arguments = dict(
         output_dir=output_dir,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
         max_length=256,
         # DeepSpeed's adapter gathers every rank's batch with one all_gather, which gloo only runs on equal shapes
         pad_to_multiple_of=256,
         packing=True,
         per_device_train_batch_size=1,
-        max_steps=1,
-        optim="sgd",
-        learning_rate=LEARNING_RATE,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
         data_seed=0,
-        parallelism_config=ParallelismConfig(
-            sp_size=SP,
-            sp_backend="deepspeed",
-            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
-        ),
-        deepspeed={
-            "zero_optimization": {"stage": 1},
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto",
-            "gradient_clipping": "auto",
-        },
+        **(SGD_STEP | {"learning_rate": LEARNING_RATE}),
+        **ulysses(sp_size=SP),
     )
     return SFTConfig(**(arguments | overrides))
 
 
 def main_train(output_dir: str, model_type: str, checked: list[str]) -> None:
     import deepspeed
+    from sp_train import recorded_batches
 
     from unpack_trainer import SFTTrainer
     from unpack_trainer.data.vision import WHOLE_ROW_KEY
@@ -274,15 +252,7 @@ def main_train(output_dir: str, model_type: str, checked: list[str]) -> None:
         train_dataset=dataset(model_type),
         processing_class=tiny_processor(model_type),
     )
-    batches = []
-    collate = trainer.data_collator
-
-    def recording(examples):
-        batch = collate(examples)
-        batches.append(batch)
-        return batch
-
-    trainer.data_collator = recording
+    batches = recorded_batches(trainer)
     trainer.train()
     first = batches[0]  # the adapter's first micro-batch: rank 0's first batch, cut in two
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)

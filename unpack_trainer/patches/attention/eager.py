@@ -110,16 +110,7 @@ def buckets_forward(
 # Not a choice among the others: what remains when none of them can run or apply the call.
 BACKEND = bucket_backend(
     "eager",
-    frozenset(
-        {
-            AttentionFeature.SLIDING_WINDOW,
-            AttentionFeature.SOFTCAP,
-            AttentionFeature.SINKS,
-            AttentionFeature.DROPOUT,
-            AttentionFeature.ALIBI,
-            AttentionFeature.BIDIRECTIONAL,
-        }
-    ),
+    frozenset(feature for feature in AttentionFeature if not feature.by_dispatch),  # every one a backend can serve
     forward,
     buckets_forward,
     automatic=False,
