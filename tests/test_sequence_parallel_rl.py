@@ -125,6 +125,7 @@ def _trainer(name: str, tmp_path, **changes):
         ("grpo", {"multi_objective_aggregation": "normalize_then_sum"}, "normalize_then_sum"),
         ("grpo", {"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
         ("rloo", {"normalize_advantages": True}, "normalize_advantages=True"),
+        ("grpo", {"after": {"use_transformers_continuous_batching": True}}, "use_transformers_continuous_batching"),
         ("grpo", {"handler": {"sp_disable_in_eval": False}}, "sp_disable_in_eval=False"),
     ],
 )
@@ -219,3 +220,14 @@ def test_one_reward_step_at_sp_2_equals_the_step_in_one_process(tmp_path):
         if key in logged:
             assert logged[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
     assert_sgd_step(result, trained)
+
+
+def test_tools_are_refused_under_ulysses(tmp_path, monkeypatch):
+    """Every process of the group generates the same completions: a tool call would run once per process."""
+    from unpack_trainer.trainers import sequence_parallel
+
+    trainer = _trainer("grpo", tmp_path)
+    trainer.tools = [lambda query: query]  # what TRL keeps of `tools=` (built with a chat template here)
+    monkeypatch.setattr(trainer.accelerator.state, "parallelism_config", _ulysses(), raising=False)
+    with pytest.raises(ValueError, match="each tool call would run once per process"):
+        sequence_parallel.check_parallelism(trainer)

@@ -164,6 +164,16 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         args = self.args
         if getattr(args, "use_vllm", False):
             return f"{what} with use_vllm=True: generation through vLLM is not verified there; set use_vllm=False"
+        if getattr(args, "use_transformers_continuous_batching", False):
+            return (
+                f"{what} with use_transformers_continuous_batching=True: its paged attention is not verified outside "
+                "Ulysses' wrapper; set use_transformers_continuous_batching=False"
+            )
+        if getattr(self, "tools", None) or getattr(self, "environment_factories", None):
+            return (
+                f"{what} with tools or environments: every process of the group generates the same completions, so "
+                "each tool call would run once per process (the first process's results kept)"
+            )
         every = (args.steps_per_generation, getattr(self, "num_iterations", 1))
         if every != (1, 1):
             return (
