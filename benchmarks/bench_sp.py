@@ -5,6 +5,9 @@ at sp = 1 and sp = 2 (DeepSpeed Ulysses, two processes on gloo), ours against st
     python benchmarks/bench_sp.py --tokens 8192 --repeats 5
     python benchmarks/bench_sp.py --device cuda --dtype bfloat16 --sp 1 2 4 --tokens 32768   # N GPUs (NCCL)
     python benchmarks/bench_sp.py --paper              # Llama-3.1-8B: activation memory against row length and N
+    python benchmarks/bench_sp.py --group 8 --prompt 1024 --completion 256 --repeats 5 \
+        --out benchmarks/RESULTS_sp_group.json
+                                                       # GRPO's row: one prompt, 8 completions, shared or not
 
 One forward and backward of the tiny Llama of ``benchmarks/common.py`` (hidden 256, 4 layers, 8 heads, 4 key/value
 heads, fp32) on one packed row of samples drawn from a log-normal length distribution. Activation memory is what
@@ -13,6 +16,11 @@ memory sequence parallelism divides; time is the median of interleaved repeats w
 Ulysses runs the same row unpatched: DeepSpeed's wrapper around transformers' SDPA, which drops the packing and runs the
 row as one causal document (its logits are wrong: the comparison is of cost only, at equal shapes). At sp = 1 stock is
 the unpatched model on the row with its restarting ``position_ids`` (transformers' SDPA path: one causal document too).
+
+With ``--group G``: the row of a GRPO / RLOO group instead (one prompt of ``--prompt`` tokens, ``G`` completions of
+``--completion``), as our trainers pack it under Ulysses, the prompt once with the completions as its branches
+("shared"), against the same completions each after its own copy of the prompt ("unshared": what TRL's padded rows
+hold, and ours with ``prefix_sharing=False``); both ours, exact. Stock TRL refuses sequence parallelism in GRPO.
 """
 
 from __future__ import annotations
@@ -91,8 +99,43 @@ def _measure(model, batch: dict, repeats: int, rank: int, shards: int) -> tuple[
     return memory, times
 
 
-def worker(tokens: int, repeats: int, out: str, device_type: str, dtype: str) -> None:
-    """One process of a run: sp = WORLD_SIZE (1 without torchrun), on the CPU (gloo, one thread) or its GPU (NCCL)."""
+def _group_rows(group: tuple[int, int, int], vocab: int, shards: int) -> tuple[dict, dict]:
+    """A GRPO group's row, ``group = (G, prompt, completion)`` tokens: shared (the prompt once, the ``G`` completions
+    its branches) and unshared (each completion after its own copy of the prompt), each padded to a multiple of
+    ``shards`` with its whole-row metadata marked for the cut: ``input_ids`` / ``position_ids`` ``(1, T)`` and
+    ``packed_seq_info``."""
+    from unpack_trainer.data.sequence_shards import padded_for_shards
+    from unpack_trainer.packed_seq_info import (
+        INFO_KEY,
+        PACKED_INPUT_IDS_KEY,
+        PACKED_POSITION_IDS_KEY,
+        branched_row,
+    )
+
+    count, prompt, completion = group
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, vocab, (prompt,), generator=generator).tolist()
+    completions = [torch.randint(3, vocab, (completion,), generator=generator).tolist() for _ in range(count)]
+    shared = branched_row(prompt_ids + sum(completions, []), [prompt] + [completion] * count, [-1] + [0] * count)
+    unshared = branched_row(
+        sum((prompt_ids + ids for ids in completions), []), [prompt + completion] * count, [-1] * count
+    )
+    rows = []
+    for row in (shared, unshared):
+        whole = padded_for_shards(row, shards)
+        rows.append(
+            {
+                "input_ids": whole[PACKED_INPUT_IDS_KEY],
+                "position_ids": whole[PACKED_POSITION_IDS_KEY],
+                INFO_KEY: whole[INFO_KEY],
+            }
+        )
+    return rows[0], rows[1]
+
+
+def worker(tokens: int, repeats: int, out: str, device_type: str, dtype: str, group: tuple[int, int, int]) -> None:
+    """One process of a run: sp = WORLD_SIZE (1 without torchrun), on the CPU (gloo, one thread) or its GPU (NCCL);
+    ``group``: ``(G, prompt, completion)`` for a GRPO group's row (``G = 0``: a packed row of ``tokens``)."""
     if device_type == "cpu":
         torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -127,9 +170,14 @@ def worker(tokens: int, repeats: int, out: str, device_type: str, dtype: str) ->
         UlyssesSPAttentionHF.register_with_transformers(
             ours, core_attn_implementation="sdpa", sequence_parallel_size=shards, micro_batch_size=1
         )
-    results = {"ours": ([], []), "stock": ([], [])}
+    paths = (("ours", ours, packed), ("stock", stock, stock_batch))
+    if group[0]:
+        shared, unshared = _group_rows(group, config.vocab_size, shards)
+        paths = (("shared", ours, shared), ("unshared", ours, unshared))
+        tokens = shared["input_ids"].shape[1]
+    results = {name: ([], []) for name, _, _ in paths}
     for _ in range(repeats):  # interleaved: one repeat of each, in turn
-        for name, model, batch in (("ours", ours, packed), ("stock", stock, stock_batch)):
+        for name, model, batch in paths:
             memory, times = _measure(model, batch, 1, rank, shards)
             results[name][0].append(memory)
             results[name][1].extend(times)
@@ -162,6 +210,7 @@ def _launch(sp: int, args: argparse.Namespace, out: Path) -> dict:
         str(args.repeats),
     ]
     arguments += ["--out", str(out), "--device", args.device, "--dtype", args.dtype]
+    arguments += ["--group", str(args.group), "--prompt", str(args.prompt), "--completion", str(args.completion)]
     if sp == 1:
         command = [sys.executable, *arguments]
     else:
@@ -245,10 +294,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--paper", action="store_true", help="only the Llama-3.1-8B table (no processes launched)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--group", type=int, default=0, help="a GRPO group's row of this many completions")
+    parser.add_argument("--prompt", type=int, default=2048, help="with --group: the prompt's tokens")
+    parser.add_argument("--completion", type=int, default=256, help="with --group: each completion's tokens")
     parser.add_argument("--out", default=str(HERE / "RESULTS_sp.json"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.tokens, args.repeats, args.out, args.device, args.dtype)
+        worker(
+            args.tokens, args.repeats, args.out, args.device, args.dtype, (args.group, args.prompt, args.completion)
+        )
         return
     if args.paper:
         short, long = layer_bytes_per_token()
@@ -259,21 +313,30 @@ def main() -> None:
     for sp in args.sp:
         runs[sp] = _launch(sp, args, Path(args.out).with_suffix(f".sp{sp}.tmp"))
         Path(args.out).with_suffix(f".sp{sp}.tmp").unlink()
-    base = runs[args.sp[0]]["ours"]
+    names = ("shared", "unshared") if args.group else ("ours", "stock")
+    base = runs[args.sp[0]][names[0]]
+    if args.group:
+        print(
+            f"a GRPO group's row: a prompt of {args.prompt:,} tokens and {args.group} completions of "
+            f"{args.completion:,}, tiny Llama, {args.dtype}, {args.device}"
+        )
+    else:
+        print(
+            f"one packed row of {args.tokens:,} tokens ({runs[args.sp[0]]['samples']} samples), tiny Llama, "
+            f"{args.dtype}, {args.device}"
+        )
     print(
-        f"one packed row of {args.tokens:,} tokens ({runs[args.sp[0]]['samples']} samples), tiny Llama, {args.dtype}, "
-        f"{args.device}"
-    )
-    print(
-        "| sp | path | activation memory / process (MB) | vs ours at sp=1 | step time / process (ms): median [min-max] |"
+        f"| sp | path | activation memory / process (MB) | vs {names[0]} at sp=1 | step time / process (ms): median "
+        "[min-max] |"
     )
     print("|---|---|---|---|---|")
+    labels = {"stock": "stock (one causal document)", "shared": "shared prompt", "unshared": "prompt per completion"}
     for sp, run in runs.items():
-        for name in ("ours", "stock"):
+        for name in names:
             entry = run[name]
             seconds = entry["seconds"]
             print(
-                f"| {sp} | {name}{' (one causal document)' if name == 'stock' else ''} | "
+                f"| {sp} | {labels.get(name, name)} | "
                 f"{entry['activation_bytes'] / 2**20:,.1f} | {entry['activation_bytes'] / base['activation_bytes']:.2f}x | "
                 f"{statistics.median(seconds) * 1e3:,.0f} [{min(seconds) * 1e3:,.0f}-{max(seconds) * 1e3:,.0f}] |"
             )
