@@ -28,15 +28,19 @@ def _script():
 
 @DEEPSPEED
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("name, stage", [("grpo", 1), ("rloo", 1), ("grpo", 3)])
-def test_one_step_at_sp_2_equals_the_step_in_one_process(tmp_path, name, stage):
+@pytest.mark.parametrize(
+    "name, stage, backend", [("grpo", 1, "sdpa"), ("rloo", 1, "sdpa"), ("grpo", 3, "sdpa"), ("grpo", 1, "eager")]
+)
+def test_one_step_at_sp_2_equals_the_step_in_one_process(tmp_path, name, stage, backend, monkeypatch):
     """GRPO (``beta=0.1``) and RLOO (``beta=0.05``) with a separate reference model, sp_size=2, ZeRO-1 (GRPO: and
-    ZeRO-3, generation gathering the partitioned weights), each process with its own random state: the batch
+    ZeRO-3, generation gathering the partitioned weights; GRPO on the eager backend too), each process with its own
+    random state: the batch
     the step scored and trained on is the same on both processes; scored in one process from the same completions it
     is the same (advantages, reference log-probs); the logged loss and every parameter update == one process's step on
     it; greedy generation under Ulysses == in one process."""
     sp_grpo = _script()
-    result = _torchrun("sp_grpo.py", tmp_path, name, str(stage))
+    result = _torchrun("sp_grpo.py", tmp_path, name, str(stage), env={"UNPACK_ATTENTION_BACKEND": backend})
+    monkeypatch.setenv("UNPACK_ATTENTION_BACKEND", backend)  # the one-process step on the same backend
     assert "sequence parallelism (sp_size=2" in result["reason"]
     forwards = result["forwards"]  # the reference's, the policy's (RLOO: and the old policy's), all packed
     assert forwards["padded"] == 0 and forwards["packed"] == {"grpo": 2, "rloo": 3}[name]
