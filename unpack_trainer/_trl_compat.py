@@ -68,8 +68,10 @@ ONLINE_TRAINER_METHODS: tuple[str, ...] = (
     "_get_per_token_logps_and_entropies",
     "_generate_and_score_completions",
     "_generate",
+    "_calculate_rewards",  # under sequence parallelism: the gathered rewards, for the logged standard deviations
+    "_prepare_inputs",  # under sequence parallelism: the prompts of the adapter's batch, the group's random state
 )
-ONLINE_TRAINER_ATTRIBUTES: tuple[str, ...] = ("num_generations", "ref_model")
+ONLINE_TRAINER_ATTRIBUTES: tuple[str, ...] = ("num_generations", "ref_model", "_metrics", "reward_func_names")
 ONLINE_LOGPS_PARAMETERS: tuple[str, ...] = (
     "model",
     "input_ids",

@@ -237,6 +237,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
             return super()._generate_and_score_completions(inputs)
         gathered = []
         calculate = self._calculate_rewards
+        own = self.__dict__.get("_calculate_rewards")  # one set on this trainer (a test's), put back afterwards
 
         def capturing(*args: Any, **kwargs: Any) -> torch.Tensor:
             gathered.append(calculate(*args, **kwargs))
@@ -246,7 +247,10 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         try:
             scored = super()._generate_and_score_completions(inputs)
         finally:
-            del self._calculate_rewards
+            if own is None:
+                del self._calculate_rewards
+            else:
+                self._calculate_rewards = own
         rewards_per_func = gathered[-1]
         metrics = self._metrics["train"]
         for column, function in enumerate(self.reward_func_names):
