@@ -90,13 +90,7 @@ def shard_ready(batch: dict[str, Any], shards: int) -> dict[str, Any]:
         ValueError: as [`padded_for_shards`].
     """
     whole = padded_for_shards(batch, shards)
-    ids = whole[PACKED_INPUT_IDS_KEY]
-    return {
-        "input_ids": ids,
-        "position_ids": whole[PACKED_POSITION_IDS_KEY],
-        "labels": torch.full_like(ids, IGNORE_INDEX),
-        SHARDED_BATCH_KEY: whole,
-    }
+    return _adapter_batch(whole[PACKED_INPUT_IDS_KEY], whole[PACKED_POSITION_IDS_KEY], whole)
 
 
 def prompts_ready(examples: Any, shards: int) -> dict[str, Any]:
@@ -105,12 +99,17 @@ def prompts_ready(examples: Any, shards: int) -> dict[str, Any]:
     ``shards`` tokens for the adapter to cut (``input_ids`` / ``position_ids`` / ``labels`` ``(1, shards)`` int64, one
     token per process, read by no one) and ``examples`` under ``SHARDED_BATCH_KEY``, which the adapter copies whole to
     every process of the group (each process's batch in turn, as it does for every batch)."""
-    placeholder = torch.zeros(1, shards, dtype=torch.int64)
+    return _adapter_batch(torch.zeros(1, shards, dtype=torch.int64), torch.arange(shards)[None], examples)
+
+
+def _adapter_batch(ids: torch.Tensor, positions: torch.Tensor, whole: Any) -> dict[str, Any]:
+    """What DeepSpeed's adapter takes: the row it cuts (``ids`` / ``positions`` ``(1, T)`` int64, labels all -100: the
+    loss is the trainer's) and ``whole``, copied to every process, under ``SHARDED_BATCH_KEY``."""
     return {
-        "input_ids": placeholder,
-        "position_ids": torch.arange(shards, dtype=torch.int64)[None],
-        "labels": torch.full_like(placeholder, IGNORE_INDEX),
-        SHARDED_BATCH_KEY: examples,
+        "input_ids": ids,
+        "position_ids": positions,
+        "labels": torch.full_like(ids, IGNORE_INDEX),
+        SHARDED_BATCH_KEY: whole,
     }
 
 

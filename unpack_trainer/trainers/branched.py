@@ -45,6 +45,7 @@ from unpack_trainer.selfcheck import ContaminationReport, check_uncontaminated
 from unpack_trainer.trainers._packed import PackedTrainerMixin
 from unpack_trainer.trainers.contamination import self_check_failed
 from unpack_trainer.trainers.run_state import RunField, RunState
+from unpack_trainer.trainers.sequence_parallel import evaluation_mode_reason
 
 __all__ = ["BranchedRun", "BranchedTrainerMixin", "PackedPairsMixin", "install_branched_hooks", "pack_completions"]
 
@@ -240,15 +241,11 @@ def _one_row_per_forward(args: Any, decision: Any) -> None:
 def whole_in_evaluation_reason(config: Any, shards: int) -> str | None:
     """Why a prompt-sharing trainer cannot run under Ulysses with ``config`` (accelerate's ``ParallelismConfig``):
     the reference model runs in evaluation mode, and so do evaluation and GRPO's / RLOO's generation, which Ulysses
-    must leave whole (``sp_disable_in_eval=True``, accelerate's default) for the whole rows our hooks give them."""
-    handler = getattr(config, "sp_handler", None)
-    if getattr(handler, "sp_disable_in_eval", True) is False:
-        return (
-            f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses) with sp_disable_in_eval=False: the "
-            "reference model, evaluation and generation run each packed row or sequence whole; set "
-            "DeepSpeedSequenceParallelConfig(sp_disable_in_eval=True) (the default)"
-        )
-    return None
+    must leave whole (``sp_disable_in_eval=True``, accelerate's default) for the whole rows our hooks give them
+    ([`unpack_trainer.trainers.sequence_parallel.evaluation_mode_reason`])."""
+    return evaluation_mode_reason(
+        config, shards, "the reference model, evaluation and generation run each packed row or sequence whole"
+    )
 
 
 class BranchedTrainerMixin(PackedTrainerMixin):
@@ -337,6 +334,17 @@ class BranchedTrainerMixin(PackedTrainerMixin):
         self_check_failed(message)
         self.unpack_run.sharing_failed = True
         self._unpack_stop_sharing()
+
+    def _unpack_sequence_positions(self, model: Any) -> Any:
+        """``model``'s (unwrapped) :class:`~unpack_trainer.models.vision.SequencePositions` (``None`` for a text
+        model of 1-D positions), cached per model in the run state: what image prompts laid out in the step read."""
+        from unpack_trainer.models.vision import sequence_positions_of
+
+        unwrapped = self.accelerator.unwrap_model(model)
+        cache = self.unpack_run.positions
+        if unwrapped not in cache:
+            cache[unwrapped] = sequence_positions_of(unwrapped)
+        return cache[unwrapped]
 
     # ------------------------------------------------------------------------------------------------ sequence parallel
 

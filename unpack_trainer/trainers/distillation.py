@@ -354,16 +354,6 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
             layout = self.unpack_run.layout = _Layout(input_ids, attention_mask, logits_to_keep, batch, reason, family)
         return layout
 
-    def _unpack_sequence_positions(self, model: Any) -> Any:
-        """``model``'s :class:`~unpack_trainer.models.vision.SequencePositions` (``None`` for a text model of 1-D
-        positions), cached per model."""
-        from unpack_trainer.models.vision import sequence_positions_of
-
-        cache = self.unpack_run.positions
-        if model not in cache:
-            cache[model] = sequence_positions_of(model)
-        return cache[model]
-
     def _compute_loss(self, unwrapped_student: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """TRL's loss of one micro-batch (the student's forward, then the teacher's, on one layout), with the
         micro-batch's image counts (``num_images`` / ``num_tiles``, per row: TRL keeps them beside its vision tensors

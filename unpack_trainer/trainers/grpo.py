@@ -379,17 +379,6 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         aux_loss = torch.stack(all_aux_losses).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
 
-    def _unpack_sequence_positions(self, model: Any) -> Any:
-        """The model's :class:`~unpack_trainer.models.vision.SequencePositions` (``None`` for a text model of 1-D
-        positions), cached per model."""
-        from unpack_trainer.models.vision import sequence_positions_of
-
-        unwrapped = self.accelerator.unwrap_model(model)
-        cache = self.unpack_run.positions
-        if unwrapped not in cache:
-            cache[unwrapped] = sequence_positions_of(unwrapped)
-        return cache[unwrapped]
-
 
 def _prompt_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> list[tuple[int, ...]]:
     """Each row's prompt: its real token ids before the ``logits_to_keep`` completion columns (``(R, L)`` on the CPU,

@@ -21,7 +21,14 @@ from unpack_trainer.decision import (
     sequence_parallel_size,
 )
 
-__all__ = ["check_parallelism", "refuse_model", "refuse_or_pad", "refuse_unpatched", "run_reason"]
+__all__ = [
+    "check_parallelism",
+    "evaluation_mode_reason",
+    "refuse_model",
+    "refuse_or_pad",
+    "refuse_unpatched",
+    "run_reason",
+]
 
 logger = logging.getLogger("unpack_trainer")
 
@@ -84,14 +91,27 @@ def run_reason(trainer: Any, config: Any, shards: int) -> str | None:
             "and Ulysses expects as many rows as that batch size; set per_device_train_batch_size=1 (and a longer "
             "max_length to fill the row)"
         )
+    if trainer.eval_dataset is None:
+        return None
+    return evaluation_mode_reason(
+        config,
+        shards,
+        "transformers' Trainer does not cut evaluation batches, so every process would take its whole batch for a "
+        "shard of one row",
+    )
+
+
+def evaluation_mode_reason(config: Any, shards: int, why: str) -> str | None:
+    """Why a run that needs Ulysses to leave a module in evaluation mode whole cannot run with ``config``
+    (accelerate's ``ParallelismConfig``): ``sp_disable_in_eval=False`` (``why`` says what must run whole), or
+    ``None`` (``True``, accelerate's default)."""
     handler = getattr(config, "sp_handler", None)
-    if getattr(handler, "sp_disable_in_eval", True) is False and trainer.eval_dataset is not None:
-        return (
-            f"{what} with sp_disable_in_eval=False: transformers' Trainer does not cut evaluation batches, so "
-            "every process would take its whole batch for a shard of one row; set "
-            "DeepSpeedSequenceParallelConfig(sp_disable_in_eval=True) (the default) to evaluate each batch whole"
-        )
-    return None
+    if getattr(handler, "sp_disable_in_eval", True) is not False:
+        return None
+    return (
+        f"{_ulysses(shards)} with sp_disable_in_eval=False: {why}; set "
+        "DeepSpeedSequenceParallelConfig(sp_disable_in_eval=True) (the default)"
+    )
 
 
 def refuse_unpatched(trainer: Any) -> bool:
