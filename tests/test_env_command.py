@@ -133,4 +133,7 @@ def test_the_sequence_parallel_path_is_named(capsys):
     )
     _, out, _ = run(capsys, "--model", "qwen3_next")
     assert "- sequence parallelism (DeepSpeed Ulysses): refused (token mixers (Qwen3NextGatedDeltaNet)" in out
+    # A vision-language model's image rows are cut with the whole row's vision inputs by SFT's collator only
+    _, out, _ = run(capsys, "--model", "qwen2_5_vl")
+    assert "- sequence parallelism (DeepSpeed Ulysses): SFT (image rows) packs exactly at sp_size 2, 4;" in out
     assert "- deepspeed: " in run(capsys)[1]

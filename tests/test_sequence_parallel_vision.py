@@ -247,3 +247,27 @@ def test_one_sft_step_of_image_rows_at_sp_2_equals_one_process(tmp_path, model_t
     for name, value in expected.items():
         trained = saved["parameters"][name]
         torch.testing.assert_close(trained / lr, value / lr, rtol=0, atol=2e-5, msg=name)
+
+
+def test_image_rows_of_a_trainer_that_does_not_carry_them_whole_are_refused(tmp_path, monkeypatch):
+    """DPO's image pairs are not cut with the whole row's vision inputs (SFT's vision collator only): under Ulysses
+    the trainer refuses a vision-language model with the reason, though the model type is verified for SFT's rows."""
+    from test_dpo_trainer_vision import _pairs
+    from test_sequence_parallel import _ulysses
+
+    from unpack_trainer import DPOConfig, DPOTrainer
+    from unpack_trainer.model_zoo.tiny_vision import tiny_processor
+    from unpack_trainer.trainers import sequence_parallel
+
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[], bf16=False, use_cpu=True)
+    trainer = DPOTrainer(
+        model=tiny_vision_model("qwen2_5_vl", seed=0, attn_implementation="sdpa"),
+        ref_model=tiny_vision_model("qwen2_5_vl", seed=1, attn_implementation="sdpa"),
+        args=args,
+        train_dataset=_pairs(),
+        processing_class=tiny_processor("qwen2_5_vl"),
+    )
+    monkeypatch.setattr(trainer.accelerator.state, "parallelism_config", _ulysses(), raising=False)
+    trainer.unpack_run.sequence_shards = 2
+    with pytest.raises(ValueError, match="cannot train padded under sequence parallelism.*not in this trainer"):
+        sequence_parallel.refuse_model(trainer)
