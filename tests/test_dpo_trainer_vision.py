@@ -266,7 +266,8 @@ def test_the_branched_self_check_probes_a_shared_image_prompt(model_type):
 
 
 def test_the_branched_self_check_fails_without_each_sequences_image_positions(monkeypatch):
-    from unpack_trainer.models import patch_model, vision
+    from unpack_trainer.anatomy import vision
+    from unpack_trainer.models import patch_model
     from unpack_trainer.selfcheck import check_uncontaminated
 
     monkeypatch.setattr(vision, "sequence_positions_of", lambda model: None)

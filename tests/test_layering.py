@@ -36,7 +36,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("data path | kernels", ("unpack_trainer.data", "unpack_trainer.patches")),
-    ("models the package builds", ("unpack_trainer.model_zoo",)),
+    ("models the package builds | what a model is made of", ("unpack_trainer.model_zoo", "unpack_trainer.anatomy")),
     ("models", ("unpack_trainer.models",)),
     (
         "decision, self-check and configs",
@@ -47,7 +47,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("unpack_trainer.cli",)),
 ]
 # Rooms on one floor that stand side by side: neither imports the other.
-SIDE_BY_SIDE = [("unpack_trainer.data", "unpack_trainer.patches")]
+SIDE_BY_SIDE = [
+    ("unpack_trainer.data", "unpack_trainer.patches"),
+    ("unpack_trainer.model_zoo", "unpack_trainer.anatomy"),
+]
 # The few files the root holds besides its face (``__init__.py``).
 ROOT_FILES = {
     "_compat.py", "_lazy.py", "_logging.py", "_trl_compat.py", "configs.py", "decision.py", "packed_seq_info.py",

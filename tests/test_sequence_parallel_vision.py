@@ -18,17 +18,17 @@ import pytest
 import torch
 from test_sequence_parallel import DEEPSPEED, SCRIPTS, _torchrun
 
-from unpack_trainer.data.vision import WHOLE_ROW_KEY, WholeRowInputs, pack_processed
-from unpack_trainer.model_zoo.tiny_vision import processed_batch, tiny_vision_model, vision_sample
-from unpack_trainer.models import patch_model
-from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
-from unpack_trainer.models.vision import (
+from unpack_trainer.anatomy.vision import (
     ImageSelection,
     image_runs,
     sample_positions_of,
     sequence_shard,
     shard_image_selection,
 )
+from unpack_trainer.data.vision import WHOLE_ROW_KEY, WholeRowInputs, pack_processed
+from unpack_trainer.model_zoo.tiny_vision import processed_batch, tiny_vision_model, vision_sample
+from unpack_trainer.models import patch_model
+from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
 from unpack_trainer.packed_seq_info import INFO_KEY, MULTIMODAL_POSITIONS_KEY, PackedSeqInfo
 
 # ---------------------------------------------------------------------------------------------------- pure pieces

@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from unpack_trainer._compat import mask_functions, supports_sdpa
+from unpack_trainer._logging import quiet_loggers
 from unpack_trainer.model_zoo.tiny import (
     TINY_SIZES,
-    _quiet,
     config_class,
     loss_and_grads,
     packed_batch,
@@ -282,7 +282,7 @@ def check_model_type(model_type: str) -> Outcome:
         return outcome("skipped", _SKIP[model_type])
     try:
         cls = config_class(model_type)
-        with _quiet():
+        with quiet_loggers():
             default = cls()
     except Exception as error:  # noqa: BLE001 - reported in the table
         return outcome("skipped", f"its config cannot be built here: {type(error).__name__}: {error}"[:200])
@@ -295,7 +295,7 @@ def check_model_type(model_type: str) -> Outcome:
     def structural_check(config: Any) -> None:
         # On the meta device (no memory), as the trainer's decision sees it; raises PatchRefused.
         try:
-            with torch.device("meta"), _quiet():
+            with torch.device("meta"), quiet_loggers():
                 check_model(AutoModelForCausalLM.from_config(config))
         except PatchRefused:
             raise
@@ -310,7 +310,7 @@ def check_model_type(model_type: str) -> Outcome:
         if refused.kind is not RefusalKind.BIDIRECTIONAL:
             return outcome("refused", refused.reason, kind=refused.kind, source="default")
         try:  # an encoder: the causal LM it makes as a decoder, if its config can say so
-            with _quiet():
+            with quiet_loggers():
                 structural_check(cls(**AS_DECODER))
         except Exception:  # noqa: BLE001 - PatchRefused, or a config that does not take is_decoder
             return outcome("refused", refused.reason, kind=refused.kind, source="default")
@@ -426,6 +426,7 @@ VISION_SEGMENTS = ([3, "image", 4], [5], [2, "image", 6, "image", 2])  # text ar
 def _verify_vision(model_type: str, implementation: str) -> str | None:
     """The fast-path checks of a tiny vision-language model on one implementation (image+text samples, see
     :func:`check_vision_type`); the first failure, or ``None``."""
+    from unpack_trainer.anatomy.vision import find_vision_language
     from unpack_trainer.data.vision import pack_processed
     from unpack_trainer.model_zoo.tiny_vision import (
         gradient_mismatch,
@@ -435,7 +436,6 @@ def _verify_vision(model_type: str, implementation: str) -> str | None:
         vision_sample,
     )
     from unpack_trainer.models import patch_model, unpatch_model
-    from unpack_trainer.models.vision import find_vision_language
 
     model = tiny_vision_model(model_type, attn_implementation=implementation).eval()
     height, width = image_size(model_type, model.config)
@@ -499,7 +499,7 @@ def check_vision_type(model_type: str) -> Outcome:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _quiet():
+        with quiet_loggers():
             for implementation in IMPLEMENTATIONS:
                 problem = _verify_vision(model_type, implementation)
                 if problem is not None:

@@ -3,10 +3,12 @@ the main process only, with a reset for tests."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
-__all__ = ["announce_level", "is_main_process", "log_once", "reset_log_once"]
+__all__ = ["announce_level", "is_main_process", "log_once", "quiet_loggers", "reset_log_once"]
 
 _logged: set[tuple[int, str]] = set()
 
@@ -46,3 +48,21 @@ def log_once(logger: logging.Logger, level: int, message: str, *, main_process_o
 def reset_log_once() -> None:
     """Forget every message [`log_once`] has logged (for tests, or a second trainer that should log again)."""
     _logged.clear()
+
+
+@contextlib.contextmanager
+def quiet_loggers() -> Iterator[None]:
+    """transformers' and this package's loggers at error level inside the block, where throwaway configs and models
+    are built (their notices say nothing about the user's run)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    ours = logging.getLogger("unpack_trainer")
+    previous = ours.level
+    ours.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        ours.setLevel(previous)

@@ -17,7 +17,7 @@
 
 Blocked means: a custom ``data_collator``; a ``ProcessorMixin`` processing class or a vision dataset with a text-only
 model; a vision-language model whose type is not verified for packed image rows (verified ones pack: their images,
-positions and image blocks per sample, :mod:`unpack_trainer.models.vision`); an encoder-decoder model; a model whose structure cannot be packed exactly
+positions and image blocks per sample, :mod:`unpack_trainer.anatomy.vision`); an encoder-decoder model; a model whose structure cannot be packed exactly
 (:func:`unpack_trainer.models.refusal_reason`: token mixers the per-sample path cannot take, an encoder's
 bidirectional self-attention, row-wide position biases); PEFT prompt learning (prompt tuning, p-tuning, prefix
 tuning: virtual tokens or prefix keys are prepended to every row). A model type that is not verified is not blocked
@@ -209,7 +209,7 @@ def blocked_reason(
     A vision-language model (a ``vision_config``) with its processor and an image dataset packs when the trainer packs
     vision-language data (``vision``: ``None``, or why it does not) and its model type is verified
     (``supported_model_types``: its packed image rows equal each sample alone, see
-    :mod:`unpack_trainer.models.vision`); a processor or images with a text-only model, and an unverified
+    :mod:`unpack_trainer.anatomy.vision`); a processor or images with a text-only model, and an unverified
     vision-language model, are blocked with the reason.
     """
     from transformers import ProcessorMixin

@@ -366,10 +366,10 @@ def _vision_probe(
     one row as the vision collator packs them ([`unpack_trainer.data.vision.pack_processed`]), and each run alone.
     Returns ``(packed, alone)``: every token's final hidden state, float32 ``(tokens, hidden)`` each; ``None`` for
     any other model (the text probe covers it)."""
+    from unpack_trainer.anatomy.structure import pretrained_model
+    from unpack_trainer.anatomy.vision import is_vision_language
     from unpack_trainer.data.vision import pack_processed
     from unpack_trainer.model_zoo.tiny_vision import image_size, processed_batch, vision_sample
-    from unpack_trainer.models.discovery import pretrained_model
-    from unpack_trainer.models.vision import is_vision_language
 
     if not is_vision_language(model):
         return None
@@ -401,10 +401,10 @@ def _vision_branched_probe(
     with its image. Returns ``(packed, alone)``: the final hidden state of every packed token (the prompt's and the
     first completion's against the first sequence, the second completion's against the second), float32
     ``(tokens, hidden)`` each; ``None`` for any other model (the text probe covers it)."""
+    from unpack_trainer.anatomy.structure import pretrained_model
+    from unpack_trainer.anatomy.vision import is_vision_language, sequence_positions_of
     from unpack_trainer.data.preference import pack_vision_pairs
     from unpack_trainer.model_zoo.tiny_vision import FIRST_TEXT_ID, image_size, vision_sample
-    from unpack_trainer.models.discovery import pretrained_model
-    from unpack_trainer.models.vision import is_vision_language, sequence_positions_of
 
     if not is_vision_language(model):
         return None

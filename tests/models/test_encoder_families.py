@@ -172,7 +172,7 @@ def test_attention_weights_of_a_packed_row(model_type):
     across the samples of a packed row: a clear error. Where they hand ``position_ids`` to ``create_causal_mask``
     (5.25) it builds transformers' packed block mask from them: each sample's logits and block of weights are what
     it gets alone, and nothing comes from the samples before it in its row."""
-    from unpack_trainer.models.discovery import mask_without_positions
+    from unpack_trainer.anatomy.structure import mask_without_positions
 
     model = patch_model(_decoder(model_type, attn_implementation="eager").eval())
     samples = _samples()

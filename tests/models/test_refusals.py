@@ -21,11 +21,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
+from unpack_trainer.anatomy import structure
 from unpack_trainer.model_zoo.tiny import packed_batch, tiny_config, tiny_model
 from unpack_trainer.models import (
     PatchRefused,
     RefusalKind,
-    discovery,
     is_patched,
     patch_model,
     refusal_reason,
@@ -151,8 +151,8 @@ def llama_forward(monkeypatch):
     cleared before and after."""
 
     def clear():
-        discovery.class_references.cache_clear()
-        discovery.attention_call.cache_clear()
+        structure.class_references.cache_clear()
+        structure.attention_call.cache_clear()
         refusals._refusals.clear()
 
     def replace(function: Callable, decorator: str = "plain") -> None:

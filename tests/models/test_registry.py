@@ -22,7 +22,6 @@ from unpack_trainer.models import (
     resolve_backend,
     unpatch_model,
 )
-from unpack_trainer.models.discovery import discover
 from unpack_trainer.models.refusals import REFUSAL_CHECKS
 from unpack_trainer.patches import attention, rope
 
@@ -52,17 +51,15 @@ def llama(tiny_model):
 
 
 def test_no_module_per_architecture():
-    """The patch is generic: the package holds one module per responsibility, and what a model family needs beyond
-    it lives in ``fixes/`` (one module and one record each, tests/models/fixes/test_fixes.py); vision (what a
-    vision-language model is made of, read from its code, and its positions and image blocks per sample from its own
-    get_rope_index / get_block_sequence_ids_for_mask) is found from the structure and serves the vision fixes; which
-    patched models stay exact under sequence parallelism is read from the patch's state. Beside the patch: the
-    verified types (the models the package builds live in ``model_zoo/``, the self-check beside the trainer's
-    decision)."""
+    """The patch is generic: the room holds one module per responsibility, and what a model family needs beyond it
+    lives in ``fixes/`` (one module and one record each, tests/models/fixes/test_fixes.py); what a model is made of is
+    read in ``anatomy/`` (tests/anatomy/), the models the package builds live in ``model_zoo/``, the self-check beside
+    the trainer's decision; which patched models stay exact under sequence parallelism is read from the patch's state.
+    Beside the patch: the verified types (data)."""
     modules = {info.name for info in pkgutil.iter_modules(models.__path__)}
     assert modules == {
-        "discovery", "fixes", "mixers", "packed_forward", "patch", "preview", "refusals", "routing",
-        "sequence_parallel", "state", "verified", "vision",
+        "fixes", "mixers", "packed_forward", "patch", "preview", "refusals", "routing", "sequence_parallel", "state",
+        "verified",
     }  # fmt: skip
 
 
@@ -72,14 +69,6 @@ def test_public_exports():
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2"} <= set(
         unpack_trainer.supported_model_types()
     )
-
-
-def test_discovery_finds_decoder_and_attention_from_the_model(llama):
-    model = llama()
-    structure = discover(model)
-    assert structure.model_type == "llama" and [d.module for d in structure.decoders] == [model.model]
-    assert [type(m).__name__ for m in structure.decoders[0].attention] == ["LlamaAttention"]
-    assert structure.decoders[0].layers == list(model.model.layers) and not structure.mixers
 
 
 @pytest.mark.parametrize(
@@ -163,9 +152,9 @@ def test_a_mixer_handler_turns_the_state_refusal_into_a_patch(monkeypatch, tiny_
 def test_patch_discovers_the_model_once(monkeypatch, family):
     """patch_model reads what the model is made of once, for all its decoders, its attention features and every fix
     (a vision-language model's three fixes included), not once per decoder or per fix."""
+    from unpack_trainer.anatomy import structure
     from unpack_trainer.model_zoo.tiny import tiny_model
     from unpack_trainer.model_zoo.tiny_vision import family_unavailable_reason, tiny_vision_model
-    from unpack_trainer.models import discovery
     from unpack_trainer.models.state import decoder_state
 
     if family != "llama" and family_unavailable_reason(family) is not None:
@@ -173,12 +162,12 @@ def test_patch_discovers_the_model_once(monkeypatch, family):
     model = tiny_model(family) if family == "llama" else tiny_vision_model(family)
     found = []
 
-    class Counted(discovery.ModelStructure):
+    class Counted(structure.ModelStructure):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             found.append(type(self.pretrained).__name__)
 
-    monkeypatch.setattr(discovery, "ModelStructure", Counted)
+    monkeypatch.setattr(structure, "ModelStructure", Counted)
     patch_model(model)
     try:
         assert len(found) == 1, found

@@ -28,9 +28,9 @@ import torch
 from packed_rows import assert_packed_equals_alone, assert_same_loss_and_grads, random_samples, two_rows
 
 from unpack_trainer._logging import reset_log_once
+from unpack_trainer.anatomy.structure import discover
 from unpack_trainer.model_zoo.tiny import loss_and_grads, padded_batch, tiny_model
 from unpack_trainer.models import patch_model, unpatch_model
-from unpack_trainer.models.discovery import discover
 from unpack_trainer.patches import mixer_kernels
 from unpack_trainer.patches import mixers as mixer_patches
 from unpack_trainer.patches.mixer_kernels import DECODE_STEP_NAMES, kernel_entry, varlen_plan

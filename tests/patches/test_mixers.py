@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unpack_trainer.anatomy.structure import find_token_mixers
 from unpack_trainer.model_zoo.tiny import loss_and_grads, packed_batch, padded_batch, tiny_model
 from unpack_trainer.models import PatchRefused, RefusalKind, is_patched, patch_model, unpatch_model
-from unpack_trainer.models.discovery import find_token_mixers
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 from unpack_trainer.patches.mixers import (
     PerSampleMixers,

@@ -50,9 +50,9 @@ def samples(model, model_type: str) -> list[dict]:
 def row(model, model_type: str, items: list[dict]) -> dict:
     """The packed row of ``items`` for ``SP`` processes, as the vision collator builds it under sequence parallelism;
     checked: a sample and one of its images cross the cut."""
+    from unpack_trainer.anatomy.vision import sample_positions_of
     from unpack_trainer.data.vision import pack_processed
     from unpack_trainer.model_zoo.tiny_vision import processed_batch
-    from unpack_trainer.models.vision import sample_positions_of
 
     batch = pack_processed(
         processed_batch(items),

@@ -329,7 +329,7 @@ class DataCollatorForPackedVisionUnpairedPreference(DataCollatorMixin):
         prefix_sharing (`bool`, *optional*, defaults to `True`):
             Share each example's prompt between its completion and its KL completion on the reference row.
         positions (`Callable` or `None`, *optional*):
-            Each full sequence's positions (multi-axis RoPE, :class:`unpack_trainer.models.vision.SequencePositions`);
+            Each full sequence's positions (multi-axis RoPE, :class:`unpack_trainer.anatomy.vision.SequencePositions`);
             `None` for a text model of 1-D positions.
         reference (`bool`, *optional*, defaults to `True`):
             Build the reference row.

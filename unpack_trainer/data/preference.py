@@ -257,7 +257,7 @@ def pack_vision_pairs(
         positions: ``(input_ids (2N, L), attention_mask (2N, L), inputs) -> (rows, 2N, L)`` int64, each row's
             positions as the model numbers the row alone (``inputs``: the view's per-token keys and vision tensors);
             for a text model of multi-axis positions (the Qwen2-VL family), see
-            :class:`unpack_trainer.models.vision.SequencePositions`. ``None``: the 1-D positions of the packed row.
+            :class:`unpack_trainer.anatomy.vision.SequencePositions`. ``None``: the 1-D positions of the packed row.
 
     Returns:
         The packed row of :func:`unpack_trainer.packed_seq_info.branched_row` (``packed_input_ids``,
@@ -385,7 +385,7 @@ class DataCollatorForPackedVisionPreference(DataCollatorMixin):
             Each pair one branched segment ``[p, c, r]``, its images once; `False` packs TRL's rows as plain samples,
             every image twice as TRL encodes it.
         positions (`Callable` or `None`, *optional*):
-            Each full sequence's positions (multi-axis RoPE, :class:`unpack_trainer.models.vision.SequencePositions`);
+            Each full sequence's positions (multi-axis RoPE, :class:`unpack_trainer.anatomy.vision.SequencePositions`);
             `None` for a text model of 1-D positions.
     """
 

@@ -97,7 +97,7 @@ VISION_SOURCE_KEY = "vision_source"
 # Under sequence parallelism: the batch key of a packed row's WholeRowInputs (what DeepSpeed's adapter must not cut).
 WHOLE_ROW_KEY = "packed_vision_inputs"
 
-# ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``: a model's positions per sample (models.vision.RopeIndex).
+# ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``: a model's positions per sample (anatomy.vision.RopeIndex).
 PositionFunction = Callable[[torch.Tensor, PackedSeqInfo, dict[str, Any]], torch.Tensor]
 
 
@@ -337,7 +337,7 @@ def pack_processed(
         processed: ``input_ids`` ``(n, L)`` and the other per-token keys of :data:`PER_TOKEN_KEYS` (``labels``
             optional: ``input_ids`` with ``-100`` on padding when absent), and the vision tensors, in sample order.
         lengths: each sample's length (at most its real tokens: a truncated sample is shorter).
-        positions: the model's multi-axis positions per sample (``models.vision.SamplePositions``:
+        positions: the model's multi-axis positions per sample (``anatomy.vision.SamplePositions``:
             ``(input_ids (1, T), info, inputs) -> (rows, 1, T)``), put under ``packed_multimodal_position_ids``;
             ``None``: none (a model with multi-axis RoPE then computes them in its forward hook).
         processor: the processor, for the per-row check of image tokens against its grids; ``None`` skips it.

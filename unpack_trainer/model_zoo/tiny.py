@@ -15,11 +15,11 @@ Nothing happens at import time: transformers, tokenizers and torch are imported 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import logging
 import string
 from typing import Any
+
+from unpack_trainer._logging import quiet_loggers
 
 __all__ = [
     "TINY_SIZES",
@@ -192,23 +192,6 @@ CHAT_TEMPLATE = (
 )
 
 
-@contextlib.contextmanager
-def _quiet():
-    """transformers' and this package's loggers at error level while throwaway configs and models are built."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    ours = logging.getLogger("unpack_trainer")
-    previous = ours.level
-    ours.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        ours.setLevel(previous)
-
-
 def config_class(model_type: str) -> type:
     """The transformers config class of ``model_type`` (``CONFIG_MAPPING[model_type]``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -248,7 +231,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         An instance of the model type's config class.
     """
     cls = config_class(model_type)
-    with _quiet():
+    with quiet_loggers():
         default = cls()
     present = set(default.to_dict()) | {name for name in TINY_SIZES if _has_attribute(default, name)}
     values = {name: value for name, value in TINY_SIZES.items() if name in present and not _read_only(cls, name)}
@@ -262,7 +245,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             values.pop(name, None)
         else:
             values[name] = value
-    with _quiet():
+    with quiet_loggers():
         return cls(**values)
 
 
@@ -290,7 +273,7 @@ def tiny_model(
         raise TypeError(f"tiny_model: pass either `config` or config overrides, not both (got {sorted(overrides)})")
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     torch.manual_seed(seed)
-    with _quiet():
+    with quiet_loggers():
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 

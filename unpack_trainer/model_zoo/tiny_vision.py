@@ -24,7 +24,8 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from unpack_trainer.model_zoo.tiny import TINY_SIZES, _quiet, loss_and_grads
+from unpack_trainer._logging import quiet_loggers
+from unpack_trainer.model_zoo.tiny import TINY_SIZES, loss_and_grads
 
 __all__ = [
     "FIRST_TEXT_ID",
@@ -259,7 +260,7 @@ def tiny_vision_model(
     config = tiny_vision_config(model_type, **text_overrides)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     torch.manual_seed(seed)
-    with _quiet():
+    with quiet_loggers():
         return AutoModelForImageTextToText.from_config(config, **kwargs)
 
 
@@ -667,7 +668,7 @@ def vision_tokenizer() -> Any:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    with _quiet():
+    with quiet_loggers():
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=backend,
             pad_token="<pad>",
@@ -696,7 +697,7 @@ def tiny_processor(model_type: str) -> Any:
     tokenizer = vision_tokenizer()
     template = _CHAT_TEMPLATE.replace("IMAGE_MARKUP", _IMAGE_MARKUP[model_type])
     tokenizer.chat_template = template
-    with _quiet():
+    with quiet_loggers():
         if model_type.startswith("qwen"):
             return _qwen_processor(model_type, tokenizer, template)
         if model_type == "gemma3":

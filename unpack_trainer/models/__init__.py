@@ -1,10 +1,9 @@
 """Patch a transformers model so that packed batches attend per sample: ``patch_model`` / ``unpatch_model``.
 
-The patch is generic: what it touches is found from the model itself, not from a list of architectures. One module
-per responsibility:
+The patch is generic: what it touches is found from the model itself (:mod:`unpack_trainer.anatomy`: its decoder,
+layers, attention modules, token mixers, what its attention asks of a backend, a vision-language model's parts), not
+from a list of architectures. One module per responsibility:
 
-- :mod:`~unpack_trainer.models.discovery`: what the model is made of (the decoder, its layers, attention modules and
-  token mixers);
 - :mod:`~unpack_trainer.models.refusals`: whether it can be packed exactly, an ordered list of checks each with a
   :class:`RefusalKind` (:func:`refusal_reason` asks before any forward, on the ``meta`` device);
 - :mod:`~unpack_trainer.models.mixers`: the seam where a handler makes a token mixer (convolution, recurrent scan)
@@ -20,23 +19,17 @@ per responsibility:
 - :mod:`~unpack_trainer.models.packed_forward`: the decoder hook, which decides once per forward whether a batch is
   packed and hands every layer its metadata;
 - :mod:`~unpack_trainer.models.patch`: the patch itself, orchestrating the above, and its undo;
+- :mod:`~unpack_trainer.models.sequence_parallel`: which patched models stay exact under DeepSpeed Ulysses;
 - :mod:`~unpack_trainer.models.preview`: what the patch does with a model (refused or which fixes it installs, whose
   RoPE runs, whether sequence parallelism stays exact), asked of the patch itself (``unpack-trainer env --model``);
-- :mod:`~unpack_trainer.models.vision`: what a vision-language model is made of (its multimodal model, text decoder,
-  position layout and image-block rule, read from its code), what cannot be packed exactly, and each sample's
-  multimodal positions and image spans from the model's own functions (the fixes ``vision_language``,
-  ``multimodal_rope`` and ``image_blocks`` use them);
 - :mod:`~unpack_trainer.models.verified`: which model types are verified (:func:`supported_model_types`), kept as
   data: the coverage check (``python tools/model_coverage.py``, a developer's tool outside the package) writes it.
 
-The patch is generic; what a model family needs beyond it is a fix, found from the model's structure (no list of
-architectures decides it): one module of ``fixes/`` and one line of its table.
-
-This room holds the patch only: the models the package builds are in ``model_zoo/``, the self-check that probes a
-patched model is :mod:`unpack_trainer.selfcheck`, the coverage check that verifies each model type is a developer's
-tool outside the package. It stands above ``patches/`` (the kernels and attention backends it installs) and ``data/``
-(the key names and views of a packed batch), below ``trainers/``. Importing it imports neither torch nor
-transformers; the names below are resolved on first use.
+This room holds the patch only: what a model is made of is read in ``anatomy/``, the models the package builds are in
+``model_zoo/``, the self-check that probes a patched model is :mod:`unpack_trainer.selfcheck`. It stands above
+``anatomy/``, ``patches/`` (the kernels and attention backends it installs) and ``data/`` (the key names and views of
+a packed batch), below ``trainers/``. Importing it imports neither torch nor transformers; the names below are resolved
+on first use.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The seam where token mixers other than attention plug into the patch: which mixers are packed exactly, and how.
 
-:func:`~unpack_trainer.models.discovery.find_token_mixers` finds a model's token mixers (recurrent / state-space
+:func:`~unpack_trainer.anatomy.structure.find_token_mixers` finds a model's token mixers (recurrent / state-space
 scans, causal convolutions). Each one is offered to the handlers in :data:`MIXER_HANDLERS`, in order; the first whose
 ``handles(mixer)`` is true owns it. A model with a mixer no handler owns is refused before any forward
 (:class:`~unpack_trainer.models.refusals.RefusalKind` ``STATE``, with the mixer named); a model whose mixers are all
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from unpack_trainer.models.discovery import TokenMixer
+from unpack_trainer.anatomy.structure import TokenMixer
 from unpack_trainer.patches.mixers import PerSampleMixers
 
 __all__ = ["MIXER_HANDLERS", "MixerHandler", "handler_for", "handler_named"]

@@ -30,22 +30,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from unpack_trainer._compat import attention_implementation, remove_hook, set_attention_implementation
+from unpack_trainer.anatomy.attention import attention_features
+from unpack_trainer.anatomy.structure import Decoder, ModelStructure, mask_without_positions, pretrained_model
 from unpack_trainer.models import fixes
-from unpack_trainer.models.discovery import Decoder, ModelStructure, mask_without_positions, pretrained_model
 from unpack_trainer.models.fixes import FixSite
 from unpack_trainer.models.mixers import handler_for, handler_named
 from unpack_trainer.models.packed_forward import decoder_post_hook, decoder_pre_hook
 from unpack_trainer.models.refusals import check_model
 from unpack_trainer.models.routing import release_route, route
 from unpack_trainer.models.state import PATCH_ATTRIBUTE, AttentionState, DecoderState, decoder_state
-from unpack_trainer.models.vision import has_image_blocks, text_model
-from unpack_trainer.patches.attention import AttentionFeature, Needs
 
 if TYPE_CHECKING:
-    from unpack_trainer.patches.attention import BackendChoice
+    from unpack_trainer.patches.attention import BackendChoice, Needs
 
 __all__ = [
-    "attention_features",
     "install_fix",
     "is_patched",
     "patch_model",
@@ -81,7 +79,7 @@ def _patch_decoder(
     features: Needs,
 ) -> FixSite:
     """Patch one decoder of the model ``structure`` describes, its attention modules and token mixers (the fixes
-    follow, for all decoders at once); ``features``: the model's [`attention_features`], read once for all its
+    follow, for all decoders at once); ``features``: the model's [`~unpack_trainer.anatomy.attention.attention_features`], read once for all its
     decoders."""
     module = decoder.module
     if attention_implementation(module.config) is None:
@@ -150,7 +148,7 @@ def patch_model(
 
     Works on any decoder-only transformers model whose attention goes through transformers' attention interface and
     whose decoder builds its mask with transformers' mask functions (found from the model, see
-    :mod:`unpack_trainer.models.discovery`), on a ``PeftModel`` wrapping one, and on bitsandbytes-quantized models.
+    :mod:`unpack_trainer.anatomy.structure`), on a ``PeftModel`` wrapping one, and on bitsandbytes-quantized models.
     Calling it again with the same flags does nothing; with other flags it re-patches. A packed batch is
     ``model(**batch)`` with the collator's keys (``input_ids``, ``position_ids``, ``labels``, ``packed_seq_lengths``,
     ``cu_seq_lens_q/k``, ``max_length_q/k``, no ``attention_mask``) or just ``position_ids`` restarting at 0 per sample.
@@ -227,42 +225,12 @@ def install_fix(model: torch.nn.Module, name: str) -> None:
     fixes.install_fix(name, [FixSite(pretrained, module, decoder_state(module)) for module in decoders])
 
 
-def attention_features(model: torch.nn.Module, structure: ModelStructure | None = None) -> Needs:
-    """What the attention of ``model`` asks of a packed backend, as the choice reads it
-    (:class:`~unpack_trainer.patches.attention.Needs`): its features (logit softcapping,
-    ``config.attn_logit_softcapping``; sinks, a ``sinks`` parameter of an attention module; bidirectional image
-    blocks, :func:`unpack_trainer.models.vision.has_image_blocks`) and the largest and smallest query / value head
-    dims (``None`` when unknown). Of a vision-language model, its text model's attention (the vision tower's is never
-    packed). Works on a model built on the ``meta`` device. ``structure``: what the model is made of, where the
-    caller found it already (it is not discovered again)."""
-    config = pretrained_model(model).config.get_text_config()
-    packed = text_model(model, structure) or model
-    head_dims = [
-        getattr(module, "head_dim", None)
-        for module in packed.modules()
-        if isinstance(getattr(module, "head_dim", None), int)
-    ]
-    for name in ("v_head_dim", "qk_head_dim"):
-        if isinstance(getattr(config, name, None), int):
-            head_dims.append(getattr(config, name))
-    present = (
-        (AttentionFeature.SOFTCAP, bool(getattr(config, "attn_logit_softcapping", None))),
-        (AttentionFeature.SINKS, any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in packed.modules())),
-        (AttentionFeature.BIDIRECTIONAL, has_image_blocks(model, structure)),
-    )
-    return Needs(
-        frozenset(feature for feature, found in present if found),
-        max(head_dims) if head_dims else None,
-        min(head_dims) if head_dims else None,
-    )
-
-
 def resolve_backend(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> BackendChoice:
     """The attention backend packed batches of ``model`` will use, and why: a ``(name, reason)`` named tuple.
 
     ``name`` is one of :data:`unpack_trainer.patches.attention.REGISTRY`. Decided from the device and floating
     dtype of the model's parameters, its attention implementation, what its attention applies
-    (:func:`attention_features`), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
+    (:func:`~unpack_trainer.anatomy.attention.attention_features`), the installed kernels and ``UNPACK_ATTENTION_BACKEND`` (an impossible forced
     choice raises ``ValueError``). Dropout is left out: it only applies in training and every backend but
     ``torch_varlen`` applies it (which then hands over per call, logged once). The model need not be patched.
     ``compute_dtype``: the autocast dtype a trainer's mixed precision will run float32 parameters in (``bf16=True``:

@@ -12,10 +12,11 @@ from typing import NamedTuple
 
 import torch
 
-from unpack_trainer.models.discovery import ModelStructure
+from unpack_trainer.anatomy.attention import attention_features
+from unpack_trainer.anatomy.structure import ModelStructure
 from unpack_trainer.models.fixes import FIXES, FixSite
 from unpack_trainer.models.fixes.rope import rope_reasons
-from unpack_trainer.models.patch import attention_features, is_patched, patch_model, unpatch_model
+from unpack_trainer.models.patch import is_patched, patch_model, unpatch_model
 from unpack_trainer.models.refusals import PatchRefused, check_model
 from unpack_trainer.models.sequence_parallel import sequence_parallel_reason
 from unpack_trainer.models.state import decoder_state
@@ -32,7 +33,7 @@ class PatchPreview(NamedTuple):
             ``None``.
         structure: what the model is made of (its decoders, attention modules, token mixers).
         features: what its attention asks of a packed backend
-            (:func:`~unpack_trainer.models.patch.attention_features`).
+            (:func:`~unpack_trainer.anatomy.attention.attention_features`).
         fixes: the model-family fixes ``patch_model`` installs, in the order of
             :data:`~unpack_trainer.models.fixes.FIXES`.
         rope: per modeling module of its attention layers that defines ``apply_rotary_pos_emb``: why the fused RoPE

@@ -39,7 +39,6 @@ self-check decides.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import inspect
 from collections.abc import Callable, Iterator
@@ -47,21 +46,22 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.models.discovery import (
+from unpack_trainer.anatomy.structure import (
     MASK_BUILDERS,
     PER_TOKEN_LAYER_TYPES,
     AttentionCall,
-    Decoder,
     ModelStructure,
     attention_call,
     attention_chunks,
+    cross_attention_modules,
     discover,
     mentions,
     mentions_alibi,
+    meta_model,
 )
+from unpack_trainer.anatomy.vision import decoders_problem, image_block_problem, multi_axis_problem
 from unpack_trainer.models.fixes.alibi import packed_forward_for
 from unpack_trainer.models.mixers import handler_for
-from unpack_trainer.models.vision import decoders_problem, image_block_problem, multi_axis_problem
 from unpack_trainer.packed_seq_info import METADATA_KEYS
 from unpack_trainer.patches.attention import AttentionFeature
 
@@ -134,21 +134,11 @@ def _blocklisted(structure: ModelStructure) -> str | None:
     return BLOCKLIST.get(structure.model_type)
 
 
-def _cross_attention(decoder: Decoder) -> set[int]:
-    """ids of the decoder's cross-attention modules (run on an encoder's outputs, only when the forward gets them):
-    a module flagged ``is_cross_attention`` and everything under it, and classes named ``*CrossAttention``."""
-    found = set()
-    for module in decoder.module.modules():
-        if getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__:
-            found.update(map(id, module.modules()))
-    return found
-
-
 def _bidirectional(structure: ModelStructure) -> str | None:
     """Self-attention that is not causal (``is_causal=False``): an encoder (BERT, RoBERTa, ...) loaded as a causal LM
     without ``is_decoder=True``, whose every token attends to the tokens after it."""
     for decoder in structure.decoders:
-        cross = _cross_attention(decoder)
+        cross = cross_attention_modules(decoder.module)
         for module in decoder.attention:
             if id(module) in cross or getattr(module, "is_causal", True) is not False:
                 continue
@@ -231,7 +221,7 @@ def _row_positions(structure: ModelStructure) -> str | None:
     """An attention module that computes a term from positions it counts itself along the row (an ``arange`` over
     the row's length: Inkling's relative position bias and query scaling), or hands the attention function a
     ``position_bias`` of its own: on a packed row those positions run across samples. Read from the source of the
-    attention's ``forward`` (:func:`~unpack_trainer.models.discovery.attention_call`), through its decorators."""
+    attention's ``forward`` (:func:`~unpack_trainer.anatomy.structure.attention_call`), through its decorators."""
     for module, call in _own_attention_calls(structure):
         arguments = [a for a in call.row_positions if not _corrected_by_patch(module, a)]
         if arguments:
@@ -356,7 +346,7 @@ REFUSAL_CHECKS: tuple[tuple[RefusalKind, Callable[[ModelStructure], str | None]]
 
 
 def check_model(model: torch.nn.Module) -> ModelStructure:
-    """What ``model`` is made of (:func:`~unpack_trainer.models.discovery.discover`), once every check passed.
+    """What ``model`` is made of (:func:`~unpack_trainer.anatomy.structure.discover`), once every check passed.
 
     Raises:
         PatchRefused: the first check of :data:`REFUSAL_CHECKS` that finds a reason, with its kind.
@@ -401,27 +391,10 @@ _refusals: dict[tuple[type, str], PatchRefused | None] = {}
 
 
 def _structural_refusal(model_config: Any) -> PatchRefused | None:
-    from unpack_trainer.models.vision import auto_model_class
-
     try:
-        with torch.device("meta"), quiet_transformers():
-            model = auto_model_class(model_config).from_config(model_config)
-        check_model(model)
+        check_model(meta_model(model_config))
     except PatchRefused as refused:
         return refused
     except Exception:  # noqa: BLE001 - an unbuildable config is no refusal; the self-check still runs
         return None
     return None
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' logging at error level only, inside the block."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)

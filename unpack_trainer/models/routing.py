@@ -16,9 +16,6 @@ running now on the states of the decoders routed under its name (the one whose `
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +29,7 @@ from unpack_trainer._compat import (
     mask_functions,
     skip_packed_sequence_detection,
 )
+from unpack_trainer.anatomy.structure import eager_attention_function
 from unpack_trainer.models.state import DecoderState, attention_state
 from unpack_trainer.packed_seq_info import INFO_KEY, OWN_KEYS, SEQ_LENGTHS_KEY, PackedSeqInfo
 from unpack_trainer.patches.attention.dispatch import packed_attention_forward, packed_info_from_kwargs
@@ -183,28 +181,6 @@ def make_mask_function(
     return unpack_mask
 
 
-@functools.cache
-def _eager_function_of_class(cls: type) -> Callable[..., Any]:
-    """The eager attention function a module class falls back to: the ``*eager_attention_forward`` its ``forward``
-    passes to ``ALL_ATTENTION_FUNCTIONS.get_interface`` (looked up where that ``forward`` is defined), else its
-    modeling file's ``eager_attention_forward``, else Llama's."""
-    forward = inspect.unwrap(getattr(cls, "forward", None))
-    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
-    if code is not None:
-        named = [n for n in dict.fromkeys(code.co_names) if n.endswith("eager_attention_forward") and n in namespace]
-        if len(named) == 1:
-            return namespace[named[0]]
-    function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
-    if function is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as function
-    return function
-
-
-def _eager_function_of(module: torch.nn.Module) -> Callable[..., Any]:
-    """The eager attention function of ``module``'s class (what transformers falls back to for "eager")."""
-    return _eager_function_of_class(type(module))
-
-
 def _routed_info(module: torch.nn.Module, query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> PackedSeqInfo | None:
     """The packing metadata a registered function routes on, or ``None`` (then it runs the stock function exactly).
 
@@ -264,7 +240,7 @@ def make_attention_function(
         if fallback is not None:
             function = fallback
         elif original_implementation == "eager":
-            function = _eager_function_of(module)
+            function = eager_attention_function(type(module))
         else:
             function = stock_functions[original_implementation]
         return function(module, query, key, value, attention_mask, **kwargs)

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.models.discovery import model_type_of, pretrained_model
-from unpack_trainer.models.patch import attention_features
+from unpack_trainer.anatomy.attention import attention_features
+from unpack_trainer.anatomy.structure import model_type_of, pretrained_model
 from unpack_trainer.models.state import decoder_state
 from unpack_trainer.patches.attention import AttentionFeature
 
@@ -145,7 +145,7 @@ def _vision_verified(base: torch.nn.Module) -> bool:
     """Whether the vision-language model ``base`` is of a verified type (:data:`SHARD_VERIFIED_VISION`) and its
     multimodal model takes image features in place of pixel values (``mm_encoder_outputs``), which a shard's forward
     hands it."""
-    from unpack_trainer.models.vision import find_vision_language
+    from unpack_trainer.anatomy.vision import find_vision_language
 
     if model_type_of(base) not in SHARD_VERIFIED_VISION:
         return False

@@ -51,7 +51,7 @@ class DecoderState:
             (attention buckets on a fixed shape grid), so the compiled layers read it without a graph break and
             recompile only when its shapes change class.
         features: what the model's attention asks of a backend (a :class:`~unpack_trainer.patches.attention.Needs`,
-            :func:`unpack_trainer.models.patch.attention_features`; ``None`` when unknown), for that planning.
+            :func:`unpack_trainer.anatomy.attention.attention_features`; ``None`` when unknown), for that planning.
         hook_ids: ids of the decoder's own hooks (ids, not handles: a deep copy keeps the ids).
         mixers: ``(qualified name under the decoder, handler name)`` of each patched token mixer.
         fixes: the names of the fixes installed (:data:`unpack_trainer.models.fixes.FIXES`), in order.

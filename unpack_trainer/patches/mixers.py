@@ -35,7 +35,7 @@ such mixer exact on packed rows, in one of three ways:
   the taps ``s <= position[t]``.
 
 Which modules run per sample is found from the model's structure
-(:func:`unpack_trainer.models.discovery.find_token_mixers`); :class:`PerSampleMixers` is the handler that
+(:func:`unpack_trainer.anatomy.structure.find_token_mixers`); :class:`PerSampleMixers` is the handler that
 :mod:`unpack_trainer.models.mixers` offers them to, and it owns every one it can make exact (a bare convolution that
 is not depthwise causal, or a mixer outside the decoder layers, stays refused with the reason).
 
@@ -496,14 +496,14 @@ class _PackedMixerForward:
 
 class PerSampleMixers:
     """The mixer handler (:mod:`unpack_trainer.models.mixers`) of every causal token mixer the model's structure
-    shows (:func:`unpack_trainer.models.discovery.find_token_mixers`): a bare depthwise causal ``nn.Conv1d`` gets the
+    shows (:func:`unpack_trainer.anatomy.structure.find_token_mixers`): a bare depthwise causal ``nn.Conv1d`` gets the
     masked taps, anything else its installed kernels' varlen entry points where it can (on their device), else the
     padded buckets (see the module docstring)."""
 
     name = "per_sample"
 
     def handles(self, mixer: Any) -> bool:
-        """Whether ``mixer`` (a :class:`~unpack_trainer.models.discovery.TokenMixer`) can run per sample."""
+        """Whether ``mixer`` (a :class:`~unpack_trainer.anatomy.structure.TokenMixer`) can run per sample."""
         return mixer.problem is None and mixer.layer is not None
 
     def patch(self, module: torch.nn.Module, decoder: Any) -> None:

@@ -204,8 +204,8 @@ def stateful_mixer(model: torch.nn.Module) -> str | None:
     """The class name of the first token mixer of ``model`` that carries state along the sequence (a convolution or
     a recurrent scan: :func:`unpack_trainer.patches.mixers.mixer_kind`), else ``None``; of a vision-language model,
     its text decoder's (the vision tower's convolutions embed image patches, not a sequence a branch continues)."""
-    from unpack_trainer.models.discovery import pretrained_model
-    from unpack_trainer.models.vision import text_model
+    from unpack_trainer.anatomy.structure import pretrained_model
+    from unpack_trainer.anatomy.vision import text_model
     from unpack_trainer.patches.mixers import mixer_kind
 
     decoder = text_model(pretrained_model(model))
@@ -336,9 +336,9 @@ class BranchedTrainerMixin(PackedTrainerMixin):
         self._unpack_stop_sharing()
 
     def _unpack_sequence_positions(self, model: Any) -> Any:
-        """``model``'s (unwrapped) :class:`~unpack_trainer.models.vision.SequencePositions` (``None`` for a text
+        """``model``'s (unwrapped) :class:`~unpack_trainer.anatomy.vision.SequencePositions` (``None`` for a text
         model of 1-D positions), cached per model in the run state: what image prompts laid out in the step read."""
-        from unpack_trainer.models.vision import sequence_positions_of
+        from unpack_trainer.anatomy.vision import sequence_positions_of
 
         unwrapped = self.accelerator.unwrap_model(model)
         cache = self.unpack_run.positions

@@ -23,7 +23,7 @@ prompt segment, in the order of the segments, which is the order of the image to
 ([`pack_image_inputs`]); the per-token keys are read into the packed row. A text model of multi-axis positions (the
 Qwen2-VL family) numbers each token as the model's own ``get_rope_index`` numbers its full sequence ``[prompt;
 completion]`` alone, computed on TRL's padded batch (each row from its first real token) and read into the packed row
-through ``packed_token_index`` (:class:`unpack_trainer.models.vision.SequencePositions`); any other takes the packed
+through ``packed_token_index`` (:class:`unpack_trainer.anatomy.vision.SequencePositions`); any other takes the packed
 row's 1-D positions, which restart at 0 per prompt and continue it in each branch. Either way a branch continues its
 prompt exactly as its full sequence alone. A vision input of no layout above is named by [`row_slices`], and the
 forward runs TRL's padded batch.
@@ -211,7 +211,7 @@ def pack_image_inputs(
         vision: TRL's vision tensors of the whole forward (any device), by name.
         slices: these ``R`` rows' entries in them ([`row_slices`], [`RowSlices.rows`]).
         per_token: these rows' per-token keys ``(R, L)`` int on the CPU (``mm_token_type_ids``, ``token_type_ids``).
-        positions: the model's :class:`~unpack_trainer.models.vision.SequencePositions`, or ``None`` for a text model
+        positions: the model's :class:`~unpack_trainer.anatomy.vision.SequencePositions`, or ``None`` for a text model
             of 1-D positions (the packed row's own).
 
     Returns:

@@ -125,8 +125,8 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
     ) -> DataCollatorForPackedUnpairedPreference | DataCollatorForPackedVisionUnpairedPreference:
         padded = self._padded_collator()
         if isinstance(padded, self.unpack_trl_vision_collator()):
-            from unpack_trainer.models.discovery import pretrained_model
-            from unpack_trainer.models.vision import sequence_positions_of
+            from unpack_trainer.anatomy.structure import pretrained_model
+            from unpack_trainer.anatomy.vision import sequence_positions_of
 
             model = pretrained_model(self.accelerator.unwrap_model(self.model))
             return DataCollatorForPackedVisionUnpairedPreference(

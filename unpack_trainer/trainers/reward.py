@@ -23,10 +23,10 @@ import trl
 from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer import _trl_compat
+from unpack_trainer.anatomy.score_head import score_head_refusal
 from unpack_trainer.configs import RewardConfig
 from unpack_trainer.data.preference import pack_preference_pairs
 from unpack_trainer.decision import PackingDecision, explicit_padding_free
-from unpack_trainer.models.fixes.classification_head import score_head_refusal
 from unpack_trainer.packed_seq_info import SCORE_ORDER_KEY, TOKEN_INDEX_KEY
 from unpack_trainer.trainers.branched import PackedPairsMixin
 
@@ -103,7 +103,7 @@ class RewardTrainer(PackedPairsMixin, trl.RewardTrainer):
     pair start with run once (see the module docstring). The decision, switches, self-checks and fallbacks are those
     of [`PackedPairsMixin`] (and its core [`PackedTrainerMixin`], which documents the attributes); on top, a
     model whose score cannot be read per packed sequence
-    ([`unpack_trainer.models.fixes.classification_head.score_head_refusal`]) trains on TRL's padded batches, logged once
+    ([`unpack_trainer.anatomy.score_head.score_head_refusal`]) trains on TRL's padded batches, logged once
     with the reason. Evaluation batches are packed too, also with ``compute_metrics``: its predictions are one score
     per sequence in TRL's order, as stock.
     """

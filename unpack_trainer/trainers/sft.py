@@ -266,7 +266,7 @@ class SFTTrainer(PackedTrainerMixin, trl.SFTTrainer):
         """TRL's vision collator, run without truncation (the packing collator truncates text only, never an
         image), each batch one packed row; the model's multi-axis positions computed with it where its text model
         takes them."""
-        from unpack_trainer.models.vision import sample_positions_of
+        from unpack_trainer.anatomy.vision import sample_positions_of
 
         process = _trl_compat.vision_collator_without_truncation(self.unpack_run.vision_collator)
         positions = sample_positions_of(self.model) if self.unpack_decision.patch else None

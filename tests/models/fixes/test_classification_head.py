@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unpack_trainer.anatomy.score_head import find_score_head, score_head_refusal
 from unpack_trainer.model_zoo.tiny import tiny_config
 from unpack_trainer.models import patch_model, unpatch_model
-from unpack_trainer.models.fixes.classification_head import find_score_head, score_head_refusal
 from unpack_trainer.packed_seq_info import PackedSeqInfo
 
 PAD = 0

@@ -281,17 +281,15 @@ def model_report(model: str, *, device: str | None = None) -> dict[str, Any]:
     import torch
 
     from unpack_trainer._compat import attention_implementation
+    from unpack_trainer.anatomy.structure import auto_model_class, meta_model
     from unpack_trainer.models import supported_model_types
     from unpack_trainer.models.preview import preview_patch
-    from unpack_trainer.models.refusals import quiet_transformers
     from unpack_trainer.models.verified import VERIFIED_VISION_WITH, VERIFIED_WITH
-    from unpack_trainer.models.vision import auto_model_class
 
     config, source = _config(model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        with torch.device("meta"), quiet_transformers():
-            built = auto_model_class(config).from_config(config)
+        built = meta_model(config)
     except Exception as error:  # noqa: BLE001 - one line for the user
         what = (
             "no vision-language model"
@@ -385,8 +383,8 @@ def _rope(reasons: dict[str, str | None]) -> str | None:
 def _vision_path(built: Any, structure: Any) -> dict[str, str] | None:
     """How the packed rows of a vision-language model are made exact (``None`` for a text model): which module runs
     the vision tower apart from the packing, its positions per sample and its image tokens' attention."""
+    from unpack_trainer.anatomy.vision import RopeIndex, find_vision_language, image_block_layer_types
     from unpack_trainer.models.verified import verified_vision_model_types
-    from unpack_trainer.models.vision import RopeIndex, find_vision_language, image_block_layer_types
 
     vision = find_vision_language(built, structure)
     if vision is None:

@@ -8,10 +8,10 @@ its sliding-window layers only (its full-attention layers stay causal). On a pac
 builds no mask, so the blocks travel on the batch's :class:`~unpack_trainer.packed_seq_info.PackedSeqInfo` as
 ``bidirectional_spans``: a forward pre-hook on the multimodal model (after
 :mod:`~unpack_trainer.models.fixes.vision_language`'s, which decided the packing) reads the model's own block ids of
-the token types its function takes (:func:`unpack_trainer.models.vision.image_block_key`), cuts them at every sample
-start (:func:`unpack_trainer.models.vision.image_block_spans`) and replaces the decided metadata by one with those
+the token types its function takes (:func:`unpack_trainer.anatomy.vision.image_block_key`), cuts them at every sample
+start (:func:`unpack_trainer.anatomy.vision.image_block_spans`) and replaces the decided metadata by one with those
 spans, in the decoder's state. Which layers apply them is read from the model's own mask builder
-(:func:`unpack_trainer.models.vision.image_block_layer_types`); the attention modules of the other layers are marked
+(:func:`unpack_trainer.anatomy.vision.image_block_layer_types`); the attention modules of the other layers are marked
 (:attr:`~unpack_trainer.models.state.AttentionState.image_blocks`) and get the samples without spans
 (:meth:`~unpack_trainer.packed_seq_info.PackedSeqInfo.without_bidirectional_spans`). Flex, SDPA and eager apply the
 spans (with a window as the sliding layers do); the varlen kernels cannot and are not chosen (the attention feature
@@ -34,16 +34,16 @@ from collections.abc import Callable
 
 import torch
 
-from unpack_trainer.models.fixes.record import Fix, FixSite
-from unpack_trainer.models.fixes.vision_language import carried_info, hook_multimodal_model, unhook_multimodal_model
-from unpack_trainer.models.state import DecoderState, attention_state
-from unpack_trainer.models.vision import (
+from unpack_trainer.anatomy.vision import (
     find_vision_language,
     image_block_layer_types,
     image_block_spans,
     is_vision_language,
     sequence_shard,
 )
+from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.fixes.vision_language import carried_info, hook_multimodal_model, unhook_multimodal_model
+from unpack_trainer.models.state import DecoderState, attention_state
 from unpack_trainer.packed_seq_info import INFO_KEY
 
 __all__ = ["FIX"]

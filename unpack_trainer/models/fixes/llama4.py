@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.models.discovery import attention_chunks
+from unpack_trainer.anatomy.structure import attention_chunks
 from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.models.state import attention_state
 

@@ -7,14 +7,14 @@ model computes them from the row when no positions are given, which on a packed 
 the first; restarting 1-D ``position_ids`` do not carry the image axes at all. A forward pre-hook on the multimodal
 model (after :mod:`~unpack_trainer.models.fixes.vision_language`'s, which decided the packing) gives a packed batch,
 in place of its ``position_ids``, each sample's own positions in the layout the text model takes
-(:func:`unpack_trainer.models.vision.multimodal_positions`): 4 rows ``[text; t; h; w]`` where the text model reads a
+(:func:`unpack_trainer.anatomy.vision.multimodal_positions`): 4 rows ``[text; t; h; w]`` where the text model reads a
 text row (``position_ids[0]``, restarting per sample), else 3 rows ``[t; h; w]``. Positions that already have that
 layout are used as given, and so are the collator's (``packed_multimodal_position_ids``, computed ahead on the CPU
-with :class:`~unpack_trainer.models.vision.SamplePositions`, so the forward needs no host sync). 3 rows where 4 are
+with :class:`~unpack_trainer.anatomy.vision.SamplePositions`, so the forward needs no host sync). 3 rows where 4 are
 read, or 2-D positions other than the per-sample ``0, 1, 2, ...``, are refused with a ``ValueError``: each runs
 without an error and contaminates (measured 0.29-0.43 logit error). A branched row (prompts shared by their
 completions, :mod:`unpack_trainer.trainers.branched`) numbers every token as its full sequence ``[prompt; branch]``
-alone: with images, from the collator's positions (:class:`~unpack_trainer.models.vision.SequencePositions`, read from
+alone: with images, from the collator's positions (:class:`~unpack_trainer.anatomy.vision.SequencePositions`, read from
 each full sequence); text only, from the model's own ``get_rope_index`` over the row's branch units
 (:meth:`~unpack_trainer.packed_seq_info.PackedSeqInfo.branch_units`); a branched image row without the collator's
 positions is refused.
@@ -32,10 +32,7 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.models.fixes.record import Fix, FixSite
-from unpack_trainer.models.fixes.vision_language import carried_info, hook_multimodal_model, unhook_multimodal_model
-from unpack_trainer.models.state import DecoderState
-from unpack_trainer.models.vision import (
+from unpack_trainer.anatomy.vision import (
     MM_TOKEN_TYPES_KEY,
     ROPE_INDEX_INPUTS,
     RopeIndex,
@@ -43,6 +40,9 @@ from unpack_trainer.models.vision import (
     is_vision_language,
     multimodal_positions,
 )
+from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.fixes.vision_language import carried_info, hook_multimodal_model, unhook_multimodal_model
+from unpack_trainer.models.state import DecoderState
 from unpack_trainer.packed_seq_info import MULTIMODAL_POSITIONS_KEY, PackedSeqInfo
 
 __all__ = ["FIX"]
@@ -87,7 +87,7 @@ def _positions(
             raise ValueError(
                 f"A packed batch of {type(module).__name__} with shared prompts and images needs each full "
                 f"sequence's positions with it (`{MULTIMODAL_POSITIONS_KEY}`, from its collator: "
-                "unpack_trainer.models.vision.SequencePositions); a branch continues its prompt's image positions."
+                "unpack_trainer.anatomy.vision.SequencePositions); a branch continues its prompt's image positions."
             )
         return _branched_positions(rope_index, input_ids, info, inputs, rows)
     if has_images and rope_index.accepts(MM_TOKEN_TYPES_KEY) and inputs[MM_TOKEN_TYPES_KEY] is None:

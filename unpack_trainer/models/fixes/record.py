@@ -11,7 +11,7 @@ import torch
 from unpack_trainer.models.state import DecoderState
 
 if TYPE_CHECKING:
-    from unpack_trainer.models.discovery import Decoder, ModelStructure
+    from unpack_trainer.anatomy.structure import Decoder, ModelStructure
 
 __all__ = ["Fix", "FixSite", "forward_wrapping_fix"]
 
@@ -29,7 +29,7 @@ class FixSite(NamedTuple):
             ``install``; ``None`` for ``remove`` (which works from ``module`` and ``state`` alone).
         structure: what the whole model is made of, as :func:`unpack_trainer.models.patch_model` found it once for
             all its decoders (hand it on to what would otherwise discover the model again, such as
-            :func:`~unpack_trainer.models.vision.find_vision_language`); ``None`` outside ``patch_model``.
+            :func:`~unpack_trainer.anatomy.vision.find_vision_language`); ``None`` outside ``patch_model``.
     """
 
     model: torch.nn.Module

@@ -8,7 +8,7 @@ itself: each attention module's :class:`~unpack_trainer.models.state.AttentionSt
 
 from __future__ import annotations
 
-from unpack_trainer.models.discovery import class_references, mentions
+from unpack_trainer.anatomy.structure import class_references, mentions
 from unpack_trainer.models.fixes.record import Fix, FixSite
 from unpack_trainer.models.state import attention_state
 

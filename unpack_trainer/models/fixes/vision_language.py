@@ -2,7 +2,7 @@
 to the text decoder.
 
 A vision-language model's *multimodal model* (``Qwen2_5_VLModel``, ``Gemma3Model``, ``LlavaModel``, ...: the module
-that holds the text decoder and the vision tower, :func:`unpack_trainer.models.vision.find_vision_language`) hands its
+that holds the text decoder and the vision tower, :func:`unpack_trainer.anatomy.vision.find_vision_language`) hands its
 keyword arguments on to its vision tower as well as to its text decoder. The vision tower's attention runs per image
 (its own ``cu_seqlens``) and must stay exactly as stock, so the packing keywords must not reach it. A forward
 pre-hook on the multimodal model takes them off the call (``packed_seq_info``, ``packed_seq_lengths``,
@@ -30,7 +30,7 @@ a process's forward holds ``input_ids`` / ``position_ids`` of its shard only, an
 whole (``packed_vision_inputs``, :class:`~unpack_trainer.data.vision.WholeRowInputs`). This hook gives the model
 the shard's part of them (:func:`_shard_inputs`): the image features of the shard's image tokens as
 ``mm_encoder_outputs`` (the model's own ``get_image_features`` on the images with a token in the shard, cut to those
-tokens: :func:`~unpack_trainer.models.vision.shard_image_features`; the model scatters them itself), the shard's
+tokens: :func:`~unpack_trainer.anatomy.vision.shard_image_features`; the model scatters them itself), the shard's
 per-token keys and multi-axis positions; the key the image blocks are read from stays whole, for the image-blocks hook
 to read the whole row's spans. A forward of the whole row (evaluation) gets the whole row's inputs back as the
 collator built them. DeepSpeed replaces the attention function of the model's implementation name process-wide with
@@ -55,17 +55,17 @@ from unpack_trainer._compat import (
     remove_hook,
     sequence_parallel_group,
 )
-from unpack_trainer.data.vision import PER_TOKEN_KEYS, WHOLE_ROW_KEY, WholeRowInputs
-from unpack_trainer.models.discovery import builds_mask_with_transformers, uses_attention_interface
-from unpack_trainer.models.fixes.record import Fix, FixSite
-from unpack_trainer.models.state import DecoderState
-from unpack_trainer.models.vision import (
+from unpack_trainer.anatomy.structure import builds_mask_with_transformers, uses_attention_interface
+from unpack_trainer.anatomy.vision import (
     VisionLanguage,
     find_vision_language,
     is_vision_language,
     sequence_shard,
     shard_image_features,
 )
+from unpack_trainer.data.vision import PER_TOKEN_KEYS, WHOLE_ROW_KEY, WholeRowInputs
+from unpack_trainer.models.fixes.record import Fix, FixSite
+from unpack_trainer.models.state import DecoderState
 from unpack_trainer.packed_seq_info import (
     CU_SEQ_LENS_K_KEY,
     CU_SEQ_LENS_Q_KEY,
@@ -148,7 +148,7 @@ def _shard_inputs(
         raise ValueError(
             f"A packed row of {type(module).__name__} cut for sequence parallelism needs each sample's multi-axis "
             f"positions with it (`{MULTIMODAL_POSITIONS_KEY}`, from its collator: "
-            "unpack_trainer.models.vision.SamplePositions); a shard cannot compute them from its own tokens."
+            "unpack_trainer.anatomy.vision.SamplePositions); a shard cannot compute them from its own tokens."
         )
     for key, value in inputs.items():
         if key == "input_ids":

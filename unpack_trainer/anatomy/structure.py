@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 import textwrap
 import types
 from collections.abc import Callable, Iterator
@@ -39,8 +40,12 @@ __all__ = [
     "TokenMixer",
     "attention_call",
     "attention_chunks",
+    "auto_model_class",
+    "cross_attention_modules",
     "discover",
+    "eager_attention_function",
     "find_token_mixers",
+    "meta_model",
     "pretrained_model",
 ]
 
@@ -60,11 +65,11 @@ PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _code_names(code: types.CodeType) -> set[str]:
+def code_names(code: types.CodeType) -> set[str]:
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _code_names(const)
+            names |= code_names(const)
     return names
 
 
@@ -126,7 +131,7 @@ def _function_references(function: Any, seen: set[int]) -> dict[str, Any]:
     seen.add(id(code))
     namespace = getattr(function, "__globals__", {})
     found: dict[str, Any] = {}
-    for name in _code_names(code):
+    for name in code_names(code):
         if name not in namespace:
             continue
         value = namespace[name]
@@ -148,7 +153,24 @@ def class_references(cls: type) -> dict[str, Any]:
 
 def mentions(cls: type, attribute: str) -> bool:
     """Whether a method of ``cls`` (from transformers' modeling code) reads an attribute named ``attribute``."""
-    return any(attribute in _code_names(function.__code__) for _, _, function in transformers_methods(cls))
+    return any(attribute in code_names(function.__code__) for _, _, function in transformers_methods(cls))
+
+
+@functools.cache
+def eager_attention_function(cls: type) -> Callable[..., Any]:
+    """The eager attention function a module class falls back to: the ``*eager_attention_forward`` its ``forward``
+    passes to ``ALL_ATTENTION_FUNCTIONS.get_interface`` (looked up where that ``forward`` is defined), else its
+    modeling file's ``eager_attention_forward``, else Llama's."""
+    forward = inspect.unwrap(getattr(cls, "forward", None))
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    if code is not None:
+        named = [n for n in dict.fromkeys(code.co_names) if n.endswith("eager_attention_forward") and n in namespace]
+        if len(named) == 1:
+            return namespace[named[0]]
+    function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    if function is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as function
+    return function
 
 
 def uses_attention_interface(cls: type) -> bool:
@@ -379,6 +401,39 @@ def pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
     raise TypeError(
         f"patch_model expects a transformers PreTrainedModel (or a PeftModel wrapping one), got {type(model).__name__}."
     )
+
+
+def auto_model_class(config: Any) -> type:
+    """The transformers auto class that builds a trainable model of ``config``: ``AutoModelForImageTextToText`` for a
+    vision-language config (a ``vision_config``), else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def meta_model(config: Any) -> torch.nn.Module:
+    """The trainable model ``config`` describes (:func:`auto_model_class`), built on the ``meta`` device: its
+    structure without memory or weights, to be read, with transformers' and this package's notices quiet.
+
+    Raises:
+        Exception: whatever transformers raises for a config it cannot build.
+    """
+    from unpack_trainer._logging import quiet_loggers
+
+    with torch.device("meta"), quiet_loggers():
+        return auto_model_class(config).from_config(config)
+
+
+def cross_attention_modules(decoder: torch.nn.Module) -> set[int]:
+    """ids of the cross-attention modules of ``decoder`` (run on an encoder's outputs, only when the forward gets
+    them): a module flagged ``is_cross_attention`` and everything under it, and classes named ``*CrossAttention``."""
+    found = set()
+    for module in decoder.modules():
+        if getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__:
+            found.update(map(id, module.modules()))
+    return found
 
 
 def model_type_of(pretrained: torch.nn.Module) -> str:

@@ -5,7 +5,7 @@ packed image+text samples give what each gives alone, family x backend, fp32 on 
   flash-attn / torch varlen kernels as CPU stand-ins installed the way the real kernels are resolved;
 - packed loss and every parameter gradient (vision tower included) == a padded batch of the same samples;
 - multi-axis positions (the Qwen2-VL family) from the model's own ``get_rope_index`` per sample, in the forward hook
-  or ahead in the collator (:class:`unpack_trainer.models.vision.RopeIndex`); every layout that would contaminate is
+  or ahead in the collator (:class:`unpack_trainer.anatomy.vision.RopeIndex`); every layout that would contaminate is
   refused with a reason;
 - Gemma 3's bidirectional image blocks on flex / SDPA / eager, on plain rows and on a shared image prompt; a varlen
   kernel hands them over (logged), or refuses when forced.
@@ -19,6 +19,7 @@ import pickle
 import pytest
 import torch
 
+from unpack_trainer.anatomy.vision import RopeIndex, find_vision_language, multimodal_positions, rope_index_of
 from unpack_trainer.data.vision import pack_processed
 from unpack_trainer.model_zoo.tiny import loss_and_grads
 from unpack_trainer.model_zoo.tiny_vision import (
@@ -30,7 +31,6 @@ from unpack_trainer.model_zoo.tiny_vision import (
     vision_sample,
 )
 from unpack_trainer.models import PatchRefused, patch_model, unpatch_model
-from unpack_trainer.models.vision import RopeIndex, find_vision_language, multimodal_positions, rope_index_of
 from unpack_trainer.packed_seq_info import METADATA_KEYS, MULTIMODAL_POSITIONS_KEY
 from unpack_trainer.patches import attention
 
@@ -287,8 +287,8 @@ def test_gemma4_image_blocks_follow_its_switch_and_layer_types():
     """Gemma 4's image tokens attend both ways where its text config's ``use_bidirectional_attention`` is
     ``"vision"``, on its sliding-window layers only (read from its own mask builder): the fix marks its full-attention
     layers causal; with ``None`` (its smaller models) no image-blocks fix is installed, and both pack exactly."""
+    from unpack_trainer.anatomy.vision import image_block_layer_types
     from unpack_trainer.models.state import attention_state, decoder_state
-    from unpack_trainer.models.vision import image_block_layer_types
 
     model = patch_model(_model("gemma4"))
     assert image_block_layer_types(find_vision_language(model).module) == {"sliding_attention"}
@@ -473,7 +473,7 @@ def test_multi_axis_rope_without_get_rope_index_is_refused(monkeypatch):
 def test_an_unknown_bidirectional_rule_is_refused(monkeypatch):
     """Image tokens attending both ways by a rule the package does not read (here: Gemma 3 with its block function
     hidden) are refused before any forward."""
-    from unpack_trainer.models import vision
+    from unpack_trainer.anatomy import vision
 
     model = _model("gemma3")
     monkeypatch.setattr(vision, "_image_block_function", lambda module: None)

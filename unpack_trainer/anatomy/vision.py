@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from unpack_trainer.models.discovery import ModelStructure, class_references, mentions, pretrained_model, unwrapped
+from unpack_trainer.anatomy.structure import ModelStructure, class_references, mentions, pretrained_model, unwrapped
 from unpack_trainer.packed_seq_info import PackedSeqInfo, id_runs
 
 __all__ = [
@@ -60,7 +60,6 @@ __all__ = [
     "ImageSelection",
     "SequencePositions",
     "VisionLanguage",
-    "auto_model_class",
     "decoders_problem",
     "find_vision_language",
     "has_image_blocks",
@@ -109,16 +108,6 @@ class VisionLanguage:
     position_rows: int
     image_blocks: Callable[..., torch.Tensor] | None
     image_block_key: str | None = None
-
-
-def auto_model_class(config: Any) -> type:
-    """The transformers auto class that builds a trainable model of ``config``: ``AutoModelForImageTextToText`` for a
-    vision-language config (a ``vision_config``), else ``AutoModelForCausalLM``."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    if getattr(config, "vision_config", None) is not None:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
 
 
 def is_vision_language(model: torch.nn.Module) -> bool:
@@ -265,7 +254,7 @@ def vision_problem(model: torch.nn.Module, structure: ModelStructure | None = No
     """Why the packed rows of the vision-language model ``model`` cannot be exact (:func:`decoders_problem`,
     :func:`multi_axis_problem`, :func:`image_block_problem`), or ``None`` (also for a model that is no vision-language
     model). Read from the model's structure and code, before any forward; works on the ``meta`` device."""
-    from unpack_trainer.models.discovery import discover
+    from unpack_trainer.anatomy.structure import discover
 
     if not is_vision_language(model):
         return None
@@ -281,7 +270,7 @@ def has_image_blocks(model: torch.nn.Module, structure: ModelStructure | None = 
     """Whether some tokens of ``model`` (a vision-language model's image tokens: Gemma 3, Gemma 4 where its config
     switches them on) attend to each other both
     ways on packed rows (an attention feature the varlen kernels cannot apply). Works on the ``meta`` device."""
-    from unpack_trainer.models.discovery import discover
+    from unpack_trainer.anatomy.structure import discover
 
     if not is_vision_language(model):
         return False
@@ -292,7 +281,7 @@ def has_image_blocks(model: torch.nn.Module, structure: ModelStructure | None = 
 def text_model(model: torch.nn.Module, structure: ModelStructure | None = None) -> torch.nn.Module | None:
     """The text decoder of the vision-language model ``model`` (the one module the patch packs), or ``None`` for a
     model that is no vision-language model or has other than one text decoder. Works on the ``meta`` device."""
-    from unpack_trainer.models.discovery import discover
+    from unpack_trainer.anatomy.structure import discover
 
     if not is_vision_language(model):
         return None
@@ -307,7 +296,7 @@ def find_vision_language(model: torch.nn.Module, structure: ModelStructure | Non
     Raises:
         ValueError: :func:`vision_problem` found a reason it cannot be packed exactly.
     """
-    from unpack_trainer.models.discovery import discover
+    from unpack_trainer.anatomy.structure import discover
 
     if not is_vision_language(model):
         return None
