@@ -17,7 +17,6 @@ positions read from its full sequence (the model's own ``get_rope_index``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import trl
@@ -45,17 +44,9 @@ class DPOTrainer(PackedPairsMixin, trl.DPOTrainer):
     unpack_trl_collator = staticmethod(_trl_compat.dpo_padded_collator_class)
     unpack_trl_vision_collator = staticmethod(_trl_compat.dpo_vision_collator_class)
     unpack_config_class = DPOConfig
+    unpack_packing_means = "the pairs of each batch in one packed row"
     unpack_trl_methods = _trl_compat.DPO_TRAINER_METHODS
     unpack_trl_attributes = _trl_compat.DPO_TRAINER_ATTRIBUTES
-
-    def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
-        """The core's decision; a packing request reads as what it does here (pairs are packed per batch)."""
-        args = super()._unpack_before_init(model, args, **arguments)
-        if self.unpack_decision.mode == "pack":
-            self.unpack_decision = dataclasses.replace(
-                self.unpack_decision, reason="packing=True: the pairs of each batch in one packed row"
-            )
-        return args
 
     # ------------------------------------------------------------------------------------------------ core hooks
 

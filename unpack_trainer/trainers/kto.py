@@ -99,19 +99,11 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
     unpack_trl_collator = staticmethod(_trl_compat.kto_padded_collator_class)
     unpack_trl_vision_collator = staticmethod(_trl_compat.kto_vision_collator_class)
     unpack_config_class = KTOConfig
+    unpack_packing_means = "the examples of each batch in packed rows"
     unpack_trl_methods = _trl_compat.KTO_TRAINER_METHODS
     unpack_trl_attributes = _trl_compat.KTO_TRAINER_ATTRIBUTES
     unpack_run_class = KTORun
     unpack_run: KTORun
-
-    def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
-        """The core's decision; a packing request reads as what it does here (examples are packed per batch)."""
-        args = super()._unpack_before_init(model, args, **arguments)
-        if self.unpack_decision.mode == "pack":
-            self.unpack_decision = dataclasses.replace(
-                self.unpack_decision, reason="packing=True: the examples of each batch in packed rows"
-            )
-        return args
 
     # ------------------------------------------------------------------------------------------------ core hooks
 

@@ -11,6 +11,7 @@ its models, what TRL's data path should pack, ...). Everything they decide is ke
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -163,6 +164,8 @@ def decide_run(
             getattr(args, "parallelism_config", None), env, sequence_parallel=trainer.unpack_sequence_parallel
         ),
     )
+    if decision.mode == "pack" and trainer.unpack_packing_means is not None:
+        decision = dataclasses.replace(decision, reason=f"packing=True: {trainer.unpack_packing_means}")
     run.decision, run.args = decision, args
     run.eval_flattened, run.eval_note = eval_batches(args, decision, has_metrics=has_metrics)
     trl_args = copy.copy(args)

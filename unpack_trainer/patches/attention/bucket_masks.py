@@ -19,10 +19,9 @@ __all__ = [
     "additive_mask",
     "alibi_bias",
     "band_mask",
-    "bidirectional_additive_mask",
     "bidirectional_mask",
-    "branch_additive_mask",
     "branch_mask",
+    "bucket_additive_mask",
 ]
 
 
@@ -30,13 +29,6 @@ __all__ = [
 class _BranchMask(NamedTuple):
     bucket_index: int
     sliding_window: int | None
-    device: str
-
-
-class _BranchAdditiveMask(NamedTuple):
-    bucket_index: int
-    sliding_window: int | None
-    dtype: torch.dtype
     device: str
 
 
@@ -60,8 +52,8 @@ class _BidirectionalMask(NamedTuple):
     device: str
 
 
-class _BidirectionalAdditiveMask(NamedTuple):
-    kind: str
+class _BucketAdditiveMask(NamedTuple):
+    kind: str  # "branch" (a branch plan's later-branch bucket), else the bidirectional mask's kind
     bucket_index: int
     sliding_window: int | None
     dtype: torch.dtype
@@ -128,24 +120,6 @@ def branch_mask(
         return (torch.where(i < q_lengths, allowed, padding)).to(device, non_blocking=True)
 
     return _cached(info, _BranchMask(bucket_index, sliding_window, str(device)), build)
-
-
-def branch_additive_mask(
-    info: PackedSeqInfo,
-    bucket_index: int,
-    bucket: Bucket,
-    sliding_window: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Tensor:
-    """:func:`branch_mask` as an ``(n, 1, L, Lk)`` ``dtype`` additive mask: 0 where allowed, ``finfo(dtype).min``
-    elsewhere (finite, as :func:`additive_mask`)."""
-
-    def build() -> Tensor:
-        allowed = branch_mask(info, bucket_index, bucket, sliding_window, device)
-        return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
-
-    return _cached(info, _BranchAdditiveMask(bucket_index, sliding_window, dtype, str(device)), build)
 
 
 def band_mask(info: PackedSeqInfo, length: int, sliding_window: int, device: torch.device) -> Tensor:
@@ -241,7 +215,7 @@ def bidirectional_mask(
     return info.plans.get(_BidirectionalMask(kind, bucket_index, sliding_window, str(device)), build)
 
 
-def bidirectional_additive_mask(
+def bucket_additive_mask(
     info: PackedSeqInfo,
     bucket_index: int,
     bucket: Bucket,
@@ -249,15 +223,22 @@ def bidirectional_additive_mask(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Tensor | None:
-    """:func:`bidirectional_mask` as an ``(n, 1, L, L)`` ``dtype`` additive mask (0 where allowed,
-    ``finfo(dtype).min`` elsewhere), or ``None``."""
+    """The bucket's own mask as an ``(n, 1, L, Lk)`` ``dtype`` additive mask, 0 where allowed and ``finfo(dtype).min``
+    elsewhere (finite, as :func:`additive_mask`): a branch bucket's (:func:`branch_mask`), else a causal bucket's
+    bidirectional spans (:func:`bidirectional_mask`); ``None`` where neither applies (the bucket is causal: the
+    shared :func:`additive_mask` serves it)."""
+    branch = bool(bucket.key_length)
+    if not branch and info.bidirectional_spans is None:
+        return None
 
     def build() -> Tensor | None:
-        allowed = bidirectional_mask(info, bucket_index, bucket, sliding_window, device)
+        boolean = branch_mask if branch else bidirectional_mask
+        allowed = boolean(info, bucket_index, bucket, sliding_window, device)
         if allowed is None:
             return None
         return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
 
-    kind = "samples" if bucket.samples is not None else "units"
-    key = _BidirectionalAdditiveMask(kind, bucket_index, sliding_window, dtype, str(device))
-    return info.plans.get(key, build)
+    kind = "branch" if branch else ("samples" if bucket.samples is not None else "units")
+    key = _BucketAdditiveMask(kind, bucket_index, sliding_window, dtype, str(device))
+    # a branch mask is a few elementwise ops on the bucket's shape (built in a compiled graph); spans are read on the host
+    return _cached(info, key, build) if branch else info.plans.get(key, build)

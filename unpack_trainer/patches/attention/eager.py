@@ -20,8 +20,7 @@ from unpack_trainer.patches.attention._common import (
 from unpack_trainer.patches.attention.bucket_masks import (
     additive_mask,
     alibi_bias,
-    bidirectional_additive_mask,
-    branch_additive_mask,
+    bucket_additive_mask,
 )
 from unpack_trainer.patches.buckets import BucketPlan, attention_plan, bucketed, key_bucketed, unbucketed
 
@@ -69,11 +68,7 @@ def buckets_forward(
     outputs = []
     for index, (bucket, q_bucket, k_bucket, v_bucket) in enumerate(zip(plan.buckets, qs, ks, vs)):
         length, key_length = bucket.length, bucket.key_length or bucket.length
-        mask = None
-        if bucket.key_length:
-            mask = branch_additive_mask(info, index, bucket, options.sliding_window, query.dtype, query.device)
-        elif info.bidirectional_spans is not None:
-            mask = bidirectional_additive_mask(info, index, bucket, options.sliding_window, query.dtype, query.device)
+        mask = bucket_additive_mask(info, index, bucket, options.sliding_window, query.dtype, query.device)
         if mask is None:
             mask = additive_mask(info, length, options.sliding_window, query.dtype, query.device)
         per_chunk = max(1, MAX_SCORE_ELEMENTS // (num_heads * length * key_length))
