@@ -47,8 +47,8 @@ class TrainerHooks:
     ``TrainingArguments`` is converted to it; declaring it makes a class one of the package's trainers, which takes its
     own name as ``unpack_name``, the start line's prefix, and the TRL trainer class it derives from as
     ``unpack_trl_class``, whose private names [`unpack_trainer._trl_compat`] checks), ``unpack_packs_in``,
-    ``unpack_packs_vision``, ``unpack_sequence_parallel``, ``unpack_packing_means`` and ``unpack_run_class`` (below). The core reads from the
-    config only what it has: TRL's fields the decision reads (``packing``, ``padding_free``, ``max_length``, ...) and
+    ``unpack_packs_vision``, ``unpack_sequence_parallel``, ``unpack_packing_means`` and ``unpack_run_class`` (below).
+    The core reads from the config only what it has: TRL's fields the decision reads (``packing``, ``padding_free``, ``max_length``, ...) and
     ours (``loss_normalization``, ``balance_samples_per_step``; see [`unpack_trainer.SFTConfig`] for their meaning; a
     config without them trains with TRL's token loss and TRL's sampler).
     """
@@ -63,8 +63,8 @@ class TrainerHooks:
     # keeps such a set-up padded, with that reason, where it does not.
     unpack_packs_vision: bool = False
     # Whether the trainer packs under sequence parallelism (DeepSpeed Ulysses): its collator's rows, ready to be cut,
-    # carry the whole row's boundaries to every shard (SFT, DPO; GRPO and RLOO cut the rows of their step); elsewhere `sp_size > 1` is refused like context
-    # parallelism.
+    # carry the whole row's boundaries to every shard (SFT, DPO; GRPO and RLOO cut the rows of their step); elsewhere
+    # `sp_size > 1` is refused like context parallelism.
     unpack_sequence_parallel: bool = False
     # What packing=True does in this trainer, where it differs from packing a dataset ahead (DPO: "the pairs of each
     # batch in one packed row"): said as the decision's reason.
