@@ -101,12 +101,12 @@ def test_sequence_parallelism_packs_only_in_the_trainers_that_carry_the_rows_bou
     assert "context parallelism" in parallelism_reason(config, {}, sequence_parallel=True)
 
 
-def test_five_trainers_pack_under_sequence_parallelism_and_the_other_trainers_refuse_it():
+def test_six_trainers_pack_under_sequence_parallelism_and_the_other_trainers_refuse_it():
     from unpack_trainer.trainers import TRAINERS
 
     packs = {spec.command: spec.trainer_class().unpack_sequence_parallel for spec in TRAINERS}
-    assert all(packs[name] is True for name in ("sft", "dpo", "reward", "grpo", "rloo"))
-    assert not any(packs[name] for name in ("kto", "distillation"))
+    assert all(packs[name] is True for name in ("sft", "dpo", "reward", "grpo", "rloo", "distillation"))
+    assert not packs["kto"]
 
 
 # ------------------------------------------------------------------------------------ Ulysses' head split, one process

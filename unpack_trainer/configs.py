@@ -322,19 +322,21 @@ _RL_PREFIX_SHARING = "With packed rows, run each distinct prompt once for all it
 
 
 def _post_init_under_ulysses(config: Any, post_init: Callable[[], None]) -> None:
-    """Run TRL's ``post_init`` of an online ``config`` (GRPO, RLOO). TRL's refuses ``parallelism_config`` with
-    ``sp_size > 1`` (TRL's trainer cannot cut the rows it builds inside its step); ours cut them
-    ([`unpack_trainer.GRPOTrainer`]), so DeepSpeed Ulysses (``sp_size``; torch's ``cp_size`` stays refused) passes
-    TRL's check, and the trainer checks what else the run must hold (under ``UNPACK_DISABLE=1``, TRL's refusal).
-    There ``steps_per_generation`` left unset (with ``generation_batch_size``) is 1, not TRL's
-    ``gradient_accumulation_steps``: DeepSpeed's data loader hands the sequence-parallel group each process's batch in
-    turn, so each step generates for its own batch (a value set stays, and the trainer refuses it with the reason)."""
+    """Run TRL's ``post_init`` of an online ``config`` (GRPO, RLOO, distillation). TRL's refuses
+    ``parallelism_config`` with ``sp_size > 1`` (TRL's trainer cannot cut the rows it builds inside its step); ours
+    cut them ([`unpack_trainer.GRPOTrainer`], [`unpack_trainer.DistillationTrainer`]), so DeepSpeed Ulysses
+    (``sp_size``; torch's ``cp_size`` stays refused) passes TRL's check, and the trainer checks what else the run must
+    hold (under ``UNPACK_DISABLE=1``, TRL's refusal). Where the config has ``steps_per_generation`` (GRPO, RLOO), it
+    is 1 when left unset (with ``generation_batch_size``), not TRL's ``gradient_accumulation_steps``: DeepSpeed's data
+    loader hands the sequence-parallel group each process's batch in turn, so each step generates for its own batch
+    (a value set stays, and the trainer refuses it with the reason)."""
     parallelism = config.parallelism_config
     ulysses = parallelism is not None and not parallelism.cp_enabled and parallelism.sp_enabled
     ulysses = ulysses and not env_flag(os.environ, "UNPACK_DISABLE")  # disabled: TRL's own refusal
     if ulysses:
         config.parallelism_config = None  # read by TRL's check only
-        if config.steps_per_generation is None and config.generation_batch_size is None:
+        unset = (getattr(config, "steps_per_generation", 0), getattr(config, "generation_batch_size", None))
+        if unset == (None, None):
             config.steps_per_generation = 1
     try:
         post_init()
@@ -429,6 +431,9 @@ class DistillationConfig(trl.DistillationConfig):
         "metrics)."
     )
     prefix_sharing: bool = _prefix_sharing_field(_RL_PREFIX_SHARING)
+
+    def __post_init__(self) -> None:
+        _post_init_under_ulysses(self, super().__post_init__)
 
 
 @dataclass

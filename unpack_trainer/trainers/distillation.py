@@ -26,10 +26,19 @@ TRL's padded forward while the student packs, logged once with the reason; a tra
 teacher forward to pack. A micro-batch whose rows are not TRL's layout, whose vision inputs fit no known layout, or
 whose packed row would hold more than ``PACKED_TOKEN_SHARE`` of its padded tokens runs TRL's padded forwards for both
 models (logged once).
+
+Under sequence parallelism (DeepSpeed Ulysses, ``sp_size = N``) a step is the one-process step on the same batch: the
+prompts go through DeepSpeed's data loader adapter whole and every process of the group generates the same
+completions, counted once ([`unpack_trainer.trainers.generation_groups`], shared with GRPO and RLOO); the micro-batch
+always packs, its row padded to a multiple of ``N``; the student (training mode) runs its shard, the shards' hidden
+states gathered for TRL's loss (each process back-propagating ``1 / N`` of it), and the teacher (evaluation mode,
+left whole by Ulysses) runs the whole row on every process, outside Ulysses' wrapper (which drops a padded batch's
+mask even there). What cannot be exact is refused at start (``_sequence_parallel_reason``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -40,11 +49,21 @@ import trl
 from unpack_trainer import _trl_compat
 from unpack_trainer._logging import log_once
 from unpack_trainer.configs import DistillationConfig
+from unpack_trainer.data.sequence_shards import padded_for_shards
+from unpack_trainer.models.routing import outside_wrappers
 from unpack_trainer.packed_seq_info import PACKED_INPUT_IDS_KEY, PACKED_POSITION_IDS_KEY
 from unpack_trainer.trainers.branched import BranchedRun, BranchedTrainerMixin, pack_completions, stateful_mixer
 from unpack_trainer.trainers.contamination import self_check_failed
+from unpack_trainer.trainers.generation_groups import (
+    generated_as_one_process,
+    generation_reason,
+    padded_forward_refusal,
+    prepared_in_group,
+    prompts_collator,
+)
 from unpack_trainer.trainers.grpo import PACKED_TOKEN_SHARE, _ImageInputs, _prompt_ids
 from unpack_trainer.trainers.run_state import RunField
+from unpack_trainer.trainers.sequence_parallel import evaluation_mode_reason
 
 __all__ = ["DistillationTrainer"]
 
@@ -89,6 +108,7 @@ def packed_layout(
     prefix_sharing: bool,
     vision: dict[str, Any] | None = None,
     positions: Any = None,
+    shards: int = 1,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The packed row of TRL's distillation micro-batch, or why TRL's padded batch runs instead.
 
@@ -114,9 +134,17 @@ def packed_layout(
     ([`unpack_trainer.trainers.image_prompts`], as GRPO's), rows sharing a segment only where their images are equal
     too, and ``positions`` (the model's ``SequencePositions``, or ``None`` for a text model of 1-D positions) numbers
     every token as its full sequence alone. A layout TRL's vision inputs do not fit is a reason.
+
+    Under sequence parallelism (``shards`` > 1: the processes of a DeepSpeed Ulysses group, in a training step) the
+    row is padded to a multiple of ``shards`` tokens, the padding one more sample on no view position, and its
+    ``packed_seq_info`` marked for the cut ([`unpack_trainer.data.sequence_shards.padded_for_shards`]): the student
+    (training mode) runs its shard, the teacher (evaluation mode) the whole row. It packs however little that saves
+    (TRL's padded batch cannot be cut), and image prompts are a reason (their vision inputs are not cut into shards).
     """
     ids, mask = input_ids.detach().cpu(), attention_mask.detach().cpu()  # one copy to the host per micro-batch
     images = None
+    if vision and shards > 1:
+        return None, "image prompts are not cut into shards"
     if vision:
         images = _ImageInputs(vision, ids, mask, logits_to_keep, _prompt_ids(ids, mask, logits_to_keep)
                               if prefix_sharing else None)  # fmt: skip
@@ -129,11 +157,13 @@ def packed_layout(
         return None, packed
     batch, total = packed
     rows, width = ids.shape
-    if total > PACKED_TOKEN_SHARE * rows * width:
+    if shards == 1 and total > PACKED_TOKEN_SHARE * rows * width:
         return None, f"{FEW_TOKENS_SAVED} {total / (rows * width):.0%} of the padded batch's tokens"
     if images is not None:
         batch = images.packed(batch, 0, rows, positions, input_ids.device)
     batch.pop("labels")
+    if shards > 1:
+        batch = padded_for_shards(batch, shards)
     for name in (PACKED_INPUT_IDS_KEY, PACKED_POSITION_IDS_KEY):
         batch[name] = batch[name].to(input_ids.device, non_blocking=True)
     return batch, None
@@ -178,6 +208,7 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
 
     unpack_packs_in = "step"
     unpack_packs_vision = True  # image prompts: each prompt segment's images once (trainers.image_prompts)
+    unpack_sequence_parallel = True  # prompts copied to the group, each micro-batch's row padded and cut in the step
     unpack_unshared = "each completion is packed after its own copy of its prompt"
     unpack_config_class = DistillationConfig
     unpack_trl_methods = _trl_compat.DISTILLATION_TRAINER_METHODS
@@ -243,6 +274,7 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         if self._unpack_teacher() is not None:
             self._unpack_teacher_padded(self._unpack_teacher_refusal())
         super()._enable_packed_path()
+        self.data_collator = prompts_collator(self, self.data_collator)
 
     def _unpack_teacher_padded(self, reason: str | None) -> None:
         """Record ``reason`` (``None``: the teacher packs) and log it once."""
@@ -264,9 +296,65 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
 
     def _generate(self, prompts: list) -> Any:
         """TRL's generation, with PEFT's own LoRA path (the step's cast skip paused: see
-        [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`])."""
-        with self.unpack_run.peft_lora_path():
-            return super()._generate(prompts)
+        [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`]); under sequence parallelism on whole
+        sequences, the first process's completions every process's and the tokens counted once
+        ([`unpack_trainer.trainers.generation_groups.generated_as_one_process`])."""
+        return generated_as_one_process(self, super()._generate, prompts)
+
+    # ------------------------------------------------------------------------------------------------ sequence parallel
+
+    def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
+        """Why this run cannot train exactly under DeepSpeed Ulysses with ``shards`` processes per row, or ``None``.
+
+        The adapter hands the group each process's batch of prompts in turn; every process generates the same
+        completions ([`_generate`]) and packs the same micro-batch into one row: the student runs its shard of it,
+        the teacher (evaluation mode, which Ulysses leaves whole with ``sp_disable_in_eval=True``) the whole row.
+        So generation must be one process's (no vLLM, no tools: [`generation_reason`]), the teacher a local model,
+        and each batch generated for and trained on in its own step (TRL's statistics over its gather of every
+        process's batch, which holds each batch once per process of the group, are means, or sums divided by the
+        process count, and stay unchanged; the token count is counted once by [`_generate`])."""
+        what = f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses)"
+        reason = generation_reason(self, shards)
+        if reason is not None:
+            return reason
+        if self._unpack_teacher() is None:
+            return (
+                f"{what} without a local teacher model (a teacher served over the network, as TRL's server "
+                "distillation supplies it): its scores are not verified to be the whole row's on every process of the "
+                "group; pass teacher_model"
+            )
+        accumulation = self.args.gradient_accumulation_steps
+        if accumulation != 1:
+            return (
+                f"{what} with gradient_accumulation_steps={accumulation}: TRL generates once for "
+                "per_device_train_batch_size * gradient_accumulation_steps prompts and trains on them over that many "
+                "micro-batches, where DeepSpeed's data loader hands the group each process's batch in turn (the other "
+                "processes' prompts would be skipped); set gradient_accumulation_steps=1 (a batch of any size is one "
+                "packed row, cut into shards)"
+            )
+        return evaluation_mode_reason(
+            config,
+            shards,
+            "the teacher runs in evaluation mode, and so do evaluation and generation, each packed row or sequence "
+            "whole",
+        )
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's, on the prompts of a batch that went through DeepSpeed's adapter; in a training step under sequence
+        parallelism with the group's random state, so that every process shuffles the generated batch alike
+        ([`unpack_trainer.trainers.generation_groups.prepared_in_group`])."""
+        return prepared_in_group(self, super()._prepare_inputs, generation_batch)
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """TRL's loss; under sequence parallelism every process of the group computed it from the same whole rows
+        (the student's packed view gathers the shards' hidden states, the teacher runs the whole row), so each
+        back-propagates its share ([`unpack_trainer.trainers.branched.BranchedTrainerMixin._sequence_parallel_share`])."""
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        return self._sequence_parallel_share(model, result, return_outputs, self.unpack_run.sequence_shards)
 
     # ------------------------------------------------------------------------------------------------ self-checks
 
@@ -348,9 +436,11 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         layout = self.unpack_run.layout
         if layout is None or not layout.serves(input_ids, attention_mask, logits_to_keep, family):
             positions = self._unpack_sequence_positions(model) if vision else None
+            # cut under sequence parallelism in a training step (the student's forward); an evaluation runs it whole
+            shards = self.unpack_run.sequence_shards if self.model.training else 1
             batch, reason = packed_layout(input_ids, attention_mask, logits_to_keep,
                                           prefix_sharing=self._unpack_sharing(), vision=vision,
-                                          positions=positions)  # fmt: skip
+                                          positions=positions, shards=shards)  # fmt: skip
             layout = self.unpack_run.layout = _Layout(input_ids, attention_mask, logits_to_keep, batch, reason, family)
         return layout
 
@@ -382,14 +472,25 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         ...), laid out per prompt segment with the micro-batch's image counts. TRL's own code runs when the trainer
         is not packing, for a teacher that runs padded, and for a micro-batch not in TRL's layout, whose vision
         inputs fit no known layout (or come without the counts that place them), or that packing would barely shrink
-        (each logged once)."""
+        (each logged once).
 
-        def stock() -> torch.Tensor:
+        Under sequence parallelism the student's training forward runs its shard of the row (a micro-batch that
+        cannot be packed is an error: DeepSpeed Ulysses would cut TRL's padded batch as one row), and every forward in
+        evaluation mode (the teacher's, packed or padded; evaluation) runs whole, outside Ulysses' wrapper, which drops
+        a padded batch's mask even where it leaves the module whole
+        ([`unpack_trainer.models.routing.outside_wrappers`])."""
+        shards = self.unpack_run.sequence_shards
+        whole = outside_wrappers() if shards > 1 and not unwrapped_model.training else contextlib.nullcontext()
+
+        def stock(reason: str | None = None) -> torch.Tensor:
+            if shards > 1 and unwrapped_model.training:
+                raise padded_forward_refusal(self.unpack_name, shards, reason or "the forward is not packed")
             if self.unpack_decision.packed:
                 self._unpack_count_forward("padded")
-            return super(DistillationTrainer, self)._get_last_hidden_state(
-                unwrapped_model, input_ids, attention_mask, logits_to_keep, **kwargs
-            )
+            with whole:
+                return super(DistillationTrainer, self)._get_last_hidden_state(
+                    unwrapped_model, input_ids, attention_mask, logits_to_keep, **kwargs
+                )
 
         if not self.unpack_decision.packed:
             return stock()
@@ -401,11 +502,15 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         vision = {name: value for name, value in kwargs.items() if value is not None}
         layout = self._unpack_packed_layout(input_ids, attention_mask, logits_to_keep, vision, model)
         if layout.batch is None:
+            if shards > 1 and unwrapped_model.training:
+                return stock(layout.reason)
             expected = layout.reason.startswith(FEW_TOKENS_SAVED)  # else: not TRL's layout, or no known image layout
             level = logging.INFO if expected else logging.WARNING
             log_once(logger, level, f"{self.unpack_name}: a micro-batch ran TRL's padded forwards: {layout.reason}")
             return stock()
         self._unpack_count_forward("packed")
-        # the decoder's packed view runs the packed row and hands back the view's (rows, C + 1, H)
-        hidden = model.base_model(**layout.batch, use_cache=False).last_hidden_state
+        # the decoder's packed view runs the packed row (or, cut for Ulysses in a training forward, this process's
+        # shard, the shards' hidden states gathered) and hands back the view's (rows, C + 1, H)
+        with whole:
+            hidden = model.base_model(**layout.batch, use_cache=False).last_hidden_state
         return hidden[:, :-1, :]

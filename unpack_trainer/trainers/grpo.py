@@ -22,25 +22,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import trl
 
 from unpack_trainer import _trl_compat
-from unpack_trainer._compat import sequence_parallel_group
 from unpack_trainer._logging import log_once
 from unpack_trainer.configs import GRPOConfig
-from unpack_trainer.data.sequence_shards import ShardReadyCollator, padded_for_shards
+from unpack_trainer.data.sequence_shards import padded_for_shards
 from unpack_trainer.models.routing import outside_wrappers
 from unpack_trainer.packed_seq_info import (
     MULTIMODAL_POSITIONS_KEY,
-    SHARDED_BATCH_KEY,
     TOKEN_INDEX_KEY,
     VIEW_INDEX_KEY,
 )
 from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions, whole_in_evaluation_reason
+from unpack_trainer.trainers.generation_groups import (
+    generated_as_one_process,
+    generation_reason,
+    padded_forward_refusal,
+    prepared_in_group,
+    prompts_collator,
+)
 from unpack_trainer.trainers.image_prompts import PER_TOKEN_INPUTS, image_keys, pack_image_inputs, row_slices
 
 __all__ = ["GRPOTrainer", "PackedCompletionsMixin"]
@@ -126,29 +130,10 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         return chunks
 
     def _generate(self, prompts: list) -> Any:
-        """TRL's generation, with PEFT's own LoRA path (the step's cast skip paused: see
-        [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`]). Under sequence parallelism each process
-        generates on whole sequences, as one process does, with the packed attention registered again under its name
-        in place of Ulysses' wrapper around it ([`unpack_trainer.models.routing.outside_wrappers`]: the wrapper would
-        cut the sequences in a training step, and drops a padded batch's mask even in evaluation, where it leaves them
-        whole). In a training step every process of the group holds the same prompts: the first process's completions
-        are then every process's (sampling on accelerators need not be bitwise equal across processes), and the
-        tokens TRL counted once per process of the group are counted once."""
-        shards = self.unpack_run.sequence_shards
-        with self.unpack_run.peft_lora_path():
-            if shards == 1:
-                return super()._generate(prompts)
-            if not self.model.training:  # evaluation: each process generates for its own batch
-                with outside_wrappers():
-                    return super()._generate(prompts)
-            seen = self.state.num_input_tokens_seen
-            with outside_wrappers():
-                generated = super()._generate(prompts)
-            generated = _from_first_process(generated, sequence_parallel_group())
-        # TRL gathered the prompt and completion lengths of every process: each of the group's once per process
-        self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // shards
-        self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
-        return generated
+        """TRL's generation, with PEFT's own LoRA path; under sequence parallelism on whole sequences, the first
+        process's completions every process's and the tokens counted once
+        ([`unpack_trainer.trainers.generation_groups.generated_as_one_process`])."""
+        return generated_as_one_process(self, super()._generate, prompts)
 
     # ------------------------------------------------------------------------------------------------ sequence parallel
 
@@ -162,18 +147,9 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         statistics, sums divided by the process count do not; a batch-wide standard deviation or quantile does)."""
         what = f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses)"
         args = self.args
-        if getattr(args, "use_vllm", False):
-            return f"{what} with use_vllm=True: generation through vLLM is not verified there; set use_vllm=False"
-        if getattr(args, "use_transformers_continuous_batching", False):
-            return (
-                f"{what} with use_transformers_continuous_batching=True: its paged attention is not verified outside "
-                "Ulysses' wrapper; set use_transformers_continuous_batching=False"
-            )
-        if getattr(self, "tools", None) or getattr(self, "environment_factories", None):
-            return (
-                f"{what} with tools or environments: every process of the group generates the same completions, so "
-                "each tool call would run once per process (the first process's results kept)"
-            )
+        reason = generation_reason(self, shards)
+        if reason is not None:
+            return reason
         every = (args.steps_per_generation, getattr(self, "num_iterations", 1))
         if every != (1, 1):
             return (
@@ -210,22 +186,15 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
 
     def _enable_packed_path(self) -> None:
         """The branched core's; under sequence parallelism the batches of prompts go through DeepSpeed's adapter
-        whole ([`unpack_trainer.data.sequence_shards.prompts_ready`])."""
+        whole ([`unpack_trainer.trainers.generation_groups.prompts_collator`])."""
         super()._enable_packed_path()
-        if self.unpack_decision.packed and self.unpack_run.sequence_shards > 1:
-            self.data_collator = ShardReadyCollator(self.data_collator, self.unpack_run.sequence_shards, prompts=True)
+        self.data_collator = prompts_collator(self, self.data_collator)
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
-        """TRL's, on the prompts of a batch that went through DeepSpeed's adapter (copied whole to every process of
-        the group); in a training step under sequence parallelism with the group's random state (drawn by its first
-        process), so that every process shuffles the generated batch alike ([`_generate`] makes the completions
-        equal)."""
-        if isinstance(generation_batch, dict) and SHARDED_BATCH_KEY in generation_batch:
-            generation_batch = generation_batch[SHARDED_BATCH_KEY]
-        if self.unpack_run.sequence_shards == 1 or not self.model.training:
-            return super()._prepare_inputs(generation_batch)
-        with _group_random_state(sequence_parallel_group(), self.accelerator.device):
-            return super()._prepare_inputs(generation_batch)
+        """TRL's, on the prompts of a batch that went through DeepSpeed's adapter; in a training step under sequence
+        parallelism with the group's random state, so that every process shuffles the generated batch alike
+        ([`unpack_trainer.trainers.generation_groups.prepared_in_group`])."""
+        return prepared_in_group(self, super()._prepare_inputs, generation_batch)
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         """TRL's; under sequence parallelism (a training step) the batch-wide standard deviations TRL logs
@@ -319,10 +288,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
 
         def padded(reason: str, level: int) -> Any:
             if shards > 1:
-                raise ValueError(
-                    f"{self.unpack_name}: a training forward under sequence parallelism (sp_size={shards}) cannot run "
-                    f"TRL's padded batch, which DeepSpeed Ulysses would cut as one row: {reason}."
-                )
+                raise padded_forward_refusal(self.unpack_name, shards, reason)
             log_once(logger, level, f"{self.unpack_name}: a forward ran TRL's padded batch: {reason}")
             self._unpack_count_forward("padded")
             return stock()
@@ -437,26 +403,6 @@ def _unduplicated_std(value: float, values: torch.Tensor, copies: int) -> float:
     if count <= 1:
         return float("nan")
     return value * ((copies * count - 1) / (copies * (count - 1))) ** 0.5
-
-
-def _from_first_process(value: Any, group: Any) -> Any:
-    """``value`` of the first process of ``group`` (a torch.distributed process group), on every process of it
-    (pickled: TRL's generation output, lists of token ids and tensors)."""
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
-@contextlib.contextmanager
-def _group_random_state(group: Any, device: torch.device) -> Iterator[None]:
-    """torch's random state seeded alike on every process of ``group`` (with a seed the first process draws from its
-    own state), the processes' own states restored afterwards."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
-    torch.distributed.broadcast(seed, src=torch.distributed.get_global_rank(group, 0), group=group)
-    devices = [device] if device.type not in ("cpu", "meta") else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        torch.manual_seed(int(seed))
-        yield
 
 
 class GRPOTrainer(PackedCompletionsMixin, trl.GRPOTrainer):
