@@ -18,7 +18,7 @@ import sys
 import deepspeed
 import torch
 from datasets import Dataset
-from sp_train import SGD_STEP, finish, ulysses  # this folder is the script's sys.path[0]
+from sp_train import SGD_STEP, finish, recorded_generation, ulysses  # this folder is the script's sys.path[0]
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from unpack_trainer._compat import sequence_parallel_group
@@ -77,28 +77,7 @@ def main(output_dir: str, name: str = "grpo", stage: str = "1") -> None:
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tokenizer,
     )
-    record: dict = {"generated": [], "scored": [], "inputs": [], "prompts": [], "examples": []}
-    generate, score, prepare = trainer._generate, trainer._generate_and_score_completions, trainer._prepare_inputs
-
-    def recorded_generate(prompts):
-        record["prompts"].append(prompts)
-        out = generate(prompts)
-        record["generated"].append(out)
-        return out
-
-    def recorded_score(inputs):
-        record["examples"].append(inputs)
-        out = score(inputs)
-        record["scored"].append({key: value for key, value in out.items()})
-        return out
-
-    def recorded_prepare(batch):
-        out = prepare(batch)
-        record["inputs"].append(out)
-        return out
-
-    trainer._generate, trainer._generate_and_score_completions = recorded_generate, recorded_score
-    trainer._prepare_inputs = recorded_prepare
+    record = recorded_generation(trainer)
     # Each process's own random state (TRL seeds them alike): the group must still sample and shuffle alike.
     torch.manual_seed(1000 + trainer.accelerator.process_index)
     trainer.train()

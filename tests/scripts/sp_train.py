@@ -59,6 +59,33 @@ def recorded_batches(trainer) -> list:
     return batches
 
 
+def recorded_generation(trainer) -> dict[str, list]:
+    """What a trainer that generates in its step (GRPO, RLOO, distillation) does from now on, in order: the prompts it
+    generates for and what ``_generate`` returns (``prompts``, ``generated``), the examples it scores and the scored
+    batch (``examples``, ``scored``), and each batch ``_prepare_inputs`` returns (``inputs``); its methods wrapped."""
+    record: dict[str, list] = {"generated": [], "scored": [], "inputs": [], "prompts": [], "examples": []}
+    generate, score, prepare = trainer._generate, trainer._generate_and_score_completions, trainer._prepare_inputs
+
+    def recorded_generate(prompts):
+        record["prompts"].append(prompts)
+        record["generated"].append(generate(prompts))
+        return record["generated"][-1]
+
+    def recorded_score(inputs):
+        record["examples"].append(inputs)
+        out = score(inputs)
+        record["scored"].append(dict(out))
+        return out
+
+    def recorded_prepare(batch):
+        record["inputs"].append(prepare(batch))
+        return record["inputs"][-1]
+
+    trainer._generate, trainer._generate_and_score_completions = recorded_generate, recorded_score
+    trainer._prepare_inputs = recorded_prepare
+    return record
+
+
 def rows(count: int = 24) -> list[dict]:
     rng = random.Random(0)
     return [
