@@ -18,10 +18,15 @@ import sys
 import deepspeed
 import torch
 from datasets import Dataset
-from sp_train import SGD_STEP, finish, recorded_generation, ulysses  # this folder is the script's sys.path[0]
+from sp_train import (  # this folder is the script's sys.path[0]
+    SGD_STEP,
+    finish,
+    recorded_generation,
+    save_first_step,
+    ulysses,
+)
 
 from unpack_trainer import DistillationConfig, DistillationTrainer
-from unpack_trainer._compat import sequence_parallel_group
 from unpack_trainer.model_zoo.tiny import char_tokenizer, raise_token_logit, tiny_model
 from unpack_trainer.models import refusals
 
@@ -58,6 +63,7 @@ def config(output_dir: str, **changes) -> DistillationConfig:
             "per_device_eval_batch_size": 2,
             "max_completion_length": 10,
             "beta": 0.5,  # the generalized JSD (both models' distributions in the loss)
+            "log_completions": True,  # TRL's table of the step's prompts and completions
         }
         | changes
     )
@@ -79,6 +85,7 @@ def main(output_dir: str, family: str = "llama", stage: str = "1") -> None:
     torch.manual_seed(1000 + trainer.accelerator.process_index)
     trainer.train()
     forwards = dict(trainer.unpack_stats.get("forwards", {}))  # the step's: the student's and the teacher's
+    completions = {key: list(values) for key, values in trainer._logs.items()}  # the table TRL logged
 
     # Greedy generation in a training step's mode, after the step: Ulysses must leave it whole.
     trainer.model.train()
@@ -90,14 +97,9 @@ def main(output_dir: str, family: str = "llama", stage: str = "1") -> None:
     evaluation = None
     if stage != "3":
         evaluation = trainer.evaluate(eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}))
-    copies = [None, None]
-    torch.distributed.all_gather_object(
-        copies, (record["scored"][0], record["inputs"][0]), group=sequence_parallel_group()
-    )
-    if trainer.accelerator.process_index == 0:
-        step = {key: value[0] for key, value in record.items()} | {"copies": copies}
-        torch.save(step, os.path.join(output_dir, "step.pt"))
-    after = {"greedy": [list(ids) for ids in greedy], "evaluation": evaluation, "forwards": forwards}
+    save_first_step(trainer, record, output_dir)
+    after = {"greedy": [list(ids) for ids in greedy], "evaluation": evaluation, "forwards": forwards,
+             "completions": completions}  # fmt: skip
     finish(trainer, output_dir, after)
 
 

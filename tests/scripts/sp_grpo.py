@@ -18,10 +18,15 @@ import sys
 import deepspeed
 import torch
 from datasets import Dataset
-from sp_train import SGD_STEP, finish, recorded_generation, ulysses  # this folder is the script's sys.path[0]
+from sp_train import (  # this folder is the script's sys.path[0]
+    SGD_STEP,
+    finish,
+    recorded_generation,
+    save_first_step,
+    ulysses,
+)
 
 from unpack_trainer import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from unpack_trainer._compat import sequence_parallel_group
 from unpack_trainer.model_zoo.tiny import char_tokenizer, raise_token_logit, tiny_model
 
 TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
@@ -89,13 +94,7 @@ def main(output_dir: str, name: str = "grpo", stage: str = "1") -> None:
     forwards = dict(trainer.unpack_stats.get("forwards", {}))  # the step's and the greedy generation's
     # Evaluation (each process its own eval batch, whole), greedy: as in one process.
     evaluation = trainer.evaluate(eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}))
-    copies = [None, None]
-    torch.distributed.all_gather_object(
-        copies, (record["scored"][0], record["inputs"][0]), group=sequence_parallel_group()
-    )
-    if trainer.accelerator.process_index == 0:
-        step = {key: value[0] for key, value in record.items()} | {"copies": copies}
-        torch.save(step, os.path.join(output_dir, "step.pt"))
+    save_first_step(trainer, record, output_dir)
     after = {"greedy": [list(ids) for ids in greedy], "evaluation": evaluation}
     finish(trainer, output_dir, after | {"forwards": forwards})
 

@@ -86,6 +86,20 @@ def recorded_generation(trainer) -> dict[str, list]:
     return record
 
 
+
+def save_first_step(trainer, record: dict[str, list], output_dir: str) -> None:
+    """``output_dir/step.pt`` (written by the first process): the first of everything [`recorded_generation`]
+    recorded, and ``copies``: every process's first scored and prepared batch (the group's, gathered)."""
+    from unpack_trainer._compat import sequence_parallel_group
+
+    copies = [None] * torch.distributed.get_world_size(sequence_parallel_group())
+    torch.distributed.all_gather_object(
+        copies, (record["scored"][0], record["inputs"][0]), group=sequence_parallel_group()
+    )
+    if trainer.accelerator.process_index == 0:
+        step = {key: value[0] for key, value in record.items()} | {"copies": copies}
+        torch.save(step, os.path.join(output_dir, "step.pt"))
+
 def rows(count: int = 24) -> list[dict]:
     rng = random.Random(0)
     return [
