@@ -49,11 +49,12 @@ def _trainer(tmp_path, family: str = "llama", **changes):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("family, stage", [("llama", 1), ("qwen2", 1), ("qwen2-padded", 1), ("llama", 3)])
 def test_one_step_at_sp_2_equals_the_step_in_one_process(tmp_path, family, stage, monkeypatch):
-    """sp_size=2, ZeRO-1 (and ZeRO-3: the student's and the teacher's weights partitioned), ``beta=0.5``, each process with its own random state, a teacher of the student's family, of
-    another one, or one the patch refuses (TRL's padded forward, whole, under Ulysses' wrapper, which would drop its
-    mask): the micro-batch the step scored and trained on is the same on both processes; scored in one process from
-    the same completions it is the same; the logged loss, every logged metric (``entropy``, ``num_tokens``,
-    ``completions/*``) and every parameter update == one process's step on it; greedy generation and evaluation under
+    """sp_size=2, ZeRO-1 (and ZeRO-3: the student's and the teacher's weights partitioned), ``beta=0.5``, each
+    process with its own random state, a teacher of the student's family, of another one, or one the patch refuses
+    (TRL's padded forward, whole, under Ulysses' wrapper, which would drop its mask): the micro-batch the step scored
+    and trained on is the same on both processes; scored in one process from the same completions it is the same;
+    the logged loss, every logged metric (``entropy``, ``num_tokens``, ``completions/*``), TRL's table of logged
+    completions and every parameter update == one process's step on it; greedy generation and evaluation under
     Ulysses == in one process."""
     from datasets import Dataset
 
@@ -80,6 +81,8 @@ def test_one_step_at_sp_2_equals_the_step_in_one_process(tmp_path, family, stage
     trainer._generate_single_turn = lambda *args, **kwargs: [list(ids) for ids in completion_ids]
     trainer.model.train()
     scored = trainer._generate_and_score_completions(step["examples"])
+    # TRL's table of the step's prompts and completions (log_completions=True) holds each once, as in one process
+    assert result["completions"] == {key: list(values) for key, values in trainer._logs.items()}
     # TRL's token count is gathered over every process, the group's batch once per process (its loss divides it back
     # by the process count)
     assert int(step["scored"].pop("num_items_in_batch")) == 2 * int(scored["num_items_in_batch"])
@@ -150,6 +153,29 @@ def test_a_run_that_cannot_stay_exact_under_ulysses_is_refused_with_its_reason(c
     with pytest.raises(ValueError, match=r"cannot train padded under sequence parallelism \(sp_size=2\)") as raised:
         sequence_parallel.check_parallelism(trainer)
     assert expected in str(raised.value)
+
+
+def test_image_prompts_are_refused_under_ulysses(tmp_path, monkeypatch):
+    """A vision-language student (Qwen2.5-VL, verified under Ulysses for SFT's image rows) with image prompts: the
+    packed row's vision inputs are not cut into shards in distillation, so the trainer refuses the model at start with
+    the reason (as GRPO's and DPO's), before any forward."""
+    from test_distillation_trainer import image_prompts
+
+    from unpack_trainer import DistillationConfig, DistillationTrainer
+    from unpack_trainer.model_zoo.tiny_vision import tiny_processor, tiny_vision_model
+    from unpack_trainer.trainers import sequence_parallel
+
+    trainer = DistillationTrainer(
+        model=tiny_vision_model("qwen2_5_vl", seed=0, attn_implementation="sdpa"),
+        teacher_model=tiny_vision_model("qwen2_5_vl", seed=1, attn_implementation="sdpa"),
+        args=DistillationConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True),
+        train_dataset=image_prompts(),
+        processing_class=tiny_processor("qwen2_5_vl"),
+    )
+    monkeypatch.setattr(trainer.accelerator.state, "parallelism_config", _ulysses(), raising=False)
+    trainer.unpack_run.sequence_shards = 2
+    with pytest.raises(ValueError, match="cannot train padded under sequence parallelism.*not in this trainer"):
+        sequence_parallel.refuse_model(trainer)
 
 
 def test_a_run_that_can_stay_exact_under_ulysses_cuts_its_rows(tmp_path, monkeypatch):

@@ -55,6 +55,7 @@ from unpack_trainer.packed_seq_info import PACKED_INPUT_IDS_KEY, PACKED_POSITION
 from unpack_trainer.trainers.branched import BranchedRun, BranchedTrainerMixin, pack_completions, stateful_mixer
 from unpack_trainer.trainers.contamination import self_check_failed
 from unpack_trainer.trainers.generation_groups import (
+    completions_logged_once,
     generated_as_one_process,
     generation_reason,
     padded_forward_refusal,
@@ -300,6 +301,12 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         sequences, the first process's completions every process's and the tokens counted once
         ([`unpack_trainer.trainers.generation_groups.generated_as_one_process`])."""
         return generated_as_one_process(self, super()._generate, prompts)
+
+    def _generate_and_score_completions(self, inputs: list) -> Any:
+        """TRL's (this process's batch of examples -> the generated and scored batch); under sequence parallelism its
+        table of logged completions holds each once
+        ([`unpack_trainer.trainers.generation_groups.completions_logged_once`])."""
+        return completions_logged_once(self, super()._generate_and_score_completions, inputs)
 
     # ------------------------------------------------------------------------------------------------ sequence parallel
 

@@ -9,7 +9,8 @@ the same completions and count them once, as one process does.
 - **Generation** runs on whole sequences, as one process runs it ([`generated_as_one_process`]): the packed attention
   registered again under its name in place of Ulysses' wrapper, the first process's output broadcast to the group
   ([`from_first_process`]: sampling on accelerators need not be bitwise equal across processes), and the tokens TRL
-  counted over its gather of every process's lengths (each batch once per process of the group) counted once.
+  counted over its gather of every process's lengths (each batch once per process of the group) counted once;
+  TRL's table of the logged prompts and completions holds each completion once ([`completions_logged_once`]).
 - **What stays refused** for the same reasons in each of them ([`generation_reason`]), and the error of a training
   forward that would run TRL's padded batch ([`padded_forward_refusal`]).
 
@@ -19,6 +20,7 @@ generation (``unpack_run.peft_lora_path``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +33,7 @@ from unpack_trainer.models.routing import outside_wrappers
 from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
 
 __all__ = [
+    "completions_logged_once",
     "from_first_process",
     "generated_as_one_process",
     "generation_reason",
@@ -114,6 +117,36 @@ def generated_as_one_process(trainer: Any, generate: Callable[[list], Any], prom
     trainer.state.num_input_tokens_seen = seen + (trainer.state.num_input_tokens_seen - seen) // shards
     trainer._metrics["train"]["num_tokens"] = [trainer.state.num_input_tokens_seen]
     return generated
+
+
+def completions_logged_once(trainer: Any, score: Callable[[list], Any], inputs: list) -> Any:
+    """``score(inputs)`` (TRL's ``_generate_and_score_completions`` of a trainer that generates one completion per
+    prompt, on this process's ``inputs``: a list of examples), with TRL's table of logged prompts and completions
+    (``log_completions=True``: ``trainer._logs``, deques of strings, one entry per prompt of every process appended in
+    process order) holding each of the step's completions once. In a training step under sequence parallelism every
+    process of a group generated the same completions for the same prompts, so TRL's gather holds each once per
+    process of the group: only the entries of each group's first process are kept (the counts and the first
+    processes known from one gather of two int64 per process)."""
+    shards = trainer.unpack_run.sequence_shards
+    if shards == 1 or not trainer.model.training or not getattr(trainer, "log_completions", False):
+        return score(inputs)
+    scored = score(inputs)
+    first = torch.distributed.get_rank(sequence_parallel_group()) == 0
+    local = torch.tensor([[len(inputs), int(first)]], dtype=torch.int64, device=trainer.accelerator.device)
+    processes = trainer.accelerator.gather(local).tolist()  # (processes, 2): each one's count, whether it is first
+    added = sum(count for count, _ in processes)
+    for logged in trainer._logs.values():
+        if not isinstance(logged, collections.deque) or len(logged) < added:
+            continue
+        entries = list(logged)
+        kept, start = entries[: len(entries) - added], len(entries) - added
+        for count, is_first in processes:
+            if is_first:
+                kept.extend(entries[start : start + count])
+            start += count
+        logged.clear()
+        logged.extend(kept)
+    return scored
 
 
 def padded_forward_refusal(name: str, shards: int, reason: str) -> ValueError:
