@@ -62,6 +62,8 @@ def test_one_step_at_sp_2_equals_the_step_in_one_process(tmp_path, name, stage, 
     trainer._generate = lambda prompts: step["generated"]
     trainer.model.train()
     scored = trainer._generate_and_score_completions(step["examples"])
+    # TRL's table of the step's prompts, completions, rewards and advantages (log_completions=True) holds each once
+    assert result["completions"] == sp_grpo.logged_table(trainer)
     # GRPO's token count is gathered over every process, the group's batch once per process (its loss divides it
     # back by the process count)
     items = {"num_items_in_batch": scored["num_items_in_batch"]} if name == "grpo" else {}

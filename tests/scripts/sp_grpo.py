@@ -66,10 +66,20 @@ def config(name: str, output_dir: str, **changes):
             "num_generations": 2,  # two whole groups in each process's batch
             "max_completion_length": 10,
             "per_device_eval_batch_size": 4,
+            "log_completions": True,  # TRL's table of the step's prompts, completions, rewards and advantages
             **beta,
         }
         | changes
     )
+
+
+def logged_table(trainer) -> dict:
+    """TRL's table of logged completions (``trainer._logs``: deques, and dicts of deques per reward function and
+    extra column), as plain lists."""
+    return {
+        key: {name: list(values) for name, values in logged.items()} if isinstance(logged, dict) else list(logged)
+        for key, logged in trainer._logs.items()
+    }
 
 
 def main(output_dir: str, name: str = "grpo", stage: str = "1") -> None:
@@ -86,6 +96,7 @@ def main(output_dir: str, name: str = "grpo", stage: str = "1") -> None:
     # Each process's own random state (TRL seeds them alike): the group must still sample and shuffle alike.
     torch.manual_seed(1000 + trainer.accelerator.process_index)
     trainer.train()
+    completions = logged_table(trainer)
 
     # Greedy generation in a training step's mode, after the step: Ulysses must leave it whole.
     trainer.model.train()
@@ -95,7 +106,7 @@ def main(output_dir: str, name: str = "grpo", stage: str = "1") -> None:
     # Evaluation (each process its own eval batch, whole), greedy: as in one process.
     evaluation = trainer.evaluate(eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}))
     save_first_step(trainer, record, output_dir)
-    after = {"greedy": [list(ids) for ids in greedy], "evaluation": evaluation}
+    after = {"greedy": [list(ids) for ids in greedy], "evaluation": evaluation, "completions": completions}
     finish(trainer, output_dir, after | {"forwards": forwards})
 
 

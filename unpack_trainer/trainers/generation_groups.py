@@ -120,13 +120,14 @@ def generated_as_one_process(trainer: Any, generate: Callable[[list], Any], prom
 
 
 def completions_logged_once(trainer: Any, score: Callable[[list], Any], inputs: list) -> Any:
-    """``score(inputs)`` (TRL's ``_generate_and_score_completions`` of a trainer that generates one completion per
-    prompt, on this process's ``inputs``: a list of examples), with TRL's table of logged prompts and completions
-    (``log_completions=True``: ``trainer._logs``, deques of strings, one entry per prompt of every process appended in
-    process order) holding each of the step's completions once. In a training step under sequence parallelism every
-    process of a group generated the same completions for the same prompts, so TRL's gather holds each once per
-    process of the group: only the entries of each group's first process are kept (the counts and the first
-    processes known from one gather of two int64 per process)."""
+    """``score(inputs)`` (TRL's ``_generate_and_score_completions`` of GRPO, RLOO or distillation, on this process's
+    ``inputs``: a list of examples, one completion each), with TRL's table of logged completions
+    (``log_completions=True``: ``trainer._logs``, deques of one entry per example of every process appended in process
+    order -- prompts, completions, advantages, images -- and dicts of such deques per reward function and extra
+    column) holding each of the step's entries once. In a training step under sequence parallelism every process of
+    a group generated the same completions for the same prompts, so TRL's gathers hold each once per process of the
+    group: only the entries of each group's first process are kept (the counts and the first processes known from one
+    gather of two int64 per process)."""
     shards = trainer.unpack_run.sequence_shards
     if shards == 1 or not trainer.model.training or not getattr(trainer, "log_completions", False):
         return score(inputs)
@@ -135,17 +136,21 @@ def completions_logged_once(trainer: Any, score: Callable[[list], Any], inputs: 
     local = torch.tensor([[len(inputs), int(first)]], dtype=torch.int64, device=trainer.accelerator.device)
     processes = trainer.accelerator.gather(local).tolist()  # (processes, 2): each one's count, whether it is first
     added = sum(count for count, _ in processes)
-    for logged in trainer._logs.values():
-        if not isinstance(logged, collections.deque) or len(logged) < added:
-            continue
-        entries = list(logged)
+    columns = [
+        column
+        for logged in trainer._logs.values()
+        for column in (logged.values() if isinstance(logged, dict) else (logged,))
+        if isinstance(column, collections.deque) and len(column) >= added
+    ]
+    for column in columns:
+        entries = list(column)
         kept, start = entries[: len(entries) - added], len(entries) - added
         for count, is_first in processes:
             if is_first:
                 kept.extend(entries[start : start + count])
             start += count
-        logged.clear()
-        logged.extend(kept)
+        column.clear()
+        column.extend(kept)
     return scored
 
 

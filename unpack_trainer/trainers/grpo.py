@@ -39,6 +39,7 @@ from unpack_trainer.packed_seq_info import (
 )
 from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions, whole_in_evaluation_reason
 from unpack_trainer.trainers.generation_groups import (
+    completions_logged_once,
     generated_as_one_process,
     generation_reason,
     padded_forward_refusal,
@@ -200,7 +201,8 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
         """TRL's; under sequence parallelism (a training step) the batch-wide standard deviations TRL logs
         (``reward_std``, ``rewards/<function>/std``), taken over its gather of every process's rewards, which holds
         each batch once per process of the group, are logged as over each batch once (exact: the same values with
-        Bessel's correction for their true count, [`_unduplicated_std`])."""
+        Bessel's correction for their true count, [`_unduplicated_std`]), and its table of logged completions holds
+        each once ([`unpack_trainer.trainers.generation_groups.completions_logged_once`])."""
         shards = self.unpack_run.sequence_shards
         if shards == 1 or not self.model.training:
             return super()._generate_and_score_completions(inputs)
@@ -214,7 +216,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
 
         self._calculate_rewards = capturing  # this call only: the instance attribute shadows the method
         try:
-            scored = super()._generate_and_score_completions(inputs)
+            scored = completions_logged_once(self, super()._generate_and_score_completions, inputs)
         finally:
             if own is None:
                 del self._calculate_rewards
