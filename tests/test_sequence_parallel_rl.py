@@ -225,6 +225,8 @@ def test_one_reward_step_at_sp_2_equals_the_step_in_one_process(tmp_path):
     for key in ("accuracy", "margin", "min_reward", "mean_reward", "max_reward"):
         if key in logged:
             assert logged[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    # TRL gathers the batch's token count over every process, each holding the group's batch: counted once
+    assert logged["num_tokens"] == metrics["num_tokens"] == int(batch["attention_mask"].sum())
     assert_sgd_step(result, trained)
 
 

@@ -13,7 +13,9 @@ to change. The model side's private names (transformers' modeling code, torch, d
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 KNOWN_TO_WORK = "TRL 1.16 with transformers 5.22 to 5.24 (pyproject allows trl>=1.16,<2 and transformers>=5.22,<6)"
@@ -195,6 +197,24 @@ def fused_lm_head_names() -> tuple[type, Any]:
             raise _missing("trl.trainer.utils", name, "class" if name[0].isupper() else "function")
         names.append(value)
     return names[0], names[1]
+
+
+@contextlib.contextmanager
+def tokens_counted_once(trainer: Any, copies: int) -> Iterator[None]:
+    """Inside the block, the tokens a TRL preference trainer's loss counts (DPO's, the reward trainer's and KTO's
+    ``_compute_loss`` add the ``attention_mask`` sum gathered over every process to ``trainer._total_train_tokens``
+    and log it as the ``num_tokens`` metric) count once where every batch is held by ``copies`` processes (a
+    sequence-parallel group: each process runs the group's batch); ``copies == 1`` changes nothing."""
+    counted = getattr(trainer, "_total_train_tokens", None)
+    if copies > 1 and not isinstance(counted, int):
+        raise _missing(f"trl.{type(trainer).__name__}", "_total_train_tokens", "attribute")
+    yield
+    if copies == 1:
+        return
+    trainer._total_train_tokens = counted + (trainer._total_train_tokens - counted) // copies
+    metrics = getattr(trainer, "_metrics", {}).get("train" if trainer.model.training else "eval", {})
+    if metrics.get("num_tokens"):
+        metrics["num_tokens"][-1] = trainer._total_train_tokens
 
 
 def drop_last_metric(trainer: Any, name: str) -> None:

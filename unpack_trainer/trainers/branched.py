@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from unpack_trainer import _trl_compat
 from unpack_trainer._compat import sequence_parallel_gradients_averaged
 from unpack_trainer._logging import log_once
 from unpack_trainer.data.collator import IGNORE_INDEX
@@ -454,13 +455,16 @@ class PackedPairsMixin(BranchedTrainerMixin):
         """TRL's loss; a batch through DeepSpeed's adapter (``SHARDED_BATCH_KEY``) is read whole (the model's packed
         view runs this process's shard of the row and gathers the hidden states:
         [`unpack_trainer.models.fixes.packed_view`]), its loss shared out over the group
-        ([`_sequence_parallel_share`])."""
+        ([`_sequence_parallel_share`]) and its tokens counted once ([`unpack_trainer._trl_compat.tokens_counted_once`]:
+        TRL gathers the count over every process, each holding the group's batch)."""
         whole = inputs.get(SHARDED_BATCH_KEY) if isinstance(inputs, dict) else None
         if whole is None:
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        result = super().compute_loss(
-            model, whole, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-        return self._sequence_parallel_share(model, result, return_outputs, whole[INFO_KEY].sequence_shards)
+        shards = whole[INFO_KEY].sequence_shards
+        with _trl_compat.tokens_counted_once(self, shards):
+            result = super().compute_loss(
+                model, whole, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        return self._sequence_parallel_share(model, result, return_outputs, shards)
