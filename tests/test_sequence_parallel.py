@@ -101,12 +101,11 @@ def test_sequence_parallelism_packs_only_in_the_trainers_that_carry_the_rows_bou
     assert "context parallelism" in parallelism_reason(config, {}, sequence_parallel=True)
 
 
-def test_six_trainers_pack_under_sequence_parallelism_and_the_other_trainers_refuse_it():
+def test_all_seven_trainers_pack_under_sequence_parallelism():
     from unpack_trainer.trainers import TRAINERS
 
     packs = {spec.command: spec.trainer_class().unpack_sequence_parallel for spec in TRAINERS}
-    assert all(packs[name] is True for name in ("sft", "dpo", "reward", "grpo", "rloo", "distillation"))
-    assert not packs["kto"]
+    assert packs == dict.fromkeys(("sft", "dpo", "reward", "grpo", "rloo", "kto", "distillation"), True)
 
 
 # ------------------------------------------------------------------------------------ Ulysses' head split, one process
@@ -379,6 +378,8 @@ def test_one_dpo_step_at_sp_2_equals_the_step_in_one_process(tmp_path, stage):
     metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "entropy"):
         assert logged[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    # TRL gathers the batch's token count over every process, each holding the group's batch: counted once
+    assert logged["num_tokens"] == metrics["num_tokens"] == int(batch["attention_mask"].sum())
     assert_sgd_step(result, model)
 
 

@@ -179,7 +179,7 @@ def parallelism_reason(
         return (
             f"sequence parallelism (sp_size={sp_size}, DeepSpeed Ulysses) in this trainer: its packed rows (built "
             "inside the training step, or scored per sample) are not cut into shards with their boundaries carried "
-            "to every shard's attention (SFT's, DPO's, reward's, GRPO's and RLOO's are)"
+            "to every shard's attention (those of every trainer this package ships are)"
         )
     return None
 

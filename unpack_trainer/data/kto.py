@@ -21,6 +21,11 @@ a KL branch there (its log-probs detached) would pay the backward pass over its 
 where the KL row pays one forward over it and its prompt again; the separate row is cheaper whenever a prompt is
 shorter than twice its KL completion (50% prompt tokens: 2 units against 3), and it keeps TRL's loss code whole.
 
+Under sequence parallelism (``sequence_shards = N``) the KL and reference rows come padded to a multiple of ``N`` and
+marked for the cut ([`unpack_trainer.data.sequence_shards.padded_for_shards`]): the policy's KL forward runs in
+training mode, which DeepSpeed Ulysses cuts into shards (and so does a PEFT reference's); the main row is cut by
+DeepSpeed's data loader adapter ([`unpack_trainer.data.sequence_shards.ShardReadyCollator`] around this collator).
+
 Each row keeps TRL's padded *view* of its sequences cut to the completions ([`completion_view`]), so TRL's loss reads
 exactly the per-token values of its padded batch. Sequences are truncated as TRL's collator truncates them:
 ``(prompt + completion)[:max_length]``. Example (one prompt ``[5, 6]``, completions ``[7]`` and ``[9, 8]``, each the
@@ -45,6 +50,7 @@ from transformers.data.data_collator import DataCollatorMixin
 
 from unpack_trainer.data.collator import IGNORE_INDEX
 from unpack_trainer.data.preference import completion_view, pack_vision_pairs
+from unpack_trainer.data.sequence_shards import padded_for_shards
 from unpack_trainer.packed_seq_info import TOKEN_INDEX_KEY, VIEW_INDEX_KEY, branched_row
 
 __all__ = [
@@ -176,6 +182,14 @@ class DataCollatorForPackedUnpairedPreference(DataCollatorMixin):
         reference (`bool`, *optional*, defaults to `True`):
             Build the reference model's row (``packed_ref_row``); `False` when the batch carries precomputed reference
             log-probs.
+        sequence_shards (`int`, *optional*, defaults to `1`):
+            Under sequence parallelism (DeepSpeed Ulysses, ``sp_size``): the KL row and the reference row each padded
+            to a multiple of ``sequence_shards`` tokens (the padding one more sample, on no view position) and their
+            ``packed_seq_info`` marked for that many shards
+            ([`unpack_trainer.data.sequence_shards.padded_for_shards`]), so that a training-mode forward of them (the
+            policy's KL forward; a PEFT reference, the policy with its adapter off) is cut into the group's shards;
+            the main row is made ready for DeepSpeed's adapter around this collator
+            ([`unpack_trainer.data.sequence_shards.ShardReadyCollator`]). ``1``: rows as they are.
 
     Returns (``torch_call``), for ``B`` examples: TRL's ``attention_mask`` ``(B, L)``, ``label`` ``(B,)`` bool and,
     when the examples have them, ``ref_logps`` / ``ref_KL_logps`` ``(B,)`` float; the view cut to the completions
@@ -191,6 +205,7 @@ class DataCollatorForPackedUnpairedPreference(DataCollatorMixin):
     pad_to_multiple_of: int | None = None
     prefix_sharing: bool = True
     reference: bool = True
+    sequence_shards: int = 1
     return_tensors: str = "pt"
 
     def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -235,7 +250,8 @@ class DataCollatorForPackedUnpairedPreference(DataCollatorMixin):
         )
         cut = completion_view(view, packed[TOKEN_INDEX_KEY], self.pad_to_multiple_of)
         labels = cut["input_ids"].masked_fill(cut["completion_mask"] == 0, IGNORE_INDEX)
-        return {**packed, "input_ids": cut["input_ids"], "labels": labels, VIEW_INDEX_KEY: cut[VIEW_INDEX_KEY]}
+        row = {**packed, "input_ids": cut["input_ids"], "labels": labels, VIEW_INDEX_KEY: cut[VIEW_INDEX_KEY]}
+        return row if self.sequence_shards == 1 else padded_for_shards(row, self.sequence_shards)
 
 
 # The keys of TRL's vision unpaired batch that belong to its view only (never model inputs of a packed row).

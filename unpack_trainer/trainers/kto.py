@@ -21,6 +21,15 @@ every logged metric are TRL's, from TRL's view of the batch. ``precompute_ref_lo
 padded batches at ``__init__`` (the packed path is enabled right after TRL's ``__init__``) and through the packed rows
 for a dataset passed to ``evaluate`` later.
 
+Under sequence parallelism (DeepSpeed Ulysses, ``sp_size = N``) each row is cut where its forward is: the main row
+(the policy with gradient) goes through DeepSpeed's data loader adapter as DPO's row does
+([`PackedPairsMixin`]); the KL row (the policy in training mode, without gradient) and the reference row come from
+the collator padded to a multiple of ``N`` and marked for the cut, so that a training-mode forward of them (the KL
+forward; a PEFT reference) runs this process's shard and gathers the hidden states, while a separate reference model,
+in evaluation mode, runs the reference row whole. TRL's loss runs on the whole batch on every process, ``1 / N`` of it
+back-propagated on each; its gathered token count (``num_tokens``) is counted once. ``precompute_ref_log_probs=True``
+is refused there ([`_ulysses_reason`]).
+
 Vision-language data: TRL 1.16's KTO trains on images (its ``DataCollatorForVisionUnpairedPreference``, as the
 padded collator); they pack the same way
 ([`unpack_trainer.data.kto.DataCollatorForPackedVisionUnpairedPreference`]): TRL's batch is the view, the main and KL
@@ -46,6 +55,7 @@ from unpack_trainer.data.kto import (
     DataCollatorForPackedUnpairedPreference,
     DataCollatorForPackedVisionUnpairedPreference,
 )
+from unpack_trainer.decision import sequence_parallel_size
 from unpack_trainer.packed_seq_info import (
     INFO_KEY,
     PACKED_INPUT_IDS_KEY,
@@ -79,6 +89,27 @@ class KTORun(BranchedRun):
     kl_row: dict[str, Any] | None = None
 
 
+def _ulysses_reason(args: Any, shards: int) -> str | None:
+    """Why a KTO run with ``args`` (a ``KTOConfig``) cannot pack exactly under DeepSpeed Ulysses with ``shards``
+    processes per row, or ``None`` (what every prompt-sharing trainer needs is checked by the branched core,
+    [`unpack_trainer.trainers.branched.whole_in_evaluation_reason`], and the model by
+    [`unpack_trainer.trainers.sequence_parallel.refuse_model`]).
+
+    ``precompute_ref_log_probs=True``: TRL precomputes the reference log-probs in its ``__init__``, over its own padded
+    batches, which neither go through DeepSpeed's data loader adapter nor can be cut into shards: the reference model
+    would run them inside Ulysses' attention wrapper, which drops a padded batch's attention mask even where it leaves
+    the batch whole, and every process of a group would gather the same examples once per process.
+    """
+    if shards > 1 and getattr(args, "precompute_ref_log_probs", False):
+        return (
+            f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses) with precompute_ref_log_probs=True: TRL "
+            "precomputes the reference log-probs at __init__ on its padded batches, which Ulysses' attention wrapper "
+            "runs without their attention mask and which are not cut into shards; set precompute_ref_log_probs=False "
+            "(the reference then scores each batch's packed reference row whole, on every process, exactly)"
+        )
+    return None
+
+
 def _sequence_logps(model: Any, row: dict[str, Any]) -> torch.Tensor:
     """``(rows,)``: each view row's summed completion log-probs of one packed row's forward (``row``: the model inputs
     of [`unpack_trainer.data.kto.DataCollatorForPackedUnpairedPreference`], view ``labels`` included), through TRL's
@@ -96,6 +127,7 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
 
     unpack_unshared = "every sequence is packed after its own copy of its prompt"
     unpack_packs_vision = True  # image data: each image once per prompt per row (data.kto)
+    unpack_sequence_parallel = True  # main row cut by the adapter, KL row (a PEFT reference too) by the packed view
     unpack_trl_collator = staticmethod(_trl_compat.kto_padded_collator_class)
     unpack_trl_vision_collator = staticmethod(_trl_compat.kto_vision_collator_class)
     unpack_config_class = KTOConfig
@@ -106,6 +138,24 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
     unpack_run: KTORun
 
     # ------------------------------------------------------------------------------------------------ core hooks
+
+    def _unpack_before_init(self, model: Any, args: Any, **arguments: Any) -> Any:
+        """The branched core's; under sequence parallelism set in ``args`` a run that cannot pack exactly
+        ([`_ulysses_reason`]) is refused before TRL's ``__init__``, which would precompute the reference
+        log-probs first (TRL's padded batches cannot run under Ulysses either)."""
+        trl_args = super()._unpack_before_init(model, args, **arguments)
+        if self.unpack_run.disabled or not self.unpack_decision.packed:
+            return trl_args
+        shards = sequence_parallel_size(getattr(trl_args, "parallelism_config", None), {})
+        reason = _ulysses_reason(trl_args, shards)
+        if reason is not None:
+            raise ValueError(f"{self.unpack_name} cannot train under {reason}.")
+        return trl_args
+
+    def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
+        """The branched core's reason, then [`_ulysses_reason`]'s (a parallelism that reached the
+        accelerator from accelerate's config file, not from ``args``)."""
+        return super()._sequence_parallel_reason(config, shards) or _ulysses_reason(self.args, shards)
 
     @classmethod
     def unpack_data_columns(cls, args: Any) -> tuple[tuple[str, ...], ...]:
@@ -133,6 +183,7 @@ class KTOTrainer(PackedPairsMixin, trl.KTOTrainer):
             pad_to_multiple_of=padded.pad_to_multiple_of,
             prefix_sharing=self._unpack_sharing(),
             reference=not self.precompute_ref_logps,
+            sequence_shards=self.unpack_run.sequence_shards,
         )
 
     # ------------------------------------------------------------------------------------------------ forwards
