@@ -16,12 +16,11 @@ import sys
 import deepspeed
 import torch
 from datasets import Dataset
-from sp_train import SGD_STEP, finish, recorded_batches, ulysses  # this folder is the script's sys.path[0]
+from sp_train import SGD_STEP, train_one_batch, ulysses  # this folder is the script's sys.path[0]
 
 from unpack_trainer import DPOConfig, DPOTrainer
 from unpack_trainer._compat import gathered_parameters
 from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_model
-from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
 
 
 def pairs(count: int = 8) -> list[dict]:
@@ -75,11 +74,7 @@ def main(output_dir: str, stage: int = 1) -> None:
             initial[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if trainer.accelerator.process_index == 0:
         torch.save(initial, os.path.join(output_dir, "initial.pt"))
-    batches = recorded_batches(trainer)
-    trainer.train()
-    if trainer.accelerator.process_index == 0:
-        torch.save(batches[0][SHARDED_BATCH_KEY], os.path.join(output_dir, "batch.pt"))
-    finish(trainer, output_dir, {})
+    train_one_batch(trainer, output_dir)
 
 
 if __name__ == "__main__":

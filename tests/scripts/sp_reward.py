@@ -18,12 +18,11 @@ import deepspeed
 import torch
 from datasets import Dataset
 from sp_dpo import pairs  # this folder is the script's sys.path[0]
-from sp_train import SGD_STEP, finish, recorded_batches, ulysses
+from sp_train import SGD_STEP, train_one_batch, ulysses
 from transformers import AutoModelForSequenceClassification
 
 from unpack_trainer import RewardConfig, RewardTrainer
 from unpack_trainer.model_zoo.tiny import char_tokenizer, tiny_config
-from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
 
 
 def rows() -> list[dict]:
@@ -62,11 +61,7 @@ def main(output_dir: str) -> None:
         model=classifier, args=config(output_dir, **ulysses()), train_dataset=Dataset.from_list(rows()),
         processing_class=tokenizer,
     )  # fmt: skip
-    batches = recorded_batches(trainer)
-    trainer.train()
-    if trainer.accelerator.process_index == 0:
-        torch.save(batches[0][SHARDED_BATCH_KEY], os.path.join(output_dir, "batch.pt"))
-    finish(trainer, output_dir, {})
+    train_one_batch(trainer, output_dir)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,18 @@ def save_first_step(trainer, record: dict[str, list], output_dir: str) -> None:
         step = {key: value[0] for key, value in record.items()} | {"copies": copies}
         torch.save(step, os.path.join(output_dir, "step.pt"))
 
+
+def train_one_batch(trainer, output_dir: str) -> None:
+    """Train (one step, [`SGD_STEP`]) and write what a prompt-sharing trainer's test compares: its first batch as
+    DeepSpeed's adapter got it whole (``batch.pt``, the first process's) and [`finish`]'s record."""
+    from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
+
+    batches = recorded_batches(trainer)
+    trainer.train()
+    if trainer.accelerator.process_index == 0:
+        torch.save(batches[0][SHARDED_BATCH_KEY], os.path.join(output_dir, "batch.pt"))
+    finish(trainer, output_dir, {})
+
 def rows(count: int = 24) -> list[dict]:
     rng = random.Random(0)
     return [
