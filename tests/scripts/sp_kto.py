@@ -73,12 +73,12 @@ def models(tokenizer, case: str) -> dict:
     return {"model": policy, "ref_model": None, "peft_config": lora}
 
 
-def main(output_dir: str, case: str) -> None:
+def main(output_dir: str, case: str, stage: str = "1") -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # on the CPU accelerate does not start DeepSpeed's communication
     tokenizer = char_tokenizer()
     trainer = KTOTrainer(
         **models(tokenizer, case),
-        args=config(output_dir, case, **ulysses()),
+        args=config(output_dir, case, **ulysses(stage=int(stage))),
         train_dataset=Dataset.from_list(examples()),
         processing_class=tokenizer,
     )
@@ -86,4 +86,4 @@ def main(output_dir: str, case: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
