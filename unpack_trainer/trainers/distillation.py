@@ -54,14 +54,7 @@ from unpack_trainer.models.routing import outside_wrappers
 from unpack_trainer.packed_seq_info import PACKED_INPUT_IDS_KEY, PACKED_POSITION_IDS_KEY
 from unpack_trainer.trainers.branched import BranchedRun, BranchedTrainerMixin, pack_completions, stateful_mixer
 from unpack_trainer.trainers.contamination import self_check_failed
-from unpack_trainer.trainers.generation_groups import (
-    completions_logged_once,
-    generated_as_one_process,
-    generation_reason,
-    padded_forward_refusal,
-    prepared_in_group,
-    prompts_collator,
-)
+from unpack_trainer.trainers.generation_groups import GeneratingGroupMixin, generation_reason, padded_forward_refusal
 from unpack_trainer.trainers.grpo import PACKED_TOKEN_SHARE, _ImageInputs, _prompt_ids
 from unpack_trainer.trainers.run_state import RunField
 from unpack_trainer.trainers.sequence_parallel import evaluation_mode_reason
@@ -190,7 +183,7 @@ class DistillationRun(BranchedRun):
     image_counts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
+class DistillationTrainer(GeneratingGroupMixin, BranchedTrainerMixin, trl.DistillationTrainer):
     """Drop-in for [`trl.DistillationTrainer`]: ``from unpack_trainer import DistillationTrainer``; the arguments are
     TRL's.
 
@@ -274,8 +267,7 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
         teacher patched, each with the decoder's packed view."""
         if self._unpack_teacher() is not None:
             self._unpack_teacher_padded(self._unpack_teacher_refusal())
-        super()._enable_packed_path()
-        self.data_collator = prompts_collator(self, self.data_collator)
+        super()._enable_packed_path()  # under sequence parallelism the prompts then go to the adapter whole
 
     def _unpack_teacher_padded(self, reason: str | None) -> None:
         """Record ``reason`` (``None``: the teacher packs) and log it once."""
@@ -295,31 +287,19 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
 
         install_fix(model, "packed_view")
 
-    def _generate(self, prompts: list) -> Any:
-        """TRL's generation, with PEFT's own LoRA path (the step's cast skip paused: see
-        [`unpack_trainer.trainers._packed.PackedTrainerMixin.training_step`]); under sequence parallelism on whole
-        sequences, the first process's completions every process's and the tokens counted once
-        ([`unpack_trainer.trainers.generation_groups.generated_as_one_process`])."""
-        return generated_as_one_process(self, super()._generate, prompts)
-
-    def _generate_and_score_completions(self, inputs: list) -> Any:
-        """TRL's (this process's batch of examples -> the generated and scored batch); under sequence parallelism its
-        table of logged completions holds each once
-        ([`unpack_trainer.trainers.generation_groups.completions_logged_once`])."""
-        return completions_logged_once(self, super()._generate_and_score_completions, inputs)
-
     # ------------------------------------------------------------------------------------------------ sequence parallel
 
     def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
         """Why this run cannot train exactly under DeepSpeed Ulysses with ``shards`` processes per row, or ``None``.
 
         The adapter hands the group each process's batch of prompts in turn; every process generates the same
-        completions ([`_generate`]) and packs the same micro-batch into one row: the student runs its shard of it,
-        the teacher (evaluation mode, which Ulysses leaves whole with ``sp_disable_in_eval=True``) the whole row.
+        completions ([`unpack_trainer.trainers.generation_groups.GeneratingGroupMixin`]) and packs the same
+        micro-batch into one row: the student runs its shard of it, the teacher (evaluation mode, which Ulysses leaves
+        whole with ``sp_disable_in_eval=True``) the whole row.
         So generation must be one process's (no vLLM, no tools: [`generation_reason`]), the teacher a local model,
         and each batch generated for and trained on in its own step (TRL's statistics over its gather of every
         process's batch, which holds each batch once per process of the group, are means, or sums divided by the
-        process count, and stay unchanged; the token count is counted once by [`_generate`])."""
+        process count, and stay unchanged; the token count is counted once in generation)."""
         what = f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses)"
         reason = generation_reason(self, shards)
         if reason is not None:
@@ -345,12 +325,6 @@ class DistillationTrainer(BranchedTrainerMixin, trl.DistillationTrainer):
             "the teacher runs in evaluation mode, and so do evaluation and generation, each packed row or sequence "
             "whole",
         )
-
-    def _prepare_inputs(self, generation_batch: Any) -> Any:
-        """TRL's, on the prompts of a batch that went through DeepSpeed's adapter; in a training step under sequence
-        parallelism with the group's random state, so that every process shuffles the generated batch alike
-        ([`unpack_trainer.trainers.generation_groups.prepared_in_group`])."""
-        return prepared_in_group(self, super()._prepare_inputs, generation_batch)
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None

@@ -14,8 +14,9 @@ the same completions and count them once, as one process does.
 - **What stays refused** for the same reasons in each of them ([`generation_reason`]), and the error of a training
   forward that would run TRL's padded batch ([`padded_forward_refusal`]).
 
-Each trainer calls these from its own methods; nothing here runs outside sequence parallelism but the LoRA path of
-generation (``unpack_run.peft_lora_path``).
+A trainer takes them through [`GeneratingGroupMixin`] (TRL's ``_enable_packed_path``, ``_prepare_inputs``,
+``_generate``, ``_generate_and_score_completions`` routed here); nothing here runs outside sequence parallelism but the
+LoRA path of generation (``unpack_run.peft_lora_path``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from unpack_trainer.models.routing import outside_wrappers
 from unpack_trainer.packed_seq_info import SHARDED_BATCH_KEY
 
 __all__ = [
+    "GeneratingGroupMixin",
     "completions_logged_once",
     "from_first_process",
     "generated_as_one_process",
@@ -152,6 +154,35 @@ def completions_logged_once(trainer: Any, score: Callable[[list], Any], inputs: 
         column.clear()
         column.extend(kept)
     return scored
+
+
+class GeneratingGroupMixin:
+    """The four TRL methods a trainer that generates in its step (GRPO, RLOO, on-policy distillation) routes through
+    this module: put before the packed-trainer core in its bases, each calls TRL's (``super()``) as one process of a
+    sequence-parallel group must (and, outside sequence parallelism, exactly as TRL's but for PEFT's LoRA path of
+    generation). A trainer that needs more in one of them overrides it and calls ``super()``."""
+
+    def _enable_packed_path(self) -> None:
+        """The core's; under sequence parallelism the batches of prompts then go through DeepSpeed's adapter whole
+        ([`prompts_collator`])."""
+        super()._enable_packed_path()
+        self.data_collator = prompts_collator(self, self.data_collator)
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        """TRL's, on the prompts of a batch that went through DeepSpeed's adapter; in a training step under sequence
+        parallelism with the group's random state, so that every process shuffles the generated batch alike
+        ([`prepared_in_group`])."""
+        return prepared_in_group(self, super()._prepare_inputs, generation_batch)
+
+    def _generate(self, prompts: list) -> Any:
+        """TRL's generation, with PEFT's own LoRA path; under sequence parallelism on whole sequences, the first
+        process's completions every process's and the tokens counted once ([`generated_as_one_process`])."""
+        return generated_as_one_process(self, super()._generate, prompts)
+
+    def _generate_and_score_completions(self, inputs: list) -> Any:
+        """TRL's (this process's batch of examples -> the generated and scored batch); under sequence parallelism its
+        table of logged completions holds each once ([`completions_logged_once`])."""
+        return completions_logged_once(self, super()._generate_and_score_completions, inputs)
 
 
 def padded_forward_refusal(name: str, shards: int, reason: str) -> ValueError:

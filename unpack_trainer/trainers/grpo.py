@@ -38,14 +38,7 @@ from unpack_trainer.packed_seq_info import (
     VIEW_INDEX_KEY,
 )
 from unpack_trainer.trainers.branched import BranchedTrainerMixin, pack_completions, whole_in_evaluation_reason
-from unpack_trainer.trainers.generation_groups import (
-    completions_logged_once,
-    generated_as_one_process,
-    generation_reason,
-    padded_forward_refusal,
-    prepared_in_group,
-    prompts_collator,
-)
+from unpack_trainer.trainers.generation_groups import GeneratingGroupMixin, generation_reason, padded_forward_refusal
 from unpack_trainer.trainers.image_prompts import PER_TOKEN_INPUTS, image_keys, pack_image_inputs, row_slices
 
 __all__ = ["GRPOTrainer", "PackedCompletionsMixin"]
@@ -57,7 +50,7 @@ logger = logging.getLogger("unpack_trainer")
 PACKED_TOKEN_SHARE = 0.9
 
 
-class PackedCompletionsMixin(BranchedTrainerMixin):
+class PackedCompletionsMixin(GeneratingGroupMixin, BranchedTrainerMixin):
     """The packed-trainer core for TRL's online trainers with groups of completions (GRPO, RLOO): the training
     forwards run packed rows, each distinct prompt once (see the module docstring). The trainer packs inside its step
     (``unpack_packs_in = "step"``): TRL's collator and data are untouched, so the padded fallback only unpatches.
@@ -130,22 +123,17 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
             return f"the packed rows would hold {total / (rows * width):.0%} of the padded batch's tokens"
         return chunks
 
-    def _generate(self, prompts: list) -> Any:
-        """TRL's generation, with PEFT's own LoRA path; under sequence parallelism on whole sequences, the first
-        process's completions every process's and the tokens counted once
-        ([`unpack_trainer.trainers.generation_groups.generated_as_one_process`])."""
-        return generated_as_one_process(self, super()._generate, prompts)
-
     # ------------------------------------------------------------------------------------------------ sequence parallel
 
     def _sequence_parallel_reason(self, config: Any, shards: int) -> str | None:
         """Why this run cannot train exactly under DeepSpeed Ulysses with ``shards`` processes per row, or ``None``.
 
         The adapter hands the group each process's batch of prompts in turn (every process of the group generates
-        the same completions, see [`_generate`], and packs the same rows, each cut into ``shards``), so each batch
-        must hold whole groups of completions and be generated for in its own step; and TRL's statistics over the
-        gathered batch must not change when each batch is in it once per process of the group (means, per-group
-        statistics, sums divided by the process count do not; a batch-wide standard deviation or quantile does)."""
+        the same completions, see [`unpack_trainer.trainers.generation_groups.GeneratingGroupMixin`], and packs the
+        same rows, each cut into ``shards``), so each batch must hold whole groups of completions and be generated for
+        in its own step; and TRL's statistics over the gathered batch must not change when each batch is in it once per
+        process of the group (means, per-group statistics, sums divided by the process count do not; a batch-wide
+        standard deviation or quantile does)."""
         what = f"sequence parallelism (sp_size={shards}, DeepSpeed Ulysses)"
         args = self.args
         reason = generation_reason(self, shards)
@@ -185,24 +173,12 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
                 )
         return whole_in_evaluation_reason(config, shards)
 
-    def _enable_packed_path(self) -> None:
-        """The branched core's; under sequence parallelism the batches of prompts go through DeepSpeed's adapter
-        whole ([`unpack_trainer.trainers.generation_groups.prompts_collator`])."""
-        super()._enable_packed_path()
-        self.data_collator = prompts_collator(self, self.data_collator)
-
-    def _prepare_inputs(self, generation_batch: Any) -> Any:
-        """TRL's, on the prompts of a batch that went through DeepSpeed's adapter; in a training step under sequence
-        parallelism with the group's random state, so that every process shuffles the generated batch alike
-        ([`unpack_trainer.trainers.generation_groups.prepared_in_group`])."""
-        return prepared_in_group(self, super()._prepare_inputs, generation_batch)
-
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         """TRL's; under sequence parallelism (a training step) the batch-wide standard deviations TRL logs
         (``reward_std``, ``rewards/<function>/std``), taken over its gather of every process's rewards, which holds
         each batch once per process of the group, are logged as over each batch once (exact: the same values with
-        Bessel's correction for their true count, [`_unduplicated_std`]), and its table of logged completions holds
-        each once ([`unpack_trainer.trainers.generation_groups.completions_logged_once`])."""
+        Bessel's correction for their true count, [`_unduplicated_std`]); its table of logged completions holds each
+        once ([`unpack_trainer.trainers.generation_groups.GeneratingGroupMixin`])."""
         shards = self.unpack_run.sequence_shards
         if shards == 1 or not self.model.training:
             return super()._generate_and_score_completions(inputs)
@@ -216,7 +192,7 @@ class PackedCompletionsMixin(BranchedTrainerMixin):
 
         self._calculate_rewards = capturing  # this call only: the instance attribute shadows the method
         try:
-            scored = completions_logged_once(self, super()._generate_and_score_completions, inputs)
+            scored = super()._generate_and_score_completions(inputs)  # its completions logged once
         finally:
             if own is None:
                 del self._calculate_rewards
