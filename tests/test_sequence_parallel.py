@@ -326,12 +326,31 @@ def test_a_model_that_cannot_stay_exact_under_ulysses_is_refused_unpatched(
     assert not is_patched(trainer.model)
 
 
+def assert_config_takes_ulysses_only(config_class: type, monkeypatch, **common) -> None:
+    """``config_class`` (ours of a TRL config whose ``__post_init__`` refuses any sequence-dim parallelism) takes
+    ``sp_size`` (the trainer cuts its rows) and keeps TRL's refusal for ``cp_size`` and under ``UNPACK_DISABLE=1``
+    (then TRL's trainer runs); ``common``: the config's other fields."""
+    assert config_class(**common, parallelism_config=_ulysses()).parallelism_config.sp_size == 2
+    monkeypatch.setenv("UNPACK_DISABLE", "1")
+    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
+        config_class(**common, parallelism_config=_ulysses())
+    monkeypatch.delenv("UNPACK_DISABLE")
+    parallelism = _ulysses()
+    parallelism.cp_size = 2
+    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
+        config_class(**common, parallelism_config=parallelism)
+
+
 def assert_sgd_step(result: dict, model: torch.nn.Module) -> None:
     """Every parameter of ``result`` (a script's, after its SGD step) == ``model``'s parameter minus the learning rate
-    times its gradient (``model``: the same step's backward done in one process), within 2e-5 of the gradient."""
+    times its gradient (``model``: the same step's backward done in one process), within 2e-5 of the gradient; a
+    frozen one (a LoRA model's base) unchanged."""
     lr = result["learning_rate"]
     for name, parameter in model.named_parameters():
         trained = torch.tensor(result["parameters"][name])
+        if not parameter.requires_grad:
+            torch.testing.assert_close(trained, parameter.detach(), rtol=0, atol=0, msg=name)
+            continue
         expected = (parameter - lr * parameter.grad).detach()
         torch.testing.assert_close(trained / lr, expected / lr, rtol=0, atol=2e-5, msg=name)
 

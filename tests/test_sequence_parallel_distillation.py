@@ -13,7 +13,14 @@ import sys
 
 import pytest
 import torch
-from test_sequence_parallel import DEEPSPEED, SCRIPTS, _torchrun, _ulysses, assert_sgd_step
+from test_sequence_parallel import (
+    DEEPSPEED,
+    SCRIPTS,
+    _torchrun,
+    _ulysses,
+    assert_config_takes_ulysses_only,
+    assert_sgd_step,
+)
 
 from unpack_trainer.model_zoo.tiny import char_tokenizer
 
@@ -196,13 +203,6 @@ def test_the_distillation_config_takes_ulysses_and_leaves_torch_cp_and_unpack_di
     TRL's refusal for ``cp_size`` and under ``UNPACK_DISABLE=1`` (then TRL's trainer runs)."""
     from unpack_trainer import DistillationConfig
 
-    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert DistillationConfig(**common, parallelism_config=_ulysses()).parallelism_config.sp_size == 2
-    monkeypatch.setenv("UNPACK_DISABLE", "1")
-    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
-        DistillationConfig(**common, parallelism_config=_ulysses())
-    monkeypatch.delenv("UNPACK_DISABLE")
-    parallelism = _ulysses()
-    parallelism.cp_size = 2
-    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
-        DistillationConfig(**common, parallelism_config=parallelism)
+    assert_config_takes_ulysses_only(
+        DistillationConfig, monkeypatch, output_dir=str(tmp_path), use_cpu=True, report_to="none"
+    )

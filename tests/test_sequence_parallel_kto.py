@@ -13,36 +13,18 @@
   ``sp_disable_in_eval=False``, a model whose token mixers carry state across the cut.
 """
 
-import json
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
+from test_sequence_parallel import DEEPSPEED, SCRIPTS, _torchrun, _ulysses, assert_sgd_step
 
 from unpack_trainer.data.kto import KL_ROW_KEY, REF_ROW_KEY, DataCollatorForPackedUnpairedPreference
 from unpack_trainer.model_zoo.tiny import char_tokenizer
 from unpack_trainer.packed_seq_info import INFO_KEY, PACKED_INPUT_IDS_KEY, TOKEN_INDEX_KEY, PackedSeqInfo
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-DEEPSPEED = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("deepspeed") is None,
-    reason="deepspeed is not installed (pip install 'unpack-trainer[sp]', or pip install deepspeed)",
-)
 # What transformers' Trainer logs beside TRL's metrics.
 TRAINER_LOGS = {"loss", "grad_norm", "learning_rate", "epoch", "step"}
-
-
-def _ulysses(sp_size: int = 2, **handler):
-    """accelerate's sequence-parallel config, its fields only (validating it needs the processes it describes)."""
-    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
-
-    config = ParallelismConfig.__new__(ParallelismConfig)
-    config.cp_size, config.sp_size, config.sp_backend = 1, sp_size, "deepspeed"
-    config.sp_handler = DeepSpeedSequenceParallelConfig(**handler)
-    return config
 
 
 # ---------------------------------------------------------------------------------------------------- the collator
@@ -88,44 +70,9 @@ def test_the_kl_and_reference_rows_come_ready_for_the_cut(shards):
 # ------------------------------------------------------------------------------------------- two processes on gloo
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _torchrun(script: str, tmp_path, *arguments: str) -> dict:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), os.path.join(SCRIPTS, script), str(tmp_path), *arguments,
-    ]  # fmt: skip
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    variables = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
-    proc = subprocess.run(command, env=variables, capture_output=True, text=True, timeout=400, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp_path / "result.json").read_text())
-
-
 def _whole(info: PackedSeqInfo) -> PackedSeqInfo:
     """``info`` (marked for the cut) as one process's row: the same samples, not cut."""
     return PackedSeqInfo(info.seq_lengths, batch_size=1, seq_len=info.seq_len, seq_parents=info.seq_parents)
-
-
-def _assert_sgd_step(result: dict, model: torch.nn.Module) -> None:
-    """Every trained parameter of ``result`` (the script's, after its SGD step) == ``model``'s minus the learning rate
-    times its gradient (``model``: the same step's backward in one process), within 2e-5 of the gradient; every
-    frozen one (a LoRA model's base) unchanged."""
-    lr = result["learning_rate"]
-    names = {name for name, _ in model.named_parameters()}
-    assert names == set(result["parameters"])
-    for name, parameter in model.named_parameters():
-        trained = torch.tensor(result["parameters"][name])
-        if not parameter.requires_grad:
-            torch.testing.assert_close(trained, parameter.detach(), rtol=0, atol=0, msg=name)
-            continue
-        expected = (parameter - lr * parameter.grad).detach()
-        torch.testing.assert_close(trained / lr, expected / lr, rtol=0, atol=2e-5, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +127,8 @@ def test_one_kto_step_at_sp_2_equals_the_step_in_one_process(tmp_path, case, sta
     assert abs(metrics["rewards/chosen"]) > 0.1  # the reference differs from the policy
     for key, value in metrics.items():
         assert logged[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    _assert_sgd_step(result, model)
+    assert {name for name, _ in model.named_parameters()} == set(result["parameters"])
+    assert_sgd_step(result, model)
 
 
 # ------------------------------------------------------------------------------------------------ what is refused

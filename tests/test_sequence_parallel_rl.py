@@ -12,7 +12,14 @@ import sys
 
 import pytest
 import torch
-from test_sequence_parallel import DEEPSPEED, SCRIPTS, _torchrun, _ulysses, assert_sgd_step
+from test_sequence_parallel import (
+    DEEPSPEED,
+    SCRIPTS,
+    _torchrun,
+    _ulysses,
+    assert_config_takes_ulysses_only,
+    assert_sgd_step,
+)
 
 from unpack_trainer.model_zoo.tiny import char_tokenizer
 
@@ -170,20 +177,12 @@ def test_the_online_configs_take_ulysses_and_leave_torch_cp_and_unpack_disable_t
 
     config_class = getattr(unpack_trainer, config_name)
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert config_class(**common, parallelism_config=_ulysses()).parallelism_config.sp_size == 2
+    assert_config_takes_ulysses_only(config_class, monkeypatch, **common)
     # steps_per_generation: 1 where unset (each process's batch generated for in its own step), a value set kept
     accumulating = dict(common, gradient_accumulation_steps=4, parallelism_config=_ulysses())
     assert config_class(**accumulating).steps_per_generation == 1
     assert config_class(**accumulating, steps_per_generation=4).steps_per_generation == 4
     assert config_class(**common, gradient_accumulation_steps=4).steps_per_generation == 4  # TRL's without Ulysses
-    monkeypatch.setenv("UNPACK_DISABLE", "1")
-    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
-        config_class(**common, parallelism_config=_ulysses())
-    monkeypatch.delenv("UNPACK_DISABLE")
-    parallelism = _ulysses()
-    parallelism.cp_size = 2
-    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
-        config_class(**common, parallelism_config=parallelism)
 
 
 @DEEPSPEED
